@@ -1,0 +1,65 @@
+"""The functional API of the sparse-KV ops, and the choice of backend.
+
+Each backend is a namespace exposing the same functions with the signatures of :mod:`.reference`:
+``paged_write``, ``gather_dense``, ``block_scores``, ``token_scores``, ``oracle_block_scores``, ``topk_indices``,
+``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``, ``decode_masked``,
+``merge_partials``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
+on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not
+implement.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from . import reference
+
+BACKENDS = ("auto", "reference", "triton")
+
+_OP_NAMES = (
+    "paged_write",
+    "gather_dense",
+    "block_scores",
+    "token_scores",
+    "oracle_block_scores",
+    "topk_indices",
+    "blocks_to_tokens",
+    "selection_to_mask",
+    "decode_blocks",
+    "decode_tokens",
+    "decode_masked",
+    "merge_partials",
+)
+
+
+def triton_available() -> bool:
+    """Whether the Triton backend can be imported (it needs the ``triton`` package)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Name the backend that runs on ``device``: ``"auto"`` is Triton on CUDA, the reference elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    return "triton" if torch.device(device).type == "cuda" and triton_available() else "reference"
+
+
+def get_ops(backend: str, device: torch.device | str = "cpu") -> SimpleNamespace:
+    """The op namespace for ``backend`` (``"auto"``, ``"reference"`` or ``"triton"``) on ``device``."""
+    name = resolve_backend(backend, device)
+    ops = {op: getattr(reference, op) for op in _OP_NAMES}
+    if name == "triton":
+        if not triton_available():
+            raise ImportError("backend='triton' needs the triton package: pip install triton")
+        from . import triton as triton_ops
+
+        ops.update({op: getattr(triton_ops, op) for op in _OP_NAMES if hasattr(triton_ops, op)})
+    return SimpleNamespace(name=name, **ops)

@@ -1,0 +1,351 @@
+"""Plain-PyTorch reference of every sparse-KV op: the CPU backend and the oracle of the Triton kernels.
+
+Everything computes in float32 and casts the result back to the input dtype. Shapes use these names:
+
+- ``B`` sequences, ``Hq`` query heads, ``Hkv`` KV heads, ``G = Hq // Hkv`` query heads per KV head, ``D`` head dim
+- ``NB`` blocks in the pool, ``BS`` tokens per block, ``MB`` block-table width, ``K`` selected blocks,
+  ``T`` selected tokens, ``L`` context length (the largest ``seq_lens``)
+
+The paged layout (see DESIGN.md): a layer's keys and values live in pools ``[NB, Hkv, BS, D]``; sequence ``b``'s
+token at logical position ``p`` sits in physical block ``block_table[b, p // BS]`` at offset ``p % BS``.
+
+The token-validity rule shared by every attention op: position ``p`` of sequence ``b`` may be attended iff
+``start[b] <= p < seq_lens[b]`` (``start`` skips left padding) and not ``ex_lo[b] <= p < ex_hi[b]`` (the
+exclusion interval lets a block-granular selection stay token-exact, e.g. SinkWindow's gap between sink and window).
+Selections hold *logical* block numbers or token positions, padded with -1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def valid_positions(
+    pos: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor, ex_lo: torch.Tensor, ex_hi: torch.Tensor
+) -> torch.Tensor:
+    """The validity rule: ``pos [B, ...]`` int positions -> bool of the same shape (``-1`` is never valid)."""
+    shape = (-1,) + (1,) * (pos.dim() - 1)
+    lens, st, lo, hi = (t.view(shape) for t in (seq_lens, start, ex_lo, ex_hi))
+    return (pos >= st) & (pos < lens) & ~((pos >= lo) & (pos < hi)) & (pos >= 0)
+
+
+def physical_slots(block_table: torch.Tensor, pos: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map logical positions ``pos [B, ...]`` (any value; invalid ones are clamped) to (physical block, offset)."""
+    B, MB = block_table.shape
+    p = pos.clamp(min=0)
+    logical = (p // block_size).clamp(max=MB - 1)
+    phys = torch.gather(block_table.long(), 1, logical.reshape(B, -1)).reshape(pos.shape).clamp(min=0)
+    return phys, p % block_size
+
+
+# ----------------------------------------------------------------------------------------------------------- write
+
+
+def paged_write(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    block_table: torch.Tensor,
+    pos0: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+) -> None:
+    """Append ``T`` new tokens per sequence into the pool and refresh the touched blocks' key metadata, in place.
+
+    Args:
+        k_pool, v_pool: ``[NB, Hkv, BS, D]``.
+        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block elementwise min / max / mean of the keys written so far.
+        block_table: ``[B, MB]`` int32; must already map every block the new tokens land in.
+        pos0: ``[B]`` int, logical position of each sequence's first new token.
+        k_new, v_new: ``[B, Hkv, T, D]``.
+
+    The metadata of a touched block is recomputed from its filled prefix ``[0, fill)`` (``fill`` = tokens of the
+    block below ``pos0 + T``), so a block is always described by exactly the tokens it holds.
+    """
+    B, H, T, D = k_new.shape
+    BS = k_pool.shape[2]
+    pos = pos0.long().view(B, 1) + torch.arange(T, device=k_new.device).view(1, T)  # [B, T]
+    phys, off = physical_slots(block_table, pos, BS)
+    k_pool[phys, :, off] = k_new.permute(0, 2, 1, 3).to(k_pool.dtype)  # [B, T, H, D]
+    v_pool[phys, :, off] = v_new.permute(0, 2, 1, 3).to(v_pool.dtype)
+    end = pos0.long() + T
+    for b in range(B):
+        first, last = int(pos0[b]) // BS, (int(end[b]) - 1) // BS
+        for lb in range(first, last + 1):
+            fill = min(BS, int(end[b]) - lb * BS)
+            blk = int(block_table[b, lb])
+            keys = k_pool[blk, :, :fill].float()  # [H, fill, D]
+            kmin[blk] = keys.amin(1).to(kmin.dtype)
+            kmax[blk] = keys.amax(1).to(kmax.dtype)
+            kmean[blk] = keys.mean(1).to(kmean.dtype)
+
+
+def gather_dense(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous copy of the first ``length`` positions: ``pool [NB, H, BS, D]`` -> ``[B, H, length, D]``."""
+    BS = pool.shape[2]
+    nblk = -(-length // BS)
+    blocks = pool[block_table[:, :nblk].long().clamp(min=0)]  # [B, nblk, H, BS, D]
+    B, _, H, _, D = blocks.shape
+    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nblk * BS, D)[:, :, :length]
+
+
+# ---------------------------------------------------------------------------------------------------------- scores
+
+
+def _group_q(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    B, Hq, D = q.shape
+    return q.float().view(B, num_kv_heads, Hq // num_kv_heads, D)  # [B, Hkv, G, D]
+
+
+def num_blocks(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Blocks in use per sequence: ``[B]`` -> ``[B]``."""
+    return (seq_lens.long() + block_size - 1) // block_size
+
+
+def block_scores(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    method: str,
+) -> torch.Tensor:
+    """Score every block of every sequence from its key metadata, pooled over each GQA group.
+
+    Args:
+        q: ``[B, Hq, D]`` decode queries (unscaled: the scale does not change a ranking).
+        kmin, kmax, kmean: ``[NB, Hkv, D]``.
+        block_table: ``[B, MB]``; seq_lens: ``[B]``.
+        method: ``"quest"`` for the bound ``sum_d max(q_d min_d, q_d max_d)`` (Quest), ``"mean"`` for ``q . mean``.
+
+    Returns:
+        ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block.
+    """
+    Hkv = kmin.shape[1]
+    qg = _group_q(q, Hkv)  # [B, Hkv, G, D]
+    phys = block_table.long().clamp(min=0)  # [B, MB]
+    if method == "quest":
+        lo, hi = kmin[phys].float(), kmax[phys].float()  # [B, MB, Hkv, D]
+        qe = qg.unsqueeze(1)  # [B, 1, Hkv, G, D]
+        s = torch.maximum(qe * lo.unsqueeze(3), qe * hi.unsqueeze(3)).sum(-1)  # [B, MB, Hkv, G]
+    elif method == "mean":
+        s = torch.einsum("bhgd,bmhd->bmhg", qg, kmean[phys].float())
+    else:
+        raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
+    s = s.amax(-1).permute(0, 2, 1)  # [B, Hkv, MB]
+    in_use = torch.arange(block_table.shape[1], device=q.device).view(1, -1) < num_blocks(seq_lens, block_size).view(-1, 1)
+    return s.masked_fill(~in_use.unsqueeze(1), NEG_INF).contiguous()
+
+
+def token_scores(
+    q: torch.Tensor, k_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor
+) -> torch.Tensor:
+    """Exact ``q . k`` of every token, max over each GQA group: ``[B, Hkv, L]`` float32, ``-inf`` where invalid."""
+    L = int(seq_lens.max())
+    keys = gather_dense(k_pool, block_table, L).float()  # [B, Hkv, L, D]
+    s = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys).amax(2)
+    pos = torch.arange(L, device=q.device).expand(q.shape[0], L)
+    zero = torch.zeros_like(seq_lens)
+    ok = valid_positions(pos, seq_lens, start, zero, zero)
+    return s.masked_fill(~ok.unsqueeze(1), NEG_INF)
+
+
+def oracle_block_scores(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """True softmax mass of each block, summed over each GQA group's query heads: ``[B, Hkv, MB]`` float32.
+
+    Reads every key (an evaluation oracle, not a fast path). Blocks past the sequence get ``-inf``.
+    """
+    BS, MB = k_pool.shape[2], block_table.shape[1]
+    L = int(seq_lens.max())
+    keys = gather_dense(k_pool, block_table, L).float()
+    logits = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys) * scale
+    pos = torch.arange(L, device=q.device).expand(q.shape[0], L)
+    zero = torch.zeros_like(seq_lens)
+    ok = valid_positions(pos, seq_lens, start, zero, zero)
+    p = logits.masked_fill(~ok.view(ok.shape[0], 1, 1, L), NEG_INF).softmax(-1).sum(2)  # [B, Hkv, L]
+    nblk = -(-L // BS)
+    mass = F.pad(p, (0, nblk * BS - L)).view(*p.shape[:2], nblk, BS).sum(-1)
+    out = torch.full((*p.shape[:2], MB), NEG_INF, device=q.device)
+    out[..., :nblk] = mass
+    in_use = torch.arange(MB, device=q.device).view(1, -1) < num_blocks(seq_lens, BS).view(-1, 1)
+    return out.masked_fill(~in_use.unsqueeze(1), NEG_INF)
+
+
+# ------------------------------------------------------------------------------------------------------- selection
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
+
+    ``k`` may exceed ``N`` (the extra slots are ``-1``). Ascending order keeps the reads of a kernel in pool order.
+    """
+    N = scores.shape[-1]
+    kk = min(k, N)
+    val, idx = scores.topk(kk, dim=-1)
+    idx = torch.where(val == NEG_INF, torch.full_like(idx, -1), idx)
+    idx = torch.where(idx < 0, torch.full_like(idx, torch.iinfo(torch.int32).max), idx).sort(-1).values
+    idx = torch.where(idx == torch.iinfo(torch.int32).max, torch.full_like(idx, -1), idx)
+    if kk < k:
+        idx = F.pad(idx, (0, k - kk), value=-1)
+    return idx.to(torch.int32)
+
+
+def blocks_to_tokens(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Expand logical block numbers ``[B, Hkv, K]`` to token positions ``[B, Hkv, K * BS]`` (``-1`` stays ``-1``)."""
+    tok = blocks.long().unsqueeze(-1) * block_size + torch.arange(block_size, device=blocks.device)
+    tok = torch.where(blocks.unsqueeze(-1) < 0, torch.full_like(tok, -1), tok)
+    return tok.flatten(-2).to(torch.int32)
+
+
+def selection_to_mask(
+    indices: torch.Tensor,
+    kind: str,
+    block_size: int,
+    length: int,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    ex_lo: torch.Tensor,
+    ex_hi: torch.Tensor,
+) -> torch.Tensor:
+    """Dense boolean mask ``[B, Hkv, length]`` of what a selection lets a decode query attend (the ``mask`` mode)."""
+    tok = blocks_to_tokens(indices, block_size) if kind == "block" else indices
+    B, H, _ = tok.shape
+    mask = torch.zeros(B, H, length + 1, dtype=torch.bool, device=tok.device)
+    t = tok.long().clamp(max=length)
+    mask.scatter_(2, torch.where(t < 0, torch.full_like(t, length), t), True)
+    mask = mask[..., :length]
+    pos = torch.arange(length, device=tok.device).expand(B, length)
+    return mask & valid_positions(pos, seq_lens, start, ex_lo, ex_hi).unsqueeze(1)
+
+
+# ------------------------------------------------------------------------------------------------------- attention
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ok: torch.Tensor, scale: float):
+    """Grouped attention in float32. q ``[B, Hkv, G, D]``, keys/values ``[B, Hkv, N, D]``, ok ``[B, Hkv, N]``.
+
+    Returns (out ``[B, Hkv, G, D]``, lse ``[B, Hkv, G]``); a row with nothing to attend gives 0 and ``-inf``.
+    """
+    logits = torch.einsum("bhgd,bhnd->bhgn", q, keys.float()) * scale
+    logits = logits.masked_fill(~ok.unsqueeze(2), NEG_INF)
+    lse = torch.logsumexp(logits, -1)  # [B, Hkv, G]
+    p = torch.exp(logits - lse.unsqueeze(-1).clamp(min=-1e30)).nan_to_num(0.0)
+    return torch.einsum("bhgn,bhnd->bhgd", p, values.float()), lse
+
+
+def decode_tokens(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    tokens: torch.Tensor,
+    ex_lo: torch.Tensor,
+    ex_hi: torch.Tensor,
+    scale: float,
+    return_lse: bool = False,
+):
+    """Token-sparse decode: gather only the selected positions of the paged cache and attend to them.
+
+    Args:
+        q: ``[B, Hq, D]``; k_pool, v_pool: ``[NB, Hkv, BS, D]``; block_table ``[B, MB]``; seq_lens, start ``[B]``.
+        tokens: ``[B, Hkv, T]`` int32 logical positions, ``-1`` padded (a position listed twice counts twice).
+        ex_lo, ex_hi: ``[B]`` the exclusion interval of the validity rule.
+        scale: softmax scale.
+
+    Returns:
+        ``[B, Hq, D]`` in ``q.dtype`` (and the log-sum-exp ``[B, Hq]`` float32 if ``return_lse``).
+    """
+    B, Hq, D = q.shape
+    Hkv, BS = k_pool.shape[1], k_pool.shape[2]
+    phys, off = physical_slots(block_table, tokens.long(), BS)  # [B, Hkv, T]
+    head = torch.arange(Hkv, device=q.device).view(1, Hkv, 1)
+    keys, values = k_pool[phys, head, off], v_pool[phys, head, off]  # [B, Hkv, T, D]
+    ok = valid_positions(tokens.long(), seq_lens, start, ex_lo, ex_hi)
+    out, lse = _attend(_group_q(q, Hkv), keys, values, ok, scale)
+    out = out.reshape(B, Hq, D).to(q.dtype)
+    return (out, lse.reshape(B, Hq)) if return_lse else out
+
+
+def decode_blocks(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    blocks: torch.Tensor,
+    ex_lo: torch.Tensor,
+    ex_hi: torch.Tensor,
+    scale: float,
+    return_lse: bool = False,
+):
+    """Block-sparse paged decode: read only the selected pages, whole, and mask inside them by the validity rule.
+
+    Same as :func:`decode_tokens` but ``blocks [B, Hkv, K]`` holds logical block numbers (``-1`` padded): each
+    selected block contributes its ``BS`` positions.
+    """
+    B, Hq, D = q.shape
+    Hkv, BS = k_pool.shape[1], k_pool.shape[2]
+    K = blocks.shape[-1]
+    lb = blocks.long()
+    phys = torch.gather(block_table.long(), 1, lb.clamp(min=0).view(B, -1)).view(B, Hkv, K).clamp(min=0)
+    head = torch.arange(Hkv, device=q.device).view(1, Hkv, 1)
+    keys = k_pool[phys, head].reshape(B, Hkv, K * BS, D)  # [B, Hkv, K, BS, D] -> flat
+    values = v_pool[phys, head].reshape(B, Hkv, K * BS, D)
+    ok = valid_positions(blocks_to_tokens(blocks, BS).long(), seq_lens, start, ex_lo, ex_hi)
+    out, lse = _attend(_group_q(q, Hkv), keys, values, ok, scale)
+    out = out.reshape(B, Hq, D).to(q.dtype)
+    return (out, lse.reshape(B, Hq)) if return_lse else out
+
+
+def decode_masked(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The ``mask`` mode: dense attention over the whole cache with unselected positions at ``-inf``.
+
+    ``mask [B, Hkv, L]`` bool with ``L = max(seq_lens)``. Reads every K/V: it expresses sparsity, it saves nothing.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_pool.shape[1]
+    L = mask.shape[-1]
+    keys, values = gather_dense(k_pool, block_table, L), gather_dense(v_pool, block_table, L)
+    out, _ = _attend(_group_q(q, Hkv), keys, values, mask, scale)
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge split-KV partial results by their log-sum-exp.
+
+    Args:
+        o: ``[..., S, D]`` partial outputs, each normalised over its own split.
+        lse: ``[..., S]`` their log-sum-exp (``-inf`` for an empty split).
+
+    Returns:
+        (``[..., D]`` merged output in ``o.dtype``, ``[...]`` merged log-sum-exp float32).
+    """
+    lse = lse.float()
+    total = torch.logsumexp(lse, -1)  # [...]
+    w = torch.exp(lse - total.unsqueeze(-1).clamp(min=-1e30)).nan_to_num(0.0)  # [..., S]
+    return (w.unsqueeze(-1) * o.float()).sum(-2).to(o.dtype), total
