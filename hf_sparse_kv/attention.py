@@ -1,0 +1,159 @@
+"""The attention function registered with transformers' ``AttentionInterface``: prefill dense, decode sparse.
+
+Per layer and call:
+
+- no cache, a sliding-window layer, or a multi-token forward: SDPA exactly as the unpatched model (on a non-empty
+  cache the whole context is gathered from the pages first);
+- a single-token decode on a paged layer: plan the step once (padding starts, lengths), let the policy select
+  (dense layers select everything), then execute the selection in the chosen mode:
+  ``mask`` (SDPA over the whole cache with a mask), ``token`` (gather the selected positions), ``block`` (read the
+  selected pages).
+
+The per-model settings (:class:`SparseConfig`) and the cache arrive as keyword arguments injected by the hook of
+:mod:`hf_sparse_kv.patch`; nothing here is module-level state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .cache import PagedKVCache, PagedLayer
+from .ops import get_ops
+from .policies import DecodeState, Policy, Selection
+
+ATTENTION_NAME = "hf_sparse_kv"
+CONFIG_KWARG = "hf_sparse_kv_config"
+CACHE_KWARG = "hf_sparse_kv_cache"
+MODES = ("mask", "token", "block")
+
+
+@dataclass
+class SparseConfig:
+    """What a patched model does at decode time (one per patched model)."""
+
+    policy: Policy
+    mode: str
+    dense_layers: tuple[int, ...]
+    block_size: int
+    backend: str
+    original_attn: str | dict = field(default="sdpa")
+
+
+@dataclass
+class StepPlan:
+    """Metadata shared by every paged layer of one decode step (planned once, used per layer)."""
+
+    key: tuple
+    seq_lens: torch.Tensor  # [B] int32
+    start: torch.Tensor  # [B] int32, first non-padding position
+
+
+def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """First attended position per sequence from a decode mask ``[B, 1, 1, L]`` (bool, or additive float).
+
+    Raises ``NotImplementedError`` when the mask is not left padding (holes inside the context).
+    """
+    if mask is None:
+        return torch.zeros(batch, dtype=torch.int32, device=device)
+    row = mask[:, 0, -1, :length]
+    ok = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    start = torch.where(ok.any(-1), ok.int().argmax(-1), torch.full_like(ok[:, 0], length, dtype=torch.long))
+    if not torch.equal(ok.sum(-1), length - start):
+        raise NotImplementedError(
+            "hf_sparse_kv decodes sparsely only with left padding (or none); this attention mask has holes inside "
+            "the context. Use Dense() or unpatch_model() for this input."
+        )
+    return start.int()
+
+
+def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length: int, device) -> StepPlan:
+    """The step's plan, computed by the first paged layer and reused by the others (keyed by length and mask)."""
+    key = (length, id(mask))
+    plan = getattr(cache, "_step_plan", None)
+    if plan is None or plan.key != key:
+        seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+        plan = StepPlan(key, seq_lens, padding_starts(mask, batch, length, device))
+        cache._step_plan = plan
+        cache.decode_steps += 1
+    return plan
+
+
+def kv_bytes(selection: Selection, mode: str, layer: PagedLayer, length: int) -> torch.Tensor | int:
+    """K/V bytes a decode call reads for ``selection`` in ``mode`` (indices excluded)."""
+    Hkv, BS, D = layer.k_pool.shape[1], layer.k_pool.shape[2], layer.k_pool.shape[3]
+    per_token = 2 * D * layer.k_pool.element_size()
+    B = selection.indices.shape[0]
+    if mode == "mask":
+        return B * Hkv * length * per_token
+    tokens = (selection.indices >= 0).sum() * (BS if selection.kind == "block" else 1)
+    return tokens * per_token
+
+
+def execute(selection: Selection, mode: str, q: torch.Tensor, layer: PagedLayer, plan: StepPlan, scale: float, ops):
+    """Run one decode attention for ``selection`` in ``mode``: q ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
+    table = layer.cache.table.tensor(q.device)
+    BS = layer.cache.block_size
+    args = (q, layer.k_pool, layer.v_pool, table, plan.seq_lens, plan.start)
+    if mode == "block":
+        if selection.kind != "block":
+            raise ValueError("a token selection cannot run in block mode")
+        return ops.decode_blocks(*args, selection.indices, selection.ex_lo, selection.ex_hi, scale)
+    if mode == "token":
+        tokens = ops.blocks_to_tokens(selection.indices, BS) if selection.kind == "block" else selection.indices
+        return ops.decode_tokens(*args, tokens, selection.ex_lo, selection.ex_hi, scale)
+    mask = ops.selection_to_mask(
+        selection.indices, selection.kind, BS, layer.length, plan.seq_lens, plan.start, selection.ex_lo, selection.ex_hi
+    )
+    return ops.decode_masked(q, layer.k_pool, layer.v_pool, table, plan.seq_lens, mask, scale)
+
+
+def sparse_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention: query ``[B, Hq, Tq, D]``, key/value ``[B, Hkv, Tk, D]`` -> ``([B, Tq, Hq, D], None)``."""
+    config: SparseConfig | None = kwargs.pop(CONFIG_KWARG, None)
+    cache = kwargs.pop(CACHE_KWARG, None)
+    layer_idx = getattr(module, "layer_idx", None)
+    layer = cache.layers[layer_idx] if isinstance(cache, PagedKVCache) and layer_idx is not None else None
+    if config is None or not isinstance(layer, PagedLayer):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    B, Hq, Tq, D = query.shape
+    if Tq > 1:  # prefill, chunked prefill, assisted decoding: dense over the whole context
+        if layer.length > key.shape[2]:
+            key, value = layer.dense_kv()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    scale = scaling if scaling is not None else D**-0.5
+    ops = get_ops(config.backend, query.device)
+    plan = plan_step(cache, attention_mask, B, layer.length, query.device)
+    state = DecodeState(
+        q=query[:, :, 0],
+        k_pool=layer.k_pool,
+        kmin=layer.kmin,
+        kmax=layer.kmax,
+        kmean=layer.kmean,
+        block_table=cache.table.tensor(query.device),
+        seq_lens=plan.seq_lens,
+        start=plan.start,
+        length=layer.length,
+        block_size=cache.block_size,
+        scale=scale,
+        mode=config.mode,
+        ops=ops,
+    )
+    policy = config.policy
+    selection = Policy.dense_selection(state) if layer_idx in config.dense_layers else policy.select(state)
+    out = execute(selection, config.mode, state.q, layer, plan, scale, ops)  # [B, Hq, D]
+    cache.kv_bytes_read += kv_bytes(selection, config.mode, layer, layer.length)
+    return out.unsqueeze(1), None

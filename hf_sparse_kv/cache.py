@@ -1,0 +1,356 @@
+"""PagedKVCache: a transformers ``Cache`` whose full-attention layers keep K/V in a shared block pool.
+
+Layout (DESIGN.md): each paged layer owns pools ``[NB, Hkv, BS, D]`` for keys and values and per-block key
+metadata ``[NB, Hkv, D]`` (min, max, mean); all layers share one block table ``[B, max_blocks]`` int32, one free
+list and one reference count per block, so a block id means the same slot in every layer. Full blocks are shared
+between sequences after a beam reorder and copied before a write (copy on write). Sliding-window layers (Gemma3,
+Mistral with ``sliding_window``) keep transformers' own layer and its window semantics.
+
+The cache holds no policy; the patched attention function reads the pages through :meth:`PagedLayer.decode_view`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from .ops import get_ops
+
+POOL_GROWTH = 2.0
+MIN_POOL_BLOCKS = 16
+
+
+def check_block_size(block_size: int) -> None:
+    """Raise a ``ValueError`` unless ``block_size`` is a power of two between 8 and 256."""
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool) and 8 <= block_size <= 256
+    if not ok or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two between 8 and 256, got {block_size!r}")
+
+
+class BlockTable:
+    """The shared bookkeeping of a paged cache: free list, reference counts and the per-sequence block table."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.capacity = 0
+        self.free: list[int] = []
+        self.refcount: list[int] = []
+        self.rows: list[list[int]] = []  # logical block -> physical block, per sequence
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def blocks_in_use(self) -> int:
+        return sum(1 for r in self.refcount if r > 0)
+
+    def grow(self, capacity: int) -> None:
+        self.free.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.refcount.extend([0] * (capacity - self.capacity))
+        self.capacity = capacity
+
+    def take(self) -> int:
+        blk = self.free.pop()
+        self.refcount[blk] = 1
+        return blk
+
+    def release(self, blk: int) -> None:
+        self.refcount[blk] -= 1
+        if self.refcount[blk] == 0:
+            self.free.append(blk)
+
+    def invalidate(self) -> None:
+        self._tensor = None
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """``[B, max_blocks]`` int32 on ``device``, -1 past each sequence's blocks (cached until the next change)."""
+        if self._tensor is None or self._tensor.device != device:
+            width = max([len(r) for r in self.rows] + [1])
+            t = torch.full((len(self.rows), width), -1, dtype=torch.int32)
+            for b, row in enumerate(self.rows):
+                t[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            self._tensor = t.to(device)
+        return self._tensor
+
+
+class PagedLayer(DynamicLayer):
+    """One full-attention layer of a :class:`PagedKVCache`: its pools and metadata, indexed by the shared table."""
+
+    is_sliding = False
+
+    def __init__(self, cache: PagedKVCache):
+        super().__init__()
+        self.cache = cache
+        self.length = 0
+        self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
+
+    # transformers reads ``keys``/``values`` in a few generic places: give them the dense view (slow but correct)
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.dense_kv()[0] if self.is_initialized and self.length else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("PagedLayer keys live in the block pool; write them with update()")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.dense_kv()[1] if self.is_initialized and self.length else None
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("PagedLayer values live in the block pool; write them with update()")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, H, _, D = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        NB, BS = self.cache.table.capacity, self.cache.block_size
+        self.k_pool = torch.zeros(NB, H, BS, D, dtype=self.dtype, device=self.device)
+        self.v_pool = torch.zeros(NB, H, BS, D, dtype=value_states.dtype, device=self.device)
+        self.kmin, self.kmax, self.kmean = (torch.zeros(NB, H, D, dtype=self.dtype, device=self.device) for _ in "abc")
+        self.is_initialized = True
+
+    def grow(self, capacity: int) -> None:
+        """Extend the pools to ``capacity`` blocks (existing block ids keep their slots)."""
+        if not self.is_initialized:
+            return
+        extra = capacity - self.k_pool.shape[0]
+        grow = lambda t: torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])  # noqa: E731
+        self.k_pool, self.v_pool = grow(self.k_pool), grow(self.v_pool)
+        self.kmin, self.kmax, self.kmean = grow(self.kmin), grow(self.kmax), grow(self.kmean)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        if self.is_initialized:
+            for t in (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean):
+                t[dst] = t[src]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``[B, Hkv, T, D]`` new keys/values into the pages.
+
+        Returns the new keys/values themselves when the patched attention asked to read the pages itself (or when
+        the cache was empty, where they are the whole context); otherwise a dense copy of the whole context, so the
+        cache stays correct under any attention function.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, _, T, _ = key_states.shape
+        pos0 = self.length
+        self.cache.reserve(B, pos0 + T, pos0)
+        table = self.cache.table.tensor(self.device)
+        pos = torch.full((B,), pos0, dtype=torch.int32, device=self.device)
+        ops = get_ops(self.cache.backend, self.device)
+        ops.paged_write(self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos, key_states, value_states)
+        self.length = pos0 + T
+        if pos0 == 0 or self.cache.pop_deferred(self):
+            return key_states, value_states
+        return self.dense_kv()
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole context as contiguous ``[B, Hkv, L, D]`` keys and values (a copy)."""
+        table = self.cache.table.tensor(self.device)
+        ops = get_ops(self.cache.backend, self.device)
+        return ops.gather_dense(self.k_pool, table, self.length), ops.gather_dense(self.v_pool, table, self.length)
+
+    def refresh_metadata(self, blocks: list[tuple[int, int]]) -> None:
+        """Recompute the metadata of ``(physical block, filled tokens)`` pairs from the pool."""
+        for blk, fill in blocks:
+            keys = self.k_pool[blk, :, :fill].float()
+            self.kmin[blk], self.kmax[blk], self.kmean[blk] = keys.amin(1), keys.amax(1), keys.mean(1)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:  # the cache crops every layer at once
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # the cache reorders the shared table
+        pass
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        pass
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        pass
+
+    def bytes_per_block(self) -> int:
+        if not self.is_initialized:
+            return 0
+        per = lambda t: t[0].numel() * t.element_size()  # noqa: E731
+        return sum(per(t) for t in (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean))
+
+
+class PagedKVCache(DynamicCache):
+    """A block-paged KV cache for a patched model (works with ``generate()``, beam search, ``crop()``).
+
+    Args:
+        config: the model's config (or the model): its layer types decide which layers are paged (full attention)
+            and which keep transformers' sliding-window layer.
+        block_size: tokens per block, a power of two between 8 and 256.
+        backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
+
+    ``memory_bytes()`` is what the cache holds; ``blocks_in_use`` the blocks referenced by some sequence;
+    ``kv_bytes_read`` the K/V bytes read by sparse decode steps so far (see :mod:`hf_sparse_kv.attention`).
+    """
+
+    def __init__(self, config, block_size: int = 16, backend: str = "auto"):
+        check_block_size(block_size)
+        config = getattr(config, "config", config)  # a model is accepted too
+        super().__init__(config=config)
+        self.block_size = block_size
+        self.backend = backend
+        self.table = BlockTable(block_size)
+        self._deferred: set[int] = set()
+        self.kv_bytes_read = 0
+        self.decode_steps = 0
+        self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
+        if not self.layers:
+            raise ValueError("PagedKVCache needs a config that names its layers (num_hidden_layers)")
+
+    @property
+    def paged_layers(self) -> list[PagedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.table.blocks_in_use
+
+    def memory_bytes(self) -> int:
+        """Bytes the cache holds: blocks in use times the per-block bytes of every paged layer (K, V, metadata),
+        plus the sliding-window layers' tensors. The pool's unused capacity is not counted."""
+        paged = self.blocks_in_use * sum(layer.bytes_per_block() for layer in self.paged_layers)
+        sliding = 0
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer) and getattr(layer, "keys", None) is not None:
+                sliding += layer.keys.numel() * layer.keys.element_size() * 2
+        return paged + sliding
+
+    def capacity_bytes(self) -> int:
+        """Bytes reserved by the pools, free blocks included."""
+        return self.table.capacity * sum(layer.bytes_per_block() for layer in self.paged_layers)
+
+    # ---- handshake with the patched attention --------------------------------------------------------------------
+
+    def defer_reads(self, layer_idx: int) -> None:
+        """Called by the patched attention before ``update``: return only the new K/V, it reads the pages itself."""
+        self._deferred.add(layer_idx)
+
+    def pop_deferred(self, layer: PagedLayer) -> bool:
+        idx = self.layers.index(layer)
+        if idx in self._deferred:
+            self._deferred.discard(idx)
+            return True
+        return False
+
+    # ---- block management --------------------------------------------------------------------------------------
+
+    def _ensure_free(self, n: int) -> None:
+        if len(self.table.free) >= n:
+            return
+        needed = self.table.capacity - len(self.table.free) + n
+        capacity = max(MIN_POOL_BLOCKS, int(self.table.capacity * POOL_GROWTH), needed)
+        self.table.grow(capacity)
+        for layer in self.paged_layers:
+            layer.grow(capacity)
+        self.table.invalidate()
+
+    def reserve(self, batch_size: int, length: int, write_from: int) -> None:
+        """Make every sequence's table cover ``length`` tokens and make the blocks written from ``write_from`` on
+        private to their sequence (copy on write)."""
+        t = self.table
+        if not t.rows:
+            t.rows = [[] for _ in range(batch_size)]
+        elif len(t.rows) != batch_size:
+            raise ValueError(f"PagedKVCache holds {len(t.rows)} sequences but got a batch of {batch_size}")
+        need = -(-length // self.block_size)
+        first_written = write_from // self.block_size
+        shared = [(b, lb) for b, row in enumerate(t.rows) for lb in range(first_written, len(row)) if t.refcount[row[lb]] > 1]
+        missing = sum(max(0, need - len(row)) for row in t.rows)
+        if not shared and not missing:
+            return
+        self._ensure_free(missing + len(shared))
+        for b, lb in shared:
+            old = t.rows[b][lb]
+            new = t.take()
+            for layer in self.paged_layers:
+                layer.copy_block(old, new)
+            t.release(old)
+            t.rows[b][lb] = new
+        for row in t.rows:
+            while len(row) < need:
+                row.append(t.take())
+        t.invalidate()
+
+    def reset(self) -> None:
+        """Return every block to the free list (the pools keep their capacity for the next sequence)."""
+        for row in self.table.rows:
+            for blk in row:
+                self.table.release(blk)
+        self.table.rows = []
+        self.table.invalidate()
+        self._deferred.clear()
+        for layer in self.layers:
+            layer.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: sequence ``i`` becomes old sequence ``beam_idx[i]``; blocks are shared, not copied."""
+        self._select_rows(beam_idx.tolist())
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows([b for b in range(len(self.table.rows)) for _ in range(repeats)])
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices).tolist())
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.batch_select_indices(indices)
+
+    def _select_rows(self, sources: list[int]) -> None:
+        t = self.table
+        if not t.rows:
+            return
+        new_rows = [list(t.rows[s]) for s in sources]
+        for row in new_rows:
+            for blk in row:
+                t.refcount[blk] += 1
+        for row in t.rows:
+            for blk in row:
+                t.release(blk)
+        t.rows = new_rows
+        t.invalidate()
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first tokens: ``max_length >= 0`` is the length to keep, a negative value the tokens to drop."""
+        length = self.get_seq_length()
+        keep = length + max_length if max_length < 0 else min(max_length, length)
+        keep = max(keep, 0)
+        if keep == length:
+            return
+        t = self.table
+        need = -(-keep // self.block_size)
+        for row in t.rows:
+            while len(row) > need:
+                t.release(row.pop())
+        t.invalidate()
+        fill = keep - (need - 1) * self.block_size
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer):
+                layer.length = min(layer.length, keep)
+                if need and fill < self.block_size and layer.is_initialized:
+                    layer.refresh_metadata([(row[-1], fill) for row in t.rows])
+            else:
+                layer.crop(keep - length)

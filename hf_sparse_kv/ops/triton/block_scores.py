@@ -1,0 +1,137 @@
+"""Per-block selection scores from key metadata, pooled over each GQA group: the twin of ``reference.block_scores``.
+
+One program per (tile of ``BM`` logical blocks, sequence, KV head), one pass over the metadata of the blocks in use
+(blocks past ``seq_lens`` are not read and score ``-inf``).
+
+Quest's bound ``sum_d max(q_d lo_d, q_d hi_d)`` is computed as two matrix products: for ``q_d >= 0`` the max is
+``q_d max(lo_d, hi_d)``, for ``q_d < 0`` it is ``q_d min(lo_d, hi_d)``, so the bound is
+``q+ . max(lo, hi) + q- . min(lo, hi)`` with ``q+ = max(q, 0)`` and ``q- = min(q, 0)`` (exact for any lo, hi).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+METHODS = ("quest", "mean")
+
+
+@triton.jit
+def block_scores_kernel(
+    q,  # [B, HQ, D]
+    kmin,  # [NB, H, D]
+    kmax,  # [NB, H, D]
+    kmean,  # [NB, H, D]
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    out,  # [B, H, MB] float32
+    s_mn,  # metadata stride between blocks (elements)
+    MB,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    QUEST: tl.constexpr,
+    F32: tl.constexpr,
+):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    HQ = H * G
+
+    o_g = tl.arange(0, BG)
+    o_d = tl.arange(0, BD)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_g = o_g < G
+    m_d = o_d < D
+    n_blk = tl.cdiv(tl.load(seq_lens + i_b), BS)
+    m_m = (o_m < n_blk) & (o_m < MB)
+
+    # [BG, BD]
+    b_q = tl.load(q + (i_b * HQ + i_h * G + o_g)[:, None] * D + o_d[None, :], mask=m_g[:, None] & m_d[None, :],
+                  other=0.0)
+    if F32:
+        b_q = b_q.to(tl.float32)
+    b_phys = tl.load(block_table + i_b * MB + o_m, mask=m_m, other=0)
+    o_meta = tl.maximum(b_phys, 0).to(tl.int64) * s_mn + i_h * D  # [BM]
+    p_meta = o_meta[:, None] + o_d[None, :]
+    m_meta = m_m[:, None] & m_d[None, :]
+    if QUEST:
+        # [BM, BD]
+        b_lo = tl.load(kmin + p_meta, mask=m_meta, other=0.0)
+        b_hi = tl.load(kmax + p_meta, mask=m_meta, other=0.0)
+        if F32:
+            b_lo, b_hi = b_lo.to(tl.float32), b_hi.to(tl.float32)
+        b_top = tl.maximum(b_lo, b_hi)
+        b_bot = tl.minimum(b_lo, b_hi)
+        zero = tl.zeros_like(b_q)
+        b_qp = tl.where(b_q > 0, b_q, zero)
+        b_qn = tl.where(b_q < 0, b_q, zero)
+        if F32:
+            b_s = tl.dot(b_qp, tl.trans(b_top), input_precision="ieee")  # [BG, BM]
+            b_s += tl.dot(b_qn, tl.trans(b_bot), input_precision="ieee")
+        else:
+            b_s = tl.dot(b_qp, tl.trans(b_top)) + tl.dot(b_qn, tl.trans(b_bot))
+    else:
+        # [BM, BD]
+        b_mean = tl.load(kmean + p_meta, mask=m_meta, other=0.0)
+        if F32:
+            b_s = tl.dot(b_q, tl.trans(b_mean.to(tl.float32)), input_precision="ieee")
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_mean))
+    # pool over the group: max over its query heads, -inf past the sequence's last block
+    b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # [BM]
+    b_s = tl.where(m_m, b_s, float("-inf"))
+    tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_s, mask=o_m < MB)
+
+
+def block_scores(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    method: str,
+) -> torch.Tensor:
+    """Score every block of every sequence from its key metadata, pooled over each GQA group.
+
+    Args:
+        q: ``[B, Hq, D]`` decode queries (unscaled).
+        kmin, kmax, kmean: ``[NB, Hkv, D]`` (inner dims contiguous).
+        block_table: ``[B, MB]``; seq_lens: ``[B]``; block_size: ``BS``.
+        method: ``"quest"`` for ``sum_d max(q_d min_d, q_d max_d)``, ``"mean"`` for ``q . mean``.
+
+    Returns:
+        ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
+    B, HQ, D = q.shape
+    NB, H, Dm = kmin.shape
+    assert Dm == D and kmax.shape == kmin.shape and kmean.shape == kmin.shape, "metadata must be [NB, Hkv, D]"
+    assert HQ % H == 0, f"query heads {HQ} not a multiple of KV heads {H}"
+    meta = (kmin, kmax) if method == "quest" else (kmean,)
+    for t in meta:
+        assert t.stride()[1:] == (D, 1) and t.stride(0) == meta[0].stride(0), f"metadata strides {t.stride()}"
+        assert t.dtype == meta[0].dtype, "kmin and kmax must share a dtype"
+    assert block_table.dim() == 2 and block_table.shape[0] == B and seq_lens.shape == (B,)
+    assert block_size & (block_size - 1) == 0, f"block size must be a power of two, got {block_size}"
+    MB = block_table.shape[1]
+    out = torch.empty(B, H, MB, dtype=torch.float32, device=q.device)
+    if MB == 0:
+        return out
+    F32 = q.dtype != meta[0].dtype or q.dtype == torch.float32
+    BD = max(16, triton.next_power_of_2(D))
+    BM = max(16, min(64, triton.next_power_of_2(MB)))
+    grid = (triton.cdiv(MB, BM), B * H)
+    block_scores_kernel[grid](
+        q.contiguous(), kmin, kmax, kmean, block_table.contiguous(), seq_lens.contiguous(), out, meta[0].stride(0), MB,
+        H=H, G=HQ // H, D=D, BS=block_size, BG=max(16, triton.next_power_of_2(HQ // H)), BD=BD, BM=BM,
+        QUEST=method == "quest", F32=F32, num_warps=4,
+    )  # fmt: skip
+    return out

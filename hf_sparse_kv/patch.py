@@ -1,0 +1,215 @@
+"""patch_model / unpatch_model: scoped, reversible wiring of a HF model to the sparse attention.
+
+What patching does, all undone by :func:`unpatch_model`:
+
+1. registers :func:`~hf_sparse_kv.attention.sparse_attention_forward` and transformers' ``sdpa_mask`` under the
+   name ``"hf_sparse_kv"`` with ``AttentionInterface`` / ``AttentionMaskInterface`` (a name, not model state), and
+   points the model at it with ``set_attn_implementation``;
+2. adds a forward pre-hook on each attention module that passes this model's :class:`SparseConfig` and the cache to
+   the attention function as keyword arguments;
+3. adds a forward pre-hook on the model that refuses ``output_attentions`` and foreign caches, and builds a
+   :class:`PagedKVCache` when a forward wants a cache and got none;
+4. wraps the model's ``_prepare_cache_for_generation`` so ``generate()`` builds a :class:`PagedKVCache` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .attention import ATTENTION_NAME, CACHE_KWARG, CONFIG_KWARG, MODES, SparseConfig, sparse_attention_forward
+from .cache import PagedKVCache, check_block_size
+from .ops import BACKENDS
+from .policies import Dense, Policy
+
+STATE_ATTR = "_hf_sparse_kv"
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)
+    ]
+
+
+def _num_layers(model: torch.nn.Module) -> int:
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return int(config.num_hidden_layers)
+
+
+def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[int, ...]:
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"policy must be a policy instance from hf_sparse_kv.policies (e.g. Quest(budget=1024)), got {policy!r}"
+        )
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if policy.granularity == "token" and mode == "block":
+        raise ValueError(
+            f"{type(policy).__name__} selects single tokens: mode='block' would read whole blocks and change what it "
+            "attends. Use mode='token' (physically sparse) or mode='mask'."
+        )
+    check_block_size(block_size)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if not getattr(model, "_supports_attention_backend", False) or not _attention_modules(model):
+        raise TypeError(
+            f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, so it "
+            "cannot be patched; models such as Llama, Qwen2/3, Mistral and Gemma3 can."
+        )
+    if isinstance(dense_layers, (str, bytes)) or not isinstance(dense_layers, Iterable):
+        raise TypeError(f"dense_layers must be a sequence of layer indices, got {dense_layers!r}")
+    layers = tuple(dense_layers)
+    n = _num_layers(model)
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+    if bad:
+        raise ValueError(f"dense_layers must be layer indices in [0, {n}), got out-of-range or non-int {bad}")
+    return layers
+
+
+def _find_cache(kwargs: dict):
+    for name in CACHE_NAMES:
+        if kwargs.get(name) is not None:
+            return name, kwargs[name]
+    return None, None
+
+
+def _foreign_cache_error(cache) -> TypeError:
+    return TypeError(
+        f"a model patched by hf_sparse_kv needs a PagedKVCache, got {type(cache).__name__}. Pass none (generate() "
+        "and forward() build one), pass hf_sparse_kv.PagedKVCache(model.config), or call unpatch_model(model) first."
+    )
+
+
+def _cache_kwarg_name(model) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _model_pre_hook(model, args, kwargs):
+    config: SparseConfig = getattr(model, STATE_ATTR).config
+    if kwargs.get("output_attentions") or getattr(model.config, "output_attentions", False):
+        raise ValueError(
+            "output_attentions=True is not supported on a model patched by hf_sparse_kv: sparse decode never forms "
+            "the attention matrix. Call unpatch_model(model) to get attention weights."
+        )
+    name, cache = _find_cache(kwargs)
+    if cache is not None and not isinstance(cache, PagedKVCache):
+        raise _foreign_cache_error(cache)
+    use_cache = kwargs.get("use_cache")
+    if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
+        kwargs[_cache_kwarg_name(model)] = PagedKVCache(model.config, config.block_size, config.backend)
+    return args, kwargs
+
+
+def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
+    _, cache = _find_cache(kwargs)
+    if cache is not None and not isinstance(cache, PagedKVCache):
+        raise _foreign_cache_error(cache)
+    if isinstance(cache, PagedKVCache):
+        cache.defer_reads(module.layer_idx)
+    kwargs[CONFIG_KWARG] = config
+    kwargs[CACHE_KWARG] = cache
+    return args, kwargs
+
+
+def _prepare_cache_for_generation(model, original, generation_config, model_kwargs, *args, **kwargs):
+    config: SparseConfig = getattr(model, STATE_ATTR).config
+    name, cache = _find_cache(model_kwargs)
+    if cache is not None and not isinstance(cache, PagedKVCache):
+        raise _foreign_cache_error(cache)
+    if cache is None and generation_config.use_cache is not False:
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} conflicts with hf_sparse_kv's paged "
+                "cache; leave it unset on a patched model."
+            )
+        model_kwargs[_cache_kwarg_name(model)] = PagedKVCache(model.config, config.block_size, config.backend)
+    return original(generation_config, model_kwargs, *args, **kwargs)
+
+
+class _PatchState:
+    """What unpatching needs: the hooks to remove and the original attention implementation."""
+
+    def __init__(self, config: SparseConfig, handles: list):
+        self.config = config
+        self.handles = handles
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTENTION_NAME, sparse_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def patch_model(
+    model: torch.nn.Module,
+    policy: Policy | None = None,
+    mode: str = "block",
+    dense_layers: Iterable[int] = (0, 1),
+    block_size: int = 16,
+    backend: str = "auto",
+):
+    """Make ``model``'s decode steps physically sparse; ``generate()`` keeps working as before.
+
+    Args:
+        model: a transformers causal LM whose attention goes through ``AttentionInterface`` (Llama, Qwen2/3,
+            Mistral, Gemma3, ...).
+        policy: a policy from :mod:`hf_sparse_kv.policies` (default ``Dense()``).
+        mode: ``"mask"`` (SDPA with a mask: exact, saves nothing), ``"token"`` (gather selected tokens) or
+            ``"block"`` (read selected pages).
+        dense_layers: layer indices that stay dense (default: the first two).
+        block_size: tokens per page, a power of two in [8, 256].
+        backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
+
+    Returns:
+        ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
+    """
+    policy = Dense() if policy is None else policy
+    layers = _validate(model, policy, mode, dense_layers, block_size, backend)
+    previous = getattr(model, STATE_ATTR, None)
+    original_attn = previous.config.original_attn if previous else model.config._attn_implementation
+    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn)
+    _register()
+    if previous:
+        unpatch_model(model)
+    handles = [model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)]
+    for module in _attention_modules(model):
+        handles.append(module.register_forward_pre_hook(partial(_attention_pre_hook, config), with_kwargs=True))
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+    except Exception:
+        for h in handles:
+            h.remove()
+        raise
+    original = type(model)._prepare_cache_for_generation.__get__(model)
+    model._prepare_cache_for_generation = partial(_prepare_cache_for_generation, model, original)
+    setattr(model, STATE_ATTR, _PatchState(config, handles))
+    return model
+
+
+def unpatch_model(model: torch.nn.Module):
+    """Undo :func:`patch_model`: the original attention again, same outputs bit for bit. A no-op if unpatched."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        return model
+    for handle in state.handles:
+        handle.remove()
+    model.__dict__.pop("_prepare_cache_for_generation", None)
+    model.set_attn_implementation(state.config.original_attn)
+    delattr(model, STATE_ATTR)
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is currently patched by :func:`patch_model`."""
+    return getattr(model, STATE_ATTR, None) is not None
+

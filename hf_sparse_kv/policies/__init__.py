@@ -1,0 +1,28 @@
+"""Selection policies, one ``@dataclass`` each; :data:`POLICIES` is the one registry of their string names."""
+
+from .base import DecodeState, Policy, Selection
+from .blocks import BlockTopK, OracleBlockTopK, Quest
+from .simple import Dense, SinkWindow
+from .tokens import TokenTopK
+
+POLICIES: dict[str, type[Policy]] = {
+    "dense": Dense,
+    "sink_window": SinkWindow,
+    "quest": Quest,
+    "block_topk": BlockTopK,
+    "oracle_block_topk": OracleBlockTopK,
+    "token_topk": TokenTopK,
+}
+
+__all__ = [
+    "POLICIES",
+    "BlockTopK",
+    "DecodeState",
+    "Dense",
+    "OracleBlockTopK",
+    "Policy",
+    "Quest",
+    "Selection",
+    "SinkWindow",
+    "TokenTopK",
+]

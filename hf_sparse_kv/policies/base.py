@@ -1,0 +1,147 @@
+"""The policy contract: a decode step's state in, a fixed-width :class:`Selection` out.
+
+A policy is a ``@dataclass`` with one method, :meth:`Policy.select`. It sees the step's :class:`DecodeState` (the
+query, one layer's paged keys and metadata, the block table) and returns what each (sequence, KV head) may attend.
+Budgets count the tokens one decode query attends, sink and window included: an ``int`` is tokens, a ``float`` in
+(0, 1] is a fraction of the current context; a budget at or above the context means dense.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import ClassVar
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Selection:
+    """What each (sequence, KV head) attends in one decode step.
+
+    Attributes:
+        kind: ``"block"`` (``indices`` are logical block numbers) or ``"token"`` (token positions).
+        indices: ``[B, Hkv, K]`` int32, padded with -1.
+        ex_lo, ex_hi: ``[B]`` int, positions ``ex_lo <= p < ex_hi`` are masked even inside a selected block (keeps a
+            block-granular read token-exact; empty when equal).
+        dense: the selection is the whole context (every mode then runs its dense equivalent).
+    """
+
+    kind: str
+    indices: torch.Tensor
+    ex_lo: torch.Tensor
+    ex_hi: torch.Tensor
+    dense: bool = False
+
+
+@dataclass
+class DecodeState:
+    """One layer's view of a decode step (what a policy may look at).
+
+    Attributes:
+        q: ``[B, Hq, D]`` the decode queries (after RoPE), unscaled.
+        k_pool: ``[NB, Hkv, BS, D]`` the layer's key pool.
+        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block key metadata.
+        block_table: ``[B, nblk]`` int32 (only the blocks in use); seq_lens, start: ``[B]`` int32.
+        length: context length in tokens (the current token included), the same for every sequence.
+        block_size: tokens per block. scale: softmax scale. mode: ``"mask"``, ``"token"`` or ``"block"``.
+        ops: the op namespace of the backend (see :func:`hf_sparse_kv.ops.get_ops`).
+    """
+
+    q: torch.Tensor
+    k_pool: torch.Tensor
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+    kmean: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    start: torch.Tensor
+    length: int
+    block_size: int
+    scale: float
+    mode: str
+    ops: SimpleNamespace
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_pool.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.length // self.block_size)
+
+
+def check_budget(budget: int | float | None, name: str = "budget", required: bool = True) -> None:
+    """Raise a ``ValueError``/``TypeError`` naming ``name`` unless it is a positive int or a float in (0, 1]."""
+    if budget is None:
+        if required:
+            raise ValueError(f"{name} is required: an int (tokens) or a float in (0, 1] (fraction of the context)")
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"{name} must be an int (tokens) or a float in (0, 1], got {type(budget).__name__}")
+    if isinstance(budget, int) and budget <= 0:
+        raise ValueError(f"{name} must be a positive number of tokens, got {budget}")
+    if isinstance(budget, float) and not (0.0 < budget <= 1.0):
+        raise ValueError(f"{name} as a float is a fraction of the context and must lie in (0, 1], got {budget}")
+
+
+def check_count(value: int, name: str) -> None:
+    """Raise unless ``value`` is a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def budget_tokens(budget: int | float, length: int) -> int:
+    """Tokens one query may attend for ``budget`` at context ``length`` (a fraction rounds up, at least 1)."""
+    if isinstance(budget, float):
+        return max(1, math.ceil(budget * length))
+    return budget
+
+
+@dataclass
+class Policy:
+    """Base of every policy: a dataclass whose :meth:`select` returns a :class:`Selection`.
+
+    Subclasses set ``granularity`` (``"block"``, ``"token"`` or ``None`` for dense) and implement :meth:`select`.
+    """
+
+    granularity: ClassVar[str | None] = None
+
+    def select(self, state: DecodeState) -> Selection:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ---- helpers shared by the policies -----------------------------------------------------------------------
+
+    @staticmethod
+    def dense_selection(state: DecodeState) -> Selection:
+        """Every block of the context."""
+        B, H = state.q.shape[0], state.num_kv_heads
+        idx = torch.arange(state.num_blocks, dtype=torch.int32, device=state.q.device)
+        zero = torch.zeros(B, dtype=torch.int32, device=state.q.device)
+        return Selection("block", idx.expand(B, H, -1).contiguous(), zero, zero, dense=True)
+
+    @staticmethod
+    def forced_positions(state: DecodeState, sink: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence, the sink ``[start, start + sink)`` and window ``[length - window, length)`` bounds: ``[B]``."""
+        sink_end = (state.start.long() + sink).clamp(max=state.length)
+        win_start = torch.full_like(sink_end, max(state.length - max(window, 1), 0))
+        return sink_end, torch.maximum(win_start, sink_end)
+
+    @classmethod
+    def forced_blocks(cls, state: DecodeState, sink: int, window: int) -> torch.Tensor:
+        """``[B, nblk]`` bool: the blocks holding the sink, the window and the current (partial) block."""
+        BS = state.block_size
+        sink_end, win_start = cls.forced_positions(state, sink, window)
+        blk = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
+        first_sink = state.start.long().view(-1, 1) // BS
+        in_sink = (blk >= first_sink) & (blk * BS < sink_end.view(-1, 1)) & (sink_end.view(-1, 1) > state.start.view(-1, 1))
+        in_window = (blk + 1) * BS > win_start.view(-1, 1)
+        return in_sink | in_window | (blk == state.num_blocks - 1)
+
+    @staticmethod
+    def empty_interval(state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        zero = torch.zeros(state.q.shape[0], dtype=torch.int32, device=state.q.device)
+        return zero, zero

@@ -1,0 +1,85 @@
+"""Block-granular top-k policies: Quest, BlockTopK (mean key) and OracleBlockTopK (true attention mass)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+
+
+@dataclass
+class _BlockTopK(Policy):
+    """Shared logic: keep sink, window and current block, fill the rest of the budget with the best-scored blocks.
+
+    The budget is rounded down to whole blocks (at least the forced ones); the selection is ``[B, Hkv, K]`` logical
+    block numbers, ascending, one set per KV head from the scores pooled over its query heads.
+    """
+
+    budget: int | float = 0.125
+    sink: int = 4
+    window: int = 32
+
+    granularity: ClassVar[str] = "block"
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        check_count(self.sink, "sink")
+        check_count(self.window, "window")
+
+    def scores(self, state: DecodeState) -> torch.Tensor:  # pragma: no cover - abstract
+        """``[B, Hkv, nblk]`` float32, higher is better, ``-inf`` for blocks not in use."""
+        raise NotImplementedError
+
+    def select(self, state: DecodeState) -> Selection:
+        tokens = budget_tokens(self.budget, state.length)
+        if tokens >= state.length:
+            return self.dense_selection(state)
+        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
+        k = max(tokens // state.block_size, int(forced.sum(-1).max()))
+        if k >= state.num_blocks:
+            return self.dense_selection(state)
+        s = self.scores(state)[..., : state.num_blocks]
+        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+        lo, hi = self.empty_interval(state)
+        return Selection("block", state.ops.topk_indices(s, k), lo, hi)
+
+
+@dataclass
+class Quest(_BlockTopK):
+    """Quest: rank blocks by the upper bound ``sum_d max(q_d min_d, q_d max_d)`` over their key min/max.
+
+    Paper: Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024
+    (https://arxiv.org/abs/2406.10774). Args: ``budget`` (tokens or fraction), ``sink``, ``window`` (tokens).
+    """
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        return state.ops.block_scores(
+            state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size, "quest"
+        )
+
+
+@dataclass
+class BlockTopK(_BlockTopK):
+    """Representative-key retrieval: rank blocks by ``q . mean key`` of the block (as in InfLLM-style methods,
+    https://arxiv.org/abs/2402.04617). Args as :class:`Quest`."""
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        return state.ops.block_scores(
+            state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size, "mean"
+        )
+
+
+@dataclass
+class OracleBlockTopK(_BlockTopK):
+    """The oracle of any block method: rank blocks by their true softmax mass (summed over the GQA group).
+
+    Reads every key to score, so it is for evaluation (hit rates, upper bounds), never a fast path.
+    """
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        return state.ops.oracle_block_scores(
+            state.q, state.k_pool, state.block_table, state.seq_lens, state.start, state.scale
+        )
