@@ -122,14 +122,6 @@ def smollm2_path(cache_dir: str | Path | None = None) -> tuple[Path, str]:
     return gguf.parent, gguf.name
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _expected_sha256(sums: Path, file_name: str) -> str:
     """The digest of ``file_name`` in a ``SHA256SUMS`` file (``<hex>  <name>`` lines)."""
     for line in sums.read_text().splitlines():

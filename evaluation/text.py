@@ -113,13 +113,13 @@ def needle_prompt(
     text = prefix + needle + (" " + after if after else "") + question
     # Where the needle starts in encode(text): the special tokens put in front, then the prefix's tokens (the
     # space before the needle belongs to the needle's first token, as BPE and SentencePiece tokenizers split it).
-    n_lead = _leading_specials(tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False))
-    return {
-        "text": text,
-        "answer": answer,
-        "needle_token_pos": n_lead + len(tokenizer.encode(prefix.rstrip(), add_special_tokens=False)),
-        "n_tokens": len(tokenizer.encode(text)),
-    }
+    # A whitespace-only token left between them (a newline not merged into the needle) is skipped.
+    ids = tokenizer.encode(text)
+    pos = _leading_specials(tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False))
+    pos += len(tokenizer.encode(prefix.rstrip(), add_special_tokens=False))
+    while pos < len(ids) and not tokenizer.decode([ids[pos]]).strip():
+        pos += 1
+    return {"text": text, "answer": answer, "needle_token_pos": pos, "n_tokens": len(ids)}
 
 
 def _leading_specials(with_special: list[int], plain: list[int]) -> int:

@@ -69,13 +69,28 @@ def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: t
     return start.int()
 
 
+def declare_padding(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length: int, device) -> None:
+    """Before a paged cache's first write: read each sequence's left padding off the prefill mask so the pages
+    store only real tokens (block boundaries then do not depend on the batch a prompt is in)."""
+    if not cache.table.rows:
+        cache.set_padding(padding_starts(mask, batch, length, device).tolist())
+
+
 def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length: int, device) -> StepPlan:
-    """The step's plan, computed by the first paged layer and reused by the others (keyed by length and mask)."""
+    """The step's plan, computed by the first paged layer and reused by the others (keyed by length and mask).
+
+    ``length`` is transformers' (padded) length; the plan holds the stored lengths, and checks that the decode
+    mask pads exactly what the cache dropped at prefill."""
     key = (length, id(mask))
     plan = getattr(cache, "_step_plan", None)
     if plan is None or plan.key != key:
-        seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-        plan = StepPlan(key, seq_lens, padding_starts(mask, batch, length, device))
+        pads = cache.pads_tensor(device)
+        if mask is not None and not torch.equal(padding_starts(mask, batch, length, device), pads):
+            raise NotImplementedError(
+                "the attention mask of this decode step pads differently from the prompt's; hf_sparse_kv supports "
+                "left padding fixed at prefill (as generate() does)."
+            )
+        plan = StepPlan(key, (length - pads).int(), torch.zeros_like(pads))
         cache._step_plan = plan
         cache.decode_steps += 1
     return plan
@@ -92,11 +107,12 @@ def kv_bytes(selection: Selection, mode: str, layer: PagedLayer, length: int) ->
     return tokens * per_token
 
 
-def execute(selection: Selection, mode: str, q: torch.Tensor, layer: PagedLayer, plan: StepPlan, scale: float, ops):
-    """Run one decode attention for ``selection`` in ``mode``: q ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
+def execute(selection: Selection, mode: str, state: DecodeState, layer: PagedLayer):
+    """Run one decode attention for ``selection`` in ``mode``: ``state.q [B, Hq, D]`` -> ``[B, Hq, D]``."""
+    q, ops, scale = state.q, state.ops, state.scale
     table = layer.cache.table.tensor(q.device)
     BS = layer.cache.block_size
-    args = (q, layer.k_pool, layer.v_pool, table, plan.seq_lens, plan.start)
+    args = (q, layer.k_pool, layer.v_pool, table, state.seq_lens, state.start)
     if mode == "block":
         if selection.kind != "block":
             raise ValueError("a token selection cannot run in block mode")
@@ -105,9 +121,9 @@ def execute(selection: Selection, mode: str, q: torch.Tensor, layer: PagedLayer,
         tokens = ops.blocks_to_tokens(selection.indices, BS) if selection.kind == "block" else selection.indices
         return ops.decode_tokens(*args, tokens, selection.ex_lo, selection.ex_hi, scale)
     mask = ops.selection_to_mask(
-        selection.indices, selection.kind, BS, layer.length, plan.seq_lens, plan.start, selection.ex_lo, selection.ex_hi
+        selection.indices, selection.kind, BS, state.length, state.seq_lens, state.start, selection.ex_lo, selection.ex_hi
     )
-    return ops.decode_masked(q, layer.k_pool, layer.v_pool, table, plan.seq_lens, mask, scale)
+    return ops.decode_masked(q, layer.k_pool, layer.v_pool, table, state.seq_lens, mask, scale)
 
 
 def sparse_attention_forward(
@@ -128,7 +144,7 @@ def sparse_attention_forward(
     if config is None or not isinstance(layer, PagedLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
-    B, Hq, Tq, D = query.shape
+    B, _Hq, Tq, D = query.shape
     if Tq > 1:  # prefill, chunked prefill, assisted decoding: dense over the whole context
         if layer.length > key.shape[2]:
             key, value = layer.dense_kv()
@@ -146,7 +162,7 @@ def sparse_attention_forward(
         block_table=cache.table.tensor(query.device),
         seq_lens=plan.seq_lens,
         start=plan.start,
-        length=layer.length,
+        length=int(plan.seq_lens.max()),
         block_size=cache.block_size,
         scale=scale,
         mode=config.mode,
@@ -154,6 +170,6 @@ def sparse_attention_forward(
     )
     policy = config.policy
     selection = Policy.dense_selection(state) if layer_idx in config.dense_layers else policy.select(state)
-    out = execute(selection, config.mode, state.q, layer, plan, scale, ops)  # [B, Hq, D]
-    cache.kv_bytes_read += kv_bytes(selection, config.mode, layer, layer.length)
+    out = execute(selection, config.mode, state, layer)  # [B, Hq, D]
+    cache.kv_bytes_read += kv_bytes(selection, config.mode, layer, state.length)
     return out.unsqueeze(1), None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .ops import get_ops
+from .ops import get_ops, reference
 
 POOL_GROWTH = 2.0
 MIN_POOL_BLOCKS = 16
@@ -115,7 +115,7 @@ class PagedLayer(DynamicLayer):
         if not self.is_initialized:
             return
         extra = capacity - self.k_pool.shape[0]
-        grow = lambda t: torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])  # noqa: E731
+        grow = lambda t: torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
         self.k_pool, self.v_pool = grow(self.k_pool), grow(self.v_pool)
         self.kmin, self.kmax, self.kmean = grow(self.kmin), grow(self.kmax), grow(self.kmean)
 
@@ -134,28 +134,29 @@ class PagedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, _, T, _ = key_states.shape
-        pos0 = self.length
-        self.cache.reserve(B, pos0 + T, pos0)
+        frame0 = self.length
+        self.cache.reserve(B, frame0 + T, frame0)
         table = self.cache.table.tensor(self.device)
-        pos = torch.full((B,), pos0, dtype=torch.int32, device=self.device)
+        pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
         ops = get_ops(self.cache.backend, self.device)
-        ops.paged_write(self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos, key_states, value_states)
-        self.length = pos0 + T
-        if pos0 == 0 or self.cache.pop_deferred(self):
+        if bool((pos0 < 0).any()):  # padding is dropped on the way in; kernels take pos0 >= 0
+            ops = get_ops("reference")
+        ops.paged_write(self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos0, key_states, value_states)
+        self.length = frame0 + T
+        if frame0 == 0 or self.cache.pop_deferred(self):
             return key_states, value_states
         return self.dense_kv()
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole context as contiguous ``[B, Hkv, L, D]`` keys and values (a copy)."""
+        """The whole context in transformers' frame (left padding restored as zeros): two ``[B, Hkv, L, D]`` copies."""
         table = self.cache.table.tensor(self.device)
-        ops = get_ops(self.cache.backend, self.device)
-        return ops.gather_dense(self.k_pool, table, self.length), ops.gather_dense(self.v_pool, table, self.length)
-
-    def refresh_metadata(self, blocks: list[tuple[int, int]]) -> None:
-        """Recompute the metadata of ``(physical block, filled tokens)`` pairs from the pool."""
-        for blk, fill in blocks:
-            keys = self.k_pool[blk, :, :fill].float()
-            self.kmin[blk], self.kmax[blk], self.kmean[blk] = keys.amin(1), keys.amax(1), keys.mean(1)
+        pads = self.cache.pads_tensor(self.device)
+        real = torch.arange(self.length, device=self.device).view(1, -1) - pads.view(-1, 1)  # [B, L]
+        phys, off = reference.physical_slots(table, real, self.k_pool.shape[2])
+        pad = (real < 0).view(*real.shape, 1, 1)
+        keys = self.k_pool[phys, :, off].masked_fill(pad, 0).transpose(1, 2)  # [B, L, H, D] -> [B, H, L, D]
+        values = self.v_pool[phys, :, off].masked_fill(pad, 0).transpose(1, 2)
+        return keys, values
 
     def get_seq_length(self) -> int:
         return self.length
@@ -184,7 +185,7 @@ class PagedLayer(DynamicLayer):
     def bytes_per_block(self) -> int:
         if not self.is_initialized:
             return 0
-        per = lambda t: t[0].numel() * t.element_size()  # noqa: E731
+        per = lambda t: t[0].numel() * t.element_size()
         return sum(per(t) for t in (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean))
 
 
@@ -209,6 +210,7 @@ class PagedKVCache(DynamicCache):
         self.backend = backend
         self.table = BlockTable(block_size)
         self._deferred: set[int] = set()
+        self.pads: list[int] = []  # left padding per sequence, dropped from the pages
         self.kv_bytes_read = 0
         self.decode_steps = 0
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
@@ -222,6 +224,21 @@ class PagedKVCache(DynamicCache):
     @property
     def blocks_in_use(self) -> int:
         return self.table.blocks_in_use
+
+    def pads_tensor(self, device) -> torch.Tensor:
+        """``[B]`` int32: left padding of each sequence (tokens of transformers' frame not stored)."""
+        return torch.tensor(self.pads, dtype=torch.int32, device=device)
+
+    def seq_lens(self, device) -> torch.Tensor:
+        """``[B]`` int32: tokens stored per sequence (transformers' length minus the sequence's padding)."""
+        return self.get_seq_length() - self.pads_tensor(device)
+
+    def set_padding(self, pads: list[int]) -> None:
+        """Declare each sequence's left padding before the first write (the patched attention reads it from the
+        prefill mask); the padded positions are never stored."""
+        if self.table.rows:
+            raise ValueError("left padding can only be declared before the first write of a PagedKVCache")
+        self.pads = list(pads)
 
     def memory_bytes(self) -> int:
         """Bytes the cache holds: blocks in use times the per-block bytes of every paged layer (K, V, metadata),
@@ -263,17 +280,20 @@ class PagedKVCache(DynamicCache):
         self.table.invalidate()
 
     def reserve(self, batch_size: int, length: int, write_from: int) -> None:
-        """Make every sequence's table cover ``length`` tokens and make the blocks written from ``write_from`` on
-        private to their sequence (copy on write)."""
+        """Make every sequence's table cover ``length`` tokens of transformers' frame and make the blocks written
+        from ``write_from`` on private to their sequence (copy on write)."""
         t = self.table
         if not t.rows:
             t.rows = [[] for _ in range(batch_size)]
+            self.pads = self.pads if len(self.pads) == batch_size else [0] * batch_size
         elif len(t.rows) != batch_size:
             raise ValueError(f"PagedKVCache holds {len(t.rows)} sequences but got a batch of {batch_size}")
-        need = -(-length // self.block_size)
-        first_written = write_from // self.block_size
-        shared = [(b, lb) for b, row in enumerate(t.rows) for lb in range(first_written, len(row)) if t.refcount[row[lb]] > 1]
-        missing = sum(max(0, need - len(row)) for row in t.rows)
+        need = [-(-(length - p) // self.block_size) for p in self.pads]
+        first = [max(write_from - p, 0) // self.block_size for p in self.pads]
+        shared = [
+            (b, lb) for b, row in enumerate(t.rows) for lb in range(first[b], len(row)) if t.refcount[row[lb]] > 1
+        ]
+        missing = sum(max(0, n - len(row)) for n, row in zip(need, t.rows))
         if not shared and not missing:
             return
         self._ensure_free(missing + len(shared))
@@ -284,8 +304,8 @@ class PagedKVCache(DynamicCache):
                 layer.copy_block(old, new)
             t.release(old)
             t.rows[b][lb] = new
-        for row in t.rows:
-            while len(row) < need:
+        for n, row in zip(need, t.rows):
+            while len(row) < n:
                 row.append(t.take())
         t.invalidate()
 
@@ -296,6 +316,7 @@ class PagedKVCache(DynamicCache):
                 self.table.release(blk)
         self.table.rows = []
         self.table.invalidate()
+        self.pads = []
         self._deferred.clear()
         for layer in self.layers:
             layer.reset()
@@ -331,6 +352,7 @@ class PagedKVCache(DynamicCache):
             for blk in row:
                 t.release(blk)
         t.rows = new_rows
+        self.pads = [self.pads[s] for s in sources]
         t.invalidate()
 
     def crop(self, max_length: int) -> None:
@@ -341,16 +363,18 @@ class PagedKVCache(DynamicCache):
         if keep == length:
             return
         t = self.table
-        need = -(-keep // self.block_size)
-        for row in t.rows:
+        for row, pad in zip(t.rows, self.pads):
+            need = -(-max(keep - pad, 0) // self.block_size)
             while len(row) > need:
                 t.release(row.pop())
         t.invalidate()
-        fill = keep - (need - 1) * self.block_size
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
                 layer.length = min(layer.length, keep)
-                if need and fill < self.block_size and layer.is_initialized:
-                    layer.refresh_metadata([(row[-1], fill) for row in t.rows])
+                if layer.is_initialized and t.rows:
+                    hi = (keep - self.pads_tensor(layer.device)).clamp(min=0)
+                    lo = (hi - 1).clamp(min=0)  # the last (now partial) block of each sequence
+                    table = t.tensor(layer.device)
+                    reference.refresh_metadata(layer.k_pool, layer.kmin, layer.kmax, layer.kmean, table, lo, hi)
             else:
                 layer.crop(keep - length)

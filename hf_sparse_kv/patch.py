@@ -21,8 +21,16 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import ATTENTION_NAME, CACHE_KWARG, CONFIG_KWARG, MODES, SparseConfig, sparse_attention_forward
-from .cache import PagedKVCache, check_block_size
+from .attention import (
+    ATTENTION_NAME,
+    CACHE_KWARG,
+    CONFIG_KWARG,
+    MODES,
+    SparseConfig,
+    declare_padding,
+    sparse_attention_forward,
+)
+from .cache import PagedKVCache, PagedLayer, check_block_size
 from .ops import BACKENDS
 from .policies import Dense, Policy
 
@@ -102,7 +110,7 @@ def _model_pre_hook(model, args, kwargs):
             "output_attentions=True is not supported on a model patched by hf_sparse_kv: sparse decode never forms "
             "the attention matrix. Call unpatch_model(model) to get attention weights."
         )
-    name, cache = _find_cache(kwargs)
+    _name, cache = _find_cache(kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
     use_cache = kwargs.get("use_cache")
@@ -115,8 +123,11 @@ def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
     _, cache = _find_cache(kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
-    if isinstance(cache, PagedKVCache):
+    if isinstance(cache, PagedKVCache) and isinstance(cache.layers[module.layer_idx], PagedLayer):
         cache.defer_reads(module.layer_idx)
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        declare_padding(cache, mask, hidden.shape[0], hidden.shape[1], hidden.device)
     kwargs[CONFIG_KWARG] = config
     kwargs[CACHE_KWARG] = cache
     return args, kwargs
@@ -124,7 +135,7 @@ def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
 
 def _prepare_cache_for_generation(model, original, generation_config, model_kwargs, *args, **kwargs):
     config: SparseConfig = getattr(model, STATE_ATTR).config
-    name, cache = _find_cache(model_kwargs)
+    _name, cache = _find_cache(model_kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
     if cache is None and generation_config.use_cache is not False:

@@ -61,28 +61,48 @@ def paged_write(
         k_pool, v_pool: ``[NB, Hkv, BS, D]``.
         kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block elementwise min / max / mean of the keys written so far.
         block_table: ``[B, MB]`` int32; must already map every block the new tokens land in.
-        pos0: ``[B]`` int, logical position of each sequence's first new token.
+        pos0: ``[B]`` int, logical position of each sequence's first new token. It may be negative: token ``t`` goes
+            to position ``pos0 + t`` and positions below 0 are skipped (left padding dropped on the way in).
         k_new, v_new: ``[B, Hkv, T, D]``.
 
     The metadata of a touched block is recomputed from its filled prefix ``[0, fill)`` (``fill`` = tokens of the
     block below ``pos0 + T``), so a block is always described by exactly the tokens it holds.
     """
-    B, H, T, D = k_new.shape
+    B, _H, T, _D = k_new.shape
     BS = k_pool.shape[2]
     pos = pos0.long().view(B, 1) + torch.arange(T, device=k_new.device).view(1, T)  # [B, T]
+    keep = pos >= 0
     phys, off = physical_slots(block_table, pos, BS)
-    k_pool[phys, :, off] = k_new.permute(0, 2, 1, 3).to(k_pool.dtype)  # [B, T, H, D]
-    v_pool[phys, :, off] = v_new.permute(0, 2, 1, 3).to(v_pool.dtype)
-    end = pos0.long() + T
-    for b in range(B):
-        first, last = int(pos0[b]) // BS, (int(end[b]) - 1) // BS
-        for lb in range(first, last + 1):
-            fill = min(BS, int(end[b]) - lb * BS)
-            blk = int(block_table[b, lb])
-            keys = k_pool[blk, :, :fill].float()  # [H, fill, D]
-            kmin[blk] = keys.amin(1).to(kmin.dtype)
-            kmax[blk] = keys.amax(1).to(kmax.dtype)
-            kmean[blk] = keys.mean(1).to(kmean.dtype)
+    phys, off = phys[keep], off[keep]
+    k_pool[phys, :, off] = k_new.permute(0, 2, 1, 3)[keep].to(k_pool.dtype)  # [N, H, D]
+    v_pool[phys, :, off] = v_new.permute(0, 2, 1, 3)[keep].to(v_pool.dtype)
+    refresh_metadata(k_pool, kmin, kmax, kmean, block_table, pos0.long().clamp(min=0), pos0.long() + T)
+
+
+def refresh_metadata(
+    k_pool: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+) -> None:
+    """Recompute min / max / mean of the blocks holding positions ``[lo[b], hi[b])`` of each sequence, in place,
+    each over its filled prefix (positions below ``hi[b]``)."""
+    BS = k_pool.shape[2]
+    for b in range(block_table.shape[0]):
+        l, h = int(lo[b]), int(hi[b])
+        if h <= l:
+            continue
+        lbs = torch.arange(l // BS, (h - 1) // BS + 1, device=k_pool.device)
+        blk = block_table[b, lbs].long()
+        fill = (h - lbs * BS).clamp(max=BS)  # [n]
+        keys = k_pool[blk].float()  # [n, H, BS, D]
+        ok = (torch.arange(BS, device=k_pool.device).view(1, BS) < fill.view(-1, 1)).view(-1, 1, BS, 1)
+        kmin[blk] = keys.masked_fill(~ok, float("inf")).amin(2).to(kmin.dtype)
+        kmax[blk] = keys.masked_fill(~ok, float("-inf")).amax(2).to(kmax.dtype)
+        kmean[blk] = (keys.masked_fill(~ok, 0.0).sum(2) / fill.view(-1, 1, 1)).to(kmean.dtype)
 
 
 def gather_dense(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -188,17 +208,22 @@ def oracle_block_scores(
 # ------------------------------------------------------------------------------------------------------- selection
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
+def topk_indices(scores: torch.Tensor, k: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Top indices along the last dim, ascending, ``-1``-padded: ``[B, H, N] -> [B, H, k]`` int32.
 
-    ``k`` may exceed ``N`` (the extra slots are ``-1``). Ascending order keeps the reads of a kernel in pool order.
+    Keeps ``counts[b]`` entries for sequence ``b`` (default ``k``) and never an index whose score is ``-inf``;
+    ``k`` may exceed ``N``. Ascending order keeps a kernel's reads in pool order.
     """
     N = scores.shape[-1]
     kk = min(k, N)
-    val, idx = scores.topk(kk, dim=-1)
-    idx = torch.where(val == NEG_INF, torch.full_like(idx, -1), idx)
-    idx = torch.where(idx < 0, torch.full_like(idx, torch.iinfo(torch.int32).max), idx).sort(-1).values
-    idx = torch.where(idx == torch.iinfo(torch.int32).max, torch.full_like(idx, -1), idx)
+    val, idx = scores.topk(kk, dim=-1)  # descending
+    drop = val == NEG_INF
+    if counts is not None:
+        rank = torch.arange(kk, device=scores.device).view(1, 1, kk)
+        drop = drop | (rank >= counts.to(scores.device).view(-1, 1, 1))
+    big = torch.iinfo(torch.int32).max
+    idx = torch.where(drop, torch.full_like(idx, big), idx).sort(-1).values
+    idx = torch.where(idx == big, torch.full_like(idx, -1), idx)
     if kk < k:
         idx = F.pad(idx, (0, k - kk), value=-1)
     return idx.to(torch.int32)

@@ -8,7 +8,6 @@ Budgets count the tokens one decode query attends, sink and window included: an 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import ClassVar
@@ -46,7 +45,7 @@ class DecodeState:
         k_pool: ``[NB, Hkv, BS, D]`` the layer's key pool.
         kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block key metadata.
         block_table: ``[B, nblk]`` int32 (only the blocks in use); seq_lens, start: ``[B]`` int32.
-        length: context length in tokens (the current token included), the same for every sequence.
+        length: the longest context in tokens (the current token included); ``seq_lens`` has each one.
         block_size: tokens per block. scale: softmax scale. mode: ``"mask"``, ``"token"`` or ``"block"``.
         ops: the op namespace of the backend (see :func:`hf_sparse_kv.ops.get_ops`).
     """
@@ -74,7 +73,7 @@ class DecodeState:
         return -(-self.length // self.block_size)
 
 
-def check_budget(budget: int | float | None, name: str = "budget", required: bool = True) -> None:
+def check_budget(budget: float | None, name: str = "budget", required: bool = True) -> None:
     """Raise a ``ValueError``/``TypeError`` naming ``name`` unless it is a positive int or a float in (0, 1]."""
     if budget is None:
         if required:
@@ -94,11 +93,11 @@ def check_count(value: int, name: str) -> None:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
 
-def budget_tokens(budget: int | float, length: int) -> int:
-    """Tokens one query may attend for ``budget`` at context ``length`` (a fraction rounds up, at least 1)."""
+def budget_tokens(budget: float, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Tokens one query may attend per sequence: ``[B]`` long (a fraction of ``seq_lens`` rounds up, at least 1)."""
     if isinstance(budget, float):
-        return max(1, math.ceil(budget * length))
-    return budget
+        return torch.ceil(budget * seq_lens.double()).long().clamp(min=1)
+    return torch.full_like(seq_lens, budget, dtype=torch.long)
 
 
 @dataclass
@@ -116,30 +115,41 @@ class Policy:
     # ---- helpers shared by the policies -----------------------------------------------------------------------
 
     @staticmethod
-    def dense_selection(state: DecodeState) -> Selection:
-        """Every block of the context."""
-        B, H = state.q.shape[0], state.num_kv_heads
-        idx = torch.arange(state.num_blocks, dtype=torch.int32, device=state.q.device)
-        zero = torch.zeros(B, dtype=torch.int32, device=state.q.device)
-        return Selection("block", idx.expand(B, H, -1).contiguous(), zero, zero, dense=True)
-
-    @staticmethod
-    def forced_positions(state: DecodeState, sink: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence, the sink ``[start, start + sink)`` and window ``[length - window, length)`` bounds: ``[B]``."""
-        sink_end = (state.start.long() + sink).clamp(max=state.length)
-        win_start = torch.full_like(sink_end, max(state.length - max(window, 1), 0))
-        return sink_end, torch.maximum(win_start, sink_end)
+    def blocks_per_seq(state: DecodeState) -> torch.Tensor:
+        """``[B]`` long: blocks in use by each sequence."""
+        return (state.seq_lens.long() + state.block_size - 1) // state.block_size
 
     @classmethod
-    def forced_blocks(cls, state: DecodeState, sink: int, window: int) -> torch.Tensor:
+    def dense_selection(cls, state: DecodeState) -> Selection:
+        """Every block of every sequence (``-1`` past a shorter sequence's last block)."""
+        B, H = state.q.shape[0], state.num_kv_heads
+        idx = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
+        idx = torch.where(idx < cls.blocks_per_seq(state).view(-1, 1), idx, -1).int()
+        zero = torch.zeros(B, dtype=torch.int32, device=state.q.device)
+        return Selection("block", idx.unsqueeze(1).expand(B, H, -1).contiguous(), zero, zero, dense=True)
+
+    @staticmethod
+    def forced_positions(
+        state: DecodeState, sink: int, window: int | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence, the end of the sink ``[start, start + sink)`` and the start of the window
+        ``[len - window, len)``: two ``[B]`` long tensors (the window never starts before the sink ends)."""
+        lens = state.seq_lens.long()
+        sink_end = torch.minimum(state.start.long() + sink, lens)
+        window = torch.as_tensor(window, device=lens.device).clamp(min=1)
+        return sink_end, torch.maximum(lens - window, sink_end)
+
+    @classmethod
+    def forced_blocks(cls, state: DecodeState, sink: int, window: int | torch.Tensor) -> torch.Tensor:
         """``[B, nblk]`` bool: the blocks holding the sink, the window and the current (partial) block."""
         BS = state.block_size
         sink_end, win_start = cls.forced_positions(state, sink, window)
+        start = state.start.long().view(-1, 1)
         blk = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
-        first_sink = state.start.long().view(-1, 1) // BS
-        in_sink = (blk >= first_sink) & (blk * BS < sink_end.view(-1, 1)) & (sink_end.view(-1, 1) > state.start.view(-1, 1))
+        nblk = cls.blocks_per_seq(state).view(-1, 1)
+        in_sink = ((blk + 1) * BS > start) & (blk * BS < sink_end.view(-1, 1))
         in_window = (blk + 1) * BS > win_start.view(-1, 1)
-        return in_sink | in_window | (blk == state.num_blocks - 1)
+        return (in_sink | in_window | (blk == nblk - 1)) & (blk < nblk)
 
     @staticmethod
     def empty_interval(state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,17 +34,17 @@ class _BlockTopK(Policy):
         raise NotImplementedError
 
     def select(self, state: DecodeState) -> Selection:
-        tokens = budget_tokens(self.budget, state.length)
-        if tokens >= state.length:
-            return self.dense_selection(state)
+        tokens = budget_tokens(self.budget, state.seq_lens)  # [B]
+        nblk = self.blocks_per_seq(state)
         forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
-        k = max(tokens // state.block_size, int(forced.sum(-1).max()))
-        if k >= state.num_blocks:
+        k = torch.maximum(tokens // state.block_size, forced.sum(-1))
+        k = torch.where(tokens >= state.seq_lens, nblk, torch.minimum(k, nblk))  # [B] blocks to keep
+        if bool((k >= nblk).all()):
             return self.dense_selection(state)
         s = self.scores(state)[..., : state.num_blocks]
-        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+        s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
         lo, hi = self.empty_interval(state)
-        return Selection("block", state.ops.topk_indices(s, k), lo, hi)
+        return Selection("block", state.ops.topk_indices(s, int(k.max()), k), lo, hi)
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
 
 
@@ -44,18 +46,20 @@ class SinkWindow(Policy):
         else:
             check_budget(self.budget)
 
-    def window_tokens(self, length: int) -> int:
+    def window_tokens(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """``[B]`` long: the window of each sequence."""
         if self.window is not None:
-            return self.window
-        return max(1, budget_tokens(self.budget, length) - self.sink)
+            return torch.full_like(seq_lens, self.window, dtype=torch.long)
+        return (budget_tokens(self.budget, seq_lens) - self.sink).clamp(min=1)
 
     def select(self, state: DecodeState) -> Selection:
-        window = self.window_tokens(state.length)
-        if self.sink + window >= state.length:
+        window = self.window_tokens(state.seq_lens)
+        if bool((self.sink + window >= state.seq_lens).all()):
             return self.dense_selection(state)
         forced = self.forced_blocks(state, self.sink, window)  # [B, nblk]
-        k = int(forced.sum(-1).max())
-        # the forced blocks as ascending ids: score them 1, the rest -inf, take the top k
+        counts = forced.sum(-1)
+        # the forced blocks as ascending ids: score them 1, the rest -inf, keep them all
         scores = forced.float().masked_fill(~forced, float("-inf")).unsqueeze(1).expand(-1, state.num_kv_heads, -1)
         sink_end, win_start = self.forced_positions(state, self.sink, window)
-        return Selection("block", state.ops.topk_indices(scores.contiguous(), k), sink_end.int(), win_start.int())
+        indices = state.ops.topk_indices(scores.contiguous(), int(counts.max()), counts)
+        return Selection("block", indices, sink_end.int(), win_start.int())

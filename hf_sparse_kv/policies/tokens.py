@@ -31,15 +31,18 @@ class TokenTopK(Policy):
         check_count(self.window, "window")
 
     def select(self, state: DecodeState) -> Selection:
-        tokens = budget_tokens(self.budget, state.length)
-        if tokens >= state.length:
+        lens = state.seq_lens.long()
+        tokens = budget_tokens(self.budget, lens)  # [B]
+        if bool((tokens >= lens).all()):
             return self.dense_selection(state)
         s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start)
-        pos = torch.arange(state.length, device=s.device).view(1, -1)
+        pos = torch.arange(s.shape[-1], device=s.device).view(1, -1)
         sink_end, win_start = self.forced_positions(state, self.sink, self.window)
-        forced = ((pos >= state.start.view(-1, 1)) & (pos < sink_end.view(-1, 1))) | (pos >= win_start.view(-1, 1))
-        forced = forced | (pos >= (state.length - 1) // state.block_size * state.block_size)  # current block
+        current = (lens - 1) // state.block_size * state.block_size  # start of the current block
+        forced = ((pos >= state.start.view(-1, 1)) & (pos < sink_end.view(-1, 1))) | (
+            pos >= torch.minimum(win_start, current).view(-1, 1)
+        )
         s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
-        k = max(tokens, int(forced.sum(-1).max()))
+        k = torch.where(tokens >= lens, lens, torch.maximum(tokens, (forced & (pos < lens.view(-1, 1))).sum(-1)))
         lo, hi = self.empty_interval(state)
-        return Selection("token", state.ops.topk_indices(s, k), lo, hi)
+        return Selection("token", state.ops.topk_indices(s, int(k.max()), k), lo, hi)

@@ -58,8 +58,22 @@ def attend_tile(b_q, b_k, b_v, m_n, b_m, b_l, b_acc, qk_scale, F32: tl.constexpr
 
 
 @triton.jit
-def store_split(o, lse, b_m, b_l, b_acc, i_b, i_h, i_s, S, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                BG: tl.constexpr, BD: tl.constexpr):
+def store_split(
+    o,
+    lse,
+    b_m,
+    b_l,
+    b_acc,
+    i_b,
+    i_h,
+    i_s,
+    S,
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+):
     """Normalise a split's accumulator and store it at ``o[b, h*G + g, s, :]`` and its log-sum-exp at ``lse[b, ., s]``.
 
     ``o`` is ``[B, HQ, S, D]`` (any float dtype, cast on store), ``lse`` ``[B, HQ, S]`` float32. An empty split
@@ -79,7 +93,7 @@ def store_split(o, lse, b_m, b_l, b_acc, i_b, i_h, i_s, S, HQ: tl.constexpr, G: 
     tl.store(lse + o_row, b_lse, mask=m_g)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -101,7 +115,7 @@ def default_num_splits(n_programs: int, n_tiles: int, device: torch.device, wave
 def check_decode_args(q, k_pool, v_pool, block_table, seq_lens, start, sel, ex_lo, ex_hi):
     """Shape and stride checks shared by the decode launchers; returns (B, HQ, H, G, D, BS, MB)."""
     B, HQ, D = q.shape
-    NB, H, BS, Dk = k_pool.shape
+    _, H, BS, Dk = k_pool.shape
     assert Dk == D and v_pool.shape == k_pool.shape, f"pools {tuple(k_pool.shape)}/{tuple(v_pool.shape)} vs D={D}"
     assert HQ % H == 0, f"query heads {HQ} not a multiple of KV heads {H}"
     assert k_pool.dtype == v_pool.dtype, "k_pool and v_pool must share a dtype"
@@ -169,10 +183,9 @@ def block_decode_fwd_kernel(
     b_l = tl.zeros([BG], dtype=tl.float32)
     b_acc = tl.zeros([BG, BD], dtype=tl.float32)
 
-    n_tiles = tl.cdiv(K * BS, BN)
+    # the last split may run past the selection: those rows load index -1 and are masked
     t0 = i_s * TILES_PER_SPLIT
-    t1 = tl.minimum(t0 + TILES_PER_SPLIT, n_tiles)
-    for i_t in range(t0, t1):
+    for i_t in range(t0, t0 + TILES_PER_SPLIT):
         # row n of the tile is flat position f = i_t*BN + n of the selection: selected block f // BS, offset f % BS
         o_f = i_t * BN + o_n
         o_k = o_f // BS

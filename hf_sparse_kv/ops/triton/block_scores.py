@@ -51,8 +51,9 @@ def block_scores_kernel(
     m_m = (o_m < n_blk) & (o_m < MB)
 
     # [BG, BD]
-    b_q = tl.load(q + (i_b * HQ + i_h * G + o_g)[:, None] * D + o_d[None, :], mask=m_g[:, None] & m_d[None, :],
-                  other=0.0)
+    b_q = tl.load(
+        q + (i_b * HQ + i_h * G + o_g)[:, None] * D + o_d[None, :], mask=m_g[:, None] & m_d[None, :], other=0.0
+    )
     if F32:
         b_q = b_q.to(tl.float32)
     b_phys = tl.load(block_table + i_b * MB + o_m, mask=m_m, other=0)
@@ -65,8 +66,8 @@ def block_scores_kernel(
         b_hi = tl.load(kmax + p_meta, mask=m_meta, other=0.0)
         if F32:
             b_lo, b_hi = b_lo.to(tl.float32), b_hi.to(tl.float32)
-        b_top = tl.maximum(b_lo, b_hi)
-        b_bot = tl.minimum(b_lo, b_hi)
+        b_top = tl.maximum(b_lo, b_hi).to(b_lo.dtype)  # (maximum promotes bf16 to float32; the cast is exact)
+        b_bot = tl.minimum(b_lo, b_hi).to(b_lo.dtype)
         zero = tl.zeros_like(b_q)
         b_qp = tl.where(b_q > 0, b_q, zero)
         b_qn = tl.where(b_q < 0, b_q, zero)
@@ -112,7 +113,7 @@ def block_scores(
     if method not in METHODS:
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
     B, HQ, D = q.shape
-    NB, H, Dm = kmin.shape
+    _, H, Dm = kmin.shape
     assert Dm == D and kmax.shape == kmin.shape and kmean.shape == kmin.shape, "metadata must be [NB, Hkv, D]"
     assert HQ % H == 0, f"query heads {HQ} not a multiple of KV heads {H}"
     meta = (kmin, kmax) if method == "quest" else (kmean,)

@@ -47,8 +47,9 @@ def merge_partials_kernel(
         b_lse = tl.load(lse + i_n * S + i_s + o_sp, mask=m_s, other=float("-inf")).to(tl.float32)
         b_w = tl.exp(b_lse - m_ref)  # [BSP], 0 for empty splits
         # [BSP, BD]
-        b_o = tl.load(o + (i_n * S + i_s + o_sp)[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
-                      other=0.0).to(tl.float32)
+        b_o = tl.load(
+            o + (i_n * S + i_s + o_sp)[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
+        ).to(tl.float32)
         b_acc += tl.sum(b_w[:, None] * b_o, 0)
         b_w_sum += b_w
     w_sum = tl.sum(b_w_sum, 0)

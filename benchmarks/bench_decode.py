@@ -1,0 +1,365 @@
+"""Decode attention over one layer's KV cache: dense, mask, FlexAttention, and our token / block kernels.
+
+The question: how much of the bandwidth that a budget saves does each way of executing a sparse selection turn into
+time, and where is dense still faster? One layer, bf16, random data (never zeros), a random block table (a
+permutation of the pool). Providers, timed in the same run (median of CUDA-graph replays, L2 flushed before each):
+
+- ``dense``: SDPA over a contiguous ``[B, Hkv, L, D]`` cache (``enable_gqa=True``)
+- ``mask``: the same call with a boolean mask keeping the selection (the ``mask`` mode: reads everything)
+- ``flex``: FlexAttention with a block mask built from the selection (compiled; only at ``--flex-at`` shapes)
+- ``token`` / ``block``: ``decode_tokens`` over the expanded selection / ``decode_blocks`` over the selected pages
+- ``+sel``: the same with the selection included (``block_scores`` quest + ``topk_indices`` + kernel)
+- ``dense_T``: SDPA dense on a contiguous cache of the ``T`` tokens the budget keeps (the paging + selection cost)
+
+Bytes are the KV bytes each provider must read by design (``+sel`` adds the min/max metadata of every block); GB/s
+and the fraction of the HBM bandwidth measured at the start of the run follow from them.
+
+    python benchmarks/bench_decode.py --quick                 # ~3 minutes on an H200
+    python benchmarks/bench_decode.py --models llama3-8b --batches 8   # one chunk of the full grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import bench, env_info, hbm_bandwidth, print_table, write_csv  # noqa: E402
+
+from hf_sparse_kv.ops import get_ops  # noqa: E402
+from hf_sparse_kv.ops import reference as R  # noqa: E402
+
+MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (Hq, Hkv, D) of one layer
+KI = 1024
+DEV = "cuda"
+FULL = {
+    "batches": [1, 8],
+    "contexts": [1, 2, 4, 8, 16, 32, 64, 128, 256],  # K tokens; 256K at batch 1 only
+    "budgets": [4, 8, 16, 32, 64],  # 1/budget of the context
+    "block_sizes": [16, 32, 64],
+}
+QUICK = [  # (models, batches, contexts, budgets, block sizes): the targets' shapes and a few around them
+    (["llama3-8b"], [1], [4, 16, 128], [8, 16, 64], [16, 64]),
+    (["llama3-8b"], [8], [4, 32], [8, 16, 64], [16, 64]),
+    (["smollm2"], [1, 8], [32], [16], [32]),
+]
+TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
+
+
+def kv_bytes(B: int, H: int, n_tokens: int, D: int) -> int:
+    return B * H * n_tokens * D * 2 * 2  # keys and values, bf16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float("nan") if out.isnan().any() else ((out - ref).norm() / ref.norm()).item()
+
+
+class Layer:
+    """One layer's cache at (model, B, L): contiguous for SDPA, and paged per block size for our kernels."""
+
+    def __init__(self, model: str, B: int, L: int):
+        self.Hq, self.H, self.D = MODELS[model]
+        self.G, self.B, self.L, self.scale = self.Hq // self.H, B, L, self.D**-0.5
+        dev = DEV
+        self.q = torch.randn(B, self.Hq, self.D, device=dev, dtype=torch.bfloat16)
+        self.k = torch.randn(B, self.H, L, self.D, device=dev, dtype=torch.bfloat16)
+        self.v = torch.randn(B, self.H, L, self.D, device=dev, dtype=torch.bfloat16)
+        self.seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+        self.zero = torch.zeros(B, dtype=torch.int32, device=dev)
+
+    def paged(self, BS: int):
+        """(k_pool, v_pool, kmin, kmax, kmean, block_table) with a random permutation of the pool."""
+        B, H, L, D = self.B, self.H, self.L, self.D
+        MB = L // BS
+        perm = torch.randperm(B * MB, device=DEV)
+        pools = []
+        for t in (self.k, self.v):
+            pool = torch.empty(B * MB, H, BS, D, device=DEV, dtype=torch.bfloat16)
+            pool[perm] = t.view(B, H, MB, BS, D).permute(0, 2, 1, 3, 4).reshape(B * MB, H, BS, D)
+            pools.append(pool)
+        kp = pools[0]
+        kmin, kmax, kmean = kp.amin(2), kp.amax(2), kp.float().mean(2).to(torch.bfloat16)
+        return pools[0], pools[1], kmin, kmax, kmean, perm.view(B, MB).int()
+
+    def sdpa(self, k, v, mask=None):
+        return F.scaled_dot_product_attention(
+            self.q.unsqueeze(2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )  # [B, Hq, 1, D]
+
+
+def flex_fn(layer: Layer, keep: torch.Tensor):
+    """A compiled FlexAttention call with a block mask from ``keep [B, Hkv, L]``; None where it does not build."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        G = layer.G
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return keep[b, h // G, kv_idx]
+
+        bm = create_block_mask(mask_mod, layer.B, layer.Hq, 1, layer.L, device=DEV)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        q4 = layer.q.unsqueeze(2)
+
+        def fn():
+            return compiled(q4, layer.k, layer.v, block_mask=bm, scale=layer.scale, enable_gqa=True)
+
+        fn()
+        n_blocks = (bm.kv_num_blocks + (bm.full_kv_num_blocks if bm.full_kv_num_blocks is not None else 0))[:, ::G]
+        return fn, int(n_blocks.sum()) * 128
+    except Exception as e:  # noqa: BLE001 - report n/a, keep benchmarking
+        print(f"  flex: n/a ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
+        return None, 0
+
+
+def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_t_cache, rows, long_rows, check):
+    B, H, L, D, G = layer.B, layer.H, layer.L, layer.D, layer.G
+    k_pool, v_pool, kmin, kmax, kmean, bt = paged
+    z, lens = layer.zero, layer.seq_lens
+    Kb = max(1, L // budget // BS)
+    T = Kb * BS
+
+    def select():
+        return ops.topk_indices(ops.block_scores(layer.q, kmin, kmax, kmean, bt, lens, BS, "quest"), Kb)
+
+    blocks = select()
+    tokens = R.blocks_to_tokens(blocks, BS)
+    keep = R.selection_to_mask(blocks, "block", BS, L, lens, z, z, z)  # [B, Hkv, L]
+    mask = keep.repeat_interleave(G, 1).unsqueeze(2)  # [B, Hq, 1, L]
+    a = (layer.q, k_pool, v_pool, bt, lens, z)
+
+    fns = {
+        "mask": lambda: layer.sdpa(layer.k, layer.v, mask),
+        "token": lambda: ops.decode_tokens(*a, tokens, z, z, layer.scale),
+        "token+sel": lambda: ops.decode_tokens(*a, R.blocks_to_tokens(select(), BS), z, z, layer.scale),
+        "block": lambda: ops.decode_blocks(*a, blocks, z, z, layer.scale),
+        "block+sel": lambda: ops.decode_blocks(*a, select(), z, z, layer.scale),
+        "sel": select,
+        "scores": lambda: ops.block_scores(layer.q, kmin, kmax, kmean, bt, lens, BS, "quest"),
+    }
+    scores = fns["scores"]()
+    fns["topk"] = lambda: ops.topk_indices(scores, Kb)
+    flex_bytes = 0
+    if f"{B}:{L}:{budget}" in args.flex_at and BS == min(args.block_sizes_of(model, B, L)):
+        fn, flex_tokens = flex_fn(layer, keep)
+        if fn is not None:
+            fns["flex"], flex_bytes = fn, kv_bytes(B, H, flex_tokens, D)
+
+    if check:  # every provider against the float32 reference on the same selection
+        ref = R.decode_blocks(*a, blocks, z, z, layer.scale).float()
+        errs = {n: rel_err(fns[n]().reshape(ref.shape), ref) for n in ("mask", "token", "block", "flex") if n in fns}
+        ref_scores = R.block_scores(layer.q, kmin, kmax, kmean, bt, lens, BS, "quest")
+        errs["scores"] = rel_err(scores, ref_scores)
+        full = torch.ones(B, H, L, dtype=torch.bool, device=DEV)
+        errs["dense"] = rel_err(layer.sdpa(layer.k, layer.v).reshape(ref.shape), R.decode_masked(*a[:4], lens, full, layer.scale))
+        bad = {n: e for n, e in errs.items() if not e < 2e-2}
+        print(f"  check {model} B={B} L={L} BS={BS} 1/{budget}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+        if bad:
+            print(f"  CHECK FAILED: {bad}")
+
+    if T not in dense_t_cache:
+        kT, vT = layer.k[:, :, :T].contiguous(), layer.v[:, :, :T].contiguous()
+        dense_t_cache[T] = bench(lambda: layer.sdpa(kT, vT), rep=args.rep)[0]
+        del kT, vT
+    meta_bytes = B * H * (L // BS) * D * 2 * 2  # kmin + kmax of every block in use
+    need = {
+        "mask": kv_bytes(B, H, L, D),
+        "flex": flex_bytes,
+        "token": kv_bytes(B, H, T, D) + B * H * T * 4,
+        "block": kv_bytes(B, H, T, D),
+        "sel": meta_bytes,
+        "scores": meta_bytes,
+        "topk": 0,
+    }
+    need["token+sel"], need["block+sel"] = need["token"] + meta_bytes, need["block"] + meta_bytes
+    row = {"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "T": T, "dense": dense_us}
+    for name, fn in fns.items():
+        us, mode = bench(fn, rep=args.rep)
+        row[name] = us
+        gbps = need[name] / (us * 1e-6) / 1e9 if need[name] else None
+        long_rows.append(
+            dict(
+                model=model, B=B, L=L, BS=BS, budget=f"1/{budget}", K=Kb, T=T, provider=name, us=round(us, 2),
+                kv_bytes=need[name], GBps=round(gbps, 1) if gbps else "", frac_hbm=round(gbps / hbm, 3) if gbps else "",
+                speedup_vs_dense=round(dense_us / us, 2), timing=mode,
+            )
+        )  # fmt: skip
+    row["dense_T"] = dense_t_cache[T]
+    gbps = need["block"] / (row["block"] * 1e-6) / 1e9
+    row.update({"blk GB/s": gbps, "blk %HBM": 100 * gbps / hbm, "x blk+sel": dense_us / row["block+sel"]})
+    row["x block"] = dense_us / row["block"]
+    row["blk/dense_T"] = row["block"] / row["dense_T"]
+    long_rows.append(
+        dict(model=model, B=B, L=L, BS=BS, budget=f"1/{budget}", K=Kb, T=T, provider="dense_T", us=round(row["dense_T"], 2),
+             kv_bytes=kv_bytes(B, H, T, D), speedup_vs_dense=round(dense_us / row["dense_T"], 2), timing="graph")
+    )  # fmt: skip
+    rows.append(row)
+    print(
+        f"  {model} B={B} L={L // KI}K BS={BS} 1/{budget}: dense {dense_us:.1f} | block {row['block']:.1f} "
+        f"({row['blk %HBM']:.0f}% HBM) | block+sel {row['block+sel']:.1f} | token {row['token']:.1f} | "
+        f"sel {row['sel']:.1f} (topk {row['topk']:.1f}) | dense_T {row['dense_T']:.1f}",
+        flush=True,
+    )
+
+
+def tune(ops, args, hbm):
+    """Sweep the decode_blocks knobs at the targets' shapes; prints the table, returns nothing."""
+    from hf_sparse_kv.ops.triton.block_decode import decode_blocks_fwd, default_block_n, default_num_splits
+
+    out = []
+    for model, B, L, budget in TUNE_AT:
+        layer = Layer(model, B, L)
+        for BS in (16, 64):
+            k_pool, v_pool, kmin, kmax, kmean, bt = layer.paged(BS)
+            Kb = L // budget // BS
+            blocks = ops.topk_indices(ops.block_scores(layer.q, kmin, kmax, kmean, bt, layer.seq_lens, BS, "quest"), Kb)
+            z = layer.zero
+            a = (layer.q, k_pool, v_pool, bt, layer.seq_lens, z, blocks, z, z, layer.scale)
+            nbytes = kv_bytes(B, layer.H, Kb * BS, layer.D)
+            for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+                base = default_num_splits(B * layer.H, -(-Kb * BS // bn), layer.q.device)
+                for f in (0.5, 1, 2):
+                    S = max(1, int(base * f))
+                    try:
+                        us, _ = bench(lambda: decode_blocks_fwd(*a, block_n=bn, num_splits=S, num_warps=nw, num_stages=ns), rep=20)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
+                        print(f"  tune {bn}/{nw}/{ns}: {type(e).__name__}")
+                        break
+                    out.append(dict(model=model, B=B, L=L, BS=BS, budget=f"1/{budget}", block_n=bn, warps=nw, stages=ns,
+                                    splits=S, us=us, pct_hbm=100 * nbytes / (us * 1e-6) / 1e9 / hbm,
+                                    default=(bn == default_block_n(layer.D, 2) and nw == 4 and ns == 3 and f == 1)))  # fmt: skip
+            del k_pool, v_pool
+        del layer
+        torch.cuda.empty_cache()
+    best = []
+    for key, grp in itertools.groupby(out, key=lambda r: (r["model"], r["B"], r["L"], r["BS"])):
+        grp = sorted(grp, key=lambda r: r["us"])
+        best += grp[:3] + [r for r in grp if r["default"]]
+    print_table(best, ["model", "B", "L", "BS", "budget", "block_n", "warps", "stages", "splits", "us", "pct_hbm", "default"],
+                "decode_blocks knobs: the 3 fastest and the default per shape")  # fmt: skip
+    write_csv(os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_decode_tune.csv"), out)
+
+
+def crossovers(rows):
+    """Per (model, batch, budget): the context below which dense beats block+sel (best block size at each context)."""
+    out = []
+    key = lambda r: (r["model"], r["B"], r["budget"])  # noqa: E731
+    for (model, B, budget), grp in itertools.groupby(sorted(rows, key=key), key=key):
+        by_len: dict[int, tuple[float, float]] = {}
+        for r in grp:
+            best = min(by_len.get(r["L"], (float("inf"), 0))[0], r["block+sel"])
+            by_len[r["L"]] = (best, r["dense"])
+        lens = sorted(by_len)
+        wins = [by_len[n][0] < by_len[n][1] for n in lens]
+        if all(wins):
+            where = f"<= {lens[0] // KI}K (sparse wins at every measured context)"
+        elif not any(wins):
+            where = f"> {lens[-1] // KI}K (dense wins at every measured context)"
+        else:
+            last_loss = max(i for i, w in enumerate(wins) if not w)
+            where = f"between {lens[last_loss] // KI}K and {lens[last_loss + 1] // KI}K" if last_loss + 1 < len(lens) else f"> {lens[-1] // KI}K"
+        out.append(dict(model=model, B=B, budget=budget, contexts=",".join(f"{n // KI}K" for n in lens), crossover=where))
+    return out
+
+
+def targets(rows, hbm):
+    """The issue's targets, measured (Llama-3-8B layer, bf16); each line says met / not met."""
+
+    def find(B, L, budget):
+        return [r for r in rows if r["model"] == "llama3-8b" and r["B"] == B and r["L"] == L and r["budget"] == f"1/{budget}"]
+
+    lines = []
+    for r in find(8, 32 * KI, 8):
+        ok = r["blk %HBM"] >= 80
+        lines.append(f"block alone >= 80% HBM @B8 32K 1/8 BS={r['BS']}: {r['blk %HBM']:.0f}% ({r['blk GB/s']:.0f} GB/s of {hbm:.0f}) {'MET' if ok else 'NOT MET'}")
+    for r in find(1, 128 * KI, 16):
+        ok = r["block+sel"] <= 17 and r["x blk+sel"] >= 8
+        lines.append(f"sel+attn <= 17us, >= 8x dense @B1 128K 1/16 BS={r['BS']}: {r['block+sel']:.1f} us, {r['x blk+sel']:.1f}x (dense {r['dense']:.1f}) {'MET' if ok else 'NOT MET'}")
+    for r in find(8, 32 * KI, 16):
+        ok = r["x blk+sel"] >= 8
+        lines.append(f"sel+attn >= 8x dense @B8 32K 1/16 BS={r['BS']}: {r['x blk+sel']:.1f}x ({r['block+sel']:.1f} vs {r['dense']:.1f} us) {'MET' if ok else 'NOT MET'}")
+    worst = max((r for r in rows if r["model"] == "llama3-8b"), key=lambda r: r["blk/dense_T"], default=None)
+    if worst:
+        n_ok = sum(r["blk/dense_T"] <= 1.2 for r in rows if r["model"] == "llama3-8b")
+        n = sum(r["model"] == "llama3-8b" for r in rows)
+        lines.append(f"block over T tokens <= 1.2x dense on T contiguous: {n_ok}/{n} rows; worst {worst['blk/dense_T']:.2f}x at B={worst['B']} L={worst['L'] // KI}K {worst['budget']} BS={worst['BS']}")
+    return lines  # fmt: skip
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the reduced grid (~3 minutes on an H200)")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--batches", nargs="+", type=int, default=FULL["batches"])
+    p.add_argument("--contexts", nargs="+", type=float, default=FULL["contexts"], help="in K tokens")
+    p.add_argument("--budgets", nargs="+", type=int, default=FULL["budgets"], help="denominators: 16 = 1/16")
+    p.add_argument("--block-sizes", nargs="+", type=int, default=FULL["block_sizes"])
+    p.add_argument("--flex-at", nargs="*", default=["1:131072:16", "8:32768:16"], help="B:L:budget shapes for flex")
+    p.add_argument("--rep", type=int, default=30, help="timed replays per provider")
+    p.add_argument("--tune", action="store_true", help="also sweep the decode_blocks knobs at the targets' shapes")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check against the reference")
+    p.add_argument("--out", default="benchmarks/results/bench_decode.csv")
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script through Triton's interpreter")
+    args = p.parse_args()
+    global DEV
+    DEV = args.device
+    assert DEV == "cpu" or torch.cuda.is_available(), "this benchmark needs a CUDA device (or --device cpu)"
+    torch.manual_seed(0)
+    torch._dynamo.config.cache_size_limit = 64
+
+    if args.quick:
+        grid = []
+        for models, batches, contexts, budgets, bss in QUICK:
+            grid += [(m, b, int(c * KI), budgets, bss) for m in models for b in batches for c in contexts]
+    else:
+        grid = [(m, b, int(c * KI), args.budgets, args.block_sizes) for m in args.models for b in args.batches
+                for c in args.contexts if not (c > 128 and b > 1)]  # fmt: skip
+    shape_bss = {(m, b, L): bss for m, b, L, _, bss in grid}
+    args.block_sizes_of = lambda m, b, L: shape_bss[(m, b, L)]
+
+    info = env_info()
+    hbm = hbm_bandwidth(DEV, 2**31 if DEV == "cuda" else 2**24)
+    print(f"env: {info}\nHBM probe (2 GiB device copy, read+write): {hbm:.0f} GB/s", flush=True)
+    ops = get_ops("triton", DEV)
+    if args.tune:
+        tune(ops, args, hbm)
+
+    rows, long_rows, checked = [], [], set()
+    for model, B, L, budgets, bss in grid:
+        layer = Layer(model, B, L)
+        dense_us, mode = bench(lambda: layer.sdpa(layer.k, layer.v), rep=args.rep)
+        long_rows.append(dict(model=model, B=B, L=L, provider="dense", us=round(dense_us, 2),
+                              kv_bytes=kv_bytes(B, layer.H, L, layer.D), timing=mode,
+                              GBps=round(kv_bytes(B, layer.H, L, layer.D) / (dense_us * 1e-6) / 1e9, 1)))  # fmt: skip
+        dense_t_cache: dict[int, float] = {}
+        for BS in bss:
+            paged = layer.paged(BS)
+            for budget in budgets:
+                check = not args.no_check and (model, BS) not in checked
+                checked.add((model, BS))
+                run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_t_cache, rows, long_rows, check)
+            del paged
+        del layer
+        torch.cuda.empty_cache()
+
+    for r in long_rows:
+        r.update(hbm_GBps=round(hbm, 0), **info)
+    write_csv(args.out, long_rows)
+    print(f"\nwrote {args.out} ({len(long_rows)} rows)")
+    print_table(crossovers(rows), ["model", "B", "budget", "contexts", "crossover"], "crossover (block+sel vs dense)")
+    print("\ntargets:\n  " + "\n  ".join(targets(rows, hbm)))
+    cols = ["model", "B", "L", "BS", "budget", "dense", "mask", "flex", "token", "token+sel", "block", "block+sel",
+            "sel", "topk", "blk %HBM", "x blk+sel", "x block", "dense_T", "blk/dense_T"]  # fmt: skip
+    print_table([{**r, "L": f"{r['L'] // KI}K"} for r in rows], cols, f"decode, one layer, bf16, us (median); HBM {hbm:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Tiny random-initialised models of each supported architecture (nothing downloaded), float32."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 96
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny ``arch`` causal LM in eval mode with the ``sdpa`` attention (the unpatched reference)."""
+    torch.manual_seed(seed)
+    kw = {**COMMON, **overrides}
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw))
+    elif arch == "mistral":
+        kw.setdefault("sliding_window", 24)
+        model = MistralForCausalLM(MistralConfig(**kw))
+    elif arch == "gemma3":
+        kw.setdefault("num_hidden_layers", 4)
+        kw["num_hidden_layers"] = max(kw["num_hidden_layers"], 4)
+        types = ["sliding_attention", "full_attention"] * (kw["num_hidden_layers"] // 2)
+        model = Gemma3ForCausalLM(
+            Gemma3TextConfig(head_dim=16, sliding_window=24, layer_types=types, query_pre_attn_scalar=16, **kw)
+        )
+    else:
+        raise ValueError(arch)
+    model.config._attn_implementation = "sdpa"
+    model.set_attn_implementation("sdpa")
+    return model.eval()
+
+
+def prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+def greedy(model, input_ids, new_tokens: int = 32, **kw):
+    """Greedy generate with scores: (sequences, stacked scores [steps, B, V])."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, max_new_tokens=new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
+            min_new_tokens=new_tokens, **kw,
+        )
+    return out.sequences, torch.stack(out.scores)
