@@ -31,10 +31,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import bench, env_info, hbm_bandwidth, print_table, write_csv  # noqa: E402
+from common import bench, env_info, hbm_bandwidth, print_table, write_csv
 
-from hf_sparse_kv.ops import get_ops  # noqa: E402
-from hf_sparse_kv.ops import reference as R  # noqa: E402
+from hf_sparse_kv.ops import get_ops
+from hf_sparse_kv.ops import reference as R
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (Hq, Hkv, D) of one layer
 KI = 1024
@@ -114,7 +114,7 @@ def flex_fn(layer: Layer, keep: torch.Tensor):
 
         fn()
         n_blocks = (bm.kv_num_blocks + (bm.full_kv_num_blocks if bm.full_kv_num_blocks is not None else 0))[:, ::G]
-        return fn, int(n_blocks.sum()) * 128
+        return fn, int(n_blocks.sum()) * 128 * layer.D * 2 * 2  # KV bytes of the 128-token blocks it visits
     except Exception as e:  # noqa: BLE001 - report n/a, keep benchmarking
         print(f"  flex: n/a ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
         return None, 0
@@ -147,19 +147,23 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
     }
     scores = fns["scores"]()
     fns["topk"] = lambda: ops.topk_indices(scores, Kb)
+    fns["topk_torch"] = lambda: R.topk_indices(scores, Kb)
     flex_bytes = 0
     if f"{B}:{L}:{budget}" in args.flex_at and BS == min(args.block_sizes_of(model, B, L)):
-        fn, flex_tokens = flex_fn(layer, keep)
+        fn, flex_bytes = flex_fn(layer, keep)
         if fn is not None:
-            fns["flex"], flex_bytes = fn, kv_bytes(B, H, flex_tokens, D)
+            fns["flex"] = fn
 
     if check:  # every provider against the float32 reference on the same selection
         ref = R.decode_blocks(*a, blocks, z, z, layer.scale).float()
         errs = {n: rel_err(fns[n]().reshape(ref.shape), ref) for n in ("mask", "token", "block", "flex") if n in fns}
         ref_scores = R.block_scores(layer.q, kmin, kmax, kmean, bt, lens, BS, "quest")
         errs["scores"] = rel_err(scores, ref_scores)
+        errs["topk!=torch"] = (ops.topk_indices(scores, Kb) != R.topk_indices(scores, Kb)).float().mean().item()
         full = torch.ones(B, H, L, dtype=torch.bool, device=DEV)
-        errs["dense"] = rel_err(layer.sdpa(layer.k, layer.v).reshape(ref.shape), R.decode_masked(*a[:4], lens, full, layer.scale))
+        errs["dense"] = rel_err(
+            layer.sdpa(layer.k, layer.v).reshape(ref.shape), R.decode_masked(*a[:4], lens, full, layer.scale)
+        )
         bad = {n: e for n, e in errs.items() if not e < 2e-2}
         print(f"  check {model} B={B} L={L} BS={BS} 1/{budget}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
         if bad:
@@ -178,19 +182,18 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
         "sel": meta_bytes,
         "scores": meta_bytes,
         "topk": 0,
+        "topk_torch": 0,
     }
     need["token+sel"], need["block+sel"] = need["token"] + meta_bytes, need["block"] + meta_bytes
-    row = {"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "T": T, "dense": dense_us}
+    key = {"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "K": Kb, "T": T}
+    row = {**key, "dense": dense_us}
     for name, fn in fns.items():
         us, mode = bench(fn, rep=args.rep)
         row[name] = us
         gbps = need[name] / (us * 1e-6) / 1e9 if need[name] else None
         long_rows.append(
-            dict(
-                model=model, B=B, L=L, BS=BS, budget=f"1/{budget}", K=Kb, T=T, provider=name, us=round(us, 2),
-                kv_bytes=need[name], GBps=round(gbps, 1) if gbps else "", frac_hbm=round(gbps / hbm, 3) if gbps else "",
-                speedup_vs_dense=round(dense_us / us, 2), timing=mode,
-            )
+            {**key, "provider": name, "us": round(us, 2), "kv_bytes": need[name], "GBps": round(gbps, 1) if gbps else "",
+             "frac_hbm": round(gbps / hbm, 3) if gbps else "", "speedup_vs_dense": round(dense_us / us, 2), "timing": mode}
         )  # fmt: skip
     row["dense_T"] = dense_t_cache[T]
     gbps = need["block"] / (row["block"] * 1e-6) / 1e9
@@ -198,8 +201,8 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
     row["x block"] = dense_us / row["block"]
     row["blk/dense_T"] = row["block"] / row["dense_T"]
     long_rows.append(
-        dict(model=model, B=B, L=L, BS=BS, budget=f"1/{budget}", K=Kb, T=T, provider="dense_T", us=round(row["dense_T"], 2),
-             kv_bytes=kv_bytes(B, H, T, D), speedup_vs_dense=round(dense_us / row["dense_T"], 2), timing="graph")
+        {**key, "provider": "dense_T", "us": round(row["dense_T"], 2), "kv_bytes": kv_bytes(B, H, T, D),
+         "speedup_vs_dense": round(dense_us / row["dense_T"], 2), "timing": "graph"}
     )  # fmt: skip
     rows.append(row)
     print(
@@ -224,18 +227,19 @@ def tune(ops, args, hbm):
             z = layer.zero
             a = (layer.q, k_pool, v_pool, bt, layer.seq_lens, z, blocks, z, z, layer.scale)
             nbytes = kv_bytes(B, layer.H, Kb * BS, layer.D)
-            for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            for bn, nw, ns in itertools.product((64, 128), (4, 8), (2, 3)):
                 base = default_num_splits(B * layer.H, -(-Kb * BS // bn), layer.q.device)
                 for f in (0.5, 1, 2):
                     S = max(1, int(base * f))
                     try:
-                        us, _ = bench(lambda: decode_blocks_fwd(*a, block_n=bn, num_splits=S, num_warps=nw, num_stages=ns), rep=20)
+                        kw = {"block_n": bn, "num_splits": S, "num_warps": nw, "num_stages": ns}
+                        us, _ = bench(lambda a=a, kw=kw: decode_blocks_fwd(*a, **kw), rep=20)
                     except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
                         print(f"  tune {bn}/{nw}/{ns}: {type(e).__name__}")
                         break
-                    out.append(dict(model=model, B=B, L=L, BS=BS, budget=f"1/{budget}", block_n=bn, warps=nw, stages=ns,
-                                    splits=S, us=us, pct_hbm=100 * nbytes / (us * 1e-6) / 1e9 / hbm,
-                                    default=(bn == default_block_n(layer.D, 2) and nw == 4 and ns == 3 and f == 1)))  # fmt: skip
+                    out.append({"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "block_n": bn, "warps": nw,
+                                "stages": ns, "splits": S, "us": us, "pct_hbm": 100 * nbytes / (us * 1e-6) / 1e9 / hbm,
+                                "default": bn == default_block_n(layer.D, 2) and nw == 4 and ns == 2 and f == 1})  # fmt: skip
             del k_pool, v_pool
         del layer
         torch.cuda.empty_cache()
@@ -251,7 +255,10 @@ def tune(ops, args, hbm):
 def crossovers(rows):
     """Per (model, batch, budget): the context below which dense beats block+sel (best block size at each context)."""
     out = []
-    key = lambda r: (r["model"], r["B"], r["budget"])  # noqa: E731
+
+    def key(r):
+        return r["model"], r["B"], r["budget"]
+
     for (model, B, budget), grp in itertools.groupby(sorted(rows, key=key), key=key):
         by_len: dict[int, tuple[float, float]] = {}
         for r in grp:
@@ -265,8 +272,20 @@ def crossovers(rows):
             where = f"> {lens[-1] // KI}K (dense wins at every measured context)"
         else:
             last_loss = max(i for i, w in enumerate(wins) if not w)
-            where = f"between {lens[last_loss] // KI}K and {lens[last_loss + 1] // KI}K" if last_loss + 1 < len(lens) else f"> {lens[-1] // KI}K"
-        out.append(dict(model=model, B=B, budget=budget, contexts=",".join(f"{n // KI}K" for n in lens), crossover=where))
+            where = (
+                f"between {lens[last_loss] // KI}K and {lens[last_loss + 1] // KI}K"
+                if last_loss + 1 < len(lens)
+                else f"> {lens[-1] // KI}K"
+            )
+        out.append(
+            {
+                "model": model,
+                "B": B,
+                "budget": budget,
+                "contexts": ",".join(f"{n // KI}K" for n in lens),
+                "crossover": where,
+            }
+        )
     return out
 
 
@@ -274,23 +293,35 @@ def targets(rows, hbm):
     """The issue's targets, measured (Llama-3-8B layer, bf16); each line says met / not met."""
 
     def find(B, L, budget):
-        return [r for r in rows if r["model"] == "llama3-8b" and r["B"] == B and r["L"] == L and r["budget"] == f"1/{budget}"]
+        return [
+            r
+            for r in rows
+            if r["model"] == "llama3-8b" and r["B"] == B and r["L"] == L and r["budget"] == f"1/{budget}"
+        ]
 
     lines = []
     for r in find(8, 32 * KI, 8):
         ok = r["blk %HBM"] >= 80
-        lines.append(f"block alone >= 80% HBM @B8 32K 1/8 BS={r['BS']}: {r['blk %HBM']:.0f}% ({r['blk GB/s']:.0f} GB/s of {hbm:.0f}) {'MET' if ok else 'NOT MET'}")
+        lines.append(
+            f"block alone >= 80% HBM @B8 32K 1/8 BS={r['BS']}: {r['blk %HBM']:.0f}% ({r['blk GB/s']:.0f} GB/s of {hbm:.0f}) {'MET' if ok else 'NOT MET'}"
+        )
     for r in find(1, 128 * KI, 16):
         ok = r["block+sel"] <= 17 and r["x blk+sel"] >= 8
-        lines.append(f"sel+attn <= 17us, >= 8x dense @B1 128K 1/16 BS={r['BS']}: {r['block+sel']:.1f} us, {r['x blk+sel']:.1f}x (dense {r['dense']:.1f}) {'MET' if ok else 'NOT MET'}")
+        lines.append(
+            f"sel+attn <= 17us, >= 8x dense @B1 128K 1/16 BS={r['BS']}: {r['block+sel']:.1f} us, {r['x blk+sel']:.1f}x (dense {r['dense']:.1f}) {'MET' if ok else 'NOT MET'}"
+        )
     for r in find(8, 32 * KI, 16):
         ok = r["x blk+sel"] >= 8
-        lines.append(f"sel+attn >= 8x dense @B8 32K 1/16 BS={r['BS']}: {r['x blk+sel']:.1f}x ({r['block+sel']:.1f} vs {r['dense']:.1f} us) {'MET' if ok else 'NOT MET'}")
+        lines.append(
+            f"sel+attn >= 8x dense @B8 32K 1/16 BS={r['BS']}: {r['x blk+sel']:.1f}x ({r['block+sel']:.1f} vs {r['dense']:.1f} us) {'MET' if ok else 'NOT MET'}"
+        )
     worst = max((r for r in rows if r["model"] == "llama3-8b"), key=lambda r: r["blk/dense_T"], default=None)
     if worst:
         n_ok = sum(r["blk/dense_T"] <= 1.2 for r in rows if r["model"] == "llama3-8b")
         n = sum(r["model"] == "llama3-8b" for r in rows)
-        lines.append(f"block over T tokens <= 1.2x dense on T contiguous: {n_ok}/{n} rows; worst {worst['blk/dense_T']:.2f}x at B={worst['B']} L={worst['L'] // KI}K {worst['budget']} BS={worst['BS']}")
+        lines.append(
+            f"block over T tokens <= 1.2x dense on T contiguous: {n_ok}/{n} rows; worst {worst['blk/dense_T']:.2f}x at B={worst['B']} L={worst['L'] // KI}K {worst['budget']} BS={worst['BS']}"
+        )
     return lines  # fmt: skip
 
 
@@ -335,17 +366,19 @@ def main():
     rows, long_rows, checked = [], [], set()
     for model, B, L, budgets, bss in grid:
         layer = Layer(model, B, L)
-        dense_us, mode = bench(lambda: layer.sdpa(layer.k, layer.v), rep=args.rep)
-        long_rows.append(dict(model=model, B=B, L=L, provider="dense", us=round(dense_us, 2),
-                              kv_bytes=kv_bytes(B, layer.H, L, layer.D), timing=mode,
-                              GBps=round(kv_bytes(B, layer.H, L, layer.D) / (dense_us * 1e-6) / 1e9, 1)))  # fmt: skip
+        dense_us, mode = bench(lambda layer=layer: layer.sdpa(layer.k, layer.v), rep=args.rep)
+        nbytes = kv_bytes(B, layer.H, L, layer.D)
+        long_rows.append({"model": model, "B": B, "L": L, "provider": "dense", "us": round(dense_us, 2), "kv_bytes": nbytes,
+                          "GBps": round(nbytes / (dense_us * 1e-6) / 1e9, 1), "timing": mode})  # fmt: skip
         dense_t_cache: dict[int, float] = {}
         for BS in bss:
             paged = layer.paged(BS)
             for budget in budgets:
                 check = not args.no_check and (model, BS) not in checked
                 checked.add((model, BS))
-                run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_t_cache, rows, long_rows, check)
+                run_budget(
+                    layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_t_cache, rows, long_rows, check
+                )
             del paged
         del layer
         torch.cuda.empty_cache()
@@ -357,8 +390,12 @@ def main():
     print_table(crossovers(rows), ["model", "B", "budget", "contexts", "crossover"], "crossover (block+sel vs dense)")
     print("\ntargets:\n  " + "\n  ".join(targets(rows, hbm)))
     cols = ["model", "B", "L", "BS", "budget", "dense", "mask", "flex", "token", "token+sel", "block", "block+sel",
-            "sel", "topk", "blk %HBM", "x blk+sel", "x block", "dense_T", "blk/dense_T"]  # fmt: skip
-    print_table([{**r, "L": f"{r['L'] // KI}K"} for r in rows], cols, f"decode, one layer, bf16, us (median); HBM {hbm:.0f} GB/s")
+            "sel", "topk", "topk_torch", "blk %HBM", "x blk+sel", "x block", "dense_T", "blk/dense_T"]  # fmt: skip
+    print_table(
+        [{**r, "L": f"{r['L'] // KI}K"} for r in rows],
+        cols,
+        f"decode, one layer, bf16, us (median); HBM {hbm:.0f} GB/s",
+    )
 
 
 if __name__ == "__main__":

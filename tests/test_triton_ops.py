@@ -189,6 +189,19 @@ def test_block_scores(method, G, BS):
     assert rel_err(out[fin], ref[fin]) < 1e-5
 
 
+@pytest.mark.parametrize("shape,k", [((2, 3, 50), 7), ((1, 2, 10), 16), ((4, 100), 100), ((2, 2, 300), 1)])
+def test_topk_indices(shape, k):
+    g = torch.Generator().manual_seed(k)
+    s = torch.randn(shape, generator=g)
+    s[..., -3:] = float("-inf")  # past the sequence
+    s.view(-1, shape[-1])[0] = float("-inf")  # a row with nothing to select
+    s[..., 1] = -0.0
+    s = s.to(DEVICE)
+    out = OPS.topk_indices(s, k)
+    assert out.dtype == torch.int32 and out.shape == (*shape[:-1], k)
+    assert torch.equal(out, R.topk_indices(s, k))
+
+
 @pytest.mark.parametrize("BS,T,pos0", [(8, 1, [13, 0]), (16, 1, [15, 16]), (8, 7, [3, 30]), (16, 37, [0, 21])])
 def test_paged_write(BS, T, pos0):
     c = make_case(2, 2, 1, 16, BS, [80, 80])
@@ -239,6 +252,14 @@ def test_cuda_block_scores(dtype, method):
 
 
 @cuda_only
+@pytest.mark.parametrize("N,k", [(8192, 512), (16384, 1024), (2048, 128), (777, 1000)])
+def test_cuda_topk_indices(N, k):
+    s = torch.randn(3, 8, N, device=DEVICE)
+    s[0, :, N // 2 :] = float("-inf")
+    assert torch.equal(OPS.topk_indices(s, k), R.topk_indices(s, k))
+
+
+@cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("BS,T", [(16, 1), (64, 1), (32, 1000)])
 def test_cuda_paged_write(dtype, BS, T):
@@ -252,4 +273,5 @@ def test_cuda_paged_write(dtype, BS, T):
     OPS.paged_write(*mine, c["block_table"], p0, k_new, v_new)
     R.paged_write(*ref, c["block_table"], p0, k_new, v_new)
     for name, a, b in zip(("k_pool", "v_pool", "kmin", "kmax", "kmean"), mine, ref):
-        assert torch.equal(a, b) if name.endswith("pool") else rel_err(a, b) < 1e-5, name
+        # pools: the same bytes; metadata: float32 sums in another order, then rounded to the metadata dtype
+        assert torch.equal(a, b) if name.endswith("pool") else rel_err(a, b) < TOL[dtype], name

@@ -1,9 +1,9 @@
 """Triton kernels of the sparse-KV ops; each function has the signature of its twin in ``..reference``."""
 
 from .block_decode import decode_blocks
-from .block_scores import block_scores
+from .block_scores import block_scores, topk_indices
 from .merge import merge_partials
 from .paged_write import paged_write
 from .token_decode import decode_tokens
 
-__all__ = ["block_scores", "decode_blocks", "decode_tokens", "merge_partials", "paged_write"]
+__all__ = ["block_scores", "decode_blocks", "decode_tokens", "merge_partials", "paged_write", "topk_indices"]

@@ -136,3 +136,79 @@ def block_scores(
         QUEST=method == "quest", F32=F32, num_warps=4,
     )  # fmt: skip
     return out
+
+
+# ------------------------------------------------------------------------------------------------------- top-k
+
+
+@triton.jit
+def topk_indices_kernel(
+    scores,  # [R, N] float32
+    out,  # [R, K] int32
+    N,
+    K,
+    KK,  # min(K, N)
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    o_n = tl.arange(0, BN)
+    m_n = o_n < N
+    # [BN] the row, -inf past its end
+    b_s = tl.load(scores + i_r * N + o_n, mask=m_n, other=float("-inf"))
+    # an integer key with the order of the floats: negative floats have their magnitude bits flipped, then the
+    # signed range is shifted to [0, 2^32)
+    b_bits = b_s.to(tl.int32, bitcast=True)
+    b_key = tl.where(b_bits < 0, b_bits ^ 0x7FFFFFFF, b_bits).to(tl.int64) + 2147483648
+    # radix select: the largest t with count(key >= t) >= KK (the KK-th largest key), one bit at a time from the top
+    t = tl.zeros([], dtype=tl.int64)
+    bit = tl.full([], 2147483648, dtype=tl.int64)
+    for _ in range(32):
+        cand = t | bit
+        n_ge = tl.sum((b_key >= cand).to(tl.int32), 0)
+        t = tl.where(n_ge >= KK, cand, t)
+        bit = bit >> 1
+    # everything above t, then the first (by index) of the ties at t, never a -inf score
+    m_gt = b_key > t
+    m_eq = b_key == t
+    n_gt = tl.sum(m_gt.to(tl.int32), 0)
+    rank_eq = tl.cumsum(m_eq.to(tl.int32), 0)  # inclusive rank among the ties
+    m_sel = (m_gt | (m_eq & (rank_eq <= KK - n_gt))) & (b_s != float("-inf")) & m_n
+    # ascending indices: each selected position goes to slot (number of selected before it)
+    o_slot = tl.cumsum(m_sel.to(tl.int32), 0) - 1
+    tl.store(out + i_r * K + o_slot, o_n.to(tl.int32), mask=m_sel)
+    n_sel = tl.sum(m_sel.to(tl.int32), 0)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        tl.store(out + i_r * K + o_k, tl.full([BK], -1, dtype=tl.int32), mask=(o_k >= n_sel) & (o_k < K))
+
+
+TOPK_MAX_N = 16384  # one program holds a whole row in registers; longer rows go to torch.topk
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
+
+    One program per row: a 32-step radix select finds the ``k``-th largest score, then a prefix sum writes the
+    selected indices in ascending order. Ties at the threshold go to the lowest indices (``torch.topk`` leaves that
+    order unspecified). ``k`` may exceed ``N`` (the extra slots are ``-1``). Rows longer than ``TOPK_MAX_N`` use the
+    reference (``torch.topk``).
+    """
+    *lead, N = scores.shape
+    if N > TOPK_MAX_N or N == 0 or k == 0:
+        from .. import reference
+
+        return reference.topk_indices(scores, k)
+    R = 1
+    for n in lead:
+        R *= n
+    out = torch.empty(*lead, k, dtype=torch.int32, device=scores.device)
+    if R == 0:
+        return out
+    BN = max(16, triton.next_power_of_2(N))
+    BK = max(16, min(1024, triton.next_power_of_2(k)))
+    topk_indices_kernel[(R,)](
+        scores.reshape(R, N).float().contiguous(), out, N, k, min(k, N), BN=BN, BK=BK,
+        num_warps=max(4, min(16, BN // 512)),
+    )  # fmt: skip
+    return out

@@ -99,7 +99,7 @@ def decode_tokens_fwd(
     block_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch stage 1 (and the merge when there is more than one split); returns (out ``[B, Hq, D]``, lse ``[B, Hq]``).
 

