@@ -7,6 +7,9 @@
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
+# Triton's CPU interpreter (used by the kernel tests) is checked with 3.6.0, the version beside torch 2.11 on the
+# H200 too; 3.9.0's interpreter rejects some masks. On a GPU machine whose torch pins its own triton: PINS=
+PINS   ?= triton==3.6.0
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
@@ -16,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" $(PINS)
 	touch $(STAMP)
 
 demo: $(STAMP)

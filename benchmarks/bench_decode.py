@@ -1,8 +1,10 @@
 """Decode attention over one layer's KV cache: dense, mask, FlexAttention, and our token / block kernels.
 
 The question: how much of the bandwidth that a budget saves does each way of executing a sparse selection turn into
-time, and where is dense still faster? One layer, bf16, random data (never zeros), a random block table (a
-permutation of the pool). Providers, timed in the same run (median of CUDA-graph replays, L2 flushed before each):
+time, and where is dense still faster? bf16, random data (never zeros), a random block table (a permutation of the
+pool). Each provider is timed as a CUDA graph of ``--layers`` calls, one per layer, each layer on its own cache (as
+in a model's decode step), L2 flushed before each replay; the time is the median replay over the layer count.
+Providers, timed in the same run:
 
 - ``dense``: SDPA over a contiguous ``[B, Hkv, L, D]`` cache (``enable_gqa=True``)
 - ``mask``: the same call with a boolean mask keeping the selection (the ``mask`` mode: reads everything)
@@ -35,6 +37,7 @@ from common import bench, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
+from hf_sparse_kv.ops.triton.block_decode import decode_blocks_fwd
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (Hq, Hkv, D) of one layer
 KI = 1024
@@ -63,31 +66,37 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class Layer:
-    """One layer's cache at (model, B, L): contiguous for SDPA, and paged per block size for our kernels."""
+    """``n`` layers' caches at (model, B, L): contiguous for SDPA, and paged per block size for our kernels.
 
-    def __init__(self, model: str, B: int, L: int):
+    Every layer has its own memory (as in a model, where each layer reads its own cache once per step); they share
+    the query, the block table and, where given, the selection.
+    """
+
+    def __init__(self, model: str, B: int, L: int, n: int):
         self.Hq, self.H, self.D = MODELS[model]
-        self.G, self.B, self.L, self.scale = self.Hq // self.H, B, L, self.D**-0.5
-        dev = DEV
-        self.q = torch.randn(B, self.Hq, self.D, device=dev, dtype=torch.bfloat16)
-        self.k = torch.randn(B, self.H, L, self.D, device=dev, dtype=torch.bfloat16)
-        self.v = torch.randn(B, self.H, L, self.D, device=dev, dtype=torch.bfloat16)
-        self.seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
-        self.zero = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.G, self.B, self.L, self.n, self.scale = self.Hq // self.H, B, L, n, self.D**-0.5
+        shape, bf16 = (B, self.H, L, self.D), torch.bfloat16
+        self.q = torch.randn(B, self.Hq, self.D, device=DEV, dtype=bf16)
+        self.k = [torch.randn(shape, device=DEV, dtype=bf16) for _ in range(n)]
+        self.v = [torch.randn(shape, device=DEV, dtype=bf16) for _ in range(n)]
+        self.seq_lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
+        self.zero = torch.zeros(B, dtype=torch.int32, device=DEV)
 
     def paged(self, BS: int):
-        """(k_pool, v_pool, kmin, kmax, kmean, block_table) with a random permutation of the pool."""
+        """(per layer [(k_pool, v_pool, kmin, kmax, kmean)], block_table): a random permutation of each pool."""
         B, H, L, D = self.B, self.H, self.L, self.D
         MB = L // BS
         perm = torch.randperm(B * MB, device=DEV)
-        pools = []
-        for t in (self.k, self.v):
-            pool = torch.empty(B * MB, H, BS, D, device=DEV, dtype=torch.bfloat16)
-            pool[perm] = t.view(B, H, MB, BS, D).permute(0, 2, 1, 3, 4).reshape(B * MB, H, BS, D)
-            pools.append(pool)
-        kp = pools[0]
-        kmin, kmax, kmean = kp.amin(2), kp.amax(2), kp.float().mean(2).to(torch.bfloat16)
-        return pools[0], pools[1], kmin, kmax, kmean, perm.view(B, MB).int()
+        layers = []
+        for k, v in zip(self.k, self.v):
+            pools = []
+            for t in (k, v):
+                pool = torch.empty(B * MB, H, BS, D, device=DEV, dtype=torch.bfloat16)
+                pool[perm] = t.view(B, H, MB, BS, D).permute(0, 2, 1, 3, 4).reshape(B * MB, H, BS, D)
+                pools.append(pool)
+            kp = pools[0]
+            layers.append((*pools, kp.amin(2), kp.amax(2), kp.float().mean(2).to(torch.bfloat16)))
+        return layers, perm.view(B, MB).int()
 
     def sdpa(self, k, v, mask=None):
         return F.scaled_dot_product_attention(
@@ -95,8 +104,9 @@ class Layer:
         )  # [B, Hq, 1, D]
 
 
-def flex_fn(layer: Layer, keep: torch.Tensor):
-    """A compiled FlexAttention call with a block mask from ``keep [B, Hkv, L]``; None where it does not build."""
+def flex_fns(layer: Layer, keep: torch.Tensor):
+    """Compiled FlexAttention calls (one per layer) with a block mask from ``keep [B, Hkv, L]``, and the KV bytes
+    of the 128-token blocks it visits; (None, 0) where it does not build."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -108,77 +118,84 @@ def flex_fn(layer: Layer, keep: torch.Tensor):
         bm = create_block_mask(mask_mod, layer.B, layer.Hq, 1, layer.L, device=DEV)
         compiled = torch.compile(flex_attention, dynamic=False)
         q4 = layer.q.unsqueeze(2)
-
-        def fn():
-            return compiled(q4, layer.k, layer.v, block_mask=bm, scale=layer.scale, enable_gqa=True)
-
-        fn()
+        fns = [
+            lambda k=k, v=v: compiled(q4, k, v, block_mask=bm, scale=layer.scale, enable_gqa=True)
+            for k, v in zip(layer.k, layer.v)
+        ]
+        fns[0]()
         n_blocks = (bm.kv_num_blocks + (bm.full_kv_num_blocks if bm.full_kv_num_blocks is not None else 0))[:, ::G]
-        return fn, int(n_blocks.sum()) * 128 * layer.D * 2 * 2  # KV bytes of the 128-token blocks it visits
+        return fns, int(n_blocks.sum()) * 128 * layer.D * 2 * 2
     except Exception as e:  # noqa: BLE001 - report n/a, keep benchmarking
         print(f"  flex: n/a ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
         return None, 0
 
 
 def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_t_cache, rows, long_rows, check):
-    B, H, L, D, G = layer.B, layer.H, layer.L, layer.D, layer.G
-    k_pool, v_pool, kmin, kmax, kmean, bt = paged
+    B, H, L, D, G, q, scale = layer.B, layer.H, layer.L, layer.D, layer.G, layer.q, layer.scale
+    caches, bt = paged
     z, lens = layer.zero, layer.seq_lens
     Kb = max(1, L // budget // BS)
     T = Kb * BS
 
-    def select():
-        return ops.topk_indices(ops.block_scores(layer.q, kmin, kmax, kmean, bt, lens, BS, "quest"), Kb)
+    def select(c):
+        return ops.topk_indices(ops.block_scores(q, c[2], c[3], c[4], bt, lens, BS, "quest"), Kb)
 
-    blocks = select()
+    blocks = select(caches[0])
     tokens = R.blocks_to_tokens(blocks, BS)
     keep = R.selection_to_mask(blocks, "block", BS, L, lens, z, z, z)  # [B, Hkv, L]
     mask = keep.repeat_interleave(G, 1).unsqueeze(2)  # [B, Hq, 1, L]
-    a = (layer.q, k_pool, v_pool, bt, lens, z)
+    scores = [ops.block_scores(q, c[2], c[3], c[4], bt, lens, BS, "quest") for c in caches]
+
+    def per_layer(f):
+        return [lambda i=i: f(i) for i in range(layer.n)]
+
+    def pc(i):  # the paged arguments of layer i
+        return q, caches[i][0], caches[i][1], bt, lens, z
 
     fns = {
-        "mask": lambda: layer.sdpa(layer.k, layer.v, mask),
-        "token": lambda: ops.decode_tokens(*a, tokens, z, z, layer.scale),
-        "token+sel": lambda: ops.decode_tokens(*a, R.blocks_to_tokens(select(), BS), z, z, layer.scale),
-        "block": lambda: ops.decode_blocks(*a, blocks, z, z, layer.scale),
-        "block+sel": lambda: ops.decode_blocks(*a, select(), z, z, layer.scale),
-        "sel": select,
-        "scores": lambda: ops.block_scores(layer.q, kmin, kmax, kmean, bt, lens, BS, "quest"),
+        "mask": per_layer(lambda i: layer.sdpa(layer.k[i], layer.v[i], mask)),
+        "token": per_layer(lambda i: ops.decode_tokens(*pc(i), tokens, z, z, scale)),
+        "token+sel": per_layer(
+            lambda i: ops.decode_tokens(*pc(i), R.blocks_to_tokens(select(caches[i]), BS), z, z, scale)
+        ),
+        "block": per_layer(lambda i: ops.decode_blocks(*pc(i), blocks, z, z, scale)),
+        "block+sel": per_layer(lambda i: ops.decode_blocks(*pc(i), select(caches[i]), z, z, scale)),
+        "block_nopf": per_layer(lambda i: decode_blocks_fwd(*pc(i), blocks, z, z, scale, prefetch=False)),
+        "sel": per_layer(lambda i: select(caches[i])),
+        "scores": per_layer(lambda i: ops.block_scores(q, *caches[i][2:], bt, lens, BS, "quest")),
+        "topk": per_layer(lambda i: ops.topk_indices(scores[i], Kb)),
+        "topk_torch": per_layer(lambda i: R.topk_indices(scores[i], Kb)),
     }
-    scores = fns["scores"]()
-    fns["topk"] = lambda: ops.topk_indices(scores, Kb)
-    fns["topk_torch"] = lambda: R.topk_indices(scores, Kb)
     flex_bytes = 0
     if f"{B}:{L}:{budget}" in args.flex_at and BS == min(args.block_sizes_of(model, B, L)):
-        fn, flex_bytes = flex_fn(layer, keep)
-        if fn is not None:
-            fns["flex"] = fn
+        ffns, flex_bytes = flex_fns(layer, keep)
+        if ffns is not None:
+            fns["flex"] = ffns
 
-    if check:  # every provider against the float32 reference on the same selection
-        ref = R.decode_blocks(*a, blocks, z, z, layer.scale).float()
-        errs = {n: rel_err(fns[n]().reshape(ref.shape), ref) for n in ("mask", "token", "block", "flex") if n in fns}
-        ref_scores = R.block_scores(layer.q, kmin, kmax, kmean, bt, lens, BS, "quest")
-        errs["scores"] = rel_err(scores, ref_scores)
-        errs["topk!=torch"] = (ops.topk_indices(scores, Kb) != R.topk_indices(scores, Kb)).float().mean().item()
+    if check:  # every provider against the float32 reference on the same selection (layer 0)
+        ref = R.decode_blocks(*pc(0), blocks, z, z, scale).float()
+        errs = {n: rel_err(fns[n][0]().reshape(ref.shape), ref) for n in ("mask", "token", "block", "flex") if n in fns}
+        errs["scores"] = rel_err(scores[0], R.block_scores(q, *caches[0][2:], bt, lens, BS, "quest"))
+        errs["topk!=torch"] = (ops.topk_indices(scores[0], Kb) != R.topk_indices(scores[0], Kb)).float().mean().item()
         full = torch.ones(B, H, L, dtype=torch.bool, device=DEV)
-        errs["dense"] = rel_err(
-            layer.sdpa(layer.k, layer.v).reshape(ref.shape), R.decode_masked(*a[:4], lens, full, layer.scale)
-        )
+        dense_ref = R.decode_masked(*pc(0)[:4], lens, full, scale)
+        errs["dense"] = rel_err(layer.sdpa(layer.k[0], layer.v[0]).reshape(ref.shape), dense_ref)
         bad = {n: e for n, e in errs.items() if not e < 2e-2}
         print(f"  check {model} B={B} L={L} BS={BS} 1/{budget}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
         if bad:
             print(f"  CHECK FAILED: {bad}")
 
     if T not in dense_t_cache:
-        kT, vT = layer.k[:, :, :T].contiguous(), layer.v[:, :, :T].contiguous()
-        dense_t_cache[T] = bench(lambda: layer.sdpa(kT, vT), rep=args.rep)[0]
-        del kT, vT
+        kv_t = [(k[:, :, :T].contiguous(), v[:, :, :T].contiguous()) for k, v in zip(layer.k, layer.v)]
+        dense_t_cache[T] = bench([lambda kv=kv: layer.sdpa(*kv) for kv in kv_t], rep=args.rep)[0]
+        del kv_t
     meta_bytes = B * H * (L // BS) * D * 2 * 2  # kmin + kmax of every block in use
     need = {
         "mask": kv_bytes(B, H, L, D),
         "flex": flex_bytes,
         "token": kv_bytes(B, H, T, D) + B * H * T * 4,
         "block": kv_bytes(B, H, T, D),
+        "block_nopf": kv_bytes(B, H, T, D),
         "sel": meta_bytes,
         "scores": meta_bytes,
         "topk": 0,
@@ -202,7 +219,7 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
     row["blk/dense_T"] = row["block"] / row["dense_T"]
     long_rows.append(
         {**key, "provider": "dense_T", "us": round(row["dense_T"], 2), "kv_bytes": kv_bytes(B, H, T, D),
-         "speedup_vs_dense": round(dense_us / row["dense_T"], 2), "timing": "graph"}
+         "speedup_vs_dense": round(dense_us / row["dense_T"], 2), "timing": mode}
     )  # fmt: skip
     rows.append(row)
     print(
@@ -215,39 +232,40 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
 
 def tune(ops, args, hbm):
     """Sweep the decode_blocks knobs at the targets' shapes; prints the table, returns nothing."""
-    from hf_sparse_kv.ops.triton.block_decode import decode_blocks_fwd, default_block_n, default_num_splits
+    from hf_sparse_kv.ops.triton.block_decode import default_block_n, default_num_splits
 
     out = []
     for model, B, L, budget in TUNE_AT:
-        layer = Layer(model, B, L)
+        layer = Layer(model, B, L, args.layers)
         for BS in (16, 64):
-            k_pool, v_pool, kmin, kmax, kmean, bt = layer.paged(BS)
+            caches, bt = layer.paged(BS)
             Kb = L // budget // BS
-            blocks = ops.topk_indices(ops.block_scores(layer.q, kmin, kmax, kmean, bt, layer.seq_lens, BS, "quest"), Kb)
-            z = layer.zero
-            a = (layer.q, k_pool, v_pool, bt, layer.seq_lens, z, blocks, z, z, layer.scale)
+            lens, z = layer.seq_lens, layer.zero
+            blocks = ops.topk_indices(ops.block_scores(layer.q, *caches[0][2:], bt, lens, BS, "quest"), Kb)
+            args_of = [(layer.q, c[0], c[1], bt, lens, z, blocks, z, z, layer.scale) for c in caches]
             nbytes = kv_bytes(B, layer.H, Kb * BS, layer.D)
-            for bn, nw, ns in itertools.product((64, 128), (4, 8), (2, 3)):
+            for bn, pf, ns in itertools.product((64, 128), (True, False), (2, 3)):
+                nw = 4
                 base = default_num_splits(B * layer.H, -(-Kb * BS // bn), layer.q.device)
-                for f in (0.5, 1, 2):
+                for f in (0.5, 1, 1.5, 2):
                     S = max(1, int(base * f))
                     try:
-                        kw = {"block_n": bn, "num_splits": S, "num_warps": nw, "num_stages": ns}
-                        us, _ = bench(lambda a=a, kw=kw: decode_blocks_fwd(*a, **kw), rep=20)
+                        kw = {"block_n": bn, "num_splits": S, "num_warps": nw, "num_stages": ns, "prefetch": pf}
+                        us, _ = bench([lambda a=a, kw=kw: decode_blocks_fwd(*a, **kw) for a in args_of], rep=20)
                     except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
                         print(f"  tune {bn}/{nw}/{ns}: {type(e).__name__}")
                         break
-                    out.append({"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "block_n": bn, "warps": nw,
+                    out.append({"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "block_n": bn, "prefetch": pf,
                                 "stages": ns, "splits": S, "us": us, "pct_hbm": 100 * nbytes / (us * 1e-6) / 1e9 / hbm,
-                                "default": bn == default_block_n(layer.D, 2) and nw == 4 and ns == 2 and f == 1})  # fmt: skip
-            del k_pool, v_pool
+                                "default": bn == default_block_n(layer.D, 2) and pf and ns == 2 and f == 1})  # fmt: skip
+            del caches
         del layer
         torch.cuda.empty_cache()
     best = []
     for key, grp in itertools.groupby(out, key=lambda r: (r["model"], r["B"], r["L"], r["BS"])):
         grp = sorted(grp, key=lambda r: r["us"])
         best += grp[:3] + [r for r in grp if r["default"]]
-    print_table(best, ["model", "B", "L", "BS", "budget", "block_n", "warps", "stages", "splits", "us", "pct_hbm", "default"],
+    print_table(best, ["model", "B", "L", "BS", "budget", "block_n", "prefetch", "stages", "splits", "us", "pct_hbm", "default"],
                 "decode_blocks knobs: the 3 fastest and the default per shape")  # fmt: skip
     write_csv(os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_decode_tune.csv"), out)
 
@@ -335,6 +353,7 @@ def main():
     p.add_argument("--block-sizes", nargs="+", type=int, default=FULL["block_sizes"])
     p.add_argument("--flex-at", nargs="*", default=["1:131072:16", "8:32768:16"], help="B:L:budget shapes for flex")
     p.add_argument("--rep", type=int, default=30, help="timed replays per provider")
+    p.add_argument("--layers", type=int, default=4, help="layers per timed graph, each on its own cache")
     p.add_argument("--tune", action="store_true", help="also sweep the decode_blocks knobs at the targets' shapes")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check against the reference")
     p.add_argument("--out", default="benchmarks/results/bench_decode.csv")
@@ -365,8 +384,8 @@ def main():
 
     rows, long_rows, checked = [], [], set()
     for model, B, L, budgets, bss in grid:
-        layer = Layer(model, B, L)
-        dense_us, mode = bench(lambda layer=layer: layer.sdpa(layer.k, layer.v), rep=args.rep)
+        layer = Layer(model, B, L, args.layers)
+        dense_us, mode = bench([lambda k=k, v=v, lay=layer: lay.sdpa(k, v) for k, v in zip(layer.k, layer.v)], args.rep)
         nbytes = kv_bytes(B, layer.H, L, layer.D)
         long_rows.append({"model": model, "B": B, "L": L, "provider": "dense", "us": round(dense_us, 2), "kv_bytes": nbytes,
                           "GBps": round(nbytes / (dense_us * 1e-6) / 1e9, 1), "timing": mode})  # fmt: skip
@@ -389,12 +408,12 @@ def main():
     print(f"\nwrote {args.out} ({len(long_rows)} rows)")
     print_table(crossovers(rows), ["model", "B", "budget", "contexts", "crossover"], "crossover (block+sel vs dense)")
     print("\ntargets:\n  " + "\n  ".join(targets(rows, hbm)))
-    cols = ["model", "B", "L", "BS", "budget", "dense", "mask", "flex", "token", "token+sel", "block", "block+sel",
-            "sel", "topk", "topk_torch", "blk %HBM", "x blk+sel", "x block", "dense_T", "blk/dense_T"]  # fmt: skip
+    cols = ["model", "B", "L", "BS", "budget", "dense", "mask", "flex", "token", "token+sel", "block", "block_nopf",
+            "block+sel", "sel", "topk", "topk_torch", "blk %HBM", "x blk+sel", "x block", "dense_T", "blk/dense_T"]  # fmt: skip
     print_table(
         [{**r, "L": f"{r['L'] // KI}K"} for r in rows],
         cols,
-        f"decode, one layer, bf16, us (median); HBM {hbm:.0f} GB/s",
+        f"decode, bf16, us per layer (median of {args.rep} graph replays of {args.layers} layers); HBM {hbm:.0f} GB/s",
     )
 
 

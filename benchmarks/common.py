@@ -26,8 +26,22 @@ def _flush_buffer(device: torch.device) -> torch.Tensor:
     return _FLUSH[device]
 
 
-def bench(fn: Callable[[], object], rep: int = 30, warmup: int = 3, graph: bool = True, flush: bool = True):
-    """Median time of ``fn()`` in microseconds and how it was timed (``"graph"``, ``"eager"``, ``"cpu"``)."""
+def bench(
+    fn: Callable[[], object] | Sequence[Callable[[], object]],
+    rep: int = 30,
+    warmup: int = 3,
+    graph: bool = True,
+    flush: bool = True,
+):
+    """Median time of ``fn()`` in microseconds and how it was timed (``"graph"``, ``"eager"``, ``"cpu"``).
+
+    ``fn`` may be a list, e.g. one call per layer, each on its own memory: they run in sequence (in one graph) and
+    the time returned is per call, so a single replay's fixed costs are shared as in a model's decode step.
+    """
+    if isinstance(fn, (list, tuple)):
+        fns = list(fn)
+        us, mode = bench(lambda: [f() for f in fns], rep, warmup, graph, flush)
+        return us / len(fns), mode
     if not torch.cuda.is_available():  # a dry run on the CPU: wall clock, no graph, no flush
         fn()
         times = []

@@ -3,7 +3,7 @@ left padding, beam search and sampling behave; the pool returns its blocks."""
 
 import pytest
 import torch
-from tiny_models import greedy, prompt, tiny_model
+from tiny_models import DEVICE, greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, patch_model, unpatch_model
 from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, Quest, SinkWindow, TokenTopK
@@ -58,8 +58,8 @@ def test_sink_window_is_transformers_sliding_window(mode):
 
 def _left_pad(prompts, pad_id=0):
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_id, device=DEVICE)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long, device=DEVICE)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = p
         mask[i, width - len(p):] = 1

@@ -89,7 +89,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("G,BS,D,lens,starts,excl", CASES)
-@pytest.mark.parametrize("knobs", [{}, {"block_n": 16, "num_splits": 3}, {"block_n": 32, "num_splits": 1}])
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"block_n": 16, "num_splits": 3}, {"block_n": 32, "num_splits": 1}, {"block_n": 16, "prefetch": False}],
+)
 def test_decode_blocks(G, BS, D, lens, starts, excl, knobs):
     c = make_case(2, 2, G, D, BS, lens, starts=starts, excl=excl, seed=G)
     sel = random_blocks(c, 5, BS, seed=G)
@@ -104,7 +107,7 @@ def test_decode_blocks(G, BS, D, lens, starts, excl, knobs):
 
 
 @pytest.mark.parametrize("G,BS,D,lens,starts,excl", CASES)
-@pytest.mark.parametrize("knobs", [{}, {"block_n": 16, "num_splits": 2}])
+@pytest.mark.parametrize("knobs", [{}, {"block_n": 16, "num_splits": 2}, {"block_n": 16, "prefetch": False}])
 def test_decode_tokens(G, BS, D, lens, starts, excl, knobs):
     c = make_case(2, 2, G, D, BS, lens, starts=starts, excl=excl, seed=G + 10)
     g = torch.Generator().manual_seed(G)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import (
     Gemma3ForCausalLM,
@@ -32,6 +34,9 @@ COMMON = {
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
+# The model tests run on the CPU in CI; HF_SPARSE_KV_TEST_DEVICE=cuda runs them through the Triton kernels.
+DEVICE = torch.device(os.environ.get("HF_SPARSE_KV_TEST_DEVICE", "cpu"))
+
 
 def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny ``arch`` causal LM in eval mode with the ``sdpa`` attention (the unpatched reference)."""
@@ -57,12 +62,12 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
         raise ValueError(arch)
     model.config._attn_implementation = "sdpa"
     model.set_attn_implementation("sdpa")
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 def prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=g)
+    return torch.randint(3, VOCAB, (batch, length), generator=g).to(DEVICE)
 
 
 def greedy(model, input_ids, new_tokens: int = 32, **kw):

@@ -138,6 +138,41 @@ def check_decode_args(q, k_pool, v_pool, block_table, seq_lens, start, sel, ex_l
 
 
 @triton.jit
+def block_rows(
+    blocks,
+    block_table,
+    i_bh,
+    i_b,
+    i_h,
+    i_t,
+    K,
+    MB,
+    s_kn,
+    st,
+    seq_len,
+    lo,
+    hi,
+    BS: tl.constexpr,
+    BN: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Pool offsets ``[BN]`` and validity ``[BN]`` of the rows of tile ``i_t`` of a (sequence, head)'s selection.
+
+    Row n of the tile is flat position f = i_t*BN + n of the selection: selected block f // BS, offset f % BS.
+    """
+    o_f = i_t * BN + tl.arange(0, BN)
+    o_k = o_f // BS
+    o_t = o_f % BS
+    # [BN] logical block of each row (the same value repeats BS times; the repeats hit the cache)
+    b_lb = tl.load(blocks + i_bh * K + o_k, mask=o_k < K, other=-1)
+    o_pos = b_lb * BS + o_t
+    m_n = (b_lb >= 0) & (o_pos >= st) & (o_pos < seq_len) & ((o_pos < lo) | (o_pos >= hi))
+    b_phys = tl.load(block_table + i_b * MB + tl.minimum(tl.maximum(b_lb, 0), MB - 1))
+    o_kv = tl.maximum(b_phys, 0).to(tl.int64) * s_kn + (i_h * BS + o_t) * D
+    return o_kv, m_n
+
+
+@triton.jit
 def block_decode_fwd_kernel(
     q,  # [B, HQ, D]
     k,  # [NB, H, BS, D]
@@ -164,6 +199,7 @@ def block_decode_fwd_kernel(
     BD: tl.constexpr,
     BN: tl.constexpr,
     F32: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -171,7 +207,6 @@ def block_decode_fwd_kernel(
 
     o_g = tl.arange(0, BG)
     o_d = tl.arange(0, BD)
-    o_n = tl.arange(0, BN)
     m_d = o_d < D
     # [BG, BD] the group's query heads
     p_q = q + (i_b * HQ + i_h * G + o_g)[:, None] * D + o_d[None, :]
@@ -188,22 +223,25 @@ def block_decode_fwd_kernel(
 
     # the last split may run past the selection: those rows load index -1 and are masked
     t0 = i_s * TILES_PER_SPLIT
+    o_kv, m_n = block_rows(blocks, block_table, i_bh, i_b, i_h, t0, K, MB, s_kn, st, seq_len, lo, hi, BS, BN, D)
     for i_t in range(t0, t0 + TILES_PER_SPLIT):
-        # row n of the tile is flat position f = i_t*BN + n of the selection: selected block f // BS, offset f % BS
-        o_f = i_t * BN + o_n
-        o_k = o_f // BS
-        o_t = o_f % BS
-        # [BN] logical block of each row (the same value repeats BS times; the repeats hit the cache)
-        b_lb = tl.load(blocks + i_bh * K + o_k, mask=o_k < K, other=-1)
-        o_pos = b_lb * BS + o_t
-        m_n = (b_lb >= 0) & (o_pos >= st) & (o_pos < seq_len) & ((o_pos < lo) | (o_pos >= hi))
-        b_phys = tl.load(block_table + i_b * MB + tl.minimum(tl.maximum(b_lb, 0), MB - 1))
-        o_kv = tl.maximum(b_phys, 0).to(tl.int64) * s_kn + (i_h * BS + o_t) * D  # [BN]
+        if not PREFETCH:
+            o_kv, m_n = block_rows(
+                blocks, block_table, i_bh, i_b, i_h, i_t, K, MB, s_kn, st, seq_len, lo, hi, BS, BN, D
+            )
         # [BN, BD] keys and values of the selected rows; masked rows are not read
         m_kv = m_n[:, None] & m_d[None, :]
         b_k = tl.load(k + o_kv[:, None] + o_d[None, :], mask=m_kv, other=0.0)
         b_v = tl.load(v + o_kv[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+        if PREFETCH:
+            # the next tile's two dependent index loads (selection, then block table), issued while this tile's keys
+            # and values are in flight, so that each tile waits for one memory round trip instead of three
+            o_kv_nx, m_n_nx = block_rows(
+                blocks, block_table, i_bh, i_b, i_h, i_t + 1, K, MB, s_kn, st, seq_len, lo, hi, BS, BN, D
+            )
         b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_n, b_m, b_l, b_acc, qk_scale, F32)
+        if PREFETCH:
+            o_kv, m_n = o_kv_nx, m_n_nx
 
     store_split(o, lse, b_m, b_l, b_acc, i_b, i_h, i_s, S, HQ, G, D, BG, BD)
 
@@ -226,11 +264,13 @@ def decode_blocks_fwd(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    prefetch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch stage 1 (and the merge when there is more than one split); returns (out ``[B, Hq, D]``, lse ``[B, Hq]``).
 
-    ``block_n`` (positions per tile, a power of two >= 16), ``num_splits``, ``num_warps`` and ``num_stages`` are
-    tuning knobs; the defaults come from :func:`default_block_n` and :func:`default_num_splits`.
+    ``block_n`` (positions per tile, a power of two >= 16), ``num_splits``, ``num_warps``, ``num_stages`` and
+    ``prefetch`` (load the next tile's indices early) are tuning knobs; the defaults come from
+    :func:`default_block_n` and :func:`default_num_splits`.
     """
     B, HQ, H, G, D, BS, MB = check_decode_args(q, k_pool, v_pool, block_table, seq_lens, start, blocks, ex_lo, ex_hi)
     K = blocks.shape[-1]
@@ -256,7 +296,7 @@ def decode_blocks_fwd(
         q, k_pool, v_pool, block_table, seq_lens.contiguous(), start.contiguous(), blocks, ex_lo.contiguous(),
         ex_hi.contiguous(), o_part, lse_part, scale * LOG2E, k_pool.stride(0), K, MB, S, tiles_per_split,
         H=H, G=G, D=D, BS=BS, BG=max(16, triton.next_power_of_2(G)), BD=max(16, triton.next_power_of_2(D)), BN=BN,
-        F32=F32, num_warps=num_warps, num_stages=num_stages,
+        F32=F32, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if S > 1:
         merge_partials_fwd(o_part, lse_part, out=out, lse_out=lse)

@@ -160,14 +160,21 @@ def topk_indices_kernel(
     # signed range is shifted to [0, 2^32)
     b_bits = b_s.to(tl.int32, bitcast=True)
     b_key = tl.where(b_bits < 0, b_bits ^ 0x7FFFFFFF, b_bits).to(tl.int64) + 2147483648
-    # radix select: the largest t with count(key >= t) >= KK (the KK-th largest key), one bit at a time from the top
+    # radix select: the largest t with count(key >= t) >= KK (the KK-th largest key), two bits at a time from the
+    # top. The three candidate counts of a step are packed into one int64 (21 bits each, N <= 2^20), so a step costs
+    # one block-wide reduction: 16 reductions instead of 32.
     t = tl.zeros([], dtype=tl.int64)
-    bit = tl.full([], 2147483648, dtype=tl.int64)
-    for _ in range(32):
-        cand = t | bit
-        n_ge = tl.sum((b_key >= cand).to(tl.int32), 0)
-        t = tl.where(n_ge >= KK, cand, t)
-        bit = bit >> 1
+    bit = tl.full([], 1073741824, dtype=tl.int64)  # 2^30: the step decides bits 31 and 30
+    for _ in range(16):
+        packed = (
+            (b_key >= t + bit).to(tl.int64)
+            + ((b_key >= t + 2 * bit).to(tl.int64) << 21)
+            + ((b_key >= t + 3 * bit).to(tl.int64) << 42)
+        )
+        n_ge = tl.sum(packed, 0)
+        n1, n2, n3 = n_ge & 0x1FFFFF, (n_ge >> 21) & 0x1FFFFF, n_ge >> 42  # n1 >= n2 >= n3
+        t += tl.where(n3 >= KK, 3 * bit, tl.where(n2 >= KK, 2 * bit, tl.where(n1 >= KK, bit, 0)))
+        bit = bit >> 2
     # everything above t, then the first (by index) of the ties at t, never a -inf score
     m_gt = b_key > t
     m_eq = b_key == t
@@ -189,7 +196,7 @@ TOPK_MAX_N = 16384  # one program holds a whole row in registers; longer rows go
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
 
-    One program per row: a 32-step radix select finds the ``k``-th largest score, then a prefix sum writes the
+    One program per row: a 16-step radix select finds the ``k``-th largest score, then a prefix sum writes the
     selected indices in ascending order. Ties at the threshold go to the lowest indices (``torch.topk`` leaves that
     order unspecified). ``k`` may exceed ``N`` (the extra slots are ``-1``). Rows longer than ``TOPK_MAX_N`` use the
     reference (``torch.topk``).

@@ -18,6 +18,36 @@ from .merge import merge_partials_fwd
 
 
 @triton.jit
+def token_rows(
+    tokens,
+    block_table,
+    i_bh,
+    i_b,
+    i_h,
+    i_t,
+    T,
+    MB,
+    s_kn,
+    st,
+    seq_len,
+    lo,
+    hi,
+    BS: tl.constexpr,
+    BN: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Pool offsets ``[BN]`` and validity ``[BN]`` of the rows of tile ``i_t`` of a (sequence, head)'s tokens."""
+    o_i = i_t * BN + tl.arange(0, BN)
+    # [BN] selected positions
+    b_pos = tl.load(tokens + i_bh * T + o_i, mask=o_i < T, other=-1)
+    m_n = (b_pos >= 0) & (b_pos >= st) & (b_pos < seq_len) & ((b_pos < lo) | (b_pos >= hi))
+    b_pc = tl.maximum(b_pos, 0)
+    b_phys = tl.load(block_table + i_b * MB + tl.minimum(b_pc // BS, MB - 1))
+    o_kv = tl.maximum(b_phys, 0).to(tl.int64) * s_kn + (i_h * BS + b_pc % BS) * D
+    return o_kv, m_n
+
+
+@triton.jit
 def token_decode_fwd_kernel(
     q,  # [B, HQ, D]
     k,  # [NB, H, BS, D]
@@ -44,6 +74,7 @@ def token_decode_fwd_kernel(
     BD: tl.constexpr,
     BN: tl.constexpr,
     F32: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -51,7 +82,6 @@ def token_decode_fwd_kernel(
 
     o_g = tl.arange(0, BG)
     o_d = tl.arange(0, BD)
-    o_n = tl.arange(0, BN)
     m_d = o_d < D
     # [BG, BD] the group's query heads
     p_q = q + (i_b * HQ + i_h * G + o_g)[:, None] * D + o_d[None, :]
@@ -68,19 +98,23 @@ def token_decode_fwd_kernel(
 
     # the last split may run past the selection: those rows load index -1 and are masked
     t0 = i_s * TILES_PER_SPLIT
+    o_kv, m_n = token_rows(tokens, block_table, i_bh, i_b, i_h, t0, T, MB, s_kn, st, seq_len, lo, hi, BS, BN, D)
     for i_t in range(t0, t0 + TILES_PER_SPLIT):
-        o_i = i_t * BN + o_n
-        # [BN] selected positions
-        b_pos = tl.load(tokens + i_bh * T + o_i, mask=o_i < T, other=-1)
-        m_n = (b_pos >= 0) & (b_pos >= st) & (b_pos < seq_len) & ((b_pos < lo) | (b_pos >= hi))
-        b_pc = tl.maximum(b_pos, 0)
-        b_phys = tl.load(block_table + i_b * MB + tl.minimum(b_pc // BS, MB - 1))
-        o_kv = tl.maximum(b_phys, 0).to(tl.int64) * s_kn + (i_h * BS + b_pc % BS) * D  # [BN]
+        if not PREFETCH:
+            o_kv, m_n = token_rows(
+                tokens, block_table, i_bh, i_b, i_h, i_t, T, MB, s_kn, st, seq_len, lo, hi, BS, BN, D
+            )
         # [BN, BD] gathered key and value rows; masked rows are not read
         m_kv = m_n[:, None] & m_d[None, :]
         b_k = tl.load(k + o_kv[:, None] + o_d[None, :], mask=m_kv, other=0.0)
         b_v = tl.load(v + o_kv[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+        if PREFETCH:  # the next tile's index loads, while this tile's keys and values are in flight
+            o_kv_nx, m_n_nx = token_rows(
+                tokens, block_table, i_bh, i_b, i_h, i_t + 1, T, MB, s_kn, st, seq_len, lo, hi, BS, BN, D
+            )
         b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_n, b_m, b_l, b_acc, qk_scale, F32)
+        if PREFETCH:
+            o_kv, m_n = o_kv_nx, m_n_nx
 
     store_split(o, lse, b_m, b_l, b_acc, i_b, i_h, i_s, S, HQ, G, D, BG, BD)
 
@@ -100,6 +134,7 @@ def decode_tokens_fwd(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    prefetch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch stage 1 (and the merge when there is more than one split); returns (out ``[B, Hq, D]``, lse ``[B, Hq]``).
 
@@ -129,7 +164,7 @@ def decode_tokens_fwd(
         q, k_pool, v_pool, block_table, seq_lens.contiguous(), start.contiguous(), tokens, ex_lo.contiguous(),
         ex_hi.contiguous(), o_part, lse_part, scale * LOG2E, k_pool.stride(0), T, MB, S, tiles_per_split,
         H=H, G=G, D=D, BS=BS, BG=max(16, triton.next_power_of_2(G)), BD=max(16, triton.next_power_of_2(D)), BN=BN,
-        F32=F32, num_warps=num_warps, num_stages=num_stages,
+        F32=F32, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if S > 1:
         merge_partials_fwd(o_part, lse_part, out=out, lse_out=lse)
