@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from hf_sparse_kv import PagedKVCache, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, Quest, SinkWindow
 
 from .assets import load_model
@@ -30,12 +30,12 @@ def decode_continuation(model, context: torch.Tensor, continuation: torch.Tensor
     cache = PagedKVCache(model.config, block_size=block_size)
     nll, times = [], []
     with torch.no_grad():
-        logits = model(context, cache=cache, use_cache=True).logits[:, -1]
+        logits = model(context, **{cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
         for i in range(continuation.shape[1]):
             token = continuation[:, i : i + 1]
             nll.append(-torch.log_softmax(logits.float(), -1)[0, token[0, 0]])
             t0 = time.perf_counter()
-            logits = model(token, cache=cache, use_cache=True).logits[:, -1]
+            logits = model(token, **{cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
             times.append(time.perf_counter() - t0)
     return torch.stack(nll), times, cache
 

@@ -11,8 +11,8 @@ unpatch_model(model)                          # the original attention again
 """
 
 from .cache import PagedKVCache
-from .patch import is_patched, patch_model, unpatch_model
+from .patch import cache_kwarg, is_patched, patch_model, unpatch_model
 
 __version__ = "0.1.0"
 
-__all__ = ["PagedKVCache", "__version__", "is_patched", "patch_model", "unpatch_model"]
+__all__ = ["PagedKVCache", "__version__", "cache_kwarg", "is_patched", "patch_model", "unpatch_model"]

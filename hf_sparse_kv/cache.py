@@ -320,6 +320,9 @@ class PagedKVCache(DynamicCache):
         self._deferred.clear()
         for layer in self.layers:
             layer.reset()
+            if not isinstance(layer, PagedLayer):  # transformers < 5.2x zeroes them; the next batch may differ
+                layer.keys = layer.values = None
+                layer.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence ``i`` becomes old sequence ``beam_idx[i]``; blocks are shared, not copied."""

@@ -14,6 +14,7 @@ What patching does, all undone by :func:`unpatch_model`:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from functools import partial
 
@@ -97,9 +98,9 @@ def _foreign_cache_error(cache) -> TypeError:
     )
 
 
-def _cache_kwarg_name(model) -> str:
-    import inspect
-
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward``/``generate`` take a cache: ``"cache"`` in recent transformers 5.x,
+    ``"past_key_values"`` before (e.g. 5.17). ``model(ids, **{cache_kwarg(model): cache})`` works on both."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -115,7 +116,7 @@ def _model_pre_hook(model, args, kwargs):
         raise _foreign_cache_error(cache)
     use_cache = kwargs.get("use_cache")
     if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
-        kwargs[_cache_kwarg_name(model)] = PagedKVCache(model.config, config.block_size, config.backend)
+        kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
     return args, kwargs
 
 
@@ -144,7 +145,7 @@ def _prepare_cache_for_generation(model, original, generation_config, model_kwar
                 f"cache_implementation={generation_config.cache_implementation!r} conflicts with hf_sparse_kv's paged "
                 "cache; leave it unset on a patched model."
             )
-        model_kwargs[_cache_kwarg_name(model)] = PagedKVCache(model.config, config.block_size, config.backend)
+        model_kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
     return original(generation_config, model_kwargs, *args, **kwargs)
 
 

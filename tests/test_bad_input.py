@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import prompt, tiny_model
 from transformers import BloomConfig, BloomForCausalLM, DynamicCache
 
-from hf_sparse_kv import PagedKVCache, is_patched, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, is_patched, patch_model, unpatch_model
 from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, Quest, SinkWindow, TokenTopK
-from tiny_models import prompt, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +36,18 @@ def test_bad_sink_window():
 @pytest.mark.parametrize(
     "kwargs,err,match",
     [
-        (dict(block_size=12), ValueError, "block_size"),
-        (dict(block_size=4), ValueError, "block_size"),
-        (dict(block_size=512), ValueError, "block_size"),
-        (dict(block_size=16.0), ValueError, "block_size"),
-        (dict(mode="sparse"), ValueError, "mode"),
-        (dict(policy="quest"), TypeError, "policy"),
-        (dict(policy=Quest), TypeError, "policy"),
-        (dict(policy=TokenTopK(budget=64), mode="block"), ValueError, "mode='token'"),
-        (dict(dense_layers=(0, 3)), ValueError, "dense_layers"),
-        (dict(dense_layers=(-1,)), ValueError, "dense_layers"),
-        (dict(dense_layers=1), TypeError, "dense_layers"),
-        (dict(backend="cuda"), ValueError, "backend"),
+        ({"block_size": 12}, ValueError, "block_size"),
+        ({"block_size": 4}, ValueError, "block_size"),
+        ({"block_size": 512}, ValueError, "block_size"),
+        ({"block_size": 16.0}, ValueError, "block_size"),
+        ({"mode": "sparse"}, ValueError, "mode"),
+        ({"policy": "quest"}, TypeError, "policy"),
+        ({"policy": Quest}, TypeError, "policy"),
+        ({"policy": TokenTopK(budget=64), "mode": "block"}, ValueError, "mode='token'"),
+        ({"dense_layers": (0, 3)}, ValueError, "dense_layers"),
+        ({"dense_layers": (-1,)}, ValueError, "dense_layers"),
+        ({"dense_layers": 1}, TypeError, "dense_layers"),
+        ({"backend": "cuda"}, ValueError, "backend"),
     ],
 )
 def test_bad_patch_arguments_leave_the_model_unpatched(model, kwargs, err, match):
@@ -82,9 +82,9 @@ def test_foreign_cache_refused_with_advice(model):
     patch_model(model, policy=Dense())
     try:
         with pytest.raises(TypeError, match="PagedKVCache"), torch.no_grad():
-            model.generate(prompt(10), max_new_tokens=2, cache=DynamicCache(config=model.config))
+            model.generate(prompt(10), max_new_tokens=2, **{cache_kwarg(model): DynamicCache(config=model.config)})
         with pytest.raises(TypeError, match="unpatch_model"), torch.no_grad():
-            model(prompt(10), cache=DynamicCache(config=model.config))
+            model(prompt(10), **{cache_kwarg(model): DynamicCache(config=model.config)})
     finally:
         unpatch_model(model)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny_models import ARCHS, greedy, prompt, tiny_model
 
-from hf_sparse_kv import PagedKVCache, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, Quest, SinkWindow, TokenTopK
 
 MODES = ("mask", "token", "block")
@@ -78,6 +78,6 @@ def test_generate_builds_a_paged_cache_and_uses_a_given_one():
         out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
         assert isinstance(out.cache if hasattr(out, "cache") else out.past_key_values, PagedKVCache)
         mine = PagedKVCache(model.config, block_size=8)
-        model.generate(ids, max_new_tokens=4, do_sample=False, cache=mine)
+        model.generate(ids, max_new_tokens=4, do_sample=False, **{cache_kwarg(model): mine})
     assert mine.get_seq_length() == 20 + 3 and mine.blocks_in_use == 3
     unpatch_model(model)

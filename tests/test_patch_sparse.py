@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny_models import DEVICE, greedy, prompt, tiny_model
 
-from hf_sparse_kv import PagedKVCache, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, Quest, SinkWindow, TokenTopK
 
 SPARSE = [
@@ -104,7 +104,7 @@ def test_sparse_beam_search_runs_and_shares_blocks():
     patch_model(model, policy=Quest(budget=16, sink=0, window=8), block_size=8, dense_layers=())
     cache = PagedKVCache(model.config, block_size=8)
     with torch.no_grad():
-        out = model.generate(prompt(40), max_new_tokens=8, num_beams=3, do_sample=False, cache=cache)
+        out = model.generate(prompt(40), max_new_tokens=8, num_beams=3, do_sample=False, **{cache_kwarg(model): cache})
     assert out.shape == (1, 48)
     # 3 beams of 47 tokens: at most 3 * 6 blocks; full prompt blocks are shared, so fewer
     assert cache.blocks_in_use < 3 * 6
@@ -118,8 +118,8 @@ def test_multi_token_forward_on_a_filled_cache_is_dense():
         ref = model(ids).logits[:, 40:]
         patch_model(model, policy=Quest(budget=8, sink=0, window=8), block_size=8, dense_layers=())
         cache = PagedKVCache(model.config, block_size=8)
-        model(ids[:, :40], cache=cache)
-        out = model(ids[:, 40:], cache=cache).logits
+        model(ids[:, :40], **{cache_kwarg(model): cache})
+        out = model(ids[:, 40:], **{cache_kwarg(model): cache}).logits
     unpatch_model(model)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
@@ -130,13 +130,13 @@ def test_crop_then_continue_matches_fresh_cache():
     patch_model(model, policy=Quest(budget=16, sink=0, window=8), block_size=8, dense_layers=())
     with torch.no_grad():
         cache = PagedKVCache(model.config, block_size=8)
-        model(ids, cache=cache)
+        model(ids, **{cache_kwarg(model): cache})
         cache.crop(-9)  # back to 36 tokens
         assert cache.get_seq_length() == 36 and cache.blocks_in_use == 5
-        cropped = model(ids[:, 36:37], cache=cache).logits
+        cropped = model(ids[:, 36:37], **{cache_kwarg(model): cache}).logits
         fresh = PagedKVCache(model.config, block_size=8)
-        model(ids[:, :36], cache=fresh)
-        ref = model(ids[:, 36:37], cache=fresh).logits
+        model(ids[:, :36], **{cache_kwarg(model): fresh})
+        ref = model(ids[:, 36:37], **{cache_kwarg(model): fresh}).logits
     unpatch_model(model)
     torch.testing.assert_close(cropped, ref, rtol=0, atol=1e-6)
 
@@ -161,7 +161,7 @@ def test_pool_returns_blocks_and_memory_matches_tokens():
     with torch.no_grad():
         for i in range(100):
             n = 9 + (i * 7) % 30
-            model.generate(prompt(n, batch=1 + i % 3, seed=i), max_new_tokens=3, do_sample=False, cache=cache)
+            model.generate(prompt(n, batch=1 + i % 3, seed=i), max_new_tokens=3, do_sample=False, **{cache_kwarg(model): cache})
             held = n + 2
             blocks = (1 + i % 3) * -(-held // 8)
             assert cache.blocks_in_use == blocks

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_sparse_kv import PagedKVCache, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, Quest
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
@@ -28,9 +28,9 @@ def _teacher_forced_argmax(model, ids, continuation):
     """The patched model's next-token argmax at each position of ``continuation``, fed one token at a time."""
     cache = PagedKVCache(model.config)
     with torch.no_grad():
-        preds = [model(ids, cache=cache).logits[0, -1].argmax()]
+        preds = [model(ids, **{cache_kwarg(model): cache}).logits[0, -1].argmax()]
         for token in continuation[:-1]:
-            preds.append(model(token.view(1, 1), cache=cache).logits[0, -1].argmax())
+            preds.append(model(token.view(1, 1), **{cache_kwarg(model): cache}).logits[0, -1].argmax())
     return torch.stack(preds)
 
 

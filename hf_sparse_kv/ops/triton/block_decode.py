@@ -103,7 +103,8 @@ def _sm_count(device: torch.device) -> int:
 def default_block_n(D: int, elem_size: int) -> int:
     """Positions per tile: a ``[BN, D]`` tile of 32 KB (128 rows of bf16 at D=128), between 16 and 128.
 
-    Measured on an H200 (bf16, D=128, 2026-11-29): 128 rows and 2 pipeline stages were 5% faster than 64 rows and 3.
+    Measured on an H200 (bf16, D=128, 2026-11-29, benchmarks/RESULTS.md): 128 rows with 2 pipeline stages were the
+    fastest or within 1% at batch 8 x 32K (1/8), and within 4% of the best (3 stages, fewer splits) at batch 1 x 128K.
     """
     BD = max(16, triton.next_power_of_2(D))
     return max(16, min(128, 32768 // (BD * elem_size)))
