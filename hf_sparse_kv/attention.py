@@ -121,7 +121,14 @@ def execute(selection: Selection, mode: str, state: DecodeState, layer: PagedLay
         tokens = ops.blocks_to_tokens(selection.indices, BS) if selection.kind == "block" else selection.indices
         return ops.decode_tokens(*args, tokens, selection.ex_lo, selection.ex_hi, scale)
     mask = ops.selection_to_mask(
-        selection.indices, selection.kind, BS, state.length, state.seq_lens, state.start, selection.ex_lo, selection.ex_hi
+        selection.indices,
+        selection.kind,
+        BS,
+        state.length,
+        state.seq_lens,
+        state.start,
+        selection.ex_lo,
+        selection.ex_hi,
     )
     return ops.decode_masked(q, layer.k_pool, layer.v_pool, table, state.seq_lens, mask, scale)
 
@@ -142,13 +149,17 @@ def sparse_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     layer = cache.layers[layer_idx] if isinstance(cache, PagedKVCache) and layer_idx is not None else None
     if config is None or not isinstance(layer, PagedLayer):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
 
     B, _Hq, Tq, D = query.shape
     if Tq > 1:  # prefill, chunked prefill, assisted decoding: dense over the whole context
         if layer.length > key.shape[2]:
             key, value = layer.dense_kv()
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
 
     scale = scaling if scaling is not None else D**-0.5
     ops = get_ops(config.backend, query.device)

@@ -141,7 +141,9 @@ class PagedLayer(DynamicLayer):
         ops = get_ops(self.cache.backend, self.device)
         if bool((pos0 < 0).any()):  # padding is dropped on the way in; kernels take pos0 >= 0
             ops = get_ops("reference")
-        ops.paged_write(self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos0, key_states, value_states)
+        ops.paged_write(
+            self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos0, key_states, value_states
+        )
         self.length = frame0 + T
         if frame0 == 0 or self.cache.pop_deferred(self):
             return key_states, value_states

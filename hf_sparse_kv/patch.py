@@ -224,4 +224,3 @@ def unpatch_model(model: torch.nn.Module):
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``model`` is currently patched by :func:`patch_model`."""
     return getattr(model, STATE_ATTR, None) is not None
-

@@ -15,8 +15,18 @@ def model():
 
 
 @pytest.mark.parametrize("cls", [Quest, BlockTopK, OracleBlockTopK, TokenTopK])
-@pytest.mark.parametrize("budget,err", [(0, ValueError), (-5, ValueError), (0.0, ValueError), (1.5, ValueError),
-                                        (-0.1, ValueError), ("1/8", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "budget,err",
+    [
+        (0, ValueError),
+        (-5, ValueError),
+        (0.0, ValueError),
+        (1.5, ValueError),
+        (-0.1, ValueError),
+        ("1/8", TypeError),
+        (True, TypeError),
+    ],
+)
 def test_bad_budget(cls, budget, err):
     with pytest.raises(err, match="budget"):
         cls(budget=budget)

@@ -61,15 +61,21 @@ def _left_pad(prompts, pad_id=0):
     ids = torch.full((len(prompts), width), pad_id, device=DEVICE)
     mask = torch.zeros(len(prompts), width, dtype=torch.long, device=DEVICE)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
-@pytest.mark.parametrize("policy,mode", [(Dense(), "block"), (Quest(budget=24, sink=4, window=8), "block"),
-                                          (SinkWindow(sink=4, window=13), "token"),
-                                          (TokenTopK(budget=20, sink=2, window=6), "token")],
-                         ids=["dense", "quest", "sinkwindow", "tokentopk"])
+@pytest.mark.parametrize(
+    "policy,mode",
+    [
+        (Dense(), "block"),
+        (Quest(budget=24, sink=4, window=8), "block"),
+        (SinkWindow(sink=4, window=13), "token"),
+        (TokenTopK(budget=20, sink=2, window=6), "token"),
+    ],
+    ids=["dense", "quest", "sinkwindow", "tokentopk"],
+)
 def test_left_padded_batch_gives_each_prompt_its_own_output(policy, mode):
     model = tiny_model("qwen2")
     prompts = [prompt(n, seed=n)[0] for n in (45, 29, 38)]
@@ -78,7 +84,7 @@ def test_left_padded_batch_gives_each_prompt_its_own_output(policy, mode):
     batch_seqs, batch_scores = greedy(model, ids, new_tokens=10, attention_mask=mask)
     for i, p in enumerate(prompts):
         seqs, scores = greedy(model, p[None], new_tokens=10)
-        assert torch.equal(batch_seqs[i, ids.shape[1]:], seqs[0, len(p):])
+        assert torch.equal(batch_seqs[i, ids.shape[1] :], seqs[0, len(p) :])
         torch.testing.assert_close(batch_scores[:, i], scores[:, 0], rtol=0, atol=1e-4)
     unpatch_model(model)
 
@@ -161,7 +167,9 @@ def test_pool_returns_blocks_and_memory_matches_tokens():
     with torch.no_grad():
         for i in range(100):
             n = 9 + (i * 7) % 30
-            model.generate(prompt(n, batch=1 + i % 3, seed=i), max_new_tokens=3, do_sample=False, **{cache_kwarg(model): cache})
+            model.generate(
+                prompt(n, batch=1 + i % 3, seed=i), max_new_tokens=3, do_sample=False, **{cache_kwarg(model): cache}
+            )
             held = n + 2
             blocks = (1 + i % 3) * -(-held // 8)
             assert cache.blocks_in_use == blocks

@@ -21,7 +21,7 @@ def smollm2():
 
 def _greedy(model, ids, n):
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, ids.shape[1]:]
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, ids.shape[1] :]
 
 
 def _teacher_forced_argmax(model, ids, continuation):

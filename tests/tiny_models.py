@@ -74,7 +74,12 @@ def greedy(model, input_ids, new_tokens: int = 32, **kw):
     """Greedy generate with scores: (sequences, stacked scores [steps, B, V])."""
     with torch.no_grad():
         out = model.generate(
-            input_ids, max_new_tokens=new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
-            min_new_tokens=new_tokens, **kw,
+            input_ids,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            min_new_tokens=new_tokens,
+            **kw,
         )
     return out.sequences, torch.stack(out.scores)

@@ -160,7 +160,9 @@ def block_scores(
     else:
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
     s = s.amax(-1).permute(0, 2, 1)  # [B, Hkv, MB]
-    in_use = torch.arange(block_table.shape[1], device=q.device).view(1, -1) < num_blocks(seq_lens, block_size).view(-1, 1)
+    in_use = torch.arange(block_table.shape[1], device=q.device).view(1, -1) < num_blocks(seq_lens, block_size).view(
+        -1, 1
+    )
     return s.masked_fill(~in_use.unsqueeze(1), NEG_INF).contiguous()
 
 

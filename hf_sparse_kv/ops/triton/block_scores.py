@@ -193,7 +193,7 @@ def topk_indices_kernel(
 TOPK_MAX_N = 16384  # one program holds a whole row in registers; longer rows go to torch.topk
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_indices(scores: torch.Tensor, k: int, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
 
     One program per row: a 16-step radix select finds the ``k``-th largest score, then a prefix sum writes the
@@ -202,10 +202,13 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     reference (``torch.topk``).
     """
     *lead, N = scores.shape
-    if N > TOPK_MAX_N or N == 0 or k == 0:
+    # ``counts [B]`` (keep fewer for some sequences) only differs from ``k`` in left-padded batches: the reference
+    # handles it by rank
+    varying = counts is not None and bool((counts.to(scores.device) < min(k, N)).any())
+    if N > TOPK_MAX_N or N == 0 or k == 0 or varying:
         from .. import reference
 
-        return reference.topk_indices(scores, k)
+        return reference.topk_indices(scores, k, counts)
     R = 1
     for n in lead:
         R *= n
