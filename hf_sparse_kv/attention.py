@@ -21,7 +21,6 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import PagedKVCache, PagedLayer
-from .ops import get_ops
 from .policies import DecodeState, Policy, Selection
 
 ATTENTION_NAME = "hf_sparse_kv"
@@ -47,8 +46,9 @@ class StepPlan:
     """Metadata shared by every paged layer of one decode step (planned once, used per layer)."""
 
     key: tuple
-    seq_lens: torch.Tensor  # [B] int32
-    start: torch.Tensor  # [B] int32, first non-padding position
+    seq_lens: torch.Tensor  # [B] int32, tokens stored per sequence
+    start: torch.Tensor  # [B] int32, first valid stored position (0: padding is never stored)
+    lens: tuple[int, ...]  # seq_lens on the host
 
 
 def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -90,21 +90,20 @@ def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length
                 "the attention mask of this decode step pads differently from the prompt's; hf_sparse_kv supports "
                 "left padding fixed at prefill (as generate() does)."
             )
-        plan = StepPlan(key, (length - pads).int(), torch.zeros_like(pads))
+        lens = tuple(length - p for p in cache.pads)
+        plan = StepPlan(key, (length - pads).int(), torch.zeros_like(pads), lens)
         cache._step_plan = plan
         cache.decode_steps += 1
     return plan
 
 
-def kv_bytes(selection: Selection, mode: str, layer: PagedLayer, length: int) -> torch.Tensor | int:
-    """K/V bytes a decode call reads for ``selection`` in ``mode`` (indices excluded)."""
+def kv_bytes(selection: Selection, mode: str, layer: PagedLayer, length: int) -> int:
+    """K/V bytes a decode call reads for ``selection`` in ``mode`` (indices excluded), counted on the host."""
     Hkv, BS, D = layer.k_pool.shape[1], layer.k_pool.shape[2], layer.k_pool.shape[3]
     per_token = 2 * D * layer.k_pool.element_size()
-    B = selection.indices.shape[0]
     if mode == "mask":
-        return B * Hkv * length * per_token
-    tokens = (selection.indices >= 0).sum() * (BS if selection.kind == "block" else 1)
-    return tokens * per_token
+        return len(selection.counts) * Hkv * length * per_token
+    return sum(selection.counts) * Hkv * per_token * (BS if selection.kind == "block" else 1)
 
 
 def execute(selection: Selection, mode: str, state: DecodeState, layer: PagedLayer):
@@ -162,7 +161,7 @@ def sparse_attention_forward(
         )
 
     scale = scaling if scaling is not None else D**-0.5
-    ops = get_ops(config.backend, query.device)
+    ops = cache.ops(config.backend, query.device)
     plan = plan_step(cache, attention_mask, B, layer.length, query.device)
     state = DecodeState(
         q=query[:, :, 0],
@@ -173,7 +172,8 @@ def sparse_attention_forward(
         block_table=cache.table.tensor(query.device),
         seq_lens=plan.seq_lens,
         start=plan.start,
-        length=int(plan.seq_lens.max()),
+        lens=plan.lens,
+        length=max(plan.lens),
         block_size=cache.block_size,
         scale=scale,
         mode=config.mode,

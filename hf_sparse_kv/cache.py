@@ -11,6 +11,8 @@ The cache holds no policy; the patched attention function reads the pages throug
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -138,9 +140,8 @@ class PagedLayer(DynamicLayer):
         self.cache.reserve(B, frame0 + T, frame0)
         table = self.cache.table.tensor(self.device)
         pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
-        ops = get_ops(self.cache.backend, self.device)
-        if bool((pos0 < 0).any()):  # padding is dropped on the way in; kernels take pos0 >= 0
-            ops = get_ops("reference")
+        # padding is dropped on the way in by the reference; the kernels take pos0 >= 0
+        ops = self.cache.ops("reference" if frame0 < max(self.cache.pads) else self.cache.backend, self.device)
         ops.paged_write(
             self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos0, key_states, value_states
         )
@@ -199,20 +200,25 @@ class PagedKVCache(DynamicCache):
             and which keep transformers' sliding-window layer.
         block_size: tokens per block, a power of two between 8 and 256.
         backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
+        max_length: tokens per sequence to reserve room for at the first write (``generate()`` passes its maximum
+            length), so the pool is allocated once instead of grown by copies.
 
     ``memory_bytes()`` is what the cache holds; ``blocks_in_use`` the blocks referenced by some sequence;
     ``kv_bytes_read`` the K/V bytes read by sparse decode steps so far (see :mod:`hf_sparse_kv.attention`).
     """
 
-    def __init__(self, config, block_size: int = 16, backend: str = "auto"):
+    def __init__(self, config, block_size: int = 16, backend: str = "auto", max_length: int | None = None):
         check_block_size(block_size)
         config = getattr(config, "config", config)  # a model is accepted too
         super().__init__(config=config)
         self.block_size = block_size
         self.backend = backend
+        self.max_length = max_length
         self.table = BlockTable(block_size)
         self._deferred: set[int] = set()
         self.pads: list[int] = []  # left padding per sequence, dropped from the pages
+        self._pads_on: dict = {}  # device -> pads as a tensor
+        self._ops: dict = {}  # (backend, device) -> op namespace
         self.kv_bytes_read = 0
         self.decode_steps = 0
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
@@ -228,8 +234,19 @@ class PagedKVCache(DynamicCache):
         return self.table.blocks_in_use
 
     def pads_tensor(self, device) -> torch.Tensor:
-        """``[B]`` int32: left padding of each sequence (tokens of transformers' frame not stored)."""
-        return torch.tensor(self.pads, dtype=torch.int32, device=device)
+        """``[B]`` int32: left padding of each sequence (tokens of transformers' frame not stored); made once per
+        device and batch, so a decode step copies nothing from the host."""
+        key = (str(device), tuple(self.pads))
+        if key not in self._pads_on:
+            self._pads_on = {key: torch.tensor(self.pads, dtype=torch.int32, device=device)}
+        return self._pads_on[key]
+
+    def ops(self, backend: str, device) -> SimpleNamespace:
+        """The op namespace of ``backend`` on ``device`` (looked up once)."""
+        key = (backend, str(device))
+        if key not in self._ops:
+            self._ops[key] = get_ops(backend, device)
+        return self._ops[key]
 
     def seq_lens(self, device) -> torch.Tensor:
         """``[B]`` int32: tokens stored per sequence (transformers' length minus the sequence's padding)."""
@@ -288,6 +305,8 @@ class PagedKVCache(DynamicCache):
         if not t.rows:
             t.rows = [[] for _ in range(batch_size)]
             self.pads = self.pads if len(self.pads) == batch_size else [0] * batch_size
+            if self.max_length:
+                self._ensure_free(batch_size * -(-self.max_length // self.block_size))
         elif len(t.rows) != batch_size:
             raise ValueError(f"PagedKVCache holds {len(t.rows)} sequences but got a batch of {batch_size}")
         need = [-(-(length - p) // self.block_size) for p in self.pads]

@@ -134,7 +134,9 @@ def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
     return args, kwargs
 
 
-def _prepare_cache_for_generation(model, original, generation_config, model_kwargs, *args, **kwargs):
+def _prepare_cache_for_generation(
+    model, original, generation_config, model_kwargs, generation_mode=None, batch_size=None, max_cache_length=None
+):
     config: SparseConfig = getattr(model, STATE_ATTR).config
     _name, cache = _find_cache(model_kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
@@ -145,8 +147,10 @@ def _prepare_cache_for_generation(model, original, generation_config, model_kwar
                 f"cache_implementation={generation_config.cache_implementation!r} conflicts with hf_sparse_kv's paged "
                 "cache; leave it unset on a patched model."
             )
-        model_kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
-    return original(generation_config, model_kwargs, *args, **kwargs)
+        model_kwargs[cache_kwarg(model)] = PagedKVCache(
+            model.config, config.block_size, config.backend, max_length=max_cache_length
+        )
+    return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
 
 class _PatchState:

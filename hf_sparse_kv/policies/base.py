@@ -8,6 +8,7 @@ Budgets count the tokens one decode query attends, sink and window included: an 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import ClassVar
@@ -26,6 +27,7 @@ class Selection:
         indices: ``[B, Hkv, K]`` int32, padded with -1.
         ex_lo, ex_hi: ``[B]`` int, positions ``ex_lo <= p < ex_hi`` are masked even inside a selected block (keeps a
             block-granular read token-exact; empty when equal).
+        counts: per sequence, the entries of ``indices`` that are set (the same for every head), on the host.
         dense: the selection is the whole context (every mode then runs its dense equivalent).
     """
 
@@ -33,6 +35,7 @@ class Selection:
     indices: torch.Tensor
     ex_lo: torch.Tensor
     ex_hi: torch.Tensor
+    counts: tuple[int, ...]
     dense: bool = False
 
 
@@ -44,8 +47,10 @@ class DecodeState:
         q: ``[B, Hq, D]`` the decode queries (after RoPE), unscaled.
         k_pool: ``[NB, Hkv, BS, D]`` the layer's key pool.
         kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block key metadata.
-        block_table: ``[B, nblk]`` int32 (only the blocks in use); seq_lens, start: ``[B]`` int32.
-        length: the longest context in tokens (the current token included); ``seq_lens`` has each one.
+        block_table: ``[B, nblk]`` int32; seq_lens, start: ``[B]`` int32 on the device.
+        lens: the same lengths on the host (each context in tokens, the current token included), so that
+            selection widths are decided without reading the device.
+        length: the longest context, ``max(lens)``.
         block_size: tokens per block. scale: softmax scale. mode: ``"mask"``, ``"token"`` or ``"block"``.
         ops: the op namespace of the backend (see :func:`hf_sparse_kv.ops.get_ops`).
     """
@@ -58,6 +63,7 @@ class DecodeState:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     start: torch.Tensor
+    lens: tuple[int, ...]
     length: int
     block_size: int
     scale: float
@@ -93,11 +99,27 @@ def check_count(value: int, name: str) -> None:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
 
-def budget_tokens(budget: float, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Tokens one query may attend per sequence: ``[B]`` long (a fraction of ``seq_lens`` rounds up, at least 1)."""
+def budget_tokens(budget: float, length: int) -> int:
+    """Tokens one query may attend at context ``length`` (a fraction rounds up, at least 1)."""
     if isinstance(budget, float):
-        return torch.ceil(budget * seq_lens.double()).long().clamp(min=1)
-    return torch.full_like(seq_lens, budget, dtype=torch.long)
+        return max(1, math.ceil(budget * length))
+    return budget
+
+
+def window_bounds(length: int, sink: int, window: int) -> tuple[int, int]:
+    """(end of the sink ``[0, sink)``, start of the window ``[length - window, length)``); the window never starts
+    before the sink ends and holds at least the current token."""
+    sink_end = min(sink, length)
+    return sink_end, max(length - max(window, 1), sink_end)
+
+
+def forced_block_count(length: int, sink: int, window: int, block_size: int) -> int:
+    """Blocks holding the sink, the window and the current block of a context of ``length`` tokens."""
+    sink_end, win_start = window_bounds(length, sink, window)
+    nblk = -(-length // block_size)
+    in_sink = -(-sink_end // block_size)  # blocks [0, in_sink)
+    first_window = win_start // block_size  # blocks [first_window, nblk), the current one included
+    return in_sink + (nblk - first_window) - max(0, in_sink - first_window)
 
 
 @dataclass
@@ -115,39 +137,40 @@ class Policy:
     # ---- helpers shared by the policies -----------------------------------------------------------------------
 
     @staticmethod
-    def blocks_per_seq(state: DecodeState) -> torch.Tensor:
-        """``[B]`` long: blocks in use by each sequence."""
-        return (state.seq_lens.long() + state.block_size - 1) // state.block_size
-
-    @classmethod
-    def dense_selection(cls, state: DecodeState) -> Selection:
-        """Every block of every sequence (``-1`` past a shorter sequence's last block)."""
-        B, H = state.q.shape[0], state.num_kv_heads
-        idx = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
-        idx = torch.where(idx < cls.blocks_per_seq(state).view(-1, 1), idx, -1).int()
-        zero = torch.zeros(B, dtype=torch.int32, device=state.q.device)
-        return Selection("block", idx.unsqueeze(1).expand(B, H, -1).contiguous(), zero, zero, dense=True)
+    def counts_tensor(state: DecodeState, counts: list[int], width: int) -> torch.Tensor | None:
+        """Per-sequence counts for ``topk_indices``: ``None`` when every sequence keeps ``width`` (no copy)."""
+        if all(c == width for c in counts):
+            return None
+        return torch.tensor(counts, dtype=torch.long).to(state.q.device, non_blocking=True)
 
     @staticmethod
-    def forced_positions(
-        state: DecodeState, sink: int, window: int | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence, the end of the sink ``[start, start + sink)`` and the start of the window
-        ``[len - window, len)``: two ``[B]`` long tensors (the window never starts before the sink ends)."""
-        lens = state.seq_lens.long()
-        sink_end = torch.minimum(state.start.long() + sink, lens)
-        window = torch.as_tensor(window, device=lens.device).clamp(min=1)
-        return sink_end, torch.maximum(lens - window, sink_end)
+    def dense_selection(state: DecodeState) -> Selection:
+        """Every block of every sequence (``-1`` past a shorter sequence's last block)."""
+        B, H, BS = state.q.shape[0], state.num_kv_heads, state.block_size
+        idx = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
+        nblk = (state.seq_lens.long() + BS - 1) // BS
+        idx = torch.where(idx < nblk.view(-1, 1), idx, -1).int()
+        zero = torch.zeros(B, dtype=torch.int32, device=state.q.device)
+        counts = tuple(-(-n // BS) for n in state.lens)
+        return Selection("block", idx.unsqueeze(1).expand(B, H, -1).contiguous(), zero, zero, counts, dense=True)
+
+    @staticmethod
+    def forced_positions(state: DecodeState, sink: int, window: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence, the end of the sink and the start of the window (see :func:`window_bounds`): two ``[B]``
+        long tensors on the device, computed on the host."""
+        windows = window if isinstance(window, list) else [window] * len(state.lens)
+        bounds = [window_bounds(n, sink, w) for n, w in zip(state.lens, windows)]
+        t = torch.tensor(bounds, dtype=torch.long).to(state.q.device, non_blocking=True)
+        return t[:, 0], t[:, 1]
 
     @classmethod
-    def forced_blocks(cls, state: DecodeState, sink: int, window: int | torch.Tensor) -> torch.Tensor:
+    def forced_blocks(cls, state: DecodeState, sink: int, window: int | list[int]) -> torch.Tensor:
         """``[B, nblk]`` bool: the blocks holding the sink, the window and the current (partial) block."""
         BS = state.block_size
         sink_end, win_start = cls.forced_positions(state, sink, window)
-        start = state.start.long().view(-1, 1)
         blk = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
-        nblk = cls.blocks_per_seq(state).view(-1, 1)
-        in_sink = ((blk + 1) * BS > start) & (blk * BS < sink_end.view(-1, 1))
+        nblk = (state.seq_lens.long().view(-1, 1) + BS - 1) // BS
+        in_sink = blk * BS < sink_end.view(-1, 1)
         in_window = (blk + 1) * BS > win_start.view(-1, 1)
         return (in_sink | in_window | (blk == nblk - 1)) & (blk < nblk)
 

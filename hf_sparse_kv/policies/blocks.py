@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count, forced_block_count
 
 
 @dataclass
@@ -34,17 +34,24 @@ class _BlockTopK(Policy):
         raise NotImplementedError
 
     def select(self, state: DecodeState) -> Selection:
-        tokens = budget_tokens(self.budget, state.seq_lens)  # [B]
-        nblk = self.blocks_per_seq(state)
-        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
-        k = torch.maximum(tokens // state.block_size, forced.sum(-1))
-        k = torch.where(tokens >= state.seq_lens, nblk, torch.minimum(k, nblk))  # [B] blocks to keep
-        if bool((k >= nblk).all()):
+        BS = state.block_size
+        counts, dense = [], True
+        for n in state.lens:  # blocks to keep per sequence, decided on the host
+            nblk, tokens = -(-n // BS), budget_tokens(self.budget, n)
+            keep = (
+                nblk if tokens >= n else min(max(tokens // BS, forced_block_count(n, self.sink, self.window, BS)), nblk)
+            )
+            counts.append(keep)
+            dense = dense and keep >= nblk
+        if dense:
             return self.dense_selection(state)
+        width = max(counts)
+        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
         s = self.scores(state)[..., : state.num_blocks]
         s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
         lo, hi = self.empty_interval(state)
-        return Selection("block", state.ops.topk_indices(s, int(k.max()), k), lo, hi)
+        indices = state.ops.topk_indices(s, width, self.counts_tensor(state, counts, width))
+        return Selection("block", indices, lo, hi, tuple(counts))
 
 
 @dataclass

@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
-from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count, forced_block_count
 
 
 @dataclass
@@ -46,20 +44,22 @@ class SinkWindow(Policy):
         else:
             check_budget(self.budget)
 
-    def window_tokens(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """``[B]`` long: the window of each sequence."""
+    def window_tokens(self, length: int) -> int:
+        """The window at context ``length``."""
         if self.window is not None:
-            return torch.full_like(seq_lens, self.window, dtype=torch.long)
-        return (budget_tokens(self.budget, seq_lens) - self.sink).clamp(min=1)
+            return self.window
+        return max(1, budget_tokens(self.budget, length) - self.sink)
 
     def select(self, state: DecodeState) -> Selection:
-        window = self.window_tokens(state.seq_lens)
-        if bool((self.sink + window >= state.seq_lens).all()):
+        windows = [self.window_tokens(n) for n in state.lens]
+        if all(self.sink + w >= n for n, w in zip(state.lens, windows)):
             return self.dense_selection(state)
-        forced = self.forced_blocks(state, self.sink, window)  # [B, nblk]
-        counts = forced.sum(-1)
+        BS = state.block_size
+        counts = [forced_block_count(n, self.sink, w, BS) for n, w in zip(state.lens, windows)]
+        forced = self.forced_blocks(state, self.sink, windows)  # [B, nblk]
         # the forced blocks as ascending ids: score them 1, the rest -inf, keep them all
         scores = forced.float().masked_fill(~forced, float("-inf")).unsqueeze(1).expand(-1, state.num_kv_heads, -1)
-        sink_end, win_start = self.forced_positions(state, self.sink, window)
-        indices = state.ops.topk_indices(scores.contiguous(), int(counts.max()), counts)
-        return Selection("block", indices, sink_end.int(), win_start.int())
+        sink_end, win_start = self.forced_positions(state, self.sink, windows)
+        width = max(counts)
+        indices = state.ops.topk_indices(scores.contiguous(), width, self.counts_tensor(state, counts, width))
+        return Selection("block", indices, sink_end.int(), win_start.int(), tuple(counts))

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count, window_bounds
 
 
 @dataclass
@@ -31,18 +31,23 @@ class TokenTopK(Policy):
         check_count(self.window, "window")
 
     def select(self, state: DecodeState) -> Selection:
-        lens = state.seq_lens.long()
-        tokens = budget_tokens(self.budget, lens)  # [B]
-        if bool((tokens >= lens).all()):
+        BS = state.block_size
+        counts = []
+        for n in state.lens:  # tokens to keep per sequence, decided on the host
+            tokens = budget_tokens(self.budget, n)
+            sink_end, win_start = window_bounds(n, self.sink, self.window)
+            lo = min(win_start, (n - 1) // BS * BS)  # the window and the current block: [lo, n)
+            forced = sink_end + (n - lo) - max(0, sink_end - lo)
+            counts.append(n if tokens >= n else min(max(tokens, forced), n))
+        if all(c >= n for c, n in zip(counts, state.lens)):
             return self.dense_selection(state)
         s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start)
         pos = torch.arange(s.shape[-1], device=s.device).view(1, -1)
         sink_end, win_start = self.forced_positions(state, self.sink, self.window)
-        current = (lens - 1) // state.block_size * state.block_size  # start of the current block
-        forced = ((pos >= state.start.view(-1, 1)) & (pos < sink_end.view(-1, 1))) | (
-            pos >= torch.minimum(win_start, current).view(-1, 1)
-        )
+        current = (state.seq_lens.long() - 1) // BS * BS  # start of the current block
+        forced = (pos < sink_end.view(-1, 1)) | (pos >= torch.minimum(win_start, current).view(-1, 1))
         s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
-        k = torch.where(tokens >= lens, lens, torch.maximum(tokens, (forced & (pos < lens.view(-1, 1))).sum(-1)))
+        width = max(counts)
         lo, hi = self.empty_interval(state)
-        return Selection("token", state.ops.topk_indices(s, int(k.max()), k), lo, hi)
+        indices = state.ops.topk_indices(s, width, self.counts_tensor(state, counts, width))
+        return Selection("token", indices, lo, hi, tuple(counts))

@@ -1,0 +1,154 @@
+"""Needle in a haystack: trials (one needle, multi-key, multi-value), their scoring, and greedy answers under several
+policies from one shared prefill.
+
+Every answer token is produced by a decode step that ran the policy: the prompt minus its last token is prefilled
+(dense, as the patched model always does), then the last prompt token and the answer are fed one token at a time
+through the model patched with each policy in turn (the prefilled :class:`~hf_sparse_kv.PagedKVCache` is copied per
+policy, so the prefill is paid once per trial).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+from typing import Any
+
+import torch
+
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.policies import Dense, Policy
+
+from .text import _boundary_near, _leading_specials, essay_tokens, needle_prompt, score_answer
+
+VARIANTS = ("single", "multi_key", "multi_value")
+NAMES = ("Alice", "Bruno", "Chen", "Dmitri", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kofi", "Lena")
+MK_NEEDLE = "The pass key of {name} is {value}. Remember it. {value} is the pass key of {name}."
+MK_QUESTION = "\n\nWhat is the pass key of {name}? The pass key of {name} is"
+MV_NEEDLE = "One of the special magic numbers for {key} is {value}."
+MV_QUESTION = "\n\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are"
+MK_HEADER = (
+    "There are pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "
+    "I will quiz you about one of them at the end.\n\n"
+)
+MV_HEADER = (
+    "There are special magic numbers hidden inside a lot of irrelevant text. Find them and memorize them. "
+    "I will quiz you about them at the end.\n\n"
+)
+
+
+def _insert_needles(
+    tokenizer: Any, context_tokens: int, header: str, needles: list[tuple[float, str]], question: str,
+    offset: int, essays: str | None,
+) -> tuple[str, list[int], int]:
+    """Essay haystack with each ``(depth, sentence)`` inserted at the sentence boundary nearest its depth.
+
+    Returns (text, token position of each needle's start in ``encode(text)``, tokens of the text)."""
+    overhead = sum(len(tokenizer.encode(s, add_special_tokens=False)) for s in [header, question, *(n for _, n in needles)])
+    n_hay = context_tokens - overhead - 2 * len(needles)
+    if n_hay <= 0:
+        raise ValueError(f"context_tokens={context_tokens} leaves no room for a haystack (overhead {overhead})")
+    hay = essay_tokens(tokenizer, n_hay, offset=offset, essays=essays)
+    cuts = [_boundary_near(tokenizer, hay, round(d * n_hay)) for d, _ in needles]
+    order = sorted(range(len(needles)), key=lambda i: (cuts[i], i))
+    text, prev, starts = header, 0, {}
+    lead = _leading_specials(tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False))
+    for i in order:
+        piece = tokenizer.decode(hay[prev : cuts[i]]).strip()
+        text += (piece + " ") if piece else ""
+        starts[i] = lead + len(tokenizer.encode(text.rstrip(), add_special_tokens=False))
+        text += needles[i][1] + " "
+        prev = cuts[i]
+    text = text + tokenizer.decode(hay[prev:]).strip() + question
+    ids = tokenizer.encode(text)
+    positions = []
+    for i in range(len(needles)):
+        pos = starts[i]
+        while pos < len(ids) and not tokenizer.decode([ids[pos]]).strip():
+            pos += 1
+        positions.append(pos)
+    return text, positions, len(ids)
+
+
+def needle_trial(
+    tokenizer: Any, context_tokens: int, depth: float, variant: str = "single", seed: int = 0, offset: int = 0,
+    n_needles: int = 4, essays: str | None = None,
+) -> dict[str, Any]:
+    """One trial: ``{"text", "answers", "needle_token_pos", "n_tokens", "variant"}``.
+
+    - ``single``: :func:`evaluation.text.needle_prompt` (one pass key at ``depth``);
+    - ``multi_key``: ``n_needles`` pass keys of different people, the asked one at ``depth``, the others at random
+      depths; ``answers`` holds the asked value;
+    - ``multi_value``: ``n_needles`` values of one key, the first at ``depth``, the others at random depths; all of
+      them must be named.
+
+    Values are random 5-digit numbers from ``random.Random(seed)``; ``needle_token_pos`` is where the asked (first)
+    needle starts in ``tokenizer.encode(text)``.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+    rng = random.Random(seed)
+    if variant == "single":
+        p = needle_prompt(tokenizer, context_tokens, depth, seed=seed, offset=offset, essays=essays)
+        return {"text": p["text"], "answers": [p["answer"]], "needle_token_pos": p["needle_token_pos"],
+                "n_tokens": p["n_tokens"], "variant": variant}
+    values = rng.sample(range(10_000, 100_000), n_needles)
+    depths = [depth] + [rng.random() for _ in range(n_needles - 1)]
+    if variant == "multi_key":
+        names = rng.sample(NAMES, n_needles)
+        needles = [(d, MK_NEEDLE.format(name=n, value=v)) for d, n, v in zip(depths, names, values)]
+        header, question, answers = MK_HEADER, MK_QUESTION.format(name=names[0]), [str(values[0])]
+    else:
+        key = rng.choice(("the river", "the lantern", "the orchard", "the violin"))
+        needles = [(d, MV_NEEDLE.format(key=key, value=v)) for d, v in zip(depths, values)]
+        header, question, answers = MV_HEADER, MV_QUESTION.format(key=key), [str(v) for v in values]
+    text, positions, n = _insert_needles(tokenizer, context_tokens, header, needles, question, offset, essays)
+    return {"text": text, "answers": answers, "needle_token_pos": positions[0], "n_tokens": n, "variant": variant}
+
+
+def score_trial(generated: str, trial: dict[str, Any]) -> bool:
+    """Single / multi-key: the continuation starts with the asked value. Multi-value: every value is named."""
+    if trial["variant"] == "multi_value":
+        return set(trial["answers"]) <= set(re.findall(r"\d+", generated))
+    return score_answer(generated, trial["answers"][0])
+
+
+def policy_mode(policy: Policy, mode: str) -> str:
+    """``mode`` unless the policy selects tokens and ``mode`` is ``block`` (then ``token``)."""
+    return "token" if policy.granularity == "token" and mode == "block" else mode
+
+
+def greedy_under_policies(
+    model, ids: torch.Tensor, policies: dict[Any, Policy], new_tokens: int, dense_layers=(0, 1),
+    block_size: int = 16, mode: str = "block", eos: int | None = None,
+) -> dict[Any, list[int]]:
+    """Greedy continuations of ``ids [1, L]`` under each policy through the patched model, one prefill shared.
+
+    Returns ``{key: generated token ids}``; every generated token comes from a decode step that ran the policy.
+    """
+    kw = {"use_cache": True}
+    patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
+    try:
+        prefix = PagedKVCache(model.config, block_size=block_size)
+        with torch.no_grad():
+            model(ids[:, :-1], **{cache_kwarg(model): prefix}, **kw)
+        out = {}
+        for key, policy in policies.items():
+            patch_model(model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers,
+                        block_size=block_size)
+            cache = copy.deepcopy(prefix)
+            token, gen = ids[:, -1:], []
+            with torch.no_grad():
+                for _ in range(new_tokens):
+                    logits = model(token, **{cache_kwarg(model): cache}, **kw).logits[0, -1]
+                    nxt = int(logits.argmax())
+                    gen.append(nxt)
+                    if eos is not None and nxt == eos:
+                        break
+                    token = torch.tensor([[nxt]], device=ids.device)
+            out[key] = gen
+    finally:
+        unpatch_model(model)
+    return out

@@ -1,0 +1,291 @@
+"""The ``simulate`` way: score many decode steps in one forward, each query attending exactly what its policy
+would select at that step.
+
+A patched model runs its policy only on single-token decode steps. To score ``N`` tokens of decode quality without
+``N`` forwards, :class:`SimulateSession` prefills the context once (dense, as the patched model does), then runs
+the ``N`` scored tokens in one forward through an attention function registered under :data:`ATTENTION_NAME`. On
+each full-attention layer that function rebuilds, for every scored query at position ``t``, the paged state a decode
+step at ``t`` would see: the blocks filled so far with their key min/max/mean (the current block described by its
+filled prefix ``[block start, t]``), ``seq_len = t + 1`` (so a fractional budget resolves against ``t + 1``), the
+same sink/window/current-block forcing. It calls the policy's own ``select()`` on that state (queries batched as
+sequences), turns the selection into a mask with the reference ops and attends in float32, as the reference decode
+does. ``dense_layers`` attend everything; sliding-window layers run SDPA with the model's own mask, as in decode.
+
+Optionally it measures fidelity on the sparse layers (:class:`Fidelity`): attention recall (share of the dense
+softmax mass inside the selection) and block hit rate against :class:`~hf_sparse_kv.policies.OracleBlockTopK` at
+the same budget, sink and window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_sparse_kv import cache_kwarg, is_patched
+from hf_sparse_kv.ops import get_ops
+from hf_sparse_kv.policies import DecodeState, Dense, OracleBlockTopK, Policy, SinkWindow
+
+ATTENTION_NAME = "hf_sparse_kv_simulate"
+CONTEXT_KWARG = "hf_sparse_kv_simulate_context"
+
+
+@dataclass
+class Fidelity:
+    """Running sums of the fidelity metrics over (scored query, sparse layer, KV head)."""
+
+    recall_sum: float = 0.0
+    hit_sum: float = 0.0
+    count: int = 0
+    hit_count: int = 0
+
+    @property
+    def recall(self) -> float | None:
+        return self.recall_sum / self.count if self.count else None
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hit_sum / self.hit_count if self.hit_count else None
+
+
+@dataclass
+class SimulateContext:
+    """What the simulate attention does in one forward (passed to it as a keyword argument, never global)."""
+
+    policy: Policy
+    dense_layers: tuple[int, ...]
+    paged_layers: frozenset[int]
+    block_size: int = 16
+    active: bool = False  # False: plain SDPA (the dense prefill)
+    chunk: int = 64
+    fidelity: Fidelity | None = None
+    oracle: Policy | None = None
+    mode: str = "block"
+    extra: dict = field(default_factory=dict)
+
+
+def oracle_for(policy: Policy) -> Policy | None:
+    """The :class:`OracleBlockTopK` with ``policy``'s budget, sink and window (None for :class:`Dense`)."""
+    if isinstance(policy, Dense):
+        return None
+    if isinstance(policy, SinkWindow):
+        budget = policy.budget if policy.budget is not None else policy.sink + policy.window
+        return OracleBlockTopK(budget=budget, sink=policy.sink)
+    return OracleBlockTopK(budget=policy.budget, sink=policy.sink, window=policy.window)
+
+
+class _GivenScores(OracleBlockTopK):
+    """OracleBlockTopK's selection rule on scores computed beforehand (the dense softmax mass per block)."""
+
+    given: torch.Tensor | None = None
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        return self.given
+
+
+def full_attention_layers(config) -> frozenset[int]:
+    """Indices of the layers a :class:`~hf_sparse_kv.PagedKVCache` pages (full attention, not sliding)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = DynamicCache(config=config).layers
+    return frozenset(i for i, layer in enumerate(layers) if type(layer) is DynamicLayer)
+
+
+def _block_metadata(keys: torch.Tensor, block_size: int, positions: torch.Tensor):
+    """Pool and metadata a decode step at each of ``positions`` would see.
+
+    keys ``[Hkv, L, D]``; positions ``[Q]``. Returns (blocks ``[NB, Hkv, BS, D]``, full-block min/max/mean
+    ``[NB, Hkv, D]`` each, and for each query its current block's keys ``[Q, Hkv, BS, D]`` (zero past ``t``) and
+    min/max/mean over the filled prefix ``[Q, Hkv, D]``)."""
+    H, L, D = keys.shape
+    BS = block_size
+    nb = -(-L // BS)
+    k = torch.nn.functional.pad(keys, (0, 0, 0, nb * BS - L)).view(H, nb, BS, D).permute(1, 0, 2, 3)
+    kmin, kmax, kmean = k.amin(2), k.amax(2), k.mean(2)  # right only for full blocks; the current one is below
+    b, o = positions // BS, positions % BS
+    cur = k[b]  # [Q, H, BS, D]
+    filled = (torch.arange(BS, device=keys.device).view(1, BS) <= o.view(-1, 1)).view(-1, 1, BS, 1)
+    cmin = cur.masked_fill(~filled, float("inf")).amin(2)
+    cmax = cur.masked_fill(~filled, float("-inf")).amax(2)
+    cmean = cur.masked_fill(~filled, 0.0).sum(2) / (o + 1).view(-1, 1, 1).to(cur.dtype)
+    return k, (kmin, kmax, kmean), cur.masked_fill(~filled, 0.0), (cmin, cmax, cmean)
+
+
+def _decode_state(**fields) -> DecodeState:
+    """A :class:`DecodeState` from the fields this version of the library declares (``lens`` is recent)."""
+    names = {f.name for f in dataclasses.fields(DecodeState)}
+    return DecodeState(**{k: v for k, v in fields.items() if k in names})
+
+
+def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> torch.Tensor:
+    """query ``[1, Hq, Tq, D]`` at the last ``Tq`` positions of key/value ``[1, Hkv, L, D]`` -> ``[1, Tq, Hq, D]``."""
+    if query.shape[0] != 1:
+        raise ValueError("the simulate way scores one sequence at a time (batch 1)")
+    _, Hq, Tq, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    G, BS = Hq // Hkv, ctx.block_size
+    scale = scaling if scaling is not None else D**-0.5
+    ops = get_ops("reference")
+    layer_idx = module.layer_idx
+    sparse = layer_idx not in ctx.dense_layers
+    positions = torch.arange(L - Tq, L, device=query.device)
+    k, v = key[0].float(), value[0].float()  # [Hkv, L, D]
+    blocks, meta, cur, cmeta = _block_metadata(key[0], BS, positions)
+    nb = blocks.shape[0]
+    out = torch.empty(Tq, Hq, D, dtype=torch.float32, device=query.device)
+    for i0 in range(0, Tq, ctx.chunk):
+        i1 = min(i0 + ctx.chunk, Tq)
+        pos = positions[i0:i1]
+        Q = i1 - i0
+        length = int(pos[-1]) + 1
+        q = query[0, :, i0:i1].transpose(0, 1)  # [Q, Hq, D]
+        seq_lens = (pos + 1).int()
+        start = torch.zeros_like(seq_lens)
+        b = pos // BS
+        MB = int(b.max()) + 1
+        col = torch.arange(MB, device=q.device).view(1, -1)
+        own = (nb + torch.arange(Q, device=q.device)).view(-1, 1)
+        table = torch.where(col < b.view(-1, 1), col, torch.where(col == b.view(-1, 1), own, -1)).int()
+        state = _decode_state(
+            q=q,
+            k_pool=torch.cat([blocks, cur[i0:i1]]),
+            kmin=torch.cat([meta[0], cmeta[0][i0:i1]]),
+            kmax=torch.cat([meta[1], cmeta[1][i0:i1]]),
+            kmean=torch.cat([meta[2], cmeta[2][i0:i1]]),
+            block_table=table,
+            seq_lens=seq_lens,
+            start=start,
+            lens=tuple(int(n) for n in seq_lens.tolist()),
+            length=length,
+            block_size=BS,
+            scale=scale,
+            mode=ctx.mode,
+            ops=ops,
+        )
+        selection = ctx.policy.select(state) if sparse else Policy.dense_selection(state)
+        ex_lo, ex_hi = selection.ex_lo, selection.ex_hi
+        mask = ops.selection_to_mask(selection.indices, selection.kind, BS, length, seq_lens, start, ex_lo, ex_hi)
+        logits = torch.einsum("qhgd,hld->qhgl", q.float().view(Q, Hkv, G, D), k[:, :length]) * scale
+        p = logits.masked_fill(~mask.unsqueeze(2), float("-inf")).softmax(-1)
+        out[i0:i1] = torch.einsum("qhgl,hld->qhgd", p, v[:, :length]).reshape(Q, Hq, D)
+        if sparse and ctx.fidelity is not None and not selection.dense:
+            _measure(ctx, state, selection, mask, logits)
+    return out.to(query.dtype).unsqueeze(0)
+
+
+def _measure(ctx: SimulateContext, state: DecodeState, selection, mask, logits) -> None:
+    """Add this chunk's attention recall and oracle block hit rate to ``ctx.fidelity``."""
+    Q, Hkv, G, length = logits.shape
+    BS = state.block_size
+    pos = torch.arange(length, device=logits.device).view(1, -1)
+    causal = pos < state.seq_lens.view(-1, 1).long()  # [Q, length]
+    p = logits.masked_fill(~causal.view(Q, 1, 1, length), float("-inf")).softmax(-1)  # dense softmax
+    recall = (p * mask.unsqueeze(2)).sum(-1).mean(2)  # [Q, Hkv]
+    fid = ctx.fidelity
+    fid.recall_sum += float(recall.sum())
+    fid.count += recall.numel()
+    if ctx.oracle is None:
+        return
+    nb = -(-length // BS)
+    mass = torch.nn.functional.pad(p.sum(2), (0, nb * BS - length)).view(Q, Hkv, nb, BS).sum(-1)
+    in_use = torch.arange(nb, device=p.device).view(1, -1) < ((state.seq_lens.long() + BS - 1) // BS).view(-1, 1)
+    oracle = _GivenScores(budget=ctx.oracle.budget, sink=ctx.oracle.sink, window=ctx.oracle.window)
+    oracle.given = mass.masked_fill(~in_use.unsqueeze(1), float("-inf"))
+    o_sel = oracle.select(state)
+    o_blocks = _block_set(o_sel.indices, o_sel.kind, BS, nb)
+    s_blocks = _block_set(selection.indices, selection.kind, BS, nb)
+    hit = (o_blocks & s_blocks).sum(-1).float() / o_blocks.sum(-1).clamp(min=1)
+    fid.hit_sum += float(hit.sum())
+    fid.hit_count += hit.numel()
+
+
+def _block_set(indices: torch.Tensor, kind: str, block_size: int, nb: int) -> torch.Tensor:
+    """``[Q, Hkv, nb]`` bool: the blocks a selection touches (a token selection touches its tokens' blocks)."""
+    idx = indices.long()
+    if kind == "token":
+        idx = torch.where(idx >= 0, idx // block_size, idx)
+    out = torch.zeros(*idx.shape[:2], nb + 1, dtype=torch.bool, device=idx.device)
+    out.scatter_(2, torch.where(idx < 0, nb, idx.clamp(max=nb)), True)
+    return out[..., :nb]
+
+
+def simulate_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The registered attention: SDPA unless the context is active on a full-attention layer."""
+    ctx: SimulateContext | None = kwargs.pop(CONTEXT_KWARG, None)
+    if ctx is None or not ctx.active or module.layer_idx not in ctx.paged_layers:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return _sparse_rows(ctx, module, query, key, value, scaling), None
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)
+    ]
+
+
+@contextlib.contextmanager
+def simulating(model: torch.nn.Module, ctx: SimulateContext):
+    """Scoped: route ``model``'s attention through :func:`simulate_attention_forward` with ``ctx``; restore after."""
+    if is_patched(model):
+        raise ValueError("simulate needs an unpatched model (call unpatch_model first)")
+    AttentionInterface.register(ATTENTION_NAME, simulate_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    original = model.config._attn_implementation
+
+    def hook(module, args, kwargs):
+        kwargs[CONTEXT_KWARG] = ctx
+        return args, kwargs
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield ctx
+    finally:
+        for h in handles:
+            h.remove()
+        model.set_attn_implementation(original)
+
+
+class SimulateSession:
+    """One window ``ids [1, W]`` with its last ``n_scored`` tokens scored: the dense prefix is prefilled once and
+    every :meth:`run` (one policy) only forwards the scored part.
+
+    Scored token ``j`` (position ``W - N + j``) is predicted by the decode step of the token before it, so every
+    score comes from a step that ran the policy. :meth:`run` returns the log-probabilities ``[N, V]`` of the scored
+    positions and the fidelity (or None).
+    """
+
+    def __init__(self, model, ids: torch.Tensor, n_scored: int, block_size: int = 16, chunk: int = 64):
+        if not 0 < n_scored < ids.shape[1]:
+            raise ValueError(f"n_scored must lie in (0, {ids.shape[1]}), got {n_scored}")
+        self.model, self.ids, self.n, self.block_size, self.chunk = model, ids, n_scored, block_size, chunk
+        self.paged = full_attention_layers(model.config)
+        split = ids.shape[1] - n_scored - 1  # the prefix prefilled dense; tokens split.. W-2 are decode steps
+        self.targets = ids[0, split + 1 :]
+        ctx = SimulateContext(Dense(), (), self.paged, block_size)
+        self.cache = DynamicCache(config=model.config)
+        with torch.no_grad(), simulating(model, ctx):
+            model(ids[:, :split], **{cache_kwarg(model): self.cache}, use_cache=True)
+        self.split = split
+
+    def run(self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False) -> tuple[torch.Tensor, Fidelity | None]:
+        fid = Fidelity() if fidelity else None
+        ctx = SimulateContext(policy, tuple(dense_layers), self.paged, self.block_size, True, self.chunk, fid,
+                              oracle_for(policy) if fidelity else None)
+        cache = copy.deepcopy(self.cache)
+        with torch.no_grad(), simulating(self.model, ctx):
+            logits = self.model(self.ids[:, self.split : -1], **{cache_kwarg(self.model): cache}, use_cache=True).logits
+        return torch.log_softmax(logits[0].float(), -1), fid
+
+    def nll(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """``[N]`` negative log-likelihood of the scored tokens."""
+        return -logprobs.gather(1, self.targets.view(-1, 1)).squeeze(1)

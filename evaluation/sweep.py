@@ -1,0 +1,183 @@
+"""What every recipe shares: the YAML config, the policy × budget grid, the results folder that resumes, sharding.
+
+A results folder holds ``config.yaml`` (what ran), ``cells*.jsonl`` (one line per finished cell, appended as it
+finishes: a rerun skips every cell already there, so an interrupted run resumes), ``summary.json`` / ``summary.csv``
+and the PNG plots. Under ``accelerate launch`` each process takes every ``world``-th unit of work (a window, a
+trial) and appends to its own ``cells.rank<r>.jsonl``; the main process writes the summary once all are done.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from hf_sparse_kv.policies import POLICIES, Dense, Policy
+
+DEFAULTS: dict[str, Any] = {
+    "model": "smollm2",
+    "dtype": "float32",
+    "device": None,
+    "text": "essays",
+    "block_size": 16,
+    "mode": "block",
+    "dense_layers": [0, 1],
+    "lengths": [2048],
+    "budgets": [0.125],
+    "policies": [{"name": "dense"}, {"name": "quest"}],
+    "seed": 0,
+}
+
+
+def parse_budget(value: Any) -> int | float:
+    """``0.125``, ``"1/8"`` -> 0.125 (a fraction of the context); ``2048`` -> 2048 tokens."""
+    if isinstance(value, str):
+        value = float(Fraction(value.strip()))
+    if isinstance(value, float) and value > 1:
+        value = int(value)
+    return value
+
+
+def budget_label(budget: int | float | None) -> str:
+    """``0.125`` -> ``"1/8"``, ``2048`` -> ``"2048"``, None -> ``"-"``."""
+    if budget is None:
+        return "-"
+    if isinstance(budget, float):
+        f = Fraction(budget).limit_denominator(1024)
+        return f"{f.numerator}/{f.denominator}" if f.numerator == 1 or f.denominator > 1 else str(budget)
+    return str(budget)
+
+
+@dataclass
+class PolicyCell:
+    """One (policy, budget) of the grid; ``label`` names the policy (``name`` from the YAML or its registry name)."""
+
+    label: str
+    budget: int | float | None
+    policy: Policy
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.label, budget_label(self.budget)
+
+
+def policy_grid(specs: list[dict[str, Any]], budgets: list[Any]) -> list[PolicyCell]:
+    """Every policy spec (``{"name": "quest", "sink": 4, ...}``) at every budget; ``dense`` once, without one.
+
+    A spec may carry its own ``budgets`` list. Names are those of :data:`hf_sparse_kv.policies.POLICIES`.
+    """
+    cells = []
+    for spec in specs:
+        spec = dict(spec) if isinstance(spec, dict) else {"name": spec}
+        name = spec.pop("name")
+        label = spec.pop("label", name)
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
+        cls = POLICIES[name]
+        if cls is Dense:
+            cells.append(PolicyCell(label, None, Dense()))
+            continue
+        for b in spec.pop("budgets", budgets):
+            b = parse_budget(b)
+            cells.append(PolicyCell(label, b, cls(budget=b, **spec)))
+    return cells
+
+
+def load_config(path_or_dict: str | Path | dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A recipe's config: the YAML file (or dict) over :data:`DEFAULTS`, then ``overrides``."""
+    import yaml
+
+    raw = path_or_dict if isinstance(path_or_dict, dict) else yaml.safe_load(Path(path_or_dict).read_text())
+    cfg = {**DEFAULTS, **(raw or {}), **(overrides or {})}
+    if "recipe" not in cfg:
+        raise ValueError("a recipe config needs 'recipe': perplexity, fidelity, needle or qa")
+    if "output" not in cfg:
+        cfg["output"] = f"results/{cfg['recipe']}"
+    return cfg
+
+
+@dataclass
+class Shard:
+    """This process's share of the work (``rank`` of ``world``), from accelerate's state when launched by it."""
+
+    rank: int = 0
+    world: int = 1
+    device: str = "cpu"
+    state: Any = field(default=None, repr=False)
+
+    @classmethod
+    def detect(cls, device: str | None = None) -> Shard:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from accelerate import PartialState
+
+            state = PartialState(cpu=device == "cpu")
+            return cls(state.process_index, state.num_processes, str(state.device), state)
+        return cls(0, 1, device or "cpu")
+
+    def mine(self, index: int) -> bool:
+        return index % self.world == self.rank
+
+    def wait(self) -> None:
+        if self.state is not None:
+            self.state.wait_for_everyone()
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+class ResultsDir:
+    """The results folder: finished cells (read from every shard's file), appended one JSON line at a time."""
+
+    def __init__(self, path: str | Path, shard: Shard | None = None):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.shard = shard or Shard()
+        name = "cells.jsonl" if self.shard.world == 1 else f"cells.rank{self.shard.rank}.jsonl"
+        self.file = self.path / name
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for f in sorted(self.path.glob("cells*.jsonl")):
+            for line in f.read_text().splitlines():
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError:  # a line cut by an interrupted write
+                        continue
+        return out
+
+    def done(self, key_fields: tuple[str, ...]) -> set[tuple]:
+        return {tuple(r.get(k) for k in key_fields) for r in self.rows()}
+
+    def append(self, row: dict[str, Any]) -> None:
+        with self.file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+    def write_summary(self, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
+        (self.path / "summary.json").write_text(json.dumps({**(extra or {}), "rows": rows}, indent=1))
+        if rows:
+            keys = list(dict.fromkeys(k for r in rows for k in r))
+            with (self.path / "summary.csv").open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=keys)
+                w.writeheader()
+                w.writerows(rows)
+
+    def save_config(self, cfg: dict[str, Any]) -> None:
+        import yaml
+
+        if self.shard.main:
+            (self.path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def progress(iterable, total: int, desc: str, shard: Shard):
+    """A tqdm bar on stderr (one per process, labelled by rank when sharded)."""
+    from tqdm.auto import tqdm
+
+    label = desc if shard.world == 1 else f"{desc} [rank {shard.rank}]"
+    return tqdm(iterable, total=total, desc=label, position=shard.rank, dynamic_ncols=True)
