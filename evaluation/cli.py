@@ -85,8 +85,12 @@ def eval_main(argv: list[str]) -> None:
 
         cfg = {**yaml.safe_load(Path(args.config).read_text()), "recipe": args.recipe}
     given = {
-        "model": args.model, "lengths": args.lengths, "budgets": args.budgets, "dense_layers": args.dense_layers,
-        "block_size": args.block_size, "output": args.output,
+        "model": args.model,
+        "lengths": args.lengths,
+        "budgets": args.budgets,
+        "dense_layers": args.dense_layers,
+        "block_size": args.block_size,
+        "output": args.output,
         "text": _value(args.text) if args.text else None,
         "policies": [{"name": n} for n in args.policies] if args.policies else None,
     }

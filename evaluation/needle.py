@@ -38,13 +38,20 @@ MV_HEADER = (
 
 
 def _insert_needles(
-    tokenizer: Any, context_tokens: int, header: str, needles: list[tuple[float, str]], question: str,
-    offset: int, essays: str | None,
+    tokenizer: Any,
+    context_tokens: int,
+    header: str,
+    needles: list[tuple[float, str]],
+    question: str,
+    offset: int,
+    essays: str | None,
 ) -> tuple[str, list[int], int]:
     """Essay haystack with each ``(depth, sentence)`` inserted at the sentence boundary nearest its depth.
 
     Returns (text, token position of each needle's start in ``encode(text)``, tokens of the text)."""
-    overhead = sum(len(tokenizer.encode(s, add_special_tokens=False)) for s in [header, question, *(n for _, n in needles)])
+    overhead = sum(
+        len(tokenizer.encode(s, add_special_tokens=False)) for s in [header, question, *(n for _, n in needles)]
+    )
     n_hay = context_tokens - overhead - 2 * len(needles)
     if n_hay <= 0:
         raise ValueError(f"context_tokens={context_tokens} leaves no room for a haystack (overhead {overhead})")
@@ -71,8 +78,14 @@ def _insert_needles(
 
 
 def needle_trial(
-    tokenizer: Any, context_tokens: int, depth: float, variant: str = "single", seed: int = 0, offset: int = 0,
-    n_needles: int = 4, essays: str | None = None,
+    tokenizer: Any,
+    context_tokens: int,
+    depth: float,
+    variant: str = "single",
+    seed: int = 0,
+    offset: int = 0,
+    n_needles: int = 4,
+    essays: str | None = None,
 ) -> dict[str, Any]:
     """One trial: ``{"text", "answers", "needle_token_pos", "n_tokens", "variant"}``.
 
@@ -92,8 +105,13 @@ def needle_trial(
     rng = random.Random(seed)
     if variant == "single":
         p = needle_prompt(tokenizer, context_tokens, depth, seed=seed, offset=offset, essays=essays)
-        return {"text": p["text"], "answers": [p["answer"]], "needle_token_pos": p["needle_token_pos"],
-                "n_tokens": p["n_tokens"], "variant": variant}
+        return {
+            "text": p["text"],
+            "answers": [p["answer"]],
+            "needle_token_pos": p["needle_token_pos"],
+            "n_tokens": p["n_tokens"],
+            "variant": variant,
+        }
     values = rng.sample(range(10_000, 100_000), n_needles)
     depths = [depth] + [rng.random() for _ in range(n_needles - 1)]
     if variant == "multi_key":
@@ -121,8 +139,14 @@ def policy_mode(policy: Policy, mode: str) -> str:
 
 
 def greedy_under_policies(
-    model, ids: torch.Tensor, policies: dict[Any, Policy], new_tokens: int, dense_layers=(0, 1),
-    block_size: int = 16, mode: str = "block", eos: int | None = None,
+    model,
+    ids: torch.Tensor,
+    policies: dict[Any, Policy],
+    new_tokens: int,
+    dense_layers=(0, 1),
+    block_size: int = 16,
+    mode: str = "block",
+    eos: int | None = None,
 ) -> dict[Any, list[int]]:
     """Greedy continuations of ``ids [1, L]`` under each policy through the patched model, one prefill shared.
 
@@ -136,8 +160,9 @@ def greedy_under_policies(
             model(ids[:, :-1], **{cache_kwarg(model): prefix}, **kw)
         out = {}
         for key, policy in policies.items():
-            patch_model(model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers,
-                        block_size=block_size)
+            patch_model(
+                model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
+            )
             cache = copy.deepcopy(prefix)
             token, gen = ids[:, -1:], []
             with torch.no_grad():

@@ -21,7 +21,12 @@ from .simulate import SimulateSession
 
 
 def decode_logprobs(
-    model, ids: torch.Tensor, n_scored: int, policy: Policy, dense_layers=(0, 1), block_size: int = 16,
+    model,
+    ids: torch.Tensor,
+    n_scored: int,
+    policy: Policy,
+    dense_layers=(0, 1),
+    block_size: int = 16,
     mode: str = "block",
 ) -> torch.Tensor:
     """The ``decode`` way: ``[N, V]`` log-probabilities of the last ``n_scored`` tokens of ``ids [1, W]``."""

@@ -20,8 +20,15 @@ def _budget_x(row: dict[str, Any]) -> float:
     return float(row["budget_value"])
 
 
-def metric_vs_budget(rows: list[dict[str, Any]], metric: str, path: Path, ylabel: str, title: str,
-                     dense_metric: str | None = None, log_x: bool = True) -> Path:
+def metric_vs_budget(
+    rows: list[dict[str, Any]],
+    metric: str,
+    path: Path,
+    ylabel: str,
+    title: str,
+    dense_metric: str | None = None,
+    log_x: bool = True,
+) -> Path:
     """One line per (policy, length) of ``metric`` against the budget; dense as a dashed line per length."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -39,8 +46,15 @@ def metric_vs_budget(rows: list[dict[str, Any]], metric: str, path: Path, ylabel
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{policy} @ {length}")
     for length, value in sorted(dense.items()):
         ax.axhline(value, linestyle="--", color="gray", linewidth=1)
-        ax.annotate(f"dense @ {length}", (1.0, value), xycoords=("axes fraction", "data"), ha="right", va="bottom",
-                    fontsize=7, color="gray")
+        ax.annotate(
+            f"dense @ {length}",
+            (1.0, value),
+            xycoords=("axes fraction", "data"),
+            ha="right",
+            va="bottom",
+            fontsize=7,
+            color="gray",
+        )
     if log_x and lines:
         ax.set_xscale("log", base=2)
     ax.set_xlabel("budget (fraction of the context)")

@@ -22,7 +22,7 @@ import torch
 from .perplexity import decode_logprobs, kl_dense_sparse, nll_of
 from .plots import heatmap, metric_vs_budget
 from .simulate import SimulateSession
-from .sweep import PolicyCell, ResultsDir, Shard, budget_label, load_config, policy_grid, progress
+from .sweep import PolicyCell, ResultsDir, Shard, budget_label, load_config, policy_grid, progress, stable_seed
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -100,7 +100,9 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
         start = p["offset"] + w * length
         ids = ids_all[start : start + length].view(1, -1)
         dense_lp = None
-        session = SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"]) if p["way"] == "simulate" else None
+        session = (
+            SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"]) if p["way"] == "simulate" else None
+        )
         from hf_sparse_kv.policies import Dense
 
         for cell in [PolicyCell("dense", None, Dense())] + [c for c in todo if c.budget is not None]:
@@ -117,10 +119,17 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
                     continue
             nll = nll_of(lp, ids)
             row = {
-                "length": length, "window": w, "policy": cell.label, "budget": budget_label(cell.budget),
-                "budget_value": _budget_value(cell, length), "way": p["way"], "nll_sum": float(nll.sum()),
-                "n": int(nll.numel()), "kl_mean": float(kl_dense_sparse(dense_lp, lp).mean()),
-                "recall": fid.recall if fid else None, "hit_rate": fid.hit_rate if fid else None,
+                "length": length,
+                "window": w,
+                "policy": cell.label,
+                "budget": budget_label(cell.budget),
+                "budget_value": _budget_value(cell, length),
+                "way": p["way"],
+                "nll_sum": float(nll.sum()),
+                "n": int(nll.numel()),
+                "kl_mean": float(kl_dense_sparse(dense_lp, lp).mean()),
+                "recall": fid.recall if fid else None,
+                "hit_rate": fid.hit_rate if fid else None,
                 "seconds": round(time.perf_counter() - t0, 2),
             }
             results.append(row)
@@ -142,7 +151,9 @@ def summarize_perplexity(cfg, results: ResultsDir, title: str) -> list[dict[str,
         if r["budget"] == "-":
             dense_by[(r["length"], r["window"])] = r
     out = []
-    for (length, policy, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -(kv[1][0]["budget_value"] or 2))):
+    for (length, policy, budget), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -(kv[1][0]["budget_value"] or 2))
+    ):
         windows = sorted({r["window"] for r in rs if (length, r["window"]) in dense_by})
         mine = [r for r in rs if r["window"] in windows]
         if not mine:
@@ -150,13 +161,27 @@ def summarize_perplexity(cfg, results: ResultsDir, title: str) -> list[dict[str,
         dense = [dense_by[(length, w)] for w in windows]
         ppl = math.exp(sum(r["nll_sum"] for r in mine) / sum(r["n"] for r in mine))
         dppl = math.exp(sum(r["nll_sum"] for r in dense) / sum(r["n"] for r in dense))
-        mean = lambda k: (sum(r[k] for r in mine if r.get(k) is not None) / len(mine)) if all(r.get(k) is not None for r in mine) else None
-        out.append({
-            "length": length, "policy": policy, "budget": budget, "budget_value": mine[0]["budget_value"],
-            "windows": len(mine), "scored_tokens": sum(r["n"] for r in mine), "ppl": round(ppl, 4),
-            "dense_ppl": round(dppl, 4), "ppl_change_pct": round(100 * (ppl / dppl - 1), 3),
-            "kl_mean": mean("kl_mean"), "recall": mean("recall"), "hit_rate": mean("hit_rate"),
-        })
+        mean = lambda k: (
+            (sum(r[k] for r in mine if r.get(k) is not None) / len(mine))
+            if all(r.get(k) is not None for r in mine)
+            else None
+        )
+        out.append(
+            {
+                "length": length,
+                "policy": policy,
+                "budget": budget,
+                "budget_value": mine[0]["budget_value"],
+                "windows": len(mine),
+                "scored_tokens": sum(r["n"] for r in mine),
+                "ppl": round(ppl, 4),
+                "dense_ppl": round(dppl, 4),
+                "ppl_change_pct": round(100 * (ppl / dppl - 1), 3),
+                "kl_mean": mean("kl_mean"),
+                "recall": mean("recall"),
+                "hit_rate": mean("hit_rate"),
+            }
+        )
     results.write_summary(out, {"recipe": cfg["recipe"], "model": cfg["model"], **environment()})
     sparse = [r for r in out]
     metric_vs_budget(sparse, "ppl", results.path / "ppl_vs_budget.png", "perplexity", title)
@@ -174,8 +199,15 @@ def run_needle(cfg, model, tok, text, results: ResultsDir, shard: Shard) -> None
     """Per length × depth × trial: one prefill, then the greedy answer under dense and every (policy, budget)."""
     from .needle import greedy_under_policies, needle_trial, score_trial
 
-    p = {"depths": [0.1, 0.5, 0.9], "trials": 2, "variant": "single", "new_tokens": 8, "n_needles": 4,
-         "max_offset": 20000, **cfg.get("needle", {})}
+    p = {
+        "depths": [0.1, 0.5, 0.9],
+        "trials": 2,
+        "variant": "single",
+        "new_tokens": 8,
+        "n_needles": 4,
+        "max_offset": 20000,
+        **cfg.get("needle", {}),
+    }
     cells = policy_grid(cfg["policies"], cfg["budgets"])
     if not any(c.budget is None for c in cells):
         cells = [policy_grid([{"name": "dense"}], [])[0], *cells]  # a dense run beside every sparse one
@@ -185,23 +217,42 @@ def run_needle(cfg, model, tok, text, results: ResultsDir, shard: Shard) -> None
         todo = [c for c in cells if (length, depth, trial, *c.key) not in done]
         if not shard.mine(idx) or not todo:
             continue
-        seed = hash((cfg["seed"], length, round(depth * 1000), trial)) % (2**31)
+        seed = stable_seed(cfg["seed"], length, depth, trial)
         offset = random.Random(seed).randrange(0, max(1, p["max_offset"]))
-        t = needle_trial(tok, length, depth, p["variant"], seed=seed, offset=offset, n_needles=p["n_needles"],
-                         essays=text)
+        t = needle_trial(
+            tok, length, depth, p["variant"], seed=seed, offset=offset, n_needles=p["n_needles"], essays=text
+        )
         ids = torch.tensor([tok.encode(t["text"])], device=model.device)
         t0 = time.perf_counter()
-        gens = greedy_under_policies(model, ids, {c.key: c.policy for c in todo}, p["new_tokens"], cfg["dense_layers"],
-                                     cfg["block_size"], cfg["mode"])
+        gens = greedy_under_policies(
+            model,
+            ids,
+            {c.key: c.policy for c in todo},
+            p["new_tokens"],
+            cfg["dense_layers"],
+            cfg["block_size"],
+            cfg["mode"],
+        )
         sec = round((time.perf_counter() - t0) / len(todo), 2)
         for c in todo:
             g = tok.decode(gens[c.key])
-            results.append({
-                "length": length, "depth": depth, "trial": trial, "policy": c.label, "budget": budget_label(c.budget),
-                "budget_value": _budget_value(c, length), "variant": p["variant"], "answers": t["answers"],
-                "generated": g, "correct": bool(score_trial(g, t)), "needle_token_pos": t["needle_token_pos"],
-                "n_tokens": t["n_tokens"], "seconds": sec,
-            })
+            results.append(
+                {
+                    "length": length,
+                    "depth": depth,
+                    "trial": trial,
+                    "policy": c.label,
+                    "budget": budget_label(c.budget),
+                    "budget_value": _budget_value(c, length),
+                    "variant": p["variant"],
+                    "answers": t["answers"],
+                    "generated": g,
+                    "correct": bool(score_trial(g, t)),
+                    "needle_token_pos": t["needle_token_pos"],
+                    "n_tokens": t["n_tokens"],
+                    "seconds": sec,
+                }
+            )
 
 
 def summarize_needle(cfg, results: ResultsDir, title: str) -> list[dict[str, Any]]:
@@ -218,19 +269,32 @@ def summarize_needle(cfg, results: ResultsDir, title: str) -> list[dict[str, Any
         by_len = defaultdict(list)
         for r in paired:
             by_len[r["length"]].append(r["correct"])
-        out.append({
-            "policy": policy, "budget": budget, "budget_value": rs[0]["budget_value"], "length": "all",
-            "trials": len(paired), "accuracy": round(acc, 4), "dense_accuracy": round(dacc, 4),
-            "ratio_to_dense": round(acc / dacc, 4) if dacc else None,
-            "agree_with_dense": round(sum(r["correct"] == dense_ok[(r["length"], r["depth"], r["trial"])]
-                                          for r in paired) / max(len(paired), 1), 4),
-        })
+        out.append(
+            {
+                "policy": policy,
+                "budget": budget,
+                "budget_value": rs[0]["budget_value"],
+                "length": "all",
+                "trials": len(paired),
+                "accuracy": round(acc, 4),
+                "dense_accuracy": round(dacc, 4),
+                "ratio_to_dense": round(acc / dacc, 4) if dacc else None,
+                "agree_with_dense": round(
+                    sum(r["correct"] == dense_ok[(r["length"], r["depth"], r["trial"])] for r in paired)
+                    / max(len(paired), 1),
+                    4,
+                ),
+            }
+        )
         grid = defaultdict(list)
         for r in rs:
             grid[(r["length"], r["depth"])].append(r["correct"])
         name = f"needle_{policy}_{budget.replace('/', 'over')}.png"
-        heatmap({k: sum(v) / len(v) for k, v in grid.items()}, results.path / name,
-                f"{title}\n{policy} budget {budget} ({len(rs)} trials)")
+        heatmap(
+            {k: sum(v) / len(v) for k, v in grid.items()},
+            results.path / name,
+            f"{title}\n{policy} budget {budget} ({len(rs)} trials)",
+        )
     results.write_summary(out, {"recipe": cfg["recipe"], "model": cfg["model"], **environment()})
     plot_rows = [{**r, "length": "all"} for r in out]
     metric_vs_budget(plot_rows, "accuracy", results.path / "accuracy_vs_budget.png", "needle accuracy", title)
@@ -243,8 +307,14 @@ def summarize_needle(cfg, results: ResultsDir, title: str) -> list[dict[str, Any
 RECIPES = ("perplexity", "fidelity", "needle", "qa")
 
 
-def run_recipe(config, overrides: dict[str, Any] | None = None, model=None, tokenizer=None, text: str | None = None,
-               shard: Shard | None = None) -> list[dict[str, Any]]:
+def run_recipe(
+    config,
+    overrides: dict[str, Any] | None = None,
+    model=None,
+    tokenizer=None,
+    text: str | None = None,
+    shard: Shard | None = None,
+) -> list[dict[str, Any]]:
     """Run one recipe (a YAML path or a dict) to its results folder and return its summary rows (main process)."""
     cfg = load_config(config, overrides)
     if cfg["recipe"] not in RECIPES:

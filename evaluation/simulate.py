@@ -219,8 +219,9 @@ def simulate_attention_forward(module, query, key, value, attention_mask, dropou
     """The registered attention: SDPA unless the context is active on a full-attention layer."""
     ctx: SimulateContext | None = kwargs.pop(CONTEXT_KWARG, None)
     if ctx is None or not ctx.active or module.layer_idx not in ctx.paged_layers:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     return _sparse_rows(ctx, module, query, key, value, scaling), None
 
 
@@ -279,8 +280,16 @@ class SimulateSession:
 
     def run(self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False) -> tuple[torch.Tensor, Fidelity | None]:
         fid = Fidelity() if fidelity else None
-        ctx = SimulateContext(policy, tuple(dense_layers), self.paged, self.block_size, True, self.chunk, fid,
-                              oracle_for(policy) if fidelity else None)
+        ctx = SimulateContext(
+            policy,
+            tuple(dense_layers),
+            self.paged,
+            self.block_size,
+            True,
+            self.chunk,
+            fid,
+            oracle_for(policy) if fidelity else None,
+        )
         cache = copy.deepcopy(self.cache)
         with torch.no_grad(), simulating(self.model, ctx):
             logits = self.model(self.ids[:, self.split : -1], **{cache_kwarg(self.model): cache}, use_cache=True).logits

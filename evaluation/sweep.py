@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -31,6 +32,11 @@ DEFAULTS: dict[str, Any] = {
     "policies": [{"name": "dense"}, {"name": "quest"}],
     "seed": 0,
 }
+
+
+def stable_seed(*parts: Any) -> int:
+    """A seed from ``parts`` that is the same in every process and run (``hash()`` of a str is not)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
 def parse_budget(value: Any) -> int | float:

@@ -38,8 +38,9 @@ DS = (16, 32, 64)
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` per row of the last dim, the worst row (a zero reference row must be matched
     exactly)."""
-    out, ref = out.float().flatten(0, -2) if out.dim() > 1 else out.float()[None], (
-        ref.float().flatten(0, -2) if ref.dim() > 1 else ref.float()[None]
+    out, ref = (
+        out.float().flatten(0, -2) if out.dim() > 1 else out.float()[None],
+        (ref.float().flatten(0, -2) if ref.dim() > 1 else ref.float()[None]),
     )
     assert not out.isnan().any(), "NaN in output"
     num = (out - ref).norm(dim=-1)

@@ -2,8 +2,17 @@
 
 from .block_decode import decode_blocks
 from .block_scores import block_scores, topk_indices
+from .masked_decode import decode_masked
 from .merge import merge_partials
 from .paged_write import paged_write
 from .token_decode import decode_tokens
 
-__all__ = ["block_scores", "decode_blocks", "decode_tokens", "merge_partials", "paged_write", "topk_indices"]
+__all__ = [
+    "block_scores",
+    "decode_blocks",
+    "decode_masked",
+    "decode_tokens",
+    "merge_partials",
+    "paged_write",
+    "topk_indices",
+]
