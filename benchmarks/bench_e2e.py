@@ -31,10 +31,10 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import env_info, print_table, write_csv  # noqa: E402
+from common import env_info, print_table, write_csv
 
-from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model  # noqa: E402
-from hf_sparse_kv.policies import Dense, Quest, SinkWindow  # noqa: E402
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.policies import Dense, Quest, SinkWindow
 
 
 def llama8b_config(layers: int) -> LlamaConfig:

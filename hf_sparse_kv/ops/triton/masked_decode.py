@@ -23,9 +23,7 @@ def decode_masked(
     scale: float,
 ) -> torch.Tensor:
     """q ``[B, Hq, D]``, pools ``[NB, Hkv, BS, D]``, mask ``[B, Hkv, L]`` bool -> ``[B, Hq, D]`` (see the reference)."""
-    B, Hq, D = q.shape
-    Hkv = k_pool.shape[1]
-    L = mask.shape[-1]
+    Hq, Hkv, L = q.shape[1], k_pool.shape[1], mask.shape[-1]
     keys, values = gather_dense(k_pool, block_table, L), gather_dense(v_pool, block_table, L)  # [B, Hkv, L, D]
     attn_mask = mask.repeat_interleave(Hq // Hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, L]
     out = F.scaled_dot_product_attention(
