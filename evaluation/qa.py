@@ -74,9 +74,10 @@ def common_words(tokenizer, context_tokens: int, seed: int, top_count: int = 0) 
     rng = random.Random(seed)
     header = "Below is a numbered list of words. In the list, some words appear more often than others.\n"
     question = "\nQuestion: what is the most frequent word in the list above? Answer: the most frequent word is"
-    per = max(len(tokenizer.encode(" 1. apple", add_special_tokens=False)), 1) + 1
+    sample = "\n".join(f"{i}. {w}" for i, w in zip(range(100, 120), WORDS))
+    per = len(tokenizer.encode(sample, add_special_tokens=False)) / 20
     overhead = len(tokenizer.encode(header + question, add_special_tokens=False))
-    n_items = max((context_tokens - overhead) // per, 6)
+    n_items = max(int((context_tokens - overhead) / per), 6)
     top = rng.choice(WORDS)
     top_count = top_count or max(3, n_items // 10)
     others = [w for w in WORDS if w != top]

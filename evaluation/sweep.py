@@ -120,7 +120,9 @@ class Shard:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from accelerate import PartialState
 
-            state = PartialState(cpu=device == "cpu")
+            import torch
+
+            state = PartialState(cpu=device == "cpu" or not torch.cuda.is_available())
             return cls(state.process_index, state.num_processes, str(state.device), state)
         return cls(0, 1, device or "cpu")
 
