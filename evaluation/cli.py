@@ -80,8 +80,9 @@ def eval_main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     cfg = {"recipe": args.recipe}
     if args.config:
-        import yaml
         from pathlib import Path
+
+        import yaml
 
         cfg = {**yaml.safe_load(Path(args.config).read_text()), "recipe": args.recipe}
     given = {

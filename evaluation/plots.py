@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ def heatmap(grid: dict[tuple[int, float], float], path: Path, title: str) -> Pat
     ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
     for i, row in enumerate(data):
         for j, v in enumerate(row):
-            if v == v:
+            if not math.isnan(v):
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xlabel("needle depth")
     ax.set_ylabel("context tokens")

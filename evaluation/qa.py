@@ -27,21 +27,81 @@ from .needle import NAMES, _insert_needles, greedy_under_policies
 from .sweep import budget_label, policy_grid, progress, stable_seed
 
 TASKS = ("variable_tracking", "fact", "common_words")
-CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tbilisi", "Bergen", "Hanoi", "Lima", "Perth", "Dakar", "Tallinn",
-          "Cusco")
-WORDS = ("apple", "river", "candle", "marble", "tiger", "violin", "pepper", "harbor", "meadow", "copper", "lantern",
-         "falcon", "garden", "saddle", "rocket", "pillow", "walnut", "sparrow", "quartz", "blanket", "cactus", "dragon",
-         "engine", "forest", "glacier", "hammer", "island", "jacket", "kettle", "ladder", "magnet", "needle", "orange",
-         "parrot", "quiver", "ribbon", "shovel", "tunnel", "umbrella", "velvet", "wizard", "yogurt", "zipper", "anchor",
-         "bucket", "canyon", "dolphin", "feather", "goblet", "helmet")
+CITIES = (
+    "Lisbon",
+    "Nairobi",
+    "Osaka",
+    "Quito",
+    "Tbilisi",
+    "Bergen",
+    "Hanoi",
+    "Lima",
+    "Perth",
+    "Dakar",
+    "Tallinn",
+    "Cusco",
+)
+WORDS = (
+    "apple",
+    "river",
+    "candle",
+    "marble",
+    "tiger",
+    "violin",
+    "pepper",
+    "harbor",
+    "meadow",
+    "copper",
+    "lantern",
+    "falcon",
+    "garden",
+    "saddle",
+    "rocket",
+    "pillow",
+    "walnut",
+    "sparrow",
+    "quartz",
+    "blanket",
+    "cactus",
+    "dragon",
+    "engine",
+    "forest",
+    "glacier",
+    "hammer",
+    "island",
+    "jacket",
+    "kettle",
+    "ladder",
+    "magnet",
+    "needle",
+    "orange",
+    "parrot",
+    "quiver",
+    "ribbon",
+    "shovel",
+    "tunnel",
+    "umbrella",
+    "velvet",
+    "wizard",
+    "yogurt",
+    "zipper",
+    "anchor",
+    "bucket",
+    "canyon",
+    "dolphin",
+    "feather",
+    "goblet",
+    "helmet",
+)
 
 
 def _var(rng: random.Random) -> str:
     return "".join(rng.choices(string.ascii_uppercase, k=5))
 
 
-def variable_tracking(tokenizer, context_tokens: int, seed: int, hops: int = 4, essays: str | None = None,
-                      offset: int = 0) -> dict[str, Any]:
+def variable_tracking(
+    tokenizer, context_tokens: int, seed: int, hops: int = 4, essays: str | None = None, offset: int = 0
+) -> dict[str, Any]:
     rng = random.Random(seed)
     names = []
     while len(names) < hops + 1:
@@ -63,8 +123,9 @@ def fact(tokenizer, context_tokens: int, seed: int, essays: str | None = None, o
     sentence = f"{name} lives in {city}."
     header = "Read the following text; a question about one fact stated in it follows.\n\n"
     question = f"\n\nQuestion: where does {name} live? Answer: {name} lives in"
-    text, _, n = _insert_needles(tokenizer, context_tokens, header, [(rng.random(), sentence)], question, offset,
-                                 essays)
+    text, _, n = _insert_needles(
+        tokenizer, context_tokens, header, [(rng.random(), sentence)], question, offset, essays
+    )
     return {"task": "fact", "prompt": text, "gold": city, "kind": "word", "n_tokens": n}
 
 
@@ -93,11 +154,18 @@ def common_words(tokenizer, context_tokens: int, seed: int, top_count: int = 0) 
     rng.shuffle(items)
     body = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(items))
     text = header + body + question
-    return {"task": "common_words", "prompt": text, "gold": top, "kind": "word", "n_tokens": len(tokenizer.encode(text))}
+    return {
+        "task": "common_words",
+        "prompt": text,
+        "gold": top,
+        "kind": "word",
+        "n_tokens": len(tokenizer.encode(text)),
+    }
 
 
-def make_item(task: str, tokenizer, context_tokens: int, seed: int, essays: str | None = None,
-              offset: int = 0) -> dict[str, Any]:
+def make_item(
+    task: str, tokenizer, context_tokens: int, seed: int, essays: str | None = None, offset: int = 0
+) -> dict[str, Any]:
     """One item of ``task`` (see :data:`TASKS`)."""
     if task == "variable_tracking":
         return variable_tracking(tokenizer, context_tokens, seed, essays=essays, offset=offset)
@@ -129,7 +197,7 @@ def _evaluate_exact_match():
         import evaluate
 
         return evaluate.load("exact_match")
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to load means: use the local metric
         return None
 
 
@@ -152,12 +220,17 @@ LONGBENCH_PROMPTS = {
     "hotpotqa": "Answer the question based on the given passages. Only give the answer.\n\n{context}\n\n"
     "Question: {input}\nAnswer:",
     "passage_retrieval_en": "Here are paragraphs and an abstract. Which paragraph is the abstract from? Answer like "
-    "\"Paragraph 1\".\n\n{context}\n\nAbstract: {input}\n\nThe answer is:",
+    '"Paragraph 1".\n\n{context}\n\nAbstract: {input}\n\nThe answer is:',
 }
 
 
-def load_longbench(task: str, dataset: str = "THUDM/LongBench", split: str = "test", limit: int | None = None,
-                   template: str | None = None) -> list[dict[str, Any]]:
+def load_longbench(
+    task: str,
+    dataset: str = "THUDM/LongBench",
+    split: str = "test",
+    limit: int | None = None,
+    template: str | None = None,
+) -> list[dict[str, Any]]:
     """LongBench-style items through ``datasets`` (needs the hub): ``{"task", "prompt", "gold", "golds", "kind"}``.
 
     ``dataset`` may be any ``datasets`` id with ``context``/``input``/``answers`` columns; ``template`` formats the
@@ -173,8 +246,15 @@ def load_longbench(task: str, dataset: str = "THUDM/LongBench", split: str = "te
         if limit is not None and i >= limit:
             break
         answers = list(row["answers"])
-        out.append({"task": task, "prompt": template.format(context=row["context"], input=row["input"]),
-                    "gold": answers[0], "golds": answers, "kind": "text"})
+        out.append(
+            {
+                "task": task,
+                "prompt": template.format(context=row["context"], input=row["input"]),
+                "gold": answers[0],
+                "golds": answers,
+                "kind": "text",
+            }
+        )
     return out
 
 
@@ -195,8 +275,7 @@ def score_item(generated: str, item: dict[str, Any]) -> bool:
 
 def run_qa(cfg, model, tok, text, results, shard) -> None:
     """Per task × length × item: one prefill, then the greedy answer under dense and every (policy, budget)."""
-    p = {"tasks": list(TASKS), "items": 4, "new_tokens": 8, "max_offset": 20000, "longbench": None,
-         **cfg.get("qa", {})}
+    p = {"tasks": list(TASKS), "items": 4, "new_tokens": 8, "max_offset": 20000, "longbench": None, **cfg.get("qa", {})}
     cells = policy_grid(cfg["policies"], cfg["budgets"])
     if not any(c.budget is None for c in cells):
         cells = [policy_grid([{"name": "dense"}], [])[0], *cells]
@@ -220,17 +299,34 @@ def run_qa(cfg, model, tok, text, results, shard) -> None:
             ids = ids[: length // 2] + ids[-(length - length // 2) :]
         ids = torch.tensor([ids], device=model.device)
         t0 = time.perf_counter()
-        gens = greedy_under_policies(model, ids, {c.key: c.policy for c in todo}, p["new_tokens"], cfg["dense_layers"],
-                                     cfg["block_size"], cfg["mode"])
+        gens = greedy_under_policies(
+            model,
+            ids,
+            {c.key: c.policy for c in todo},
+            p["new_tokens"],
+            cfg["dense_layers"],
+            cfg["block_size"],
+            cfg["mode"],
+        )
         sec = round((time.perf_counter() - t0) / len(todo), 2)
         for c in todo:
             g = tok.decode(gens[c.key])
-            results.append({
-                "task": task, "length": length, "item": i, "policy": c.label, "budget": budget_label(c.budget),
-                "budget_value": None if c.budget is None else (c.budget if isinstance(c.budget, float)
-                                                               else c.budget / length),
-                "gold": item["gold"], "generated": g, "correct": bool(score_item(g, item)), "seconds": sec,
-            })
+            results.append(
+                {
+                    "task": task,
+                    "length": length,
+                    "item": i,
+                    "policy": c.label,
+                    "budget": budget_label(c.budget),
+                    "budget_value": None
+                    if c.budget is None
+                    else (c.budget if isinstance(c.budget, float) else c.budget / length),
+                    "gold": item["gold"],
+                    "generated": g,
+                    "correct": bool(score_item(g, item)),
+                    "seconds": sec,
+                }
+            )
 
 
 def summarize_qa(cfg, results, title: str) -> list[dict[str, Any]]:
@@ -242,13 +338,22 @@ def summarize_qa(cfg, results, title: str) -> list[dict[str, Any]]:
     for r in rows:
         groups[(r["task"], r["length"], r["policy"], r["budget"])].append(r)
     out = []
-    for (task, length, policy, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][:3], -(kv[1][0]["budget_value"] or 2))):
-        out.append({"task": task, "length": length, "policy": policy, "budget": budget,
-                    "budget_value": rs[0]["budget_value"], "items": len(rs),
-                    "accuracy": round(sum(r["correct"] for r in rs) / len(rs), 4)})
+    for (task, length, policy, budget), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][:3], -(kv[1][0]["budget_value"] or 2))
+    ):
+        out.append(
+            {
+                "task": task,
+                "length": length,
+                "policy": policy,
+                "budget": budget,
+                "budget_value": rs[0]["budget_value"],
+                "items": len(rs),
+                "accuracy": round(sum(r["correct"] for r in rs) / len(rs), 4),
+            }
+        )
     results.write_summary(out, {"recipe": "qa", "model": cfg["model"], **environment()})
     for task in sorted({r["task"] for r in out}):
         mine = [{**r, "length": r["length"]} for r in out if r["task"] == task]
-        metric_vs_budget(mine, "accuracy", results.path / f"qa_{task}_vs_budget.png", "exact match",
-                         f"{title}\n{task}")
+        metric_vs_budget(mine, "accuracy", results.path / f"qa_{task}_vs_budget.png", "exact match", f"{title}\n{task}")
     return out

@@ -24,7 +24,6 @@ from .plots import heatmap, metric_vs_budget
 from .simulate import SimulateSession
 from .sweep import PolicyCell, ResultsDir, Shard, budget_label, load_config, policy_grid, progress, stable_seed
 
-
 # ------------------------------------------------------------------------------------------------------ loading
 
 
@@ -141,6 +140,12 @@ def _tokens(tok, text: str, n: int) -> list[int]:
     return essay_tokens(tok, n, essays=text)
 
 
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    """Mean of ``key`` over ``rows``, None unless every row has it."""
+    values = [r.get(key) for r in rows]
+    return None if any(v is None for v in values) else sum(values) / len(values)
+
+
 def summarize_perplexity(cfg, results: ResultsDir, title: str) -> list[dict[str, Any]]:
     rows = [r for r in results.rows() if "nll_sum" in r]
     groups = defaultdict(list)
@@ -161,11 +166,6 @@ def summarize_perplexity(cfg, results: ResultsDir, title: str) -> list[dict[str,
         dense = [dense_by[(length, w)] for w in windows]
         ppl = math.exp(sum(r["nll_sum"] for r in mine) / sum(r["n"] for r in mine))
         dppl = math.exp(sum(r["nll_sum"] for r in dense) / sum(r["n"] for r in dense))
-        mean = lambda k: (
-            (sum(r[k] for r in mine if r.get(k) is not None) / len(mine))
-            if all(r.get(k) is not None for r in mine)
-            else None
-        )
         out.append(
             {
                 "length": length,
@@ -177,9 +177,9 @@ def summarize_perplexity(cfg, results: ResultsDir, title: str) -> list[dict[str,
                 "ppl": round(ppl, 4),
                 "dense_ppl": round(dppl, 4),
                 "ppl_change_pct": round(100 * (ppl / dppl - 1), 3),
-                "kl_mean": mean("kl_mean"),
-                "recall": mean("recall"),
-                "hit_rate": mean("hit_rate"),
+                "kl_mean": _mean(mine, "kl_mean"),
+                "recall": _mean(mine, "recall"),
+                "hit_rate": _mean(mine, "hit_rate"),
             }
         )
     results.write_summary(out, {"recipe": cfg["recipe"], "model": cfg["model"], **environment()})

@@ -181,7 +181,7 @@ def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> to
 
 def _measure(ctx: SimulateContext, state: DecodeState, selection, mask, logits) -> None:
     """Add this chunk's attention recall and oracle block hit rate to ``ctx.fidelity``."""
-    Q, Hkv, G, length = logits.shape
+    Q, Hkv, _G, length = logits.shape
     BS = state.block_size
     pos = torch.arange(length, device=logits.device).view(1, -1)
     causal = pos < state.seq_lens.view(-1, 1).long()  # [Q, length]

@@ -48,7 +48,7 @@ def parse_budget(value: Any) -> int | float:
     return value
 
 
-def budget_label(budget: int | float | None) -> str:
+def budget_label(budget: float | None) -> str:
     """``0.125`` -> ``"1/8"``, ``2048`` -> ``"2048"``, None -> ``"-"``."""
     if budget is None:
         return "-"
@@ -118,9 +118,8 @@ class Shard:
     @classmethod
     def detect(cls, device: str | None = None) -> Shard:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from accelerate import PartialState
-
             import torch
+            from accelerate import PartialState
 
             state = PartialState(cpu=device == "cpu" or not torch.cuda.is_available())
             return cls(state.process_index, state.num_processes, str(state.device), state)

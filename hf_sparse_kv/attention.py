@@ -21,12 +21,13 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import PagedKVCache, PagedLayer
+from .crossover import CrossoverTable, budget_fraction
 from .policies import DecodeState, Policy, Selection
 
 ATTENTION_NAME = "hf_sparse_kv"
 CONFIG_KWARG = "hf_sparse_kv_config"
 CACHE_KWARG = "hf_sparse_kv_cache"
-MODES = ("mask", "token", "block")
+MODES = ("mask", "token", "block", "auto")
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SparseConfig:
     block_size: int
     backend: str
     original_attn: str | dict = field(default="sdpa")
+    crossover: CrossoverTable | None = None  # mode="auto" only
 
 
 @dataclass
@@ -106,12 +108,12 @@ def kv_bytes(selection: Selection, mode: str, layer: PagedLayer, length: int) ->
     return sum(selection.counts) * Hkv * per_token * (BS if selection.kind == "block" else 1)
 
 
-def execute(selection: Selection, mode: str, state: DecodeState, layer: PagedLayer):
-    """Run one decode attention for ``selection`` in ``mode``: ``state.q [B, Hq, D]`` -> ``[B, Hq, D]``."""
+def execute(selection: Selection, mode: str, state: DecodeState, v_pool: torch.Tensor) -> torch.Tensor:
+    """Run one decode attention for ``selection`` in ``mode``: ``state.q [B, Hq, D]`` -> ``[B, Hq, D]``; the keys
+    are ``state.k_pool``, the values ``v_pool`` ``[NB, Hkv, BS, D]``."""
     q, ops, scale = state.q, state.ops, state.scale
-    table = layer.cache.table.tensor(q.device)
-    BS = layer.cache.block_size
-    args = (q, layer.k_pool, layer.v_pool, table, state.seq_lens, state.start)
+    table, BS = state.block_table, state.block_size
+    args = (q, state.k_pool, v_pool, table, state.seq_lens, state.start)
     if mode == "block":
         if selection.kind != "block":
             raise ValueError("a token selection cannot run in block mode")
@@ -129,7 +131,29 @@ def execute(selection: Selection, mode: str, state: DecodeState, layer: PagedLay
         selection.ex_lo,
         selection.ex_hi,
     )
-    return ops.decode_masked(q, layer.k_pool, layer.v_pool, table, state.seq_lens, mask, scale)
+    return ops.decode_masked(q, state.k_pool, v_pool, table, state.seq_lens, mask, scale)
+
+
+def choose(config: SparseConfig, state: DecodeState, layer_idx: int, cache: PagedKVCache) -> tuple[Selection, str]:
+    """The selection of this layer and step, and the mode that executes it.
+
+    Dense layers select everything. ``mode="auto"`` runs the step dense (every block, block kernel) below the
+    crossover context of the table for this budget, batch and head shape, and the policy at or above it (block
+    mode, or token mode for a token policy); it counts its choices in ``cache.auto_steps``.
+    """
+    policy = config.policy
+    if config.mode != "auto":
+        dense = layer_idx in config.dense_layers
+        return (Policy.dense_selection(state) if dense else policy.select(state)), config.mode
+    if layer_idx in config.dense_layers:
+        return Policy.dense_selection(state), "block"
+    fraction = budget_fraction(policy, state.length)
+    B, D = state.q.shape[0], state.q.shape[-1]
+    sparse = fraction is not None and config.crossover.use_sparse(fraction, B, state.num_kv_heads, D, state.length)
+    cache.auto_steps["sparse" if sparse else "dense"] += 1
+    if not sparse:
+        return Policy.dense_selection(state), "block"
+    return policy.select(state), "token" if policy.granularity == "token" else "block"
 
 
 def sparse_attention_forward(
@@ -176,11 +200,10 @@ def sparse_attention_forward(
         length=max(plan.lens),
         block_size=cache.block_size,
         scale=scale,
-        mode=config.mode,
+        mode=config.mode if config.mode != "auto" else "block",
         ops=ops,
     )
-    policy = config.policy
-    selection = Policy.dense_selection(state) if layer_idx in config.dense_layers else policy.select(state)
-    out = execute(selection, config.mode, state, layer)  # [B, Hq, D]
-    cache.kv_bytes_read += kv_bytes(selection, config.mode, layer, state.length)
+    selection, mode = choose(config, state, layer_idx, cache)
+    out = execute(selection, mode, state, layer.v_pool)  # [B, Hq, D]
+    cache.kv_bytes_read += kv_bytes(selection, mode, layer, state.length)
     return out.unsqueeze(1), None

@@ -220,6 +220,7 @@ class PagedKVCache(DynamicCache):
         self._pads_on: dict = {}  # device -> pads as a tensor
         self._ops: dict = {}  # (backend, device) -> op namespace
         self.kv_bytes_read = 0
+        self.auto_steps = {"dense": 0, "sparse": 0}  # layer-steps mode="auto" ran dense / sparse
         self.decode_steps = 0
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
         if not self.layers:

@@ -32,6 +32,7 @@ from .attention import (
     sparse_attention_forward,
 )
 from .cache import PagedKVCache, PagedLayer, check_block_size
+from .crossover import CrossoverTable
 from .ops import BACKENDS
 from .policies import Dense, Policy
 
@@ -173,6 +174,7 @@ def patch_model(
     dense_layers: Iterable[int] = (0, 1),
     block_size: int = 16,
     backend: str = "auto",
+    crossover: CrossoverTable | str | None = None,
 ):
     """Make ``model``'s decode steps physically sparse; ``generate()`` keeps working as before.
 
@@ -180,11 +182,13 @@ def patch_model(
         model: a transformers causal LM whose attention goes through ``AttentionInterface`` (Llama, Qwen2/3,
             Mistral, Gemma3, ...).
         policy: a policy from :mod:`hf_sparse_kv.policies` (default ``Dense()``).
-        mode: ``"mask"`` (SDPA with a mask: exact, saves nothing), ``"token"`` (gather selected tokens) or
-            ``"block"`` (read selected pages).
+        mode: ``"mask"`` (SDPA with a mask: exact, saves nothing), ``"token"`` (gather selected tokens),
+            ``"block"`` (read selected pages) or ``"auto"`` (each step dense or sparse by the crossover table).
         dense_layers: layer indices that stay dense (default: the first two).
         block_size: tokens per page, a power of two in [8, 256].
         backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
+        crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
+            sparse; default: the H200 table shipped with the package (``hf-sparse-kv calibrate`` measures yours).
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -193,7 +197,12 @@ def patch_model(
     layers = _validate(model, policy, mode, dense_layers, block_size, backend)
     previous = getattr(model, STATE_ATTR, None)
     original_attn = previous.config.original_attn if previous else model.config._attn_implementation
-    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn)
+    table = None
+    if mode == "auto":
+        table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover)
+    elif crossover is not None:
+        raise ValueError("crossover is used by mode='auto' only")
+    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table)
     _register()
     if previous:
         unpatch_model(model)
