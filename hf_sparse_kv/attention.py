@@ -204,6 +204,8 @@ def sparse_attention_forward(
         ops=ops,
     )
     selection, mode = choose(config, state, layer_idx, cache)
+    if getattr(config.policy, "evict", False) and not selection.dense:
+        cache.evict(config.policy.evictable(state.lens, state.block_size))
     out = execute(selection, mode, state, layer.v_pool)  # [B, Hq, D]
     cache.kv_bytes_read += kv_bytes(selection, mode, layer, state.length)
     return out.unsqueeze(1), None

@@ -37,7 +37,7 @@ class BlockTable:
         self.capacity = 0
         self.free: list[int] = []
         self.refcount: list[int] = []
-        self.rows: list[list[int]] = []  # logical block -> physical block, per sequence
+        self.rows: list[list[int]] = []  # logical block -> physical block (-1: evicted), per sequence
         self._tensor: torch.Tensor | None = None
 
     @property
@@ -55,6 +55,8 @@ class BlockTable:
         return blk
 
     def release(self, blk: int) -> None:
+        if blk < 0:  # an evicted block's hole
+            return
         self.refcount[blk] -= 1
         if self.refcount[blk] == 0:
             self.free.append(blk)
@@ -152,6 +154,11 @@ class PagedLayer(DynamicLayer):
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole context in transformers' frame (left padding restored as zeros): two ``[B, Hkv, L, D]`` copies."""
+        if self.cache.evicted:
+            raise NotImplementedError(
+                "this PagedKVCache has evicted blocks (SinkWindow(evict=True)): a forward of several tokens, or an "
+                "attention that reads the whole cache, cannot run on it. Decode one token per step, or use evict=False."
+            )
         table = self.cache.table.tensor(self.device)
         pads = self.cache.pads_tensor(self.device)
         real = torch.arange(self.length, device=self.device).view(1, -1) - pads.view(-1, 1)  # [B, L]
@@ -221,6 +228,8 @@ class PagedKVCache(DynamicCache):
         self._ops: dict = {}  # (backend, device) -> op namespace
         self.kv_bytes_read = 0
         self.auto_steps = {"dense": 0, "sparse": 0}  # layer-steps mode="auto" ran dense / sparse
+        self.evicted = False  # some blocks were freed by an evicting policy (their positions stay counted)
+        self._evicted_to: list[int] = []  # per sequence, logical blocks below this were already considered
         self.decode_steps = 0
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
         if not self.layers:
@@ -313,7 +322,10 @@ class PagedKVCache(DynamicCache):
         need = [-(-(length - p) // self.block_size) for p in self.pads]
         first = [max(write_from - p, 0) // self.block_size for p in self.pads]
         shared = [
-            (b, lb) for b, row in enumerate(t.rows) for lb in range(first[b], len(row)) if t.refcount[row[lb]] > 1
+            (b, lb)
+            for b, row in enumerate(t.rows)
+            for lb in range(first[b], len(row))
+            if row[lb] >= 0 and t.refcount[row[lb]] > 1
         ]
         missing = sum(max(0, n - len(row)) for n, row in zip(need, t.rows))
         if not shared and not missing:
@@ -331,6 +343,27 @@ class PagedKVCache(DynamicCache):
                 row.append(t.take())
         t.invalidate()
 
+    def evict(self, spans: list[tuple[int, int]]) -> int:
+        """Free the blocks lying wholly inside ``spans[b] = (lo, hi)`` (stored positions) of each sequence.
+
+        Their table entries become holes (-1): positions keep counting (RoPE was applied before caching), and a
+        policy that evicts must never select them again. Returns the number of blocks freed."""
+        t, BS, freed = self.table, self.block_size, 0
+        if len(self._evicted_to) != len(t.rows):
+            self._evicted_to = [0] * len(t.rows)
+        for b, (row, (lo, hi)) in enumerate(zip(t.rows, spans)):
+            end = min(hi // BS, len(row))
+            for lb in range(max(-(-lo // BS), self._evicted_to[b]), end):  # spans only grow: skip what was seen
+                if row[lb] >= 0:
+                    t.release(row[lb])
+                    row[lb] = -1
+                    freed += 1
+            self._evicted_to[b] = max(self._evicted_to[b], end)
+        if freed:
+            self.evicted = True
+            t.invalidate()
+        return freed
+
     def reset(self) -> None:
         """Return every block to the free list (the pools keep their capacity for the next sequence)."""
         for row in self.table.rows:
@@ -339,6 +372,8 @@ class PagedKVCache(DynamicCache):
         self.table.rows = []
         self.table.invalidate()
         self.pads = []
+        self.evicted = False
+        self._evicted_to = []
         self._deferred.clear()
         for layer in self.layers:
             layer.reset()
@@ -372,12 +407,14 @@ class PagedKVCache(DynamicCache):
         new_rows = [list(t.rows[s]) for s in sources]
         for row in new_rows:
             for blk in row:
-                t.refcount[blk] += 1
+                if blk >= 0:
+                    t.refcount[blk] += 1
         for row in t.rows:
             for blk in row:
                 t.release(blk)
         t.rows = new_rows
         self.pads = [self.pads[s] for s in sources]
+        self._evicted_to = [self._evicted_to[s] for s in sources] if self._evicted_to else []
         t.invalidate()
 
     def crop(self, max_length: int) -> None:

@@ -82,6 +82,11 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
     bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
     if bad:
         raise ValueError(f"dense_layers must be layer indices in [0, {n}), got out-of-range or non-int {bad}")
+    if getattr(policy, "evict", False) and layers:
+        raise ValueError(
+            "SinkWindow(evict=True) frees the tokens that leave the window, which a dense layer still needs: "
+            "pass dense_layers=() with it (or use evict=False)."
+        )
     return layers
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_robust_generate import check_table, one_thread  # noqa: F401 (fixture)
+from test_robust_generate import check_table
 from tiny_models import greedy, prompt, tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -15,6 +15,17 @@ from hf_sparse_kv.policies import Quest
 
 BS = 8
 NEW = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models run on one thread: on 2 busy cores torch's default threading makes them ~10x slower (and
+    bit-exact comparisons need the same thread count on both sides)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 
 class Boom(StoppingCriteria):

@@ -1,7 +1,4 @@
-"""Many generate() calls do not leak blocks, pool capacity or caches; a long Dense() generation is the unpatched one.
-
-The tiny models run on one thread here: on 2 busy cores torch's default threading makes a 3-layer model 10x slower.
-"""
+"""Many generate() calls do not leak blocks, pool capacity or caches; a long Dense() generation is the unpatched one."""
 
 from __future__ import annotations
 
@@ -19,8 +16,10 @@ from hf_sparse_kv.policies import Dense, Quest, SinkWindow, TokenTopK
 BS = 8
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def one_thread():
+    """The tiny models run on one thread: on 2 busy cores torch's default threading makes them ~10x slower (and
+    bit-exact comparisons need the same thread count on both sides)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count, forced_block_count
+from .base import (
+    DecodeState,
+    Policy,
+    Selection,
+    budget_tokens,
+    check_budget,
+    check_count,
+    forced_block_count,
+    window_bounds,
+)
 
 
 @dataclass
@@ -25,12 +34,15 @@ class SinkWindow(Policy):
     Paper: Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024
     (https://arxiv.org/abs/2309.17453). Give ``window`` (tokens) or ``budget`` (tokens or a fraction; then
     ``window = budget - sink``). The blocks holding the sink and the window are read whole and masked inside, so the
-    block and token modes attend exactly the same tokens as the mask mode.
+    block and token modes attend exactly the same tokens as the mask mode. With ``evict=True`` the blocks that
+    leave the window are freed (StreamingLLM proper): KV memory stays flat however long the generation runs; every
+    layer must then be sparse (``dense_layers=()``), as a dense layer would need the freed tokens.
     """
 
     sink: int = 4
     window: int | None = None
     budget: int | float | None = None
+    evict: bool = False
 
     granularity: ClassVar[str] = "block"
 
@@ -43,6 +55,12 @@ class SinkWindow(Policy):
                 raise ValueError(f"window must be a positive int (tokens), got {self.window!r}")
         else:
             check_budget(self.budget)
+
+    def evictable(self, lens: tuple[int, ...], block_size: int) -> list[tuple[int, int]]:
+        """Per sequence, the span ``[sink end, window start)`` no later step will attend (the window only moves
+        forward, also for a fractional budget: its start ``n - ceil(f n) + sink`` never decreases);
+        :meth:`PagedKVCache.evict` frees the blocks wholly inside it."""
+        return [window_bounds(n, self.sink, self.window_tokens(n)) for n in lens]
 
     def window_tokens(self, length: int) -> int:
         """The window at context ``length``."""
