@@ -76,7 +76,9 @@ class DecodeState:
 
     @property
     def num_blocks(self) -> int:
-        return -(-self.length // self.block_size)
+        """Width of the block table: the blocks of the longest sequence (or, in a cache reserved for CUDA-graph
+        decoding, of its maximum length). Device-side selection works over this width."""
+        return self.block_table.shape[1]
 
 
 def check_budget(budget: float | None, name: str = "budget", required: bool = True) -> None:
@@ -155,16 +157,17 @@ class Policy:
         return Selection("block", idx.unsqueeze(1).expand(B, H, -1).contiguous(), zero, zero, counts, dense=True)
 
     @staticmethod
-    def forced_positions(state: DecodeState, sink: int, window: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forced_positions(state: DecodeState, sink: int, window) -> tuple[torch.Tensor, torch.Tensor]:
         """Per sequence, the end of the sink and the start of the window (see :func:`window_bounds`): two ``[B]``
-        long tensors on the device, computed on the host."""
-        windows = window if isinstance(window, list) else [window] * len(state.lens)
-        bounds = [window_bounds(n, sink, w) for n, w in zip(state.lens, windows)]
-        t = torch.tensor(bounds, dtype=torch.long).to(state.q.device, non_blocking=True)
-        return t[:, 0], t[:, 1]
+        long tensors computed on the device from ``state.seq_lens`` (so a captured decode step stays right as the
+        lengths move). ``window`` is an int or a ``[B]`` tensor."""
+        lens = state.seq_lens.long()
+        sink_end = torch.clamp(state.start.long() + sink, max=lens)
+        window = torch.as_tensor(window, device=lens.device).clamp(min=1)
+        return sink_end, torch.maximum(lens - window, sink_end)
 
     @classmethod
-    def forced_blocks(cls, state: DecodeState, sink: int, window: int | list[int]) -> torch.Tensor:
+    def forced_blocks(cls, state: DecodeState, sink: int, window) -> torch.Tensor:
         """``[B, nblk]`` bool: the blocks holding the sink, the window and the current (partial) block."""
         BS = state.block_size
         sink_end, win_start = cls.forced_positions(state, sink, window)

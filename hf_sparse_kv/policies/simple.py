@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from .base import (
     DecodeState,
     Policy,
@@ -62,6 +64,16 @@ class SinkWindow(Policy):
         :meth:`PagedKVCache.evict` frees the blocks wholly inside it."""
         return [window_bounds(n, self.sink, self.window_tokens(n)) for n in lens]
 
+    def window_tensor(self, state: DecodeState) -> torch.Tensor | int:
+        """The window of each sequence computed on the device from ``state.seq_lens`` (as :meth:`window_tokens`)."""
+        if self.window is not None:
+            return self.window
+        if isinstance(self.budget, float):
+            tokens = torch.ceil(self.budget * state.seq_lens.double()).long().clamp(min=1)
+        else:
+            tokens = torch.full_like(state.seq_lens, self.budget, dtype=torch.long)
+        return (tokens - self.sink).clamp(min=1)
+
     def window_tokens(self, length: int) -> int:
         """The window at context ``length``."""
         if self.window is not None:
@@ -74,10 +86,10 @@ class SinkWindow(Policy):
             return self.dense_selection(state)
         BS = state.block_size
         counts = [forced_block_count(n, self.sink, w, BS) for n, w in zip(state.lens, windows)]
-        forced = self.forced_blocks(state, self.sink, windows)  # [B, nblk]
+        forced = self.forced_blocks(state, self.sink, self.window_tensor(state))  # [B, nblk]
         # the forced blocks as ascending ids: score them 1, the rest -inf, keep them all
         scores = forced.float().masked_fill(~forced, float("-inf")).unsqueeze(1).expand(-1, state.num_kv_heads, -1)
-        sink_end, win_start = self.forced_positions(state, self.sink, windows)
+        sink_end, win_start = self.forced_positions(state, self.sink, self.window_tensor(state))
         width = max(counts)
         indices = state.ops.topk_indices(scores.contiguous(), width, self.counts_tensor(state, counts, width))
         return Selection("block", indices, sink_end.int(), win_start.int(), tuple(counts))
