@@ -12,6 +12,10 @@ row then decodes ``--steps`` tokens one forward at a time (after ``--warmup`` st
 around each step, and reports the median: that is the per-token latency a caller of ``model(...)`` sees, Python
 overhead included. The cache is cropped back to the context between rows.
 
+Rows named ``graph: ...`` patch with ``cuda_graph=True``: each decode step replays a captured CUDA graph (one
+capture per selection width, during the warm-up steps; a width change inside the timed steps shows as one slow
+step, which the median ignores).
+
 Columns: ms/token (median), tokens/s (batch / median), KV MB read per step (all layers, from the cache's counter),
 KV GB held, peak GPU GB during the row, speedup over unpatched. Selection cost ~ Quest row - SinkWindow row at the
 same budget (same bytes read, no scoring).
@@ -128,15 +132,19 @@ def time_prefill(model, batch: int, length: int) -> float:
     return min(times)
 
 
-ROWS = [
-    ("patched Dense", Dense(), "block"),
-    ("Quest 1/8 mask", Quest(budget=0.125), "mask"),
-    ("Quest 1/8 token", Quest(budget=0.125), "token"),
-    ("Quest 1/8 block", Quest(budget=0.125), "block"),
-    ("Quest 1/16 mask", Quest(budget=0.0625), "mask"),
-    ("Quest 1/16 token", Quest(budget=0.0625), "token"),
-    ("Quest 1/16 block", Quest(budget=0.0625), "block"),
-    ("SinkWindow 1/16 block", SinkWindow(sink=4, budget=0.0625), "block"),
+ROWS = [  # (name, policy, mode, cuda_graph)
+    ("patched Dense", Dense(), "block", False),
+    ("Quest 1/8 mask", Quest(budget=0.125), "mask", False),
+    ("Quest 1/8 token", Quest(budget=0.125), "token", False),
+    ("Quest 1/8 block", Quest(budget=0.125), "block", False),
+    ("Quest 1/16 mask", Quest(budget=0.0625), "mask", False),
+    ("Quest 1/16 token", Quest(budget=0.0625), "token", False),
+    ("Quest 1/16 block", Quest(budget=0.0625), "block", False),
+    ("SinkWindow 1/16 block", SinkWindow(sink=4, budget=0.0625), "block", False),
+    ("graph: patched Dense", Dense(), "block", True),
+    ("graph: Quest 1/8 block", Quest(budget=0.125), "block", True),
+    ("graph: Quest 1/16 block", Quest(budget=0.0625), "block", True),
+    ("graph: SinkWindow 1/16 block", SinkWindow(sink=4, budget=0.0625), "block", True),
 ]
 
 
@@ -206,8 +214,8 @@ def main() -> None:
         del dense_cache
         if device == "cuda":
             torch.cuda.empty_cache()
-        for name, policy, mode in rows_wanted:
-            patch_model(model, policy=policy, mode=mode, block_size=args.block_size)
+        for name, policy, mode, graph in rows_wanted:
+            patch_model(model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph)
             reset_peak()
             read0, steps0 = int(paged.kv_bytes_read), paged.decode_steps
             t = time_decode(model, paged, batch, length, args.steps, args.warmup)

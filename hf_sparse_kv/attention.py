@@ -86,6 +86,11 @@ def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length
     key = (length, id(mask))
     plan = getattr(cache, "_step_plan", None)
     if plan is None or plan.key != key:
+        if cache.static is not None:  # CUDA-graph decoding: the lengths live in device buffers
+            plan = StepPlan(key, cache.static.seq_lens, cache.static.start, tuple(length - p for p in cache.pads))
+            cache._step_plan = plan
+            cache.decode_steps += 1
+            return plan
         pads = cache.pads_tensor(device)
         if mask is not None and not torch.equal(padding_starts(mask, batch, length, device), pads):
             raise NotImplementedError(

@@ -11,6 +11,7 @@ The cache holds no policy; the patched attention function reads the pages throug
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -27,6 +28,19 @@ def check_block_size(block_size: int) -> None:
     ok = isinstance(block_size, int) and not isinstance(block_size, bool) and 8 <= block_size <= 256
     if not ok or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two between 8 and 256, got {block_size!r}")
+
+
+@dataclass
+class StaticBuffers:
+    """Device buffers of a cache reserved for CUDA-graph decoding (see :meth:`PagedKVCache.reserve_static`).
+
+    Attributes: ``max_length`` tokens reserved per sequence; ``seq_lens`` ``[B]`` the stored length after this
+    step's token; ``pos0`` ``[B]`` where this step's token is written; ``start`` ``[B]`` zeros."""
+
+    max_length: int
+    seq_lens: torch.Tensor
+    pos0: torch.Tensor
+    start: torch.Tensor
 
 
 class BlockTable:
@@ -139,9 +153,13 @@ class PagedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         B, _, T, _ = key_states.shape
         frame0 = self.length
-        self.cache.reserve(B, frame0 + T, frame0)
+        static = self.cache.static
+        if static is not None and T == 1:  # blocks are reserved; the write position comes from a device buffer
+            pos0 = static.pos0
+        else:
+            self.cache.reserve(B, frame0 + T, frame0)
+            pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
         table = self.cache.table.tensor(self.device)
-        pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
         # padding is dropped on the way in by the reference; the kernels take pos0 >= 0
         ops = self.cache.ops("reference" if frame0 < max(self.cache.pads) else self.cache.backend, self.device)
         ops.paged_write(
@@ -229,6 +247,8 @@ class PagedKVCache(DynamicCache):
         self.kv_bytes_read = 0
         self.auto_steps = {"dense": 0, "sparse": 0}  # layer-steps mode="auto" ran dense / sparse
         self.evicted = False  # some blocks were freed by an evicting policy (their positions stay counted)
+        self.static: StaticBuffers | None = None  # set by reserve_static() for CUDA-graph decoding
+        self.graphs = None  # the DecodeGraphs of a cuda_graph=True model (False: this cache cannot use them)
         self._evicted_to: list[int] = []  # per sequence, logical blocks below this were already considered
         self.decode_steps = 0
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
@@ -343,6 +363,21 @@ class PagedKVCache(DynamicCache):
                 row.append(t.take())
         t.invalidate()
 
+    def reserve_static(self, max_length: int) -> StaticBuffers:
+        """Prepare for CUDA-graph decoding: allocate every block up to ``max_length`` tokens now (so the block table
+        never changes again) and keep the step's lengths in device buffers that a captured step reads.
+
+        Call after the prefill; left padding and evicting policies are not supported here."""
+        if not self.table.rows or any(self.pads) or self.evicted:
+            raise ValueError("reserve_static needs a filled cache without left padding or evicted blocks")
+        device = self.paged_layers[0].device
+        self.reserve(len(self.table.rows), max_length, self.get_seq_length())
+        B = len(self.table.rows)
+        zeros = torch.zeros(B, dtype=torch.int32, device=device)
+        self.static = StaticBuffers(max_length, zeros.clone(), zeros.clone(), zeros)
+        self.table.tensor(device)  # built once, then stable
+        return self.static
+
     def evict(self, spans: list[tuple[int, int]]) -> int:
         """Free the blocks lying wholly inside ``spans[b] = (lo, hi)`` (stored positions) of each sequence.
 
@@ -374,6 +409,8 @@ class PagedKVCache(DynamicCache):
         self.pads = []
         self.evicted = False
         self._evicted_to = []
+        self.static = None
+        self.graphs = None  # captured decode steps belong to one generation
         self._deferred.clear()
         for layer in self.layers:
             layer.reset()
@@ -424,6 +461,7 @@ class PagedKVCache(DynamicCache):
         keep = max(keep, 0)
         if keep == length:
             return
+        self.static = self.graphs = None  # the reservation and captured steps assumed the old table
         t = self.table
         for row, pad in zip(t.rows, self.pads):
             need = -(-max(keep - pad, 0) // self.block_size)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from functools import partial
+from functools import partial, update_wrapper
 
 import torch
 from transformers import AttentionInterface
@@ -107,7 +107,7 @@ def _foreign_cache_error(cache) -> TypeError:
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The name under which ``model.forward``/``generate`` take a cache: ``"cache"`` in recent transformers 5.x,
     ``"past_key_values"`` before (e.g. 5.17). ``model(ids, **{cache_kwarg(model): cache})`` works on both."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def _model_pre_hook(model, args, kwargs):
@@ -159,6 +159,46 @@ def _prepare_cache_for_generation(
     return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
 
+def _graph_forward(model, original, *args, **kwargs):
+    """``model.forward`` under ``cuda_graph=True``: single-token decode steps on a filled, unpadded PagedKVCache
+    replay a captured graph (see :class:`hf_sparse_kv.graphs.DecodeGraphs`); anything else runs ``original``."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from .graphs import DecodeGraphs
+
+    _, cache = _find_cache(kwargs)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    mask = kwargs.get("attention_mask")
+    eligible = (
+        isinstance(cache, PagedKVCache)
+        and isinstance(ids, torch.Tensor)
+        and ids.is_cuda
+        and ids.dim() == 2
+        and ids.shape[1] == 1
+        and cache.get_seq_length() > 0
+        and cache.max_length is not None
+        and not any(cache.pads)
+        and getattr(cache, "graphs", None) is not False
+        and kwargs.get("inputs_embeds") is None
+        and not kwargs.get("output_hidden_states")
+        and (mask is None or bool(mask.all()))
+    )
+    if not eligible:
+        return original(*args, **kwargs)
+    runner = getattr(cache, "graphs", None)
+    if runner is None:
+        try:
+            runner = DecodeGraphs(model, cache, cache.max_length, forward=original)
+        except ValueError:
+            cache.graphs = False  # this cache cannot decode from graphs: eager from now on
+            return original(*args, **kwargs)
+        cache.graphs = runner
+    if not runner.fits(ids):
+        return original(*args, **kwargs)
+    logits = runner.step(ids, kwargs.get("position_ids"))
+    return CausalLMOutputWithPast(logits=logits, **{cache_kwarg(model): cache})
+
+
 class _PatchState:
     """What unpatching needs: the hooks to remove and the original attention implementation."""
 
@@ -180,6 +220,7 @@ def patch_model(
     block_size: int = 16,
     backend: str = "auto",
     crossover: CrossoverTable | str | None = None,
+    cuda_graph: bool = False,
 ):
     """Make ``model``'s decode steps physically sparse; ``generate()`` keeps working as before.
 
@@ -194,6 +235,9 @@ def patch_model(
         backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
             sparse; default: the H200 table shipped with the package (``hf-sparse-kv calibrate`` measures yours).
+        cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (see :mod:`hf_sparse_kv.graphs`): needs
+            ``mode="block"``, a CUDA model whose attention layers are all full-attention, no left padding; other
+            steps run eagerly.
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -202,6 +246,8 @@ def patch_model(
     layers = _validate(model, policy, mode, dense_layers, block_size, backend)
     previous = getattr(model, STATE_ATTR, None)
     original_attn = previous.config.original_attn if previous else model.config._attn_implementation
+    if cuda_graph and mode != "block":
+        raise ValueError(f"cuda_graph=True captures block-mode decode steps: use mode='block', got mode={mode!r}")
     table = None
     if mode == "auto":
         table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover)
@@ -222,6 +268,9 @@ def patch_model(
         raise
     original = type(model)._prepare_cache_for_generation.__get__(model)
     model._prepare_cache_for_generation = partial(_prepare_cache_for_generation, model, original)
+    if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
+        original_forward = type(model).forward.__get__(model)
+        model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
     setattr(model, STATE_ATTR, _PatchState(config, handles))
     return model
 
@@ -234,6 +283,7 @@ def unpatch_model(model: torch.nn.Module):
     for handle in state.handles:
         handle.remove()
     model.__dict__.pop("_prepare_cache_for_generation", None)
+    model.__dict__.pop("forward", None)
     model.set_attn_implementation(state.config.original_attn)
     delattr(model, STATE_ATTR)
     return model

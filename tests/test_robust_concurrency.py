@@ -14,12 +14,13 @@ from hf_sparse_kv import PagedKVCache, cache_kwarg, is_patched, patch_model, unp
 from hf_sparse_kv.policies import Dense, Quest, SinkWindow, TokenTopK
 
 NEW = 10
-SETTINGS = {
-    "a": ("llama", dict(policy=Quest(budget=16, sink=2, window=8), mode="block", dense_layers=(), block_size=8)),
-    "b": ("llama", dict(policy=TokenTopK(budget=12, sink=2, window=4), mode="token", dense_layers=(0,), block_size=16)),
-    "c": ("gemma3", dict(policy=SinkWindow(sink=2, window=9), mode="mask", dense_layers=(), block_size=8)),
+SETTINGS = {  # name: (architecture, patch_model arguments)
+    "a": ("llama", {"policy": Quest(budget=16, sink=2, window=8), "mode": "block", "dense_layers": (), "block_size": 8}),
+    "b": ("llama", {"policy": TokenTopK(budget=12, sink=2, window=4), "mode": "token", "dense_layers": (0,),
+                    "block_size": 16}),
+    "c": ("gemma3", {"policy": SinkWindow(sink=2, window=9), "mode": "mask", "dense_layers": (), "block_size": 8}),
     "u": ("qwen2", None),  # never patched
-}
+}  # fmt: skip
 PROMPTS = [prompt(n, batch=b, seed=n) for n, b in ((33, 1), (41, 2), (27, 3), (50, 1))]
 
 
@@ -31,7 +32,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_two_threads(solo):
     def work(name):
         try:
             results[name] = [greedy(models[name], ids, new_tokens=NEW) for ids in PROMPTS for _ in range(2)]
-        except BaseException as e:  # reported below
+        except Exception as e:  # noqa: BLE001 (asserted empty in the main thread)
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(n,)) for n in ("a", "b", "u")]

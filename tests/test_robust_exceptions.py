@@ -27,7 +27,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-
 class Boom(StoppingCriteria):
     """Raises ``exc`` at its ``at``-th call (generate calls it once per new token)."""
 

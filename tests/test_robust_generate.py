@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from tiny_models import DEVICE, prompt, tiny_model
+from tiny_models import prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, Quest, SinkWindow, TokenTopK
@@ -65,10 +65,10 @@ def test_a_thousand_generates_leak_nothing():
     none of them alive). Every 25th reused call is compared with a run on a fresh cache."""
     model = tiny_model("llama")
     configs = [
-        dict(policy=Quest(budget=16, sink=2, window=8), mode="block"),
-        dict(policy=SinkWindow(sink=2, window=11), mode="token"),
-        dict(policy=TokenTopK(budget=12, sink=2, window=4), mode="token"),
-        dict(policy=Dense(), mode="mask"),
+        {"policy": Quest(budget=16, sink=2, window=8), "mode": "block"},
+        {"policy": SinkWindow(sink=2, window=11), "mode": "token"},
+        {"policy": TokenTopK(budget=12, sink=2, window=4), "mode": "token"},
+        {"policy": Dense(), "mode": "mask"},
     ]
     rng = random.Random(0)
     cache = PagedKVCache(model.config, block_size=BS)
@@ -86,7 +86,7 @@ def test_a_thousand_generates_leak_nothing():
             if reuse and width + 1 == prev_last_decode:
                 width += 1  # see test_robust_exceptions.py::test_reset_forgets_the_last_step_plan
             ids, mask, lens = left_padded(rng, batch, width)
-            kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            kw = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
             if reuse:
                 out = model.generate(ids, **kw, **{cache_kwarg(model): cache})
                 used = cache
@@ -135,7 +135,7 @@ def test_many_generates_short():
                 width += 1  # see test_robust_exceptions.py::test_reset_forgets_the_last_step_plan
             prev_last_decode = width + new - 1 if new > 1 else -1
             ids, mask, lens = left_padded(rng, batch, width)
-            kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            kw = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
             model.generate(ids, **kw, **{cache_kwarg(model): cache})
             assert cache.blocks_in_use == sum(-(-(n + new - 1) // BS) for n in lens)
             check_table(cache)
@@ -149,26 +149,50 @@ def test_many_generates_short():
 # ------------------------------------------------------------------------------------------ long dense generation
 
 
+def teacher_forced_logits(model, seqs: torch.Tensor, mask: torch.Tensor, prompt_len: int, chunk: int = 512):
+    """The (unpatched) model's next-token logits after each prefix ``seqs[:, :t]``, t >= prompt_len: ``[B, N, V]``.
+
+    Chunked forwards on a cache, with generate()'s position ids for left padding."""
+    from transformers import DynamicCache
+
+    full = torch.cat([mask, mask.new_ones(seqs.shape[0], seqs.shape[1] - mask.shape[1])], 1)
+    pos = (full.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    logits = []
+    for lo in range(0, seqs.shape[1] - 1, chunk):
+        hi = min(lo + chunk, seqs.shape[1] - 1)
+        out = model(seqs[:, lo:hi], attention_mask=full[:, :hi], position_ids=pos[:, lo:hi],
+                    **{cache_kwarg(model): cache})  # fmt: skip
+        logits.append(out.logits)
+    return torch.cat(logits, 1)[:, prompt_len - 1 :]
+
+
 def long_generation_matches_unpatched(new_tokens: int, mode: str, batch: int) -> None:
+    """Greedy generation under Dense() against the unpatched model: every step's logits equal (to 1e-4) the unpatched
+    model's on the same prefix, and the tokens equal the unpatched generation's up to the first step where its top two
+    logits tie within 1e-5 (a near-tie that rounding may break either way; the tokens after it cannot be compared)."""
+    P = 23
     model = tiny_model("llama", max_position_embeddings=new_tokens + 64)
-    rng = random.Random(new_tokens)
-    ids, mask, _ = left_padded(rng, batch, 23)
-    kw = dict(
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
+    ids, mask, _ = left_padded(random.Random(new_tokens), batch, P)
+    kw = {"attention_mask": mask, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+    kw.update(output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
         patch_model(model, policy=Dense(), mode=mode, block_size=16)
         out = model.generate(ids, **kw)
-    unpatch_model(model)
-    assert out.sequences.shape == (batch, 23 + new_tokens)
-    assert torch.equal(out.sequences, ref.sequences)
-    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), rtol=0, atol=1e-4)
+        unpatch_model(model)
+        forced = teacher_forced_logits(model, out.sequences, mask, P)
+    assert out.sequences.shape == ref.sequences.shape == (batch, P + new_tokens)
+    got, ref_logits = torch.stack(out.logits, 1), torch.stack(ref.logits, 1)  # [B, N, V]
+    torch.testing.assert_close(got, forced, rtol=0, atol=1e-4)
+    differ = (out.sequences[:, P:] != ref.sequences[:, P:]).any(0).nonzero()
+    t = int(differ[0]) if len(differ) else new_tokens
+    torch.testing.assert_close(got[:, :t], ref_logits[:, :t], rtol=0, atol=1e-4)
+    if t < new_tokens:
+        top2 = ref_logits[:, t].topk(2).values  # [B, 2]
+        row = int((out.sequences[:, P + t] != ref.sequences[:, P + t]).nonzero()[0])
+        gap = float(top2[row, 0] - top2[row, 1])
+        assert gap < 1e-5, f"tokens differ at step {t} where the unpatched top-2 logits are {gap:.2e} apart"
 
 
 def test_long_dense_generation_equals_unpatched():
@@ -178,10 +202,11 @@ def test_long_dense_generation_equals_unpatched():
 
 @pytest.mark.slow
 def test_8k_dense_generation_equals_unpatched():
-    """The issue's 8K new tokens (batch 1, block mode): ~2.5 minutes on a 2-core CPU."""
+    """The issue's 8K new tokens (batch 1, block mode): ~2.5 minutes on a 2-core CPU. (Under transformers 5.17 the
+    top two logits of step 1928 tie within 1e-7 and the two runs pick different tokens there.)"""
     long_generation_matches_unpatched(8192, "block", batch=1)
 
 
 @pytest.mark.parametrize("mode", ["mask", "token", "block"])
 def test_dense_generation_left_padded_batch(mode):
-    long_generation_matches_unpatched(384, mode, batch=2)
+    long_generation_matches_unpatched(192, mode, batch=2)

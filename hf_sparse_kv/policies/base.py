@@ -136,6 +136,11 @@ class Policy:
     def select(self, state: DecodeState) -> Selection:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:  # pragma: no cover - abstract
+        """What :meth:`select` will keep per sequence at these lengths (``None``: everything), on the host only:
+        a CUDA-graph decoder keys its captured steps on it."""
+        raise NotImplementedError
+
     # ---- helpers shared by the policies -----------------------------------------------------------------------
 
     @staticmethod
@@ -162,8 +167,8 @@ class Policy:
         long tensors computed on the device from ``state.seq_lens`` (so a captured decode step stays right as the
         lengths move). ``window`` is an int or a ``[B]`` tensor."""
         lens = state.seq_lens.long()
-        sink_end = torch.clamp(state.start.long() + sink, max=lens)
-        window = torch.as_tensor(window, device=lens.device).clamp(min=1)
+        sink_end = torch.minimum(state.start.long() + sink, lens)
+        window = max(window, 1) if isinstance(window, int) else window.clamp(min=1)  # no host->device copy
         return sink_end, torch.maximum(lens - window, sink_end)
 
     @classmethod

@@ -33,17 +33,20 @@ class _BlockTopK(Policy):
         """``[B, Hkv, nblk]`` float32, higher is better, ``-inf`` for blocks not in use."""
         raise NotImplementedError
 
-    def select(self, state: DecodeState) -> Selection:
-        BS = state.block_size
+    def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
+        """Blocks to keep per sequence (``None``: every sequence keeps all its blocks), decided on the host."""
         counts, dense = [], True
-        for n in state.lens:  # blocks to keep per sequence, decided on the host
-            nblk, tokens = -(-n // BS), budget_tokens(self.budget, n)
-            keep = (
-                nblk if tokens >= n else min(max(tokens // BS, forced_block_count(n, self.sink, self.window, BS)), nblk)
-            )
+        for n in lens:
+            nblk, tokens = -(-n // block_size), budget_tokens(self.budget, n)
+            forced = forced_block_count(n, self.sink, self.window, block_size)
+            keep = nblk if tokens >= n else min(max(tokens // block_size, forced), nblk)
             counts.append(keep)
             dense = dense and keep >= nblk
-        if dense:
+        return None if dense else counts
+
+    def select(self, state: DecodeState) -> Selection:
+        counts = self.plan(state.lens, state.block_size)
+        if counts is None:
             return self.dense_selection(state)
         width = max(counts)
         forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]

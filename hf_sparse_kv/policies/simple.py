@@ -25,6 +25,9 @@ class Dense(Policy):
 
     granularity: ClassVar[None] = None
 
+    def plan(self, lens: tuple[int, ...], block_size: int) -> None:
+        return None
+
     def select(self, state: DecodeState) -> Selection:
         return self.dense_selection(state)
 
@@ -80,12 +83,17 @@ class SinkWindow(Policy):
             return self.window
         return max(1, budget_tokens(self.budget, length) - self.sink)
 
+    def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
+        """Blocks read per sequence (``None``: sink and window cover every sequence), decided on the host."""
+        windows = [self.window_tokens(n) for n in lens]
+        if all(self.sink + w >= n for n, w in zip(lens, windows)):
+            return None
+        return [forced_block_count(n, self.sink, w, block_size) for n, w in zip(lens, windows)]
+
     def select(self, state: DecodeState) -> Selection:
-        windows = [self.window_tokens(n) for n in state.lens]
-        if all(self.sink + w >= n for n, w in zip(state.lens, windows)):
+        counts = self.plan(state.lens, state.block_size)
+        if counts is None:
             return self.dense_selection(state)
-        BS = state.block_size
-        counts = [forced_block_count(n, self.sink, w, BS) for n, w in zip(state.lens, windows)]
         forced = self.forced_blocks(state, self.sink, self.window_tensor(state))  # [B, nblk]
         # the forced blocks as ascending ids: score them 1, the rest -inf, keep them all
         scores = forced.float().masked_fill(~forced, float("-inf")).unsqueeze(1).expand(-1, state.num_kv_heads, -1)

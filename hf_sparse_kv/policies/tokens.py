@@ -30,16 +30,21 @@ class TokenTopK(Policy):
         check_count(self.sink, "sink")
         check_count(self.window, "window")
 
-    def select(self, state: DecodeState) -> Selection:
-        BS = state.block_size
+    def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
+        """Tokens to keep per sequence (``None``: every sequence keeps everything), decided on the host."""
         counts = []
-        for n in state.lens:  # tokens to keep per sequence, decided on the host
+        for n in lens:
             tokens = budget_tokens(self.budget, n)
             sink_end, win_start = window_bounds(n, self.sink, self.window)
-            lo = min(win_start, (n - 1) // BS * BS)  # the window and the current block: [lo, n)
+            lo = min(win_start, (n - 1) // block_size * block_size)  # the window and the current block: [lo, n)
             forced = sink_end + (n - lo) - max(0, sink_end - lo)
             counts.append(n if tokens >= n else min(max(tokens, forced), n))
-        if all(c >= n for c, n in zip(counts, state.lens)):
+        return None if all(c >= n for c, n in zip(counts, lens)) else counts
+
+    def select(self, state: DecodeState) -> Selection:
+        BS = state.block_size
+        counts = self.plan(state.lens, BS)
+        if counts is None:
             return self.dense_selection(state)
         s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start)
         pos = torch.arange(s.shape[-1], device=s.device).view(1, -1)

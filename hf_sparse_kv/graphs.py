@@ -1,0 +1,124 @@
+"""CUDA-graph decoding: capture a patched model's decode step once per selection width, then replay it.
+
+In eager mode a decode step of a large model is bound by the host: Python launches a few hundred kernels per
+token while the GPU waits (see benchmarks/RESULTS.md). Replaying a captured graph removes that cost. What a
+captured step may not do, and how this module avoids it:
+
+- change the block table: :meth:`PagedKVCache.reserve_static` allocates every block up to the maximum length first;
+- read lengths from the host: the step reads ``seq_lens`` and the write position from device buffers that
+  :meth:`DecodeGraphs.step` fills before each replay;
+- change a selection's width: the width of a step is decided on the host by the policy's ``plan()`` (the same
+  numbers its ``select()`` uses), and one graph is captured per distinct plan (a fractional budget grows its
+  width by one block every ``block_size / budget`` tokens, so a long generation captures a handful of graphs).
+
+The Python bookkeeping a captured step skipped (layer lengths, counters) is done by :meth:`DecodeGraphs.step`.
+Supported: every attention layer paged (no sliding-window layers), no left padding, ``mode="block"``, a policy that
+does not evict. :func:`hf_sparse_kv.patch_model` with ``cuda_graph=True`` routes ``generate()``'s decode steps
+here and falls back to eager for anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .cache import PagedKVCache, PagedLayer
+
+
+class DecodeGraphs:
+    """Captured decode steps of one ``model`` on one ``cache`` (batch fixed by the cache).
+
+    Args:
+        model: a model patched with ``mode="block"``.
+        cache: its filled :class:`PagedKVCache` (after the prefill).
+        max_length: tokens per sequence to reserve (prompt + new tokens).
+        capture: capture CUDA graphs (``False`` runs the same static step eagerly: for tests on the CPU).
+        forward: the model's forward to call (default ``model``; the patch passes the unwrapped one).
+    """
+
+    def __init__(
+        self, model, cache: PagedKVCache, max_length: int, capture: bool = True, forward: Callable | None = None
+    ):
+        from .patch import STATE_ATTR, cache_kwarg
+
+        config = getattr(model, STATE_ATTR).config
+        self.forward_fn = forward or model
+        self.cache_name = cache_kwarg(model)
+        if not all(isinstance(layer, PagedLayer) for layer in cache.layers):
+            raise ValueError("CUDA-graph decoding needs every attention layer paged (no sliding-window layers)")
+        if config.mode != "block" or getattr(config.policy, "evict", False):
+            raise ValueError("CUDA-graph decoding supports mode='block' with a policy that does not evict")
+        self.model, self.cache, self.config = model, cache, config
+        self.capture = capture and torch.cuda.is_available()
+        self.static = cache.reserve_static(max_length)
+        B = len(cache.table.rows)
+        device = cache.paged_layers[0].device
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.graphs: dict = {}  # plan key -> (graph, logits, kv bytes per step)
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.replays = 0
+
+    def key(self, length: int) -> tuple | None:
+        """The host plan of the step that decodes at ``length`` tokens (the width of every sparse layer)."""
+        plan = self.config.policy.plan((length,) * len(self.cache.table.rows), self.cache.block_size)
+        return None if plan is None else tuple(plan)
+
+    def fits(self, input_ids: torch.Tensor) -> bool:
+        """Whether the next step can run captured (batch, one token, room left in the reservation)."""
+        return (
+            input_ids.shape == self.ids.shape
+            and input_ids.device == self.ids.device
+            and self.cache.get_seq_length() + 1 <= self.static.max_length
+        )
+
+    def _forward(self):
+        kw = {self.cache_name: self.cache, "use_cache": True}
+        return self.forward_fn(input_ids=self.ids, position_ids=self.positions, **kw).logits
+
+    def _rewind(self, kv_bytes: int, steps: int) -> None:
+        """Undo the host bookkeeping of a warm-up or capture forward (the device writes are redone by the replay)."""
+        for layer in self.cache.paged_layers:
+            layer.length -= 1
+        self.cache.kv_bytes_read, self.cache.decode_steps = kv_bytes, steps
+        self.cache._step_plan = None
+
+    def _capture(self, key) -> tuple:
+        cache = self.cache
+        before = (int(cache.kv_bytes_read), cache.decode_steps)
+        self._forward()  # warm-up: compiles the kernels of this width, allocates workspaces
+        per_step = int(cache.kv_bytes_read) - before[0]
+        self._rewind(*before)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward()
+        self._rewind(*before)
+        return graph, logits, per_step
+
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token per sequence: ``input_ids [B, 1]`` -> logits ``[B, 1, V]`` (a fresh tensor)."""
+        cache = self.cache
+        length = cache.get_seq_length()  # tokens before this one
+        self.static.pos0.fill_(length)
+        self.static.seq_lens.fill_(length + 1)
+        self.ids.copy_(input_ids)
+        if position_ids is None:
+            self.positions.fill_(length)
+        else:
+            self.positions.copy_(position_ids)
+        if not self.capture:
+            return self._forward().clone()
+        key = self.key(length + 1)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        graph, logits, per_step = self.graphs[key]
+        graph.replay()
+        self.replays += 1
+        for layer in cache.paged_layers:
+            layer.length += 1
+        cache.kv_bytes_read += per_step
+        cache.decode_steps += 1
+        cache._step_plan = None
+        return logits.clone()
