@@ -99,12 +99,24 @@ def draw_paged(rng: random.Random, max_blocks: int = 5) -> dict:
         "ex_hi": torch.tensor(ex_hi, dtype=torch.int32),
     }
     c = {k: v.to(DEVICE) for k, v in c.items()}
+    strided = rng.random() < 0.3
+    if strided:  # the layouts the attention passes: q a view of [B, Hq, 1, D], pools and table inside larger tensors
+        c["q"] = torch.stack([c["q"], torch.randn_like(c["q"])], 2)[:, :, 0]
+        c["k_pool"], c["v_pool"] = (
+            torch.cat([p, torch.randn_like(p[:2])])[: p.shape[0]] for p in (c["k_pool"], c["v_pool"])
+        )
+        c["k_pool"], c["v_pool"] = (torch.cat([torch.randn_like(p[:1]), p])[1:] for p in (c["k_pool"], c["v_pool"]))
+        wide = torch.full((B, MB + 3), 7, dtype=torch.int32, device=DEVICE)
+        wide[:, 1 : MB + 1] = c["block_table"]
+        c["block_table"] = wide[:, 1 : MB + 1]
+        c["seq_lens"] = c["seq_lens"].long()
     c.update(B=B, H=H, G=G, BS=BS, D=D, MB=MB, nblk=nblk, lens=lens, scale=rng.choice((D**-0.5, 0.3, 1.0)))
+    c["strided"] = strided
     return c
 
 
 def describe(c: dict, **extra) -> str:
-    keys = ("B", "H", "G", "BS", "D", "MB", "lens")
+    keys = ("B", "H", "G", "BS", "D", "MB", "lens", "strided")
     info = {k: c[k] for k in keys}
     info.update(start=c["start"].tolist(), ex=list(zip(c["ex_lo"].tolist(), c["ex_hi"].tolist())), **extra)
     return ", ".join(f"{k}={v}" for k, v in info.items())
