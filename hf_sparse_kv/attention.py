@@ -83,7 +83,7 @@ def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length
 
     ``length`` is transformers' (padded) length; the plan holds the stored lengths, and checks that the decode
     mask pads exactly what the cache dropped at prefill."""
-    key = (length, id(mask))
+    key = (length, batch, id(mask))
     plan = getattr(cache, "_step_plan", None)
     if plan is None or plan.key != key:
         if cache.static is not None:  # CUDA-graph decoding: the lengths live in device buffers

@@ -407,6 +407,7 @@ class PagedKVCache(DynamicCache):
         self.table.rows = []
         self.table.invalidate()
         self.pads = []
+        self._step_plan = None
         self.evicted = False
         self._evicted_to = []
         self.static = None

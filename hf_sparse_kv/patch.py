@@ -127,6 +127,10 @@ def _model_pre_hook(model, args, kwargs):
 
 
 def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
+    if getattr(module.config, "_attn_implementation", None) != ATTENTION_NAME:
+        # the attention was pointed elsewhere (e.g. a model sharing this config was unpatched): the cache must then
+        # hand the attention the whole context, as for any other attention function
+        return args, kwargs
     _, cache = _find_cache(kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)

@@ -105,6 +105,33 @@ def test_reused_cache_after_an_exception(patched, where, exc):
     assert torch.equal(seqs, ref_seqs)
 
 
+@pytest.mark.parametrize("at", [1, 3, 5])
+def test_reused_cache_after_an_exception_in_beam_search(patched, at):
+    """Beam search shares blocks between beams (reference counts, copy on write): an abort at any step, then reset(),
+    leaves the table consistent and the next beam search equal to one on a fresh cache."""
+    next_ids = prompt(31, batch=2, seed=9)
+    with torch.no_grad():
+        ref = patched.generate(next_ids, num_beams=3, max_new_tokens=6, do_sample=False)
+    cache = PagedKVCache(patched.config, block_size=BS)
+    attn = patched.model.layers[2].self_attn
+    handle = attn.register_forward_pre_hook(raise_on_decode_step(RuntimeError, at), with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+            patched.generate(prompt(29, batch=2), num_beams=3, max_new_tokens=NEW, do_sample=False,
+                             **{cache_kwarg(patched): cache})  # fmt: skip
+    finally:
+        handle.remove()
+    check_table(cache)
+    cache.reset()
+    check_table(cache)
+    assert cache.blocks_in_use == 0
+    with torch.no_grad():
+        out = patched.generate(
+            next_ids, num_beams=3, max_new_tokens=6, do_sample=False, **{cache_kwarg(patched): cache}
+        )
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("where", WHERE)
 def test_model_usable_after_an_exception(patched, where):
     """No cache given: generate() builds one; the aborted run leaves nothing on the model."""
@@ -124,11 +151,6 @@ def test_model_usable_after_an_exception(patched, where):
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PagedKVCache.reset() keeps cache._step_plan; attention.plan_step reuses it when the next decode step has "
-    "the same (length, id(mask)) key, e.g. mask None at the same length with another batch size",
-)
 @pytest.mark.parametrize("aborted", [False, True])
 def test_reset_forgets_the_last_step_plan(patched, aborted):
     """After reset(), a batch of another size whose first decode step has the length of the previous run's last step

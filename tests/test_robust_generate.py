@@ -146,6 +146,40 @@ def test_many_generates_short():
     unpatch_model(model)
 
 
+def test_reused_cache_with_beam_search_sampling_and_assisted_decoding():
+    """The decoding methods that share, reorder and crop blocks, on one reused cache: consistent bookkeeping, nothing
+    held after reset(), the same outputs as on fresh caches."""
+    model = tiny_model("llama")
+    assistant = tiny_model("llama", seed=3)
+    patch_model(model, policy=Quest(budget=16, sink=2, window=8), mode="block", dense_layers=(), block_size=BS)
+    patch_model(assistant, policy=Dense(), block_size=BS)
+    rng = random.Random(2)
+    cache = PagedKVCache(model.config, block_size=BS)
+    methods = {
+        "beam": {"num_beams": 3, "do_sample": False},
+        "beam, 2 returned": {"num_beams": 3, "num_return_sequences": 2, "do_sample": False},
+        "sample": {"do_sample": True, "top_k": 10},
+        "assisted": {"assistant_model": assistant, "do_sample": False},
+    }
+    with torch.no_grad():
+        for i in range(16):
+            name = list(methods)[i % 4]
+            batch = 1 if name == "assisted" else rng.randint(1, 3)
+            ids, mask, _ = left_padded(rng, batch, rng.randint(6, 30))
+            kw = {"attention_mask": mask, "max_new_tokens": rng.randint(2, 6), **methods[name]}
+            torch.manual_seed(i)
+            ref = model.generate(ids, **kw)
+            torch.manual_seed(i)
+            out = model.generate(ids, **kw, **{cache_kwarg(model): cache})
+            assert torch.equal(out, ref), name
+            check_table(cache)
+            cache.reset()
+            check_table(cache)
+            assert cache.blocks_in_use == 0
+    unpatch_model(model)
+    unpatch_model(assistant)
+
+
 # ------------------------------------------------------------------------------------------ long dense generation
 
 

@@ -198,7 +198,8 @@ def oracle_block_scores(
     pos = torch.arange(L, device=q.device).expand(q.shape[0], L)
     zero = torch.zeros_like(seq_lens)
     ok = valid_positions(pos, seq_lens, start, zero, zero)
-    p = logits.masked_fill(~ok.view(ok.shape[0], 1, 1, L), NEG_INF).softmax(-1).sum(2)  # [B, Hkv, L]
+    # a sequence with nothing valid has no mass (0), not NaN
+    p = logits.masked_fill(~ok.view(ok.shape[0], 1, 1, L), NEG_INF).softmax(-1).nan_to_num(0.0).sum(2)  # [B, Hkv, L]
     nblk = -(-L // BS)
     mass = F.pad(p, (0, nblk * BS - L)).view(*p.shape[:2], nblk, BS).sum(-1)
     out = torch.full((*p.shape[:2], MB), NEG_INF, device=q.device)
@@ -331,7 +332,9 @@ def decode_blocks(
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
     K = blocks.shape[-1]
     lb = blocks.long()
-    phys = torch.gather(block_table.long(), 1, lb.clamp(min=0).view(B, -1)).view(B, Hkv, K).clamp(min=0)
+    # a block number past the table is invalid anyway (its positions lie past seq_lens): clamp it for the gather
+    lb_safe = lb.clamp(min=0, max=block_table.shape[1] - 1)
+    phys = torch.gather(block_table.long(), 1, lb_safe.view(B, -1)).view(B, Hkv, K).clamp(min=0)
     head = torch.arange(Hkv, device=q.device).view(1, Hkv, 1)
     keys = k_pool[phys, head].reshape(B, Hkv, K * BS, D)  # [B, Hkv, K, BS, D] -> flat
     values = v_pool[phys, head].reshape(B, Hkv, K * BS, D)

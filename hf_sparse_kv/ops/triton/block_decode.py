@@ -1,6 +1,6 @@
 """Block-sparse paged decode (split-KV, then a log-sum-exp merge): the Triton twin of ``reference.decode_blocks``.
 
-Stage 1, :func:`block_decode_fwd_kernel`: one program per (split, sequence, KV head). The program holds the ``G``
+Stage 1, :func:`sparse_decode_fwd_kernel`: one program per (split, sequence, KV head). The program holds the ``G``
 query heads of its GQA group as one ``[BG, D]`` tile, walks its share of the selected blocks ``BN`` positions at a
 time (a tile spans ``BN // BS`` blocks, or part of one block when ``BS > BN``), maps each selected logical block
 through the block table to its physical page, loads the contiguous ``[BS, D]`` key and value rows of that
@@ -8,7 +8,9 @@ through the block table to its physical page, loads the contiguous ``[BS, D]`` k
 (normalised over its split) and one log-sum-exp per split. Stage 2 merges the splits (``merge.merge_partials``);
 with a single split stage 1 writes the final output directly.
 
-The jitted helpers :func:`attend_tile` and :func:`store_split` are shared with ``token_decode``.
+One kernel, :func:`sparse_decode_fwd_kernel`, serves the block and the token modes: only the mapping of a tile's
+rows to pool offsets differs (:func:`block_rows`, :func:`token_rows`), chosen at compile time; ``token_decode``
+is its token-mode entry point.
 Plain-PyTorch reference: ``hf_sparse_kv.ops.reference.decode_blocks``.
 """
 
@@ -174,21 +176,64 @@ def block_rows(
 
 
 @triton.jit
-def block_decode_fwd_kernel(
+def token_rows(
+    tokens,
+    block_table,
+    i_bh,
+    i_b,
+    i_h,
+    i_t,
+    T,
+    MB,
+    s_kn,
+    st,
+    seq_len,
+    lo,
+    hi,
+    BS: tl.constexpr,
+    BN: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Pool offsets ``[BN]`` and validity ``[BN]`` of the rows of tile ``i_t`` of a (sequence, head)'s tokens."""
+    o_i = i_t * BN + tl.arange(0, BN)
+    # [BN] selected positions
+    b_pos = tl.load(tokens + i_bh * T + o_i, mask=o_i < T, other=-1)
+    m_n = (b_pos >= 0) & (b_pos >= st) & (b_pos < seq_len) & ((b_pos < lo) | (b_pos >= hi))
+    b_pc = tl.maximum(b_pos, 0)
+    b_phys = tl.load(block_table + i_b * MB + tl.minimum(b_pc // BS, MB - 1))
+    o_kv = tl.maximum(b_phys, 0).to(tl.int64) * s_kn + (i_h * BS + b_pc % BS) * D
+    return o_kv, m_n
+
+
+@triton.jit
+def selected_rows(
+    sel, block_table, i_bh, i_b, i_h, i_t, NSEL, MB, s_kn, st, seq_len, lo, hi,
+    BS: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, TOKENS: tl.constexpr,
+):  # fmt: skip
+    """Tile ``i_t``'s pool offsets and validity: of token positions (``TOKENS``) or of whole selected blocks."""
+    if TOKENS:
+        o_kv, m_n = token_rows(sel, block_table, i_bh, i_b, i_h, i_t, NSEL, MB, s_kn, st, seq_len, lo, hi, BS, BN, D)
+    else:
+        o_kv, m_n = block_rows(sel, block_table, i_bh, i_b, i_h, i_t, NSEL, MB, s_kn, st, seq_len, lo, hi, BS, BN, D)
+    return o_kv, m_n
+
+
+@triton.jit
+def sparse_decode_fwd_kernel(
     q,  # [B, HQ, D]
     k,  # [NB, H, BS, D]
     v,  # [NB, H, BS, D]
     block_table,  # [B, MB]
     seq_lens,  # [B]
     start,  # [B]
-    blocks,  # [B, H, K] logical block numbers, -1 padded
+    sel,  # [B, H, NSEL] logical block numbers (or token positions if TOKENS), -1 padded
     ex_lo,  # [B]
     ex_hi,  # [B]
     o,  # [B, HQ, S, D] partial outputs
     lse,  # [B, HQ, S] float32 partial log-sum-exp
     qk_scale,  # softmax scale * log2(e)
     s_kn,  # pool stride between blocks (elements)
-    K,
+    NSEL,
     MB,
     S,
     TILES_PER_SPLIT,
@@ -201,6 +246,7 @@ def block_decode_fwd_kernel(
     BN: tl.constexpr,
     F32: tl.constexpr,
     PREFETCH: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -224,11 +270,13 @@ def block_decode_fwd_kernel(
 
     # the last split may run past the selection: those rows load index -1 and are masked
     t0 = i_s * TILES_PER_SPLIT
-    o_kv, m_n = block_rows(blocks, block_table, i_bh, i_b, i_h, t0, K, MB, s_kn, st, seq_len, lo, hi, BS, BN, D)
+    o_kv, m_n = selected_rows(
+        sel, block_table, i_bh, i_b, i_h, t0, NSEL, MB, s_kn, st, seq_len, lo, hi, BS, BN, D, TOKENS
+    )
     for i_t in range(t0, t0 + TILES_PER_SPLIT):
         if not PREFETCH:
-            o_kv, m_n = block_rows(
-                blocks, block_table, i_bh, i_b, i_h, i_t, K, MB, s_kn, st, seq_len, lo, hi, BS, BN, D
+            o_kv, m_n = selected_rows(
+                sel, block_table, i_bh, i_b, i_h, i_t, NSEL, MB, s_kn, st, seq_len, lo, hi, BS, BN, D, TOKENS
             )
         # [BN, BD] keys and values of the selected rows; masked rows are not read
         m_kv = m_n[:, None] & m_d[None, :]
@@ -237,8 +285,8 @@ def block_decode_fwd_kernel(
         if PREFETCH:
             # the next tile's two dependent index loads (selection, then block table), issued while this tile's keys
             # and values are in flight, so that each tile waits for one memory round trip instead of three
-            o_kv_nx, m_n_nx = block_rows(
-                blocks, block_table, i_bh, i_b, i_h, i_t + 1, K, MB, s_kn, st, seq_len, lo, hi, BS, BN, D
+            o_kv_nx, m_n_nx = selected_rows(
+                sel, block_table, i_bh, i_b, i_h, i_t + 1, NSEL, MB, s_kn, st, seq_len, lo, hi, BS, BN, D, TOKENS
             )
         b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_n, b_m, b_l, b_acc, qk_scale, F32)
         if PREFETCH:
@@ -250,17 +298,18 @@ def block_decode_fwd_kernel(
 # ----------------------------------------------------------------------------------------------------- launcher
 
 
-def decode_blocks_fwd(
+def sparse_decode_fwd(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     start: torch.Tensor,
-    blocks: torch.Tensor,
+    sel: torch.Tensor,
     ex_lo: torch.Tensor,
     ex_hi: torch.Tensor,
     scale: float,
+    tokens: bool = False,
     block_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -269,17 +318,20 @@ def decode_blocks_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch stage 1 (and the merge when there is more than one split); returns (out ``[B, Hq, D]``, lse ``[B, Hq]``).
 
+    ``sel [B, Hkv, NSEL]`` holds logical block numbers, or token positions when ``tokens`` (one kernel serves both:
+    only the mapping of a tile's rows to pool offsets differs).
+
     ``block_n`` (positions per tile, a power of two >= 16), ``num_splits``, ``num_warps``, ``num_stages`` and
     ``prefetch`` (load the next tile's indices early) are tuning knobs; the defaults come from
     :func:`default_block_n` and :func:`default_num_splits`.
     """
-    B, HQ, H, G, D, BS, MB = check_decode_args(q, k_pool, v_pool, block_table, seq_lens, start, blocks, ex_lo, ex_hi)
-    K = blocks.shape[-1]
-    q, blocks, block_table = q.contiguous(), blocks.contiguous(), block_table.contiguous()
+    B, HQ, H, G, D, BS, MB = check_decode_args(q, k_pool, v_pool, block_table, seq_lens, start, sel, ex_lo, ex_hi)
+    NSEL = sel.shape[-1]
+    q, sel, block_table = q.contiguous(), sel.contiguous(), block_table.contiguous()
     F32 = q.dtype != k_pool.dtype or k_pool.dtype == torch.float32
     BN = block_n or default_block_n(D, 4 if F32 else k_pool.element_size())
     assert BN >= 16 and BN & (BN - 1) == 0, f"block_n must be a power of two >= 16, got {BN}"
-    n_tiles = triton.cdiv(K * BS, BN)
+    n_tiles = triton.cdiv(NSEL * (1 if tokens else BS), BN)
     S = num_splits or default_num_splits(B * H, n_tiles, q.device)
     S = max(1, min(S, max(n_tiles, 1)))
     tiles_per_split = triton.cdiv(n_tiles, S) if n_tiles else 0
@@ -293,15 +345,20 @@ def decode_blocks_fwd(
         o_part = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
     grid = (S, B * H)
-    block_decode_fwd_kernel[grid](
-        q, k_pool, v_pool, block_table, seq_lens.contiguous(), start.contiguous(), blocks, ex_lo.contiguous(),
-        ex_hi.contiguous(), o_part, lse_part, scale * LOG2E, k_pool.stride(0), K, MB, S, tiles_per_split,
+    sparse_decode_fwd_kernel[grid](
+        q, k_pool, v_pool, block_table, seq_lens.contiguous(), start.contiguous(), sel, ex_lo.contiguous(),
+        ex_hi.contiguous(), o_part, lse_part, scale * LOG2E, k_pool.stride(0), NSEL, MB, S, tiles_per_split,
         H=H, G=G, D=D, BS=BS, BG=max(16, triton.next_power_of_2(G)), BD=max(16, triton.next_power_of_2(D)), BN=BN,
-        F32=F32, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        F32=F32, PREFETCH=prefetch, TOKENS=tokens, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if S > 1:
         merge_partials_fwd(o_part, lse_part, out=out, lse_out=lse)
     return out, lse
+
+
+def decode_blocks_fwd(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_decode_fwd` over selected blocks (``sel`` = logical block numbers); the same tuning knobs."""
+    return sparse_decode_fwd(*args, tokens=False, **kwargs)
 
 
 def decode_blocks(

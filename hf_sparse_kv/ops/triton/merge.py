@@ -76,9 +76,9 @@ def merge_partials_fwd(
         N *= n
     o3, lse2 = o.reshape(N, S, D).contiguous(), lse.reshape(N, S).contiguous()
     if out is None:
-        out = torch.empty(*lead, D, dtype=o.dtype, device=o.device)
+        out = torch.empty((*lead, D), dtype=o.dtype, device=o.device)
     if lse_out is None:
-        lse_out = torch.empty(*lead, dtype=torch.float32, device=o.device)
+        lse_out = torch.empty(tuple(lead), dtype=torch.float32, device=o.device)
     assert out.shape == (*lead, D) and out.is_contiguous(), f"out {tuple(out.shape)} must be contiguous {(*lead, D)}"
     assert lse_out.shape == tuple(lead) and lse_out.is_contiguous() and lse_out.dtype == torch.float32
     if N == 0:
