@@ -92,7 +92,9 @@ def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length
             cache.decode_steps += 1
             return plan
         pads = cache.pads_tensor(device)
-        if mask is not None and not torch.equal(padding_starts(mask, batch, length, device), pads):
+        if (mask is None and any(cache.pads)) or (
+            mask is not None and not torch.equal(padding_starts(mask, batch, length, device), pads)
+        ):
             raise NotImplementedError(
                 "the attention mask of this decode step pads differently from the prompt's; hf_sparse_kv supports "
                 "left padding fixed at prefill (as generate() does)."

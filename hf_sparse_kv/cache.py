@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .ops import get_ops, reference
+from .ops import BACKENDS, get_ops, reference
 
 POOL_GROWTH = 2.0
 MIN_POOL_BLOCKS = 16
@@ -234,6 +234,8 @@ class PagedKVCache(DynamicCache):
 
     def __init__(self, config, block_size: int = 16, backend: str = "auto", max_length: int | None = None):
         check_block_size(block_size)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of 'auto', 'reference', 'triton', got {backend!r}")
         config = getattr(config, "config", config)  # a model is accepted too
         super().__init__(config=config)
         self.block_size = block_size
@@ -338,7 +340,10 @@ class PagedKVCache(DynamicCache):
             if self.max_length:
                 self._ensure_free(batch_size * -(-self.max_length // self.block_size))
         elif len(t.rows) != batch_size:
-            raise ValueError(f"PagedKVCache holds {len(t.rows)} sequences but got a batch of {batch_size}")
+            raise ValueError(
+                f"PagedKVCache holds {len(t.rows)} sequences but got a batch of {batch_size}: call cache.reset() "
+                "before reusing it for another batch, or make a new PagedKVCache"
+            )
         need = [-(-(length - p) // self.block_size) for p in self.pads]
         first = [max(write_from - p, 0) // self.block_size for p in self.pads]
         shared = [

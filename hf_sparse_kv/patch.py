@@ -134,6 +134,11 @@ def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
     _, cache = _find_cache(kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
+    if isinstance(cache, PagedKVCache) and module.layer_idx >= len(cache.layers):
+        raise ValueError(
+            f"this PagedKVCache has {len(cache.layers)} layers but the model has at least {module.layer_idx + 1}: "
+            "build the cache from the model's own config, PagedKVCache(model.config)"
+        )
     if isinstance(cache, PagedKVCache) and isinstance(cache.layers[module.layer_idx], PagedLayer):
         cache.defer_reads(module.layer_idx)
         hidden = kwargs.get("hidden_states", args[0] if args else None)

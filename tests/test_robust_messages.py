@@ -136,11 +136,6 @@ def test_decode_mask_that_changes_the_padding(patched):
     says(message(e), "pads differently", "left padding fixed at prefill", "generate()")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a decode mask without the prompt's left padding becomes None in transformers' sdpa mask, so plan_step "
-    "cannot see the change: the step attends without the padding instead of refusing (logits differ from unpatched)",
-)
 def test_decode_mask_that_drops_the_padding_is_refused(patched):
     cache = PagedKVCache(patched.config, block_size=8)
     ids = prompt(10, batch=2)
@@ -153,11 +148,6 @@ def test_decode_mask_that_drops_the_padding_is_refused(patched):
                     **{cache_kwarg(patched): cache})  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PagedKVCache.reserve says 'holds 2 sequences but got a batch of 3' without the way out (reset() or a "
-    "new cache)",
-)
 def test_cache_of_another_batch_says_reset(patched):
     cache = PagedKVCache(patched.config, block_size=8)
     with torch.no_grad():
@@ -167,17 +157,12 @@ def test_cache_of_another_batch_says_reset(patched):
     says(message(e), "2", "3", "reset()")
 
 
-@pytest.mark.xfail(strict=True, reason="PagedKVCache checks backend only at the first write (inside generate)")
 def test_cache_backend_checked_at_construction(model):
     with pytest.raises(ValueError) as e:
         PagedKVCache(model.config, backend="tpu")
     says(message(e), "backend", "'auto'", "'reference'", "'triton'")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a PagedKVCache built for a config with fewer layers fails with a bare IndexError in the attention",
-)
 def test_cache_of_a_smaller_model_is_refused_clearly(patched):
     small = tiny_model("llama", num_hidden_layers=2)
     cache = PagedKVCache(small.config, block_size=8)
