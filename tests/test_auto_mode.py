@@ -91,3 +91,14 @@ def test_crossover_only_with_auto():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="auto"):
         patch_model(model, policy=Quest(budget=0.25), mode="block", crossover=_table(40))
+
+
+def test_calibrate_command_writes_a_table(tmp_path):
+    from evaluation.cli import main
+
+    out = tmp_path / "table.json"
+    main(["calibrate", "--device", "cpu", "--shapes", "4,2,16", "--batches", "1", "--contexts", "64,256",
+          "--budgets", "0.25", "--reps", "1", "--out", str(out)])  # fmt: skip
+    table = CrossoverTable.load(out)
+    assert table.device == "cpu" and table.max_context == 256
+    assert [(e["batch"], e["budget"], e["num_kv_heads"], e["head_dim"]) for e in table.entries] == [(1, 0.25, 2, 16)]
