@@ -7,7 +7,8 @@ Per layer and call:
 - a single-token decode on a paged layer: plan the step once (padding starts, lengths), let the policy select
   (dense layers select everything), then execute the selection in the chosen mode:
   ``mask`` (SDPA over the whole cache with a mask), ``token`` (gather the selected positions), ``block`` (read the
-  selected pages).
+  selected pages), or ``auto`` (dense or block by the crossover table); an evicting policy then frees the blocks
+  no later step will read.
 
 The per-model settings (:class:`SparseConfig`) and the cache arrive as keyword arguments injected by the hook of
 :mod:`hf_sparse_kv.patch`; nothing here is module-level state.
