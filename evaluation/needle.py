@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import random
 import re
+import time
 from typing import Any
 
 import torch
@@ -136,6 +137,17 @@ def score_trial(generated: str, trial: dict[str, Any]) -> bool:
 def policy_mode(policy: Policy, mode: str) -> str:
     """``mode`` unless the policy selects tokens and ``mode`` is ``block`` (then ``token``)."""
     return "token" if policy.granularity == "token" and mode == "block" else mode
+
+
+def generate_cells(model, ids: torch.Tensor, todo: list, cfg: dict, new_tokens: int) -> tuple[dict, float]:
+    """Greedy continuations of ``ids`` for the recipe cells ``todo`` (each with ``key`` and ``policy``) under the
+    recipe's ``dense_layers``, ``block_size`` and ``mode``; returns ``({key: token ids}, seconds per cell)``."""
+    t0 = time.perf_counter()
+    policies = {c.key: c.policy for c in todo}
+    gens = greedy_under_policies(
+        model, ids, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg["mode"]
+    )  # fmt: skip
+    return gens, round((time.perf_counter() - t0) / len(todo), 2)
 
 
 def greedy_under_policies(

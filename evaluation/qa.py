@@ -17,13 +17,12 @@ import functools
 import random
 import re
 import string
-import time
 from collections import defaultdict
 from typing import Any
 
 import torch
 
-from .needle import NAMES, _insert_needles, greedy_under_policies
+from .needle import NAMES, _insert_needles, generate_cells
 from .sweep import budget_label, policy_grid, progress, stable_seed
 
 TASKS = ("variable_tracking", "fact", "common_words")
@@ -298,17 +297,7 @@ def run_qa(cfg, model, tok, text, results, shard) -> None:
         if len(ids) > length:  # keep the question: cut the middle of an over-long prompt
             ids = ids[: length // 2] + ids[-(length - length // 2) :]
         ids = torch.tensor([ids], device=model.device)
-        t0 = time.perf_counter()
-        gens = greedy_under_policies(
-            model,
-            ids,
-            {c.key: c.policy for c in todo},
-            p["new_tokens"],
-            cfg["dense_layers"],
-            cfg["block_size"],
-            cfg["mode"],
-        )
-        sec = round((time.perf_counter() - t0) / len(todo), 2)
+        gens, sec = generate_cells(model, ids, todo, cfg, p["new_tokens"])
         for c in todo:
             g = tok.decode(gens[c.key])
             results.append(

@@ -197,7 +197,7 @@ def summarize_perplexity(cfg, results: ResultsDir, title: str) -> list[dict[str,
 
 def run_needle(cfg, model, tok, text, results: ResultsDir, shard: Shard) -> None:
     """Per length × depth × trial: one prefill, then the greedy answer under dense and every (policy, budget)."""
-    from .needle import greedy_under_policies, needle_trial, score_trial
+    from .needle import generate_cells, needle_trial, score_trial
 
     p = {
         "depths": [0.1, 0.5, 0.9],
@@ -223,17 +223,7 @@ def run_needle(cfg, model, tok, text, results: ResultsDir, shard: Shard) -> None
             tok, length, depth, p["variant"], seed=seed, offset=offset, n_needles=p["n_needles"], essays=text
         )
         ids = torch.tensor([tok.encode(t["text"])], device=model.device)
-        t0 = time.perf_counter()
-        gens = greedy_under_policies(
-            model,
-            ids,
-            {c.key: c.policy for c in todo},
-            p["new_tokens"],
-            cfg["dense_layers"],
-            cfg["block_size"],
-            cfg["mode"],
-        )
-        sec = round((time.perf_counter() - t0) / len(todo), 2)
+        gens, sec = generate_cells(model, ids, todo, cfg, p["new_tokens"])
         for c in todo:
             g = tok.decode(gens[c.key])
             results.append(
