@@ -86,12 +86,12 @@ def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length
     mask pads exactly what the cache dropped at prefill."""
     key = (length, batch, id(mask))
     plan = getattr(cache, "_step_plan", None)
-    if plan is None or plan.key != key:
-        if cache.static is not None:  # CUDA-graph decoding: the lengths live in device buffers
-            plan = StepPlan(key, cache.static.seq_lens, cache.static.start, tuple(length - p for p in cache.pads))
-            cache._step_plan = plan
-            cache.decode_steps += 1
-            return plan
+    if plan is not None and plan.key == key:
+        return plan
+    lens = tuple(length - p for p in cache.pads)
+    if cache.static is not None:  # CUDA-graph decoding: the lengths live in device buffers (no padding there)
+        plan = StepPlan(key, cache.static.seq_lens, cache.static.start, lens)
+    else:
         pads = cache.pads_tensor(device)
         if (mask is None and any(cache.pads)) or (
             mask is not None and not torch.equal(padding_starts(mask, batch, length, device), pads)
@@ -100,10 +100,9 @@ def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length
                 "the attention mask of this decode step pads differently from the prompt's; hf_sparse_kv supports "
                 "left padding fixed at prefill (as generate() does)."
             )
-        lens = tuple(length - p for p in cache.pads)
         plan = StepPlan(key, (length - pads).int(), torch.zeros_like(pads), lens)
-        cache._step_plan = plan
-        cache.decode_steps += 1
+    cache._step_plan = plan
+    cache.decode_steps += 1
     return plan
 
 

@@ -280,10 +280,6 @@ class PagedKVCache(DynamicCache):
             self._ops[key] = get_ops(backend, device)
         return self._ops[key]
 
-    def seq_lens(self, device) -> torch.Tensor:
-        """``[B]`` int32: tokens stored per sequence (transformers' length minus the sequence's padding)."""
-        return self.get_seq_length() - self.pads_tensor(device)
-
     def set_padding(self, pads: list[int]) -> None:
         """Declare each sequence's left padding before the first write (the patched attention reads it from the
         prefill mask); the padded positions are never stored."""
