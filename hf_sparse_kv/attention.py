@@ -7,8 +7,9 @@ Per layer and call:
 - a single-token decode on a paged layer: plan the step once (padding starts, lengths), let the policy select
   (dense layers select everything), then execute the selection in the chosen mode:
   ``mask`` (SDPA over the whole cache with a mask), ``token`` (gather the selected positions), ``block`` (read the
-  selected pages), or ``auto`` (dense or block by the crossover table); an evicting policy then frees the blocks
-  no later step will read.
+  selected pages), or ``auto`` (dense or block by the crossover table). Before the first layer of a step selects,
+  a compressing policy (SnapKV) frees the prompt blocks it does not keep (once, at the first decode step) and an
+  evicting policy (``SinkWindow(evict=True)``) the blocks no later step will read.
 
 The per-model settings (:class:`SparseConfig`) and the cache arrive as keyword arguments injected by the hook of
 :mod:`hf_sparse_kv.patch`; nothing here is module-level state.
@@ -46,12 +47,12 @@ class SparseConfig:
 
 @dataclass
 class StepPlan:
-    """Metadata shared by every paged layer of one decode step (planned once, used per layer)."""
+    """Metadata shared by every paged layer of one decode step on one device (planned once, used per layer)."""
 
-    key: tuple
     seq_lens: torch.Tensor  # [B] int32, tokens stored per sequence
     start: torch.Tensor  # [B] int32, first valid stored position (0: padding is never stored)
     lens: tuple[int, ...]  # seq_lens on the host
+    evicted: tuple[int, ...] | None  # blocks freed per sequence, on the host (None: none)
 
 
 def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -79,18 +80,48 @@ def declare_padding(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, 
         cache.set_padding(padding_starts(mask, batch, length, device).tolist())
 
 
-def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length: int, device) -> StepPlan:
-    """The step's plan, computed by the first paged layer and reused by the others (keyed by length and mask).
+def free_for_step(cache: PagedKVCache, policy: Policy, lens: tuple[int, ...]) -> None:
+    """Free what ``policy`` will never read again at context ``lens``: the unkept prompt blocks of a compressing
+    policy (scored during the prefill, freed at the first decode step), the blocks behind an evicting window."""
+    if cache.observed:
+        scores = [s.float().cpu() for s in cache.observed.values()]  # layers may sit on several devices
+        width = max(s.shape[1] for s in scores)
+        total = sum(torch.nn.functional.pad(s, (0, width - s.shape[1])) for s in scores)
+        cache.free_blocks(policy.blocks_to_free(total, lens, cache.block_size))
+        cache.observed = {}
+        cache.compressed = True
+    elif getattr(policy, "compresses", False) and not cache.compressed:
+        raise ValueError(
+            f"{type(policy).__name__} scores the prompt during its prefill, but this cache was filled without it "
+            "(e.g. by a model patched with another policy): prefill the prompt with the model patched for "
+            f"{type(policy).__name__}, or use a fresh PagedKVCache."
+        )
+    elif getattr(policy, "evict", False):
+        cache.evict(policy.evictable(lens, cache.block_size))
+
+
+def plan_step(
+    cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length: int, device, policy: Policy
+) -> StepPlan:
+    """The step's plan on ``device``, computed by the first paged layer there and reused by the others (layers
+    spread over several devices by ``device_map`` get one plan per device). The first paged layer of a step
+    also frees what ``policy`` no longer needs (:func:`free_for_step`).
 
     ``length`` is transformers' (padded) length; the plan holds the stored lengths, and checks that the decode
     mask pads exactly what the cache dropped at prefill."""
-    key = (length, batch, id(mask))
-    plan = getattr(cache, "_step_plan", None)
-    if plan is not None and plan.key == key:
-        return plan
+    step = (length, batch, cache.forwards)
     lens = tuple(length - p for p in cache.pads)
+    if cache._step_key != step:
+        cache.end_step()
+        cache._step_key = step
+        cache.decode_steps += 1
+        if cache.static is None:
+            free_for_step(cache, policy, lens)
+    plan = cache._step_plans.get(str(device))
+    if plan is not None:
+        return plan
     if cache.static is not None:  # CUDA-graph decoding: the lengths live in device buffers (no padding there)
-        plan = StepPlan(key, cache.static.seq_lens, cache.static.start, lens)
+        plan = StepPlan(cache.static.seq_lens, cache.static.start, lens, None)
     else:
         pads = cache.pads_tensor(device)
         if (mask is None and any(cache.pads)) or (
@@ -100,9 +131,8 @@ def plan_step(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length
                 "the attention mask of this decode step pads differently from the prompt's; hf_sparse_kv supports "
                 "left padding fixed at prefill (as generate() does)."
             )
-        plan = StepPlan(key, (length - pads).int(), torch.zeros_like(pads), lens)
-    cache._step_plan = plan
-    cache.decode_steps += 1
+        plan = StepPlan((length - pads).int(), torch.zeros_like(pads), lens, cache.evicted_counts())
+    cache._step_plans[str(device)] = plan
     return plan
 
 
@@ -187,13 +217,18 @@ def sparse_attention_forward(
     if Tq > 1:  # prefill, chunked prefill, assisted decoding: dense over the whole context
         if layer.length > key.shape[2]:
             key, value = layer.dense_kv()
+        if getattr(config.policy, "compresses", False):  # the last multi-token forward is the observation
+            scale = scaling if scaling is not None else D**-0.5
+            pads = cache.pads_tensor(query.device)
+            observed = config.policy.observe_prefill(query, key, attention_mask, pads, cache.block_size, scale)
+            cache.observed[layer_idx] = observed
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
 
     scale = scaling if scaling is not None else D**-0.5
     ops = cache.ops(config.backend, query.device)
-    plan = plan_step(cache, attention_mask, B, layer.length, query.device)
+    plan = plan_step(cache, attention_mask, B, layer.length, query.device, config.policy)
     state = DecodeState(
         q=query[:, :, 0],
         k_pool=layer.k_pool,
@@ -209,10 +244,9 @@ def sparse_attention_forward(
         scale=scale,
         mode=config.mode if config.mode != "auto" else "block",
         ops=ops,
+        evicted=plan.evicted,
     )
     selection, mode = choose(config, state, layer_idx, cache)
-    if getattr(config.policy, "evict", False) and not selection.dense:
-        cache.evict(config.policy.evictable(state.lens, state.block_size))
     out = execute(selection, mode, state, layer.v_pool)  # [B, Hq, D]
     cache.kv_bytes_read += kv_bytes(selection, mode, layer, state.length)
     return out.unsqueeze(1), None

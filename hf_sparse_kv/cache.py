@@ -52,7 +52,7 @@ class BlockTable:
         self.free: list[int] = []
         self.refcount: list[int] = []
         self.rows: list[list[int]] = []  # logical block -> physical block (-1: evicted), per sequence
-        self._tensor: torch.Tensor | None = None
+        self._tensors: dict[str, torch.Tensor] = {}  # device -> the table (layers may sit on several devices)
 
     @property
     def blocks_in_use(self) -> int:
@@ -76,17 +76,19 @@ class BlockTable:
             self.free.append(blk)
 
     def invalidate(self) -> None:
-        self._tensor = None
+        self._tensors = {}
 
     def tensor(self, device: torch.device) -> torch.Tensor:
-        """``[B, max_blocks]`` int32 on ``device``, -1 past each sequence's blocks (cached until the next change)."""
-        if self._tensor is None or self._tensor.device != device:
+        """``[B, max_blocks]`` int32 on ``device``, -1 past each sequence's blocks (cached per device until the next
+        change)."""
+        key = str(device)
+        if key not in self._tensors:
             width = max([len(r) for r in self.rows] + [1])
             t = torch.full((len(self.rows), width), -1, dtype=torch.int32)
             for b, row in enumerate(self.rows):
                 t[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
-            self._tensor = t.to(device)
-        return self._tensor
+            self._tensors[key] = t.to(device)
+        return self._tensors[key]
 
 
 class PagedLayer(DynamicLayer):
@@ -174,8 +176,9 @@ class PagedLayer(DynamicLayer):
         """The whole context in transformers' frame (left padding restored as zeros): two ``[B, Hkv, L, D]`` copies."""
         if self.cache.evicted:
             raise NotImplementedError(
-                "this PagedKVCache has evicted blocks (SinkWindow(evict=True)): a forward of several tokens, or an "
-                "attention that reads the whole cache, cannot run on it. Decode one token per step, or use evict=False."
+                "this PagedKVCache has freed blocks (SinkWindow(evict=True) or SnapKV): a forward of several tokens, "
+                "or an attention that reads the whole cache, cannot run on it. Decode one token per step, or use a "
+                "policy that keeps every block."
             )
         table = self.cache.table.tensor(self.device)
         pads = self.cache.pads_tensor(self.device)
@@ -252,7 +255,12 @@ class PagedKVCache(DynamicCache):
         self.static: StaticBuffers | None = None  # set by reserve_static() for CUDA-graph decoding
         self.graphs = None  # the DecodeGraphs of a cuda_graph=True model (False: this cache cannot use them)
         self._evicted_to: list[int] = []  # per sequence, logical blocks below this were already considered
+        self.observed: dict[int, torch.Tensor] = {}  # layer -> [B, nblk] block scores of a compressing policy
+        self.compressed = False  # a compressing policy already freed the prompt blocks it does not keep
         self.decode_steps = 0
+        self.forwards = 0  # model forwards seen by the patch's hook: a decode step's plans live for one forward
+        self._step_key: tuple | None = None
+        self._step_plans: dict = {}  # device -> the step's plan (see hf_sparse_kv.attention.plan_step)
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
         if not self.layers:
             raise ValueError("PagedKVCache needs a config that names its layers (num_hidden_layers)")
@@ -268,9 +276,11 @@ class PagedKVCache(DynamicCache):
     def pads_tensor(self, device) -> torch.Tensor:
         """``[B]`` int32: left padding of each sequence (tokens of transformers' frame not stored); made once per
         device and batch, so a decode step copies nothing from the host."""
-        key = (str(device), tuple(self.pads))
+        pads = tuple(self.pads)
+        key = (str(device), pads)
         if key not in self._pads_on:
-            self._pads_on = {key: torch.tensor(self.pads, dtype=torch.int32, device=device)}
+            self._pads_on = {k: v for k, v in self._pads_on.items() if k[1] == pads}  # other devices, same batch
+            self._pads_on[key] = torch.tensor(self.pads, dtype=torch.int32, device=device)
         return self._pads_on[key]
 
     def ops(self, backend: str, device) -> SimpleNamespace:
@@ -306,6 +316,11 @@ class PagedKVCache(DynamicCache):
     def defer_reads(self, layer_idx: int) -> None:
         """Called by the patched attention before ``update``: return only the new K/V, it reads the pages itself."""
         self._deferred.add(layer_idx)
+
+    def end_step(self) -> None:
+        """Forget the current decode step's plans: the next paged layer starts a new step."""
+        self._step_key = None
+        self._step_plans = {}
 
     def pop_deferred(self, layer: PagedLayer) -> bool:
         idx = self.layers.index(layer)
@@ -384,21 +399,34 @@ class PagedKVCache(DynamicCache):
 
         Their table entries become holes (-1): positions keep counting (RoPE was applied before caching), and a
         policy that evicts must never select them again. Returns the number of blocks freed."""
-        t, BS, freed = self.table, self.block_size, 0
+        t, BS = self.table, self.block_size
         if len(self._evicted_to) != len(t.rows):
             self._evicted_to = [0] * len(t.rows)
+        blocks = []
         for b, (row, (lo, hi)) in enumerate(zip(t.rows, spans)):
             end = min(hi // BS, len(row))
-            for lb in range(max(-(-lo // BS), self._evicted_to[b]), end):  # spans only grow: skip what was seen
-                if row[lb] >= 0:
+            blocks.append(range(max(-(-lo // BS), self._evicted_to[b]), end))  # spans only grow: skip what was seen
+            self._evicted_to[b] = max(self._evicted_to[b], end)
+        return self.free_blocks(blocks)
+
+    def free_blocks(self, blocks: list) -> int:
+        """Free the logical blocks ``blocks[b]`` (an iterable of block numbers) of each sequence ``b``; their table
+        entries become holes (-1), positions keep counting. Returns the number of blocks freed."""
+        t, freed = self.table, 0
+        for row, numbers in zip(t.rows, blocks):
+            for lb in numbers:
+                if 0 <= lb < len(row) and row[lb] >= 0:
                     t.release(row[lb])
                     row[lb] = -1
                     freed += 1
-            self._evicted_to[b] = max(self._evicted_to[b], end)
         if freed:
             self.evicted = True
             t.invalidate()
         return freed
+
+    def evicted_counts(self) -> tuple[int, ...] | None:
+        """Blocks freed per sequence (``None`` when none was)."""
+        return tuple(row.count(-1) for row in self.table.rows) if self.evicted else None
 
     def reset(self) -> None:
         """Return every block to the free list (the pools keep their capacity for the next sequence)."""
@@ -408,9 +436,11 @@ class PagedKVCache(DynamicCache):
         self.table.rows = []
         self.table.invalidate()
         self.pads = []
-        self._step_plan = None
+        self.end_step()
         self.evicted = False
         self._evicted_to = []
+        self.observed = {}
+        self.compressed = False
         self.static = None
         self.graphs = None  # captured decode steps belong to one generation
         self._deferred.clear()
@@ -454,6 +484,7 @@ class PagedKVCache(DynamicCache):
         t.rows = new_rows
         self.pads = [self.pads[s] for s in sources]
         self._evicted_to = [self._evicted_to[s] for s in sources] if self._evicted_to else []
+        self.observed = {i: v[torch.as_tensor(sources, device=v.device)] for i, v in self.observed.items()}
         t.invalidate()
 
     def crop(self, max_length: int) -> None:

@@ -47,6 +47,8 @@ class DecodeGraphs:
         self.cache_name = cache_kwarg(model)
         if not all(isinstance(layer, PagedLayer) for layer in cache.layers):
             raise ValueError("CUDA-graph decoding needs every attention layer paged (no sliding-window layers)")
+        if len({str(layer.device) for layer in cache.paged_layers}) > 1:
+            raise ValueError("CUDA-graph decoding needs the whole cache on one device (device_map put it on several)")
         if config.mode != "block" or getattr(config.policy, "evict", False):
             raise ValueError("CUDA-graph decoding supports mode='block' with a policy that does not evict")
         self.model, self.cache, self.config = model, cache, config
@@ -82,7 +84,7 @@ class DecodeGraphs:
         for layer in self.cache.paged_layers:
             layer.length -= 1
         self.cache.kv_bytes_read, self.cache.decode_steps = kv_bytes, steps
-        self.cache._step_plan = None
+        self.cache.end_step()
 
     def _capture(self, key) -> tuple:
         cache = self.cache
@@ -120,5 +122,5 @@ class DecodeGraphs:
             layer.length += 1
         cache.kv_bytes_read += per_step
         cache.decode_steps += 1
-        cache._step_plan = None
+        cache.end_step()
         return logits.clone()

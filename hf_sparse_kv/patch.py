@@ -120,6 +120,8 @@ def _model_pre_hook(model, args, kwargs):
     _name, cache = _find_cache(kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
+    if cache is not None:
+        cache.forwards += 1  # a new forward: its decode step is planned afresh
     use_cache = kwargs.get("use_cache")
     if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
         kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
@@ -257,6 +259,11 @@ def patch_model(
     original_attn = previous.config.original_attn if previous else model.config._attn_implementation
     if cuda_graph and mode != "block":
         raise ValueError(f"cuda_graph=True captures block-mode decode steps: use mode='block', got mode={mode!r}")
+    if cuda_graph and (getattr(policy, "evict", False) or getattr(policy, "compresses", False)):
+        raise ValueError(
+            f"cuda_graph=True needs a block table that does not change during decoding, and {type(policy).__name__} "
+            "frees blocks: patch with cuda_graph=False for it."
+        )
     table = None
     if mode == "auto":
         table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover)

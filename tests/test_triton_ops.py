@@ -192,6 +192,21 @@ def test_block_scores(method, G, BS):
     assert rel_err(out[fin], ref[fin]) < 1e-5
 
 
+def test_block_scores_of_freed_blocks_are_neg_inf():
+    c = make_case(2, 2, 4, 32, 16, [100, 37], seed=5)
+    kmin, kmax, kmean = make_meta(c["k_pool"].shape[0], 2, 32, seed=5)
+    table = c["block_table"].clone()
+    table[0, 1:4] = -1  # freed by an evicting policy
+    table[1, 0] = -1
+    for method in ("quest", "mean"):
+        args = (c["q"], kmin, kmax, kmean, table, c["seq_lens"], 16, method)
+        out, ref = OPS.block_scores(*args), R.block_scores(*args)
+        assert out[0, :, 1:4].isneginf().all() and out[1, :, 0].isneginf().all()
+        assert torch.equal(out.isneginf(), ref.isneginf())
+        fin = ref.isfinite()
+        assert rel_err(out[fin], ref[fin]) < 1e-5
+
+
 @pytest.mark.parametrize("shape,k", [((2, 3, 50), 7), ((1, 2, 10), 16), ((4, 100), 100), ((2, 2, 300), 1)])
 def test_topk_indices(shape, k):
     g = torch.Generator().manual_seed(k)

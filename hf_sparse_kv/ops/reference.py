@@ -127,6 +127,13 @@ def num_blocks(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     return (seq_lens.long() + block_size - 1) // block_size
 
 
+def live_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[B, MB]`` bool: the block exists (before the sequence's end) and was not evicted (table entry ``>= 0``)."""
+    MB = block_table.shape[1]
+    before_end = torch.arange(MB, device=block_table.device).view(1, -1) < num_blocks(seq_lens, block_size).view(-1, 1)
+    return before_end & (block_table >= 0)
+
+
 def block_scores(
     q: torch.Tensor,
     kmin: torch.Tensor,
@@ -146,7 +153,8 @@ def block_scores(
         method: ``"quest"`` for the bound ``sum_d max(q_d min_d, q_d max_d)`` (Quest), ``"mean"`` for ``q . mean``.
 
     Returns:
-        ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block.
+        ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block and
+        for evicted blocks (table entry -1).
     """
     Hkv = kmin.shape[1]
     qg = _group_q(q, Hkv)  # [B, Hkv, G, D]
@@ -160,23 +168,28 @@ def block_scores(
     else:
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
     s = s.amax(-1).permute(0, 2, 1)  # [B, Hkv, MB]
-    in_use = torch.arange(block_table.shape[1], device=q.device).view(1, -1) < num_blocks(seq_lens, block_size).view(
-        -1, 1
-    )
-    return s.masked_fill(~in_use.unsqueeze(1), NEG_INF).contiguous()
+    return s.masked_fill(~live_blocks(block_table, seq_lens, block_size).unsqueeze(1), NEG_INF).contiguous()
 
 
 def token_scores(
     q: torch.Tensor, k_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor
 ) -> torch.Tensor:
-    """Exact ``q . k`` of every token, max over each GQA group: ``[B, Hkv, L]`` float32, ``-inf`` where invalid."""
+    """Exact ``q . k`` of every token, max over each GQA group: ``[B, Hkv, L]`` float32, ``-inf`` where invalid
+    (padding, past the end, in an evicted block)."""
     L = int(seq_lens.max())
     keys = gather_dense(k_pool, block_table, L).float()  # [B, Hkv, L, D]
     s = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys).amax(2)
     pos = torch.arange(L, device=q.device).expand(q.shape[0], L)
     zero = torch.zeros_like(seq_lens)
-    ok = valid_positions(pos, seq_lens, start, zero, zero)
+    ok = valid_positions(pos, seq_lens, start, zero, zero) & _live_positions(block_table, k_pool.shape[2], L)
     return s.masked_fill(~ok.unsqueeze(1), NEG_INF)
+
+
+def _live_positions(block_table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """``[B, length]`` bool: the position's block was not evicted (its table entry is not -1)."""
+    nblk = -(-length // block_size)
+    live = block_table[:, :nblk] >= 0
+    return live.repeat_interleave(block_size, dim=1)[:, :length]
 
 
 def oracle_block_scores(
@@ -189,7 +202,7 @@ def oracle_block_scores(
 ) -> torch.Tensor:
     """True softmax mass of each block, summed over each GQA group's query heads: ``[B, Hkv, MB]`` float32.
 
-    Reads every key (an evaluation oracle, not a fast path). Blocks past the sequence get ``-inf``.
+    Reads every key (an evaluation oracle, not a fast path). Blocks past the sequence or evicted get ``-inf``.
     """
     BS, MB = k_pool.shape[2], block_table.shape[1]
     L = int(seq_lens.max())
@@ -197,15 +210,14 @@ def oracle_block_scores(
     logits = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys) * scale
     pos = torch.arange(L, device=q.device).expand(q.shape[0], L)
     zero = torch.zeros_like(seq_lens)
-    ok = valid_positions(pos, seq_lens, start, zero, zero)
+    ok = valid_positions(pos, seq_lens, start, zero, zero) & _live_positions(block_table, BS, L)
     # a sequence with nothing valid has no mass (0), not NaN
     p = logits.masked_fill(~ok.view(ok.shape[0], 1, 1, L), NEG_INF).softmax(-1).nan_to_num(0.0).sum(2)  # [B, Hkv, L]
     nblk = -(-L // BS)
     mass = F.pad(p, (0, nblk * BS - L)).view(*p.shape[:2], nblk, BS).sum(-1)
     out = torch.full((*p.shape[:2], MB), NEG_INF, device=q.device)
     out[..., :nblk] = mass
-    in_use = torch.arange(MB, device=q.device).view(1, -1) < num_blocks(seq_lens, BS).view(-1, 1)
-    return out.masked_fill(~in_use.unsqueeze(1), NEG_INF)
+    return out.masked_fill(~live_blocks(block_table, seq_lens, BS).unsqueeze(1), NEG_INF)
 
 
 # ------------------------------------------------------------------------------------------------------- selection

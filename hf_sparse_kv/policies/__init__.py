@@ -2,6 +2,7 @@
 
 from .base import DecodeState, Policy, Selection
 from .blocks import BlockTopK, OracleBlockTopK, Quest
+from .compress import SnapKV
 from .simple import Dense, SinkWindow
 from .tokens import TokenTopK
 
@@ -12,6 +13,7 @@ POLICIES: dict[str, type[Policy]] = {
     "block_topk": BlockTopK,
     "oracle_block_topk": OracleBlockTopK,
     "token_topk": TokenTopK,
+    "snapkv": SnapKV,
 }
 
 __all__ = [
@@ -24,5 +26,6 @@ __all__ = [
     "Quest",
     "Selection",
     "SinkWindow",
+    "SnapKV",
     "TokenTopK",
 ]

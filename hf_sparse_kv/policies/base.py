@@ -53,6 +53,9 @@ class DecodeState:
         length: the longest context, ``max(lens)``.
         block_size: tokens per block. scale: softmax scale. mode: ``"mask"``, ``"token"`` or ``"block"``.
         ops: the op namespace of the backend (see :func:`hf_sparse_kv.ops.get_ops`).
+        evicted: per sequence, the blocks an evicting or compressing policy freed (their table entries are -1), on
+            the host; ``None`` when nothing was freed. Scores of freed blocks are ``-inf``; a selection never holds
+            them.
     """
 
     q: torch.Tensor
@@ -69,6 +72,7 @@ class DecodeState:
     scale: float
     mode: str
     ops: SimpleNamespace
+    evicted: tuple[int, ...] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -79,6 +83,15 @@ class DecodeState:
         """Width of the block table: the blocks of the longest sequence (or, in a cache reserved for CUDA-graph
         decoding, of its maximum length). Device-side selection works over this width."""
         return self.block_table.shape[1]
+
+    def live_blocks(self) -> tuple[int, ...]:
+        """Blocks each sequence still holds (on the host)."""
+        held = [-(-n // self.block_size) for n in self.lens]
+        return tuple(h - e for h, e in zip(held, self.evicted or (0,) * len(held)))
+
+    def live_tokens(self) -> tuple[int, ...]:
+        """Tokens each sequence still holds (freed blocks are always full ones)."""
+        return tuple(n - e * self.block_size for n, e in zip(self.lens, self.evicted or (0,) * len(self.lens)))
 
 
 def check_budget(budget: float | None, name: str = "budget", required: bool = True) -> None:
@@ -152,8 +165,20 @@ class Policy:
 
     @staticmethod
     def dense_selection(state: DecodeState) -> Selection:
-        """Every block of every sequence (``-1`` past a shorter sequence's last block)."""
+        """Every block of every sequence (``-1`` past a shorter sequence's last block); after an eviction, every block
+        still held."""
         B, H, BS = state.q.shape[0], state.num_kv_heads, state.block_size
+        if state.evicted is not None and any(state.evicted):
+            blk = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
+            nblk = (state.seq_lens.long() + BS - 1) // BS
+            live = (blk < nblk.view(-1, 1)) & (state.block_table >= 0)  # [B, nblk]
+            scores = torch.zeros(live.shape, device=live.device).masked_fill(~live, float("-inf"))
+            scores = scores.unsqueeze(1).expand(B, H, -1).contiguous()  # topk keeps every finite score
+            counts = state.live_blocks()
+            width = max(counts)
+            indices = state.ops.topk_indices(scores, width, Policy.counts_tensor(state, list(counts), width))
+            zero = torch.zeros(B, dtype=torch.int32, device=state.q.device)
+            return Selection("block", indices, zero, zero, counts)
         idx = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
         nblk = (state.seq_lens.long() + BS - 1) // BS
         idx = torch.where(idx < nblk.view(-1, 1), idx, -1).int()

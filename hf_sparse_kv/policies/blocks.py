@@ -48,6 +48,8 @@ class _BlockTopK(Policy):
         counts = self.plan(state.lens, state.block_size)
         if counts is None:
             return self.dense_selection(state)
+        if state.evicted is not None:  # never more than the blocks still held (freed ones score -inf)
+            counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
         width = max(counts)
         forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
         s = self.scores(state)[..., : state.num_blocks]

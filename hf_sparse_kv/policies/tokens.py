@@ -46,6 +46,8 @@ class TokenTopK(Policy):
         counts = self.plan(state.lens, BS)
         if counts is None:
             return self.dense_selection(state)
+        if state.evicted is not None:  # never more than the tokens still held (freed ones score -inf)
+            counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
         s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start)
         pos = torch.arange(s.shape[-1], device=s.device).view(1, -1)
         sink_end, win_start = self.forced_positions(state, self.sink, self.window)

@@ -85,7 +85,7 @@ def block_scores_kernel(
             b_s = tl.dot(b_q, tl.trans(b_mean))
     # pool over the group: max over its query heads, -inf past the sequence's last block
     b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # [BM]
-    b_s = tl.where(m_m, b_s, float("-inf"))
+    b_s = tl.where(m_m & (b_phys >= 0), b_s, float("-inf"))  # evicted blocks (table entry -1) too
     tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_s, mask=o_m < MB)
 
 
@@ -108,7 +108,8 @@ def block_scores(
         method: ``"quest"`` for ``sum_d max(q_d min_d, q_d max_d)``, ``"mean"`` for ``q . mean``.
 
     Returns:
-        ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block.
+        ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block and
+        for evicted blocks (table entry -1).
     """
     if method not in METHODS:
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")

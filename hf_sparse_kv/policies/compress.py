@@ -1,0 +1,140 @@
+"""SnapKV: compress the prompt's cache once, after prefill, by the attention of the prompt's last tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import (
+    DecodeState,
+    Policy,
+    Selection,
+    budget_tokens,
+    check_budget,
+    check_count,
+    forced_block_count,
+    window_bounds,
+)
+from .blocks import _BlockTopK
+from .tokens import TokenTopK
+
+
+@dataclass
+class SnapKV(Policy):
+    """SnapKV-style prefill compression, optionally with a query-aware policy on the compressed cache.
+
+    Paper: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024
+    (https://arxiv.org/abs/2404.14469). During the prefill every paged layer scores each block of the prompt by the
+    softmax mass its last ``observe`` queries give it (summed over those queries and the query heads, each layer
+    normalised to one). At the first decode step the sink, the blocks of the last ``window`` tokens and the
+    best-scored blocks up to ``budget`` tokens (sink and window included; an int is tokens, a float a fraction of the
+    context) are kept and the other blocks are freed: KV memory held shrinks to the budget plus the generated tokens.
+    Decode then attends every block still held, or runs ``then`` over them: a query-aware policy (``Quest``,
+    ``BlockTopK``, ``OracleBlockTopK`` or ``TokenTopK``) whose budget counts tokens of the whole context as usual,
+    e.g. ``SnapKV(budget=0.25, then=Quest(budget=0.0625))``.
+
+    Differs from the paper in three ways, all forced or suggested by the paged layout: one selection per sequence
+    shared by every layer and KV head (the layers share one block table, so freeing a block frees it everywhere;
+    the scores are summed over layers and heads), block granularity (a block's score already sums its neighbours,
+    so the paper's 1-D pooling is left out), and the observation window is the end of the last multi-token forward
+    (the prompt, or its last chunk under chunked prefill). ``dense_layers`` attend every block still held.
+    """
+
+    budget: int | float = 0.25
+    sink: int = 4
+    window: int = 32
+    observe: int = 32
+    then: Policy | None = None
+
+    compresses: ClassVar[bool] = (
+        True  # read by the patched attention: observe the prefill, free blocks at the first decode step
+    )
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        check_count(self.sink, "sink")
+        check_count(self.window, "window")
+        if isinstance(self.observe, bool) or not isinstance(self.observe, int) or self.observe < 1:
+            raise ValueError(
+                f"observe must be a positive int (prompt queries that score the blocks), got {self.observe!r}"
+            )
+        if self.then is not None and not isinstance(self.then, (_BlockTopK, TokenTopK)):
+            raise ValueError(
+                "SnapKV(then=...) takes a query-aware policy that only ranks what is still held: Quest, BlockTopK, "
+                f"OracleBlockTopK or TokenTopK (or None to attend every kept block), got {self.then!r}"
+            )
+
+    @property
+    def granularity(self) -> str:  # type: ignore[override]
+        return self.then.granularity if self.then is not None else "block"
+
+    def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
+        return self.then.plan(lens, block_size) if self.then is not None else None
+
+    def select(self, state: DecodeState) -> Selection:
+        return self.then.select(state) if self.then is not None else self.dense_selection(state)
+
+    def observe_prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        mask: torch.Tensor | None,
+        pads: torch.Tensor,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Score the stored blocks of one layer by the attention of the last ``observe`` queries of a forward.
+
+        Args:
+            query: ``[B, Hq, Tq, D]`` the forward's queries (after RoPE); key: ``[B, Hkv, L, D]`` the whole context
+                in transformers' frame (left padding included), the queries being its last ``Tq`` positions.
+            mask: the forward's attention mask ``[B, 1, Tq, L]`` (bool, or additive float), or ``None`` for plain
+                causal attention.
+            pads: ``[B]`` left padding of each sequence (positions of the frame that are not stored).
+            block_size: tokens per block; scale: the softmax scale.
+
+        Returns:
+            ``[B, nblk]`` float32: per stored block, the attention mass of the observed queries, summed over them and
+            the query heads and divided by their number (a layer's scores of one sequence sum to 1).
+        """
+        B, Hq, Tq, D = query.shape
+        Hkv, L = key.shape[1], key.shape[2]
+        w = min(self.observe, Tq)
+        q = query[:, :, Tq - w :].reshape(B, Hkv, (Hq // Hkv) * w, D)  # a KV head's group, its queries in a row
+        logits = torch.matmul(q.to(key.dtype), key.transpose(-1, -2)).float() * scale  # [B, Hkv, G * w, L]
+        qpos = torch.arange(L - w, L, device=key.device)
+        if mask is None:
+            ok = torch.arange(L, device=key.device).view(1, -1) <= qpos.view(-1, 1)  # [w, L] causal
+            ok = ok.view(1, 1, w, L)
+        else:
+            rows = mask[:, :, Tq - w :, :L]
+            ok = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min / 2  # [B | 1, 1, w, L]
+        ok = ok.repeat(1, 1, Hq // Hkv, 1)  # rows ordered (group head, query) as in q
+        p = logits.masked_fill(~ok, float("-inf")).softmax(-1).nan_to_num(0.0)
+        mass = p.sum((1, 2)) / (Hq * w)  # [B, L]
+        stored = torch.arange(L, device=key.device).view(1, -1) - pads.view(-1, 1).long()  # [B, L]
+        nblk = -(-(L - int(pads.min())) // block_size)
+        out = torch.zeros(B, nblk, device=key.device)
+        return out.scatter_add_(1, stored.clamp(min=0) // block_size, mass * (stored >= 0))
+
+    def blocks_to_free(self, scores: torch.Tensor, lens: tuple[int, ...], block_size: int) -> list[list[int]]:
+        """The logical blocks to free per sequence at context ``lens``, from ``scores [B, nblk]`` (summed over layers).
+
+        Kept: the sink's blocks, the blocks of the last ``window`` tokens and the current one, then the best-scored
+        others up to ``budget`` tokens rounded down to whole blocks. Blocks without a score (written after the
+        observed forward) are kept."""
+        rows = scores.tolist()  # one copy per generation
+        free = []
+        for n, row in zip(lens, rows):
+            nblk = -(-n // block_size)
+            tokens = budget_tokens(self.budget, n)
+            forced_n = forced_block_count(n, self.sink, self.window, block_size)
+            keep = nblk if tokens >= n else min(max(tokens // block_size, forced_n), nblk)
+            sink_end, win_start = window_bounds(n, self.sink, self.window)
+            forced = {*range(-(-sink_end // block_size)), *range(win_start // block_size, nblk)}
+            forced |= set(range(min(len(row), nblk), nblk))  # not scored: newer than the observation
+            ranked = sorted((b for b in range(nblk) if b not in forced), key=lambda b: -row[b])
+            free.append(sorted(ranked[max(keep - len(forced), 0) :]))
+        return free

@@ -1,0 +1,59 @@
+"""A patched model dispatched by accelerate over several devices (``device_map``): each layer's pages live on that
+layer's device and the outputs equal the same model on one device. Needs CUDA (skipped in CI); the split over two
+GPUs needs two."""
+
+import pytest
+import torch
+from tiny_models import greedy, prompt, tiny_model
+
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.policies import Quest, SinkWindow, SnapKV
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+POLICIES = [
+    Quest(budget=24, sink=4, window=8),
+    SnapKV(budget=32, sink=4, window=8, observe=8, then=Quest(budget=16, sink=4, window=8)),
+    SinkWindow(sink=4, window=16, evict=True),
+]
+
+
+def dispatched(tmp_path, devices: list):
+    """The tiny Llama (4 layers) saved and loaded back with its layers spread over ``devices`` in turn."""
+    from transformers import LlamaForCausalLM
+
+    model = tiny_model("llama", num_hidden_layers=4).cpu()
+    model.save_pretrained(tmp_path)
+    device_map = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0]}
+    device_map.update({f"model.layers.{i}": devices[i * len(devices) // 4] for i in range(4)})
+    device_map.update({"model.norm": devices[-1], "lm_head": devices[-1]})
+    return LlamaForCausalLM.from_pretrained(tmp_path, device_map=device_map, dtype=torch.float32).eval(), model
+
+
+def two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    return [0, 1]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("split", ["cuda+cpu", "two gpus"])
+def test_device_map_keeps_pages_on_each_layers_device_and_matches_one_device(tmp_path, split, policy):
+    devices = [0, "cpu"] if split == "cuda+cpu" else two_gpus()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, single = dispatched(tmp_path, devices)
+    ids = prompt(70, batch=2).to("cuda:0")
+    dense_layers = () if getattr(policy, "evict", False) else (0,)
+    results = []
+    for m in (single.to("cuda:0"), model):
+        patch_model(m, policy=policy, mode="block", dense_layers=dense_layers, block_size=8)
+        cache = PagedKVCache(m.config, block_size=8)
+        results.append(greedy(m, ids, new_tokens=12, **{cache_kwarg(m): cache}))
+        unpatch_model(m)
+    for i, layer in enumerate(model.model.layers):
+        expected = next(layer.parameters()).device
+        assert cache.layers[i].k_pool.device == expected and cache.layers[i].kmin.device == expected
+    (ref_seqs, ref_scores), (seqs, scores) = results
+    assert torch.equal(seqs.cpu(), ref_seqs.cpu())
+    finite = ref_scores.isfinite()
+    torch.testing.assert_close(scores.cpu()[finite.cpu()], ref_scores.cpu()[finite.cpu()], rtol=0, atol=1e-4)
