@@ -163,6 +163,7 @@ def greedy_under_policies(
     """Greedy continuations of ``ids [1, L]`` under each policy through the patched model, one prefill shared.
 
     Returns ``{key: generated token ids}``; every generated token comes from a decode step that ran the policy.
+    A compressing policy (SnapKV) prefills on its own: it scores the prompt during the prefill.
     """
     kw = {"use_cache": True}
     patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
@@ -175,7 +176,12 @@ def greedy_under_policies(
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            cache = copy.deepcopy(prefix)
+            if getattr(policy, "compresses", False):  # it scores the prompt during its own prefill
+                cache = PagedKVCache(model.config, block_size=block_size)
+                with torch.no_grad():
+                    model(ids[:, :-1], **{cache_kwarg(model): cache}, **kw)
+            else:
+                cache = copy.deepcopy(prefix)
             token, gen = ids[:, -1:], []
             with torch.no_grad():
                 for _ in range(new_tokens):

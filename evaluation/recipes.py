@@ -106,8 +106,10 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
 
         for cell in [PolicyCell("dense", None, Dense())] + [c for c in todo if c.budget is not None]:
             t0 = time.perf_counter()
-            fid = None
-            if session is not None:
+            fid, way = None, p["way"]
+            if session is not None and getattr(cell.policy, "compresses", False):
+                way = "decode"  # freeing prompt blocks cannot be replayed chunk-wise; the two ways agree (tested)
+            if session is not None and way == "simulate":
                 lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=fidelity and cell.budget is not None)
             else:
                 mode = "token" if cell.policy.granularity == "token" and cfg["mode"] == "block" else cfg["mode"]
@@ -123,7 +125,7 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
                 "policy": cell.label,
                 "budget": budget_label(cell.budget),
                 "budget_value": _budget_value(cell, length),
-                "way": p["way"],
+                "way": way,
                 "nll_sum": float(nll.sum()),
                 "n": int(nll.numel()),
                 "kl_mean": float(kl_dense_sparse(dense_lp, lp).mean()),

@@ -74,23 +74,44 @@ class PolicyCell:
 def policy_grid(specs: list[dict[str, Any]], budgets: list[Any]) -> list[PolicyCell]:
     """Every policy spec (``{"name": "quest", "sink": 4, ...}``) at every budget; ``dense`` once, without one.
 
-    A spec may carry its own ``budgets`` list. Names are those of :data:`hf_sparse_kv.policies.POLICIES`.
+    A spec may carry its own ``budgets`` list. Names are those of :data:`hf_sparse_kv.policies.POLICIES`. A
+    ``snapkv`` spec may nest a query-aware policy, ``then: {name: quest, ...}``: the grid's budget goes to SnapKV,
+    or to the nested policy when the spec fixes SnapKV's own ``budget`` (compress to it, then select per step).
     """
     cells = []
     for spec in specs:
         spec = dict(spec) if isinstance(spec, dict) else {"name": spec}
         name = spec.pop("name")
         label = spec.pop("label", name)
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
-        cls = POLICIES[name]
+        cls = _policy_class(name)
         if cls is Dense:
             cells.append(PolicyCell(label, None, Dense()))
             continue
+        then = spec.pop("then", None)
+        fixed = "budget" in spec
         for b in spec.pop("budgets", budgets):
             b = parse_budget(b)
-            cells.append(PolicyCell(label, b, cls(budget=b, **spec)))
+            kwargs = {**spec, "budget": parse_budget(spec["budget"]) if fixed else b}
+            if then is not None:
+                kwargs["then"] = _nested_policy(then, b if fixed else None)
+            cells.append(PolicyCell(label, b, cls(**kwargs)))
     return cells
+
+
+def _nested_policy(spec: dict[str, Any], budget: float | None) -> Policy:
+    """The ``then:`` policy of a spec, at ``budget`` (the grid's) or, when ``None``, at the budget it names."""
+    spec = dict(spec)
+    cls = _policy_class(spec.pop("name"))
+    own = spec.pop("budget", None)
+    if budget is None and own is None:
+        raise ValueError(f"the nested policy {spec} needs a budget when SnapKV's own budget is the grid's")
+    return cls(budget=budget if budget is not None else parse_budget(own), **spec)
+
+
+def _policy_class(name: str) -> type[Policy]:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
+    return POLICIES[name]
 
 
 def load_config(path_or_dict: str | Path | dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:

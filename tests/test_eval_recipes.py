@@ -121,6 +121,36 @@ def test_policy_grid_and_budgets():
         policy_grid([{"name": "nope"}], [0.1])
 
 
+def test_policy_grid_nests_a_query_aware_policy_under_snapkv():
+    alone, composed = policy_grid(
+        [
+            {"name": "snapkv", "window": 16},
+            {"name": "snapkv", "label": "snap+quest", "budget": "1/4", "then": {"name": "quest"}},
+        ],
+        ["1/16"],
+    )
+    assert alone.policy.budget == 0.0625 and alone.policy.then is None
+    assert composed.key == ("snap+quest", "1/16")
+    assert composed.policy.budget == 0.25 and composed.policy.then.budget == 0.0625
+    (fixed_inner,) = policy_grid([{"name": "snapkv", "then": {"name": "quest", "budget": 64}}], ["1/8"])
+    assert fixed_inner.policy.budget == 0.125 and fixed_inner.policy.then.budget == 64
+    with pytest.raises(ValueError, match="needs a budget"):
+        policy_grid([{"name": "snapkv", "then": {"name": "quest"}}], ["1/8"])
+
+
+def test_perplexity_recipe_scores_snapkv_the_decode_way(tmp_path, essays):
+    model, tok = tiny_model("llama", max_position_embeddings=2048), CharTokenizer()
+    cfg = _tiny_cfg(
+        "perplexity",
+        tmp_path,
+        policies=[{"name": "dense"}, {"name": "quest", "window": 16}, {"name": "snapkv", "window": 16}],
+        perplexity={"windows": 1, "scored": 8},
+    )
+    run_recipe(cfg, model=model, tokenizer=tok, text=essays)
+    ways = {r["policy"]: r["way"] for r in ResultsDir(tmp_path).rows()}
+    assert ways == {"dense": "simulate", "quest": "simulate", "snapkv": "decode"}
+
+
 def _tiny_cfg(recipe: str, out: Path, **extra) -> dict:
     return {
         "recipe": recipe,
