@@ -1,6 +1,6 @@
 """The crossover figure: decode ms/token against context length for every row of a bench_e2e CSV.
 
-    python benchmarks/plot_crossover.py benchmarks/results/bench_e2e_graph2.csv --out benchmarks/crossover.png
+python benchmarks/plot_crossover.py benchmarks/results/bench_e2e_graph2.csv --out benchmarks/crossover.png
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import defaultdict
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main() -> None:
@@ -21,9 +21,10 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/crossover.png")
     args = p.parse_args()
     series: dict = defaultdict(lambda: defaultdict(list))  # batch -> row -> [(context, ms)]
-    for r in csv.DictReader(open(args.csv)):
-        if r.get("ms_per_token"):
-            series[int(r["batch"])][r["row"]].append((int(r["context"]), float(r["ms_per_token"])))
+    with open(args.csv) as f:
+        for r in csv.DictReader(f):
+            if r.get("ms_per_token"):
+                series[int(r["batch"])][r["row"]].append((int(r["context"]), float(r["ms_per_token"])))
     batches = sorted(series)
     fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):

@@ -82,7 +82,8 @@ def declare_padding(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, 
 
 def free_for_step(cache: PagedKVCache, policy: Policy, lens: tuple[int, ...]) -> None:
     """Free what ``policy`` will never read again at context ``lens``: the unkept prompt blocks of a compressing
-    policy (scored during the prefill, freed at the first decode step), the blocks behind an evicting window."""
+    policy (scored during the prefill, freed at the first decode step), the blocks behind an evicting window; when
+    most of the pool is then free, compact it so the memory is given back."""
     if cache.observed:
         scores = [s.float().cpu() for s in cache.observed.values()]  # layers may sit on several devices
         width = max(s.shape[1] for s in scores)
@@ -98,6 +99,9 @@ def free_for_step(cache: PagedKVCache, policy: Policy, lens: tuple[int, ...]) ->
         )
     elif getattr(policy, "evict", False):
         cache.evict(policy.evictable(lens, cache.block_size))
+    t = cache.table
+    if cache.evicted and len(t.free) > t.capacity // 2:  # most of the pool is free: give the memory back
+        cache.compact()
 
 
 def plan_step(

@@ -139,6 +139,15 @@ class PagedLayer(DynamicLayer):
         self.k_pool, self.v_pool = grow(self.k_pool), grow(self.v_pool)
         self.kmin, self.kmax, self.kmean = grow(self.kmin), grow(self.kmax), grow(self.kmean)
 
+    def repack(self, blocks: list[int], capacity: int) -> None:
+        """New pools of ``capacity`` blocks holding ``blocks`` (old ids) at ids ``0..len(blocks)-1``."""
+        if not self.is_initialized:
+            return
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        pack = lambda t: torch.cat([t[idx], t.new_zeros((capacity - len(blocks), *t.shape[1:]))])
+        self.k_pool, self.v_pool = pack(self.k_pool), pack(self.v_pool)
+        self.kmin, self.kmax, self.kmean = pack(self.kmin), pack(self.kmax), pack(self.kmean)
+
     def copy_block(self, src: int, dst: int) -> None:
         if self.is_initialized:
             for t in (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean):
@@ -423,6 +432,28 @@ class PagedKVCache(DynamicCache):
             self.evicted = True
             t.invalidate()
         return freed
+
+    def compact(self) -> int:
+        """Give freed pool memory back: move the blocks in use to the lowest ids and shrink every paged layer's pools
+        to them plus some room to grow (``MIN_POOL_BLOCKS`` at least). Returns the new capacity in blocks.
+
+        Called after a compressing or evicting policy freed most of the pool; needs no CUDA-graph reservation."""
+        if self.static is not None:
+            raise ValueError("a cache reserved for CUDA-graph decoding cannot be compacted")
+        t = self.table
+        live = [b for b in range(t.capacity) if t.refcount[b] > 0]
+        capacity = max(MIN_POOL_BLOCKS, len(live) + len(live) // 4 + len(t.rows))
+        if capacity >= t.capacity:
+            return t.capacity
+        new_id = {old: new for new, old in enumerate(live)}
+        for layer in self.paged_layers:
+            layer.repack(live, capacity)
+        t.rows = [[new_id.get(b, -1) for b in row] for row in t.rows]
+        t.refcount = [t.refcount[b] for b in live] + [0] * (capacity - len(live))
+        t.free = list(range(capacity - 1, len(live) - 1, -1))
+        t.capacity = capacity
+        t.invalidate()
+        return capacity
 
     def evicted_counts(self) -> tuple[int, ...] | None:
         """Blocks freed per sequence (``None`` when none was)."""

@@ -164,8 +164,9 @@ def _prepare_cache_for_generation(
                 f"cache_implementation={generation_config.cache_implementation!r} conflicts with hf_sparse_kv's paged "
                 "cache; leave it unset on a patched model."
             )
-        model_kwargs[cache_kwarg(model)] = PagedKVCache(
-            model.config, config.block_size, config.backend, max_length=max_cache_length
+        frees = getattr(config.policy, "evict", False) or getattr(config.policy, "compresses", False)
+        model_kwargs[cache_kwarg(model)] = PagedKVCache(  # a policy that frees blocks reuses them: no reservation
+            model.config, config.block_size, config.backend, max_length=None if frees else max_cache_length
         )
     return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 

@@ -67,7 +67,7 @@ def compacted_greedy(
 @pytest.mark.parametrize("mode", ["mask", "token", "block"])
 def test_snapkv_decodes_like_a_cache_holding_only_the_kept_tokens(mode, dense_layers):
     model = tiny_model("llama")
-    ids = prompt(70)
+    ids = prompt(150)
     policy = SnapKV(budget=32, sink=4, window=8, observe=8)
     keep = kept_positions(model, ids, policy)
     ref_seqs, ref_scores = compacted_greedy(model, ids, keep, new_tokens=10)
@@ -80,9 +80,10 @@ def test_snapkv_decodes_like_a_cache_holding_only_the_kept_tokens(mode, dense_la
     assert finite.float().mean() > 0.98
     torch.testing.assert_close(scores[finite], ref_scores[finite], rtol=0, atol=1e-5)
     assert cache.evicted
-    # 32 tokens of the prompt kept (4 blocks), then the generated tokens: 80 tokens in 10 blocks, 5 of them freed
-    assert cache.blocks_in_use == 10 - 5
-    assert [i for i, b in enumerate(cache.table.rows[0]) if b >= 0] == sorted({p // BS for p in keep} | {8, 9})
+    # 32 tokens of the context kept (4 blocks, the first generated token's included), then one block of new tokens
+    assert cache.blocks_in_use == 4 + 1
+    assert [i for i, b in enumerate(cache.table.rows[0]) if b >= 0] == sorted({p // BS for p in keep} | {19})
+    assert cache.table.capacity == 16  # the pool grew to 32 blocks for the prompt, compaction gave half back
 
 
 def test_snapkv_with_left_padding_gives_each_prompt_its_own_output():
@@ -130,6 +131,26 @@ def test_a_budget_covering_the_prompt_frees_nothing_and_equals_dense():
     assert not cache.evicted
     assert torch.equal(seqs, ref[0])
     torch.testing.assert_close(scores, ref[1], rtol=0, atol=1e-5)
+
+
+def test_compact_moves_the_blocks_in_use_and_shrinks_the_pools():
+    model = tiny_model("qwen2")
+    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    cache = PagedKVCache(model.config, block_size=BS)
+    with torch.no_grad():
+        model(prompt(150, batch=2), use_cache=True, **{cache_kwarg(model): cache})
+    before = cache.capacity_bytes()
+    cache.free_blocks([range(2, 15), range(1, 17)])
+    layer = cache.paged_layers[0]
+    live = [[(lb, b) for lb, b in enumerate(row) if b >= 0] for row in cache.table.rows]
+    contents = [[(layer.k_pool[b].clone(), layer.kmax[b].clone()) for _, b in row] for row in live]
+    assert cache.compact() == 16 and cache.capacity_bytes() < before / 2
+    for b, (row, kept) in enumerate(zip(live, contents)):
+        for (lb, _), (k, kmax) in zip(row, kept):
+            new = cache.table.rows[b][lb]
+            assert torch.equal(layer.k_pool[new], k) and torch.equal(layer.kmax[new], kmax)
+    assert sorted(b for row in cache.table.rows for b in row if b >= 0) == list(range(cache.blocks_in_use))
+    unpatch_model(model)
 
 
 def test_compression_holds_less_memory_and_the_cache_is_reusable():
