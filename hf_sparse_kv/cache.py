@@ -359,6 +359,8 @@ class PagedKVCache(DynamicCache):
             self.pads = self.pads if len(self.pads) == batch_size else [0] * batch_size
             if self.max_length:
                 self._ensure_free(batch_size * -(-self.max_length // self.block_size))
+            else:  # the prompt and one spare block per sequence: the first decode steps do not double the pool
+                self._ensure_free(sum(-(-(length - p) // self.block_size) + 1 for p in self.pads))
         elif len(t.rows) != batch_size:
             raise ValueError(
                 f"PagedKVCache holds {len(t.rows)} sequences but got a batch of {batch_size}: call cache.reset() "
