@@ -194,13 +194,15 @@ def topk_indices_kernel(
 TOPK_MAX_N = 16384  # one program holds a whole row in registers; longer rows go to torch.topk
 
 
-def topk_indices(scores: torch.Tensor, k: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+def topk_indices(
+    scores: torch.Tensor, k: int, counts: torch.Tensor | None = None, num_warps: int | None = None
+) -> torch.Tensor:
     """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
 
     One program per row: a 16-step radix select finds the ``k``-th largest score, then a prefix sum writes the
     selected indices in ascending order. Ties at the threshold go to the lowest indices (``torch.topk`` leaves that
     order unspecified). ``k`` may exceed ``N`` (the extra slots are ``-1``). Rows longer than ``TOPK_MAX_N`` use the
-    reference (``torch.topk``).
+    reference (``torch.topk``). ``num_warps`` overrides the launch's warps per program (for tuning).
     """
     *lead, N = scores.shape
     # ``counts [B]`` (keep fewer for some sequences) only differs from ``k`` in left-padded batches: the reference
@@ -220,6 +222,6 @@ def topk_indices(scores: torch.Tensor, k: int, counts: torch.Tensor | None = Non
     BK = max(16, min(1024, triton.next_power_of_2(k)))
     topk_indices_kernel[(R,)](
         scores.reshape(R, N).float().contiguous(), out, N, k, min(k, N), BN=BN, BK=BK,
-        num_warps=max(4, min(16, BN // 512)),
+        num_warps=num_warps or max(4, min(16, BN // 512)),
     )  # fmt: skip
     return out
