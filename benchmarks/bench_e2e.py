@@ -14,7 +14,8 @@ overhead included. The cache is cropped back to the context between rows.
 
 Rows named ``graph: ...`` patch with ``cuda_graph=True``: each decode step replays a captured CUDA graph (one
 capture per selection width, during the warm-up steps; a width change inside the timed steps shows as one slow
-step, which the median ignores).
+step, which the median ignores). ``graph: Quest 1/16 auto`` runs ``mode="auto"`` with the crossover table for
+captured steps (``--crossover`` names another): dense below the table's crossover, Quest from it.
 
 Columns: ms/token (median), tokens/s (batch / median), KV MB read per step (all layers, from the cache's counter),
 KV GB held, peak GPU GB during the row, speedup over unpatched. Selection cost ~ Quest row - SinkWindow row at the
@@ -145,6 +146,7 @@ ROWS = [  # (name, policy, mode, cuda_graph)
     ("graph: Quest 1/8 block", Quest(budget=0.125), "block", True),
     ("graph: Quest 1/16 block", Quest(budget=0.0625), "block", True),
     ("graph: SinkWindow 1/16 block", SinkWindow(sink=4, budget=0.0625), "block", True),
+    ("graph: Quest 1/16 auto", Quest(budget=0.0625), "auto", True),
 ]
 
 
@@ -159,6 +161,7 @@ def main() -> None:
     p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all)")
     p.add_argument("--out", default="benchmarks/results/bench_e2e.csv")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    p.add_argument("--crossover", default=None, help="crossover table for the auto rows (default: the shipped one)")
     args = p.parse_args()
     device = args.device
     print(env_info(), flush=True)
@@ -215,7 +218,8 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
         for name, policy, mode, graph in rows_wanted:
-            patch_model(model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph)
+            table = {"crossover": args.crossover} if mode == "auto" else {}
+            patch_model(model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph, **table)
             reset_peak()
             read0, steps0 = int(paged.kv_bytes_read), paged.decode_steps
             t = time_decode(model, paged, batch, length, args.steps, args.warmup)

@@ -1,8 +1,10 @@
 """Measure a crossover table on this machine: ``python -m hf_sparse_kv.calibrate`` (or ``hf-sparse-kv calibrate``).
 
-For each batch, budget and context it times one layer's decode attention call as the patched model makes it
-(Python included, device synchronised, median of ``reps``): dense (every block, block kernel) against the policy
-(selection + block kernel), on random bf16 pages. The crossover of a (batch, budget) is the shortest measured
+For each batch, budget and context it times one layer's decode attention call as the patched model makes it:
+dense (every block, block kernel) against the policy (selection + block kernel), on random bf16 pages. With
+``--timing eager`` (what an eager decode step pays) each call runs from Python with the device synchronised around
+it, median of ``reps``; with ``--timing graph`` (what a ``cuda_graph=True`` step pays) ``reps`` calls are captured in
+one CUDA graph and the graph's replay time, divided by ``reps``, is taken (median of 5 replays). The crossover of a (batch, budget) is the shortest measured
 context from which the policy is faster (by more than a 2% margin) at every longer measured context (``None``
 if it never is). Write the
 table with ``--out`` and pass it as ``patch_model(..., mode="auto", crossover=path)``.
@@ -41,6 +43,30 @@ def time_call(fn, device: torch.device, reps: int = 20, warmup: int = 3) -> floa
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def time_graph(fn, reps: int = 20, replays: int = 5) -> float:
+    """Median seconds of ``fn()`` inside a CUDA graph: ``reps`` calls captured in one graph, replayed ``replays``
+    times (CUDA events), each replay divided by ``reps``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up off the capture: compiles the kernels
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(replays + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times[1:])
 
 
 def decode_call(policy: Policy, state: DecodeState, v_pool: torch.Tensor) -> torch.Tensor:
@@ -90,11 +116,18 @@ def calibrate(
     backend: str = "auto",
     reps: int = 20,
     margin: float = 0.02,
+    timing: str = "eager",
 ) -> tuple[CrossoverTable, list[dict]]:
     """Measure dense vs ``policy_cls(budget)`` per (batch, budget, context); return the table and the timings.
 
-    Sparse "wins" at a context only when it is faster than dense by more than ``margin`` (a fraction)."""
+    Sparse "wins" at a context only when it is faster than dense by more than ``margin`` (a fraction). ``timing``:
+    ``"eager"`` or ``"graph"`` (CUDA only), see the module's docstring."""
+    if timing not in ("eager", "graph"):
+        raise ValueError(f"timing must be 'eager' or 'graph', got {timing!r}")
     dev = torch.device(device)
+    if timing == "graph" and dev.type != "cuda":
+        raise ValueError("timing='graph' captures CUDA graphs: it needs device='cuda'")
+    timer = (lambda fn: time_graph(fn, reps)) if timing == "graph" else (lambda fn: time_call(fn, dev, reps))
     backend = resolve_backend(backend, dev)
     rows, entries = [], []
     for batch in batches:
@@ -103,9 +136,9 @@ def calibrate(
             state, v_pool = random_state(
                 batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, dev, backend
             )
-            dense_s = time_call(partial(decode_call, Dense(), state, v_pool), dev, reps)
+            dense_s = timer(partial(decode_call, Dense(), state, v_pool))
             for budget in budgets:
-                sparse_s = time_call(partial(decode_call, policy_cls(budget=budget), state, v_pool), dev, reps)
+                sparse_s = timer(partial(decode_call, policy_cls(budget=budget), state, v_pool))
                 timings[budget].append((context, dense_s, sparse_s))
                 rows.append(
                     {
@@ -134,8 +167,12 @@ def calibrate(
                 }
             )
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    source = f"hf_sparse_kv.calibrate: {policy_cls.__name__}, block_size {block_size}, {dtype}, backend {backend}"
-    return CrossoverTable(entries, device=name, max_context=max(contexts), source=source), rows
+    source = (
+        f"hf_sparse_kv.calibrate: {policy_cls.__name__}, block_size {block_size}, {dtype}, backend {backend}, "
+        f"timing {timing}"
+    )
+    table = CrossoverTable(entries, device=name, max_context=max(contexts), source=source, timing=timing)
+    return table, rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--timing", choices=["eager", "graph"], default="eager", help="eager steps or CUDA-graph steps")
     p.add_argument("--out", default="crossover.json")
     args = p.parse_args(argv)
     tables, all_rows = [], []
@@ -160,11 +198,17 @@ def main(argv: list[str] | None = None) -> None:
             block_size=args.block_size,
             device=args.device,
             reps=args.reps,
+            timing=args.timing,
         )  # fmt: skip
         tables.append(table)
         all_rows += [{"shape": shape, **r} for r in rows]
     merged = CrossoverTable(
-        [e for t in tables for e in t.entries], tables[0].device, tables[0].max_context, None, tables[0].source
+        [e for t in tables for e in t.entries],
+        tables[0].device,
+        tables[0].max_context,
+        None,
+        tables[0].source,
+        timing=args.timing,
     )
     merged.save(args.out)
     print(f"{'shape':>10} {'batch':>5} {'budget':>8} {'context':>8} {'dense us':>9} {'sparse us':>9} {'x':>5}")

@@ -14,20 +14,22 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-DEFAULT_TABLE = "crossover_h200.json"
+DEFAULT_TABLES = {"eager": "crossover_h200.json", "graph": "crossover_h200_graph.json"}
 
 
 @dataclass
 class CrossoverTable:
     """Measured crossovers. ``entries`` are dicts with keys ``budget`` (a fraction), ``batch``, ``num_kv_heads``,
     ``head_dim``, ``crossover`` (tokens, or ``None``); ``max_context`` is the longest context measured;
-    ``fallback`` the crossover used for a head shape the table does not hold."""
+    ``fallback`` the crossover used for a head shape the table does not hold; ``timing`` how the steps were timed
+    (``"eager"``, or ``"graph"`` for CUDA-graph decoding)."""
 
     entries: list[dict]
     device: str = "unknown"
     max_context: int = 0
     fallback: int | None = None
     source: str = ""
+    timing: str = "eager"
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +75,7 @@ class CrossoverTable:
             "max_context": self.max_context,
             "fallback": self.fallback,
             "source": self.source,
+            "timing": self.timing,
             "entries": self.entries,
         }
 
@@ -88,13 +91,15 @@ class CrossoverTable:
             max_context=int(data.get("max_context", 0)),
             fallback=data.get("fallback"),
             source=data.get("source", ""),
+            timing=data.get("timing", "eager"),
         )
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> CrossoverTable:
-        """A table from ``path``, or the one shipped with the package (measured on an H200) when ``None``."""
+    def load(cls, path: str | Path | None = None, timing: str = "eager") -> CrossoverTable:
+        """A table from ``path``, or when ``None`` the one shipped with the package for ``timing`` (``"eager"``
+        or ``"graph"``; both measured on an H200)."""
         if path is None:
-            text = resources.files("hf_sparse_kv.data").joinpath(DEFAULT_TABLE).read_text()
+            text = resources.files("hf_sparse_kv.data").joinpath(DEFAULT_TABLES[timing]).read_text()
         else:
             text = Path(path).read_text()
         return cls.from_json(json.loads(text))

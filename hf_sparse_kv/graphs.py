@@ -12,8 +12,8 @@ captured step may not do, and how this module avoids it:
   width by one block every ``block_size / budget`` tokens, so a long generation captures a handful of graphs).
 
 The Python bookkeeping a captured step skipped (layer lengths, counters) is done by :meth:`DecodeGraphs.step`.
-Supported: every attention layer paged (no sliding-window layers), no left padding, ``mode="block"``, a policy that
-does not evict. :func:`hf_sparse_kv.patch_model` with ``cuda_graph=True`` routes ``generate()``'s decode steps
+Supported: every attention layer paged (no sliding-window layers), no left padding, ``mode="block"`` or ``"auto"``
+(the crossover's dense/sparse decision is part of the plan a graph is keyed on), a policy that does not free blocks. :func:`hf_sparse_kv.patch_model` with ``cuda_graph=True`` routes ``generate()``'s decode steps
 here and falls back to eager for anything else.
 """
 
@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import PagedKVCache, PagedLayer
+from .crossover import budget_fraction
 
 
 class DecodeGraphs:
@@ -49,8 +50,8 @@ class DecodeGraphs:
             raise ValueError("CUDA-graph decoding needs every attention layer paged (no sliding-window layers)")
         if len({str(layer.device) for layer in cache.paged_layers}) > 1:
             raise ValueError("CUDA-graph decoding needs the whole cache on one device (device_map put it on several)")
-        if config.mode != "block" or getattr(config.policy, "evict", False):
-            raise ValueError("CUDA-graph decoding supports mode='block' with a policy that does not evict")
+        if config.mode not in ("block", "auto") or getattr(config.policy, "evict", False):
+            raise ValueError("CUDA-graph decoding supports mode='block' or 'auto' with a policy that does not evict")
         self.model, self.cache, self.config = model, cache, config
         self.capture = capture and torch.cuda.is_available()
         self.static = cache.reserve_static(max_length)
@@ -63,8 +64,15 @@ class DecodeGraphs:
         self.replays = 0
 
     def key(self, length: int) -> tuple | None:
-        """The host plan of the step that decodes at ``length`` tokens (the width of every sparse layer)."""
-        plan = self.config.policy.plan((length,) * len(self.cache.table.rows), self.cache.block_size)
+        """The host plan of the step that decodes at ``length`` tokens (the width of every sparse layer; under
+        ``mode="auto"``, ``("dense",)`` below the crossover, as :func:`hf_sparse_kv.attention.choose` decides)."""
+        B, config = len(self.cache.table.rows), self.config
+        if config.mode == "auto":
+            _, Hkv, _, D = self.cache.paged_layers[0].k_pool.shape
+            fraction = budget_fraction(config.policy, length)
+            if fraction is None or not config.crossover.use_sparse(fraction, B, Hkv, D, length):
+                return ("dense",)
+        plan = config.policy.plan((length,) * B, self.cache.block_size)
         return None if plan is None else tuple(plan)
 
     def fits(self, input_ids: torch.Tensor) -> bool:
@@ -79,18 +87,19 @@ class DecodeGraphs:
         kw = {self.cache_name: self.cache, "use_cache": True}
         return self.forward_fn(input_ids=self.ids, position_ids=self.positions, **kw).logits
 
-    def _rewind(self, kv_bytes: int, steps: int) -> None:
+    def _rewind(self, kv_bytes: int, steps: int, auto_steps: dict) -> None:
         """Undo the host bookkeeping of a warm-up or capture forward (the device writes are redone by the replay)."""
         for layer in self.cache.paged_layers:
             layer.length -= 1
         self.cache.kv_bytes_read, self.cache.decode_steps = kv_bytes, steps
+        self.cache.auto_steps = dict(auto_steps)
         self.cache.end_step()
 
     def _capture(self, key) -> tuple:
         cache = self.cache
-        before = (int(cache.kv_bytes_read), cache.decode_steps)
+        before = (int(cache.kv_bytes_read), cache.decode_steps, dict(cache.auto_steps))
         self._forward()  # warm-up: compiles the kernels of this width, allocates workspaces
-        per_step = int(cache.kv_bytes_read) - before[0]
+        per_step = (int(cache.kv_bytes_read) - before[0], {k: cache.auto_steps[k] - before[2][k] for k in before[2]})
         self._rewind(*before)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -115,12 +124,14 @@ class DecodeGraphs:
         key = self.key(length + 1)
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)
-        graph, logits, per_step = self.graphs[key]
+        graph, logits, (kv_bytes, auto_steps) = self.graphs[key]
         graph.replay()
         self.replays += 1
         for layer in cache.paged_layers:
             layer.length += 1
-        cache.kv_bytes_read += per_step
+        cache.kv_bytes_read += kv_bytes
+        for k, n in auto_steps.items():
+            cache.auto_steps[k] += n
         cache.decode_steps += 1
         cache.end_step()
         return logits.clone()

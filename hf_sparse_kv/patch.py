@@ -246,10 +246,11 @@ def patch_model(
         block_size: tokens per page, a power of two in [8, 256].
         backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
-            sparse; default: the H200 table shipped with the package (``hf-sparse-kv calibrate`` measures yours).
+            sparse; default: the H200 table shipped with the package for eager or, with ``cuda_graph=True``, for
+            captured steps (``hf-sparse-kv calibrate [--timing graph]`` measures yours).
         cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (see :mod:`hf_sparse_kv.graphs`): needs
-            ``mode="block"``, a CUDA model whose attention layers are all full-attention, no left padding; other
-            steps run eagerly.
+            ``mode="block"`` or ``"auto"``, a CUDA model whose attention layers are all full-attention, no left
+            padding; other steps run eagerly.
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -258,8 +259,10 @@ def patch_model(
     layers = _validate(model, policy, mode, dense_layers, block_size, backend)
     previous = getattr(model, STATE_ATTR, None)
     original_attn = previous.config.original_attn if previous else model.config._attn_implementation
-    if cuda_graph and mode != "block":
-        raise ValueError(f"cuda_graph=True captures block-mode decode steps: use mode='block', got mode={mode!r}")
+    if cuda_graph and mode not in ("block", "auto"):
+        raise ValueError(
+            f"cuda_graph=True captures block-mode decode steps: use mode='block' or 'auto', got mode={mode!r}"
+        )
     if cuda_graph and (getattr(policy, "evict", False) or getattr(policy, "compresses", False)):
         raise ValueError(
             f"cuda_graph=True needs a block table that does not change during decoding, and {type(policy).__name__} "
@@ -267,7 +270,8 @@ def patch_model(
         )
     table = None
     if mode == "auto":
-        table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover)
+        timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's
+        table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover, timing)
     elif crossover is not None:
         raise ValueError("crossover is used by mode='auto' only")
     config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table)

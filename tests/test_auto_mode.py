@@ -50,7 +50,9 @@ def test_table_round_trip_and_shipped_default(tmp_path):
     table.save(tmp_path / "t.json")
     assert CrossoverTable.load(tmp_path / "t.json").entries == table.entries
     shipped = CrossoverTable.load()
-    assert shipped.entries and "H200" in shipped.device
+    assert shipped.entries and "H200" in shipped.device and shipped.timing == "eager"
+    graph = CrossoverTable.load(timing="graph")  # for cuda_graph=True: captured steps
+    assert graph.entries and "H200" in graph.device and graph.timing == "graph"
     with pytest.raises(ValueError, match="budget"):
         CrossoverTable([{"budget": 2.0, "batch": 1, "num_kv_heads": 1, "head_dim": 1, "crossover": 1}])
 
@@ -100,5 +102,14 @@ def test_calibrate_command_writes_a_table(tmp_path):
     main(["calibrate", "--device", "cpu", "--shapes", "4,2,16", "--batches", "1", "--contexts", "64,256",
           "--budgets", "0.25", "--reps", "1", "--out", str(out)])  # fmt: skip
     table = CrossoverTable.load(out)
-    assert table.device == "cpu" and table.max_context == 256
+    assert table.device == "cpu" and table.max_context == 256 and table.timing == "eager"
     assert [(e["batch"], e["budget"], e["num_kv_heads"], e["head_dim"]) for e in table.entries] == [(1, 0.25, 2, 16)]
+
+
+def test_calibrate_graph_timing_needs_cuda():
+    from hf_sparse_kv.calibrate import calibrate
+
+    with pytest.raises(ValueError, match="timing"):
+        calibrate(4, 2, 16, device="cpu", timing="wall")
+    with pytest.raises(ValueError, match="needs device='cuda'"):
+        calibrate(4, 2, 16, device="cpu", timing="graph")

@@ -7,6 +7,7 @@ import torch
 from tiny_models import DEVICE, greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Quest, SinkWindow
 
@@ -52,6 +53,30 @@ def test_static_step_equals_eager(policy):
     assert cache.decode_steps == 24
 
 
+def test_static_auto_step_switches_at_the_crossover_like_eager():
+    model = tiny_model("llama")
+    ids = prompt(37, batch=2)
+    entry = {"budget": 0.25, "batch": 1, "num_kv_heads": 2, "head_dim": 16, "crossover": 50}
+    table = CrossoverTable([entry], max_context=1 << 20)
+    policy = Quest(budget=0.25, sink=4, window=8)
+    patch_model(model, policy=policy, mode="auto", crossover=table, block_size=8, dense_layers=(0,))
+    ref = _eager_steps(model, ids, 24)
+    cache = PagedKVCache(model.config, block_size=8)
+    out = []
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, max_length=37 + 24, capture=DEVICE.type == "cuda")
+        # the graph key holds the crossover's decision: one graph below 50 tokens, the policy's widths from there
+        assert runner.key(49) == ("dense",) and runner.key(50) == tuple(policy.plan((50, 50), 8))
+        for _ in range(24):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    # two sparse layers per step; steps at 38..49 tokens dense, 50..61 sparse
+    assert cache.auto_steps == {"dense": 2 * 12, "sparse": 2 * 12}
+
+
 def test_generate_with_cuda_graph_flag_matches_eager():
     model = tiny_model("llama")
     ids = prompt(30)
@@ -68,7 +93,7 @@ def test_generate_with_cuda_graph_flag_matches_eager():
 
 def test_cuda_graph_needs_block_mode_and_full_attention_layers():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="mode='block'"):
+    with pytest.raises(ValueError, match="mode='block' or 'auto'"):
         patch_model(model, policy=Dense(), mode="token", cuda_graph=True)
     gemma = tiny_model("gemma3")
     patch_model(gemma, policy=Dense(), mode="block", block_size=8)
