@@ -4,7 +4,11 @@ For each batch, budget and context it times one layer's decode attention call as
 dense (every block, block kernel) against the policy (selection + block kernel), on random bf16 pages. With
 ``--timing eager`` (what an eager decode step pays) each call runs from Python with the device synchronised around
 it, median of ``reps``; with ``--timing graph`` (what a ``cuda_graph=True`` step pays) ``reps`` calls are captured in
-one CUDA graph and the graph's replay time, divided by ``reps``, is taken (median of 5 replays). The crossover of a (batch, budget) is the shortest measured
+one CUDA graph and the graph's replay time, divided by ``reps``, is taken (median of 5 replays). Each timed call
+runs over several copies of the pages in turn (the layers of a step; together four times the L2 cache on CUDA),
+so that a call does not find its metadata and pages in the L2 where the previous call left them: a model's layers
+do not either, and a hot L2 flatters the selection (the first graph table put the batch-1 crossover at 32K, where
+the whole model was 4.6% slower sparse). The crossover of a (batch, budget) is the shortest measured
 context from which the policy is faster (by more than a 2% margin) at every longer measured context (``None``
 if it never is). Write the
 table with ``--out`` and pass it as ``patch_model(..., mode="auto", crossover=path)``.
@@ -74,9 +78,32 @@ def decode_call(policy: Policy, state: DecodeState, v_pool: torch.Tensor) -> tor
     return execute(policy.select(state), "block", state, v_pool)
 
 
-def random_state(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, backend):
+def working_set_bytes(device: torch.device) -> int:
+    """Bytes of pages to cycle through so that a call does not find the previous call's pages in the L2 cache (as
+    a layer of a model does not): four times the L2 (256 MB when unknown)."""
+    if device.type != "cuda":
+        return 0
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+    return 4 * l2 if l2 else 256 * 2**20
+
+
+def layer_states(args: tuple, min_bytes: int, most: int = 16) -> list[tuple[DecodeState, torch.Tensor]]:
+    """Enough :func:`random_state` copies (like a model's layers) to hold ``min_bytes`` of pages, 1 to ``most``."""
+    first = random_state(*args)
+    per = sum(t.numel() * t.element_size() for t in (first[0].k_pool, first[1], first[0].kmin, first[0].kmax))
+    copies = max(1, min(most, -(-min_bytes // per)))
+    return [first] + [random_state(*args, seed=i) for i in range(1, copies)]
+
+
+def cycle_calls(policy: Policy, states: list) -> None:
+    """One decode call per state in turn (the layers of one step)."""
+    for state, v_pool in states:
+        decode_call(policy, state, v_pool)
+
+
+def random_state(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, backend, seed=0):
     """A decode state over random pages (a random block table), and its value pool."""
-    g = torch.Generator(device=device).manual_seed(context + batch)
+    g = torch.Generator(device=device).manual_seed(context + batch + 1000003 * seed)
     nblk = -(-context // block_size)
     NB = batch * nblk
     k_pool = torch.randn(NB, num_kv_heads, block_size, head_dim, generator=g, device=device).to(dtype)
@@ -133,12 +160,11 @@ def calibrate(
     for batch in batches:
         timings: dict[float, list[tuple[int, float, float]]] = {b: [] for b in budgets}
         for context in contexts:
-            state, v_pool = random_state(
-                batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, dev, backend
-            )
-            dense_s = timer(partial(decode_call, Dense(), state, v_pool))
+            args = (batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, dev, backend)
+            states = layer_states(args, working_set_bytes(dev))
+            dense_s = timer(partial(cycle_calls, Dense(), states)) / len(states)
             for budget in budgets:
-                sparse_s = timer(partial(decode_call, policy_cls(budget=budget), state, v_pool))
+                sparse_s = timer(partial(cycle_calls, policy_cls(budget=budget), states)) / len(states)
                 timings[budget].append((context, dense_s, sparse_s))
                 rows.append(
                     {
@@ -150,7 +176,7 @@ def calibrate(
                         "speedup": dense_s / sparse_s,
                     }
                 )
-            del state, v_pool
+            del states
         for budget, points in timings.items():
             cross = None
             for context, dense_s, sparse_s in reversed(points):  # longest first
