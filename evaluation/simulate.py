@@ -86,7 +86,7 @@ class _GivenScores(OracleBlockTopK):
 
     given: torch.Tensor | None = None
 
-    def scores(self, state: DecodeState) -> torch.Tensor:
+    def mass(self, state: DecodeState) -> torch.Tensor:
         return self.given
 
 

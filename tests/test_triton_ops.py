@@ -192,6 +192,23 @@ def test_block_scores(method, G, BS):
     assert rel_err(out[fin], ref[fin]) < 1e-5
 
 
+@pytest.mark.parametrize("sink,window", [(4, 8), (0, 1), (40, 0), (3, 200)])
+def test_block_scores_force_sink_window_and_current_block(sink, window):
+    c = make_case(3, 2, 4, 32, 16, [100, 37, 16], seed=sink + window)
+    kmin, kmax, kmean = make_meta(c["k_pool"].shape[0], 2, 32, seed=3)
+    start = torch.tensor([0, 5, 0], dtype=torch.int32, device=DEVICE)
+    table = c["block_table"].clone()
+    table[0, 2] = -1  # a freed block inside the window is never forced back
+    args = (c["q"], kmin, kmax, kmean, table, c["seq_lens"], 16, "quest", start, sink, window)
+    out, ref = OPS.block_scores(*args), R.block_scores(*args)
+    assert torch.equal(out.isposinf(), ref.isposinf()) and torch.equal(out.isneginf(), ref.isneginf())
+    assert ref[:, :, 0].isposinf().any() or sink == 0  # the sink's block
+    for b, n in enumerate([100, 37, 16]):
+        assert ref[b, :, (n - 1) // 16].isposinf().all()  # the current block
+    fin = ref.isfinite()
+    assert rel_err(out[fin], ref[fin]) < 1e-5
+
+
 def test_block_scores_of_freed_blocks_are_neg_inf():
     c = make_case(2, 2, 4, 32, 16, [100, 37], seed=5)
     kmin, kmax, kmean = make_meta(c["k_pool"].shape[0], 2, 32, seed=5)

@@ -134,6 +134,29 @@ def live_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     return before_end & (block_table >= 0)
 
 
+def window_positions(
+    seq_lens: torch.Tensor, start: torch.Tensor, sink: int, window: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the end of the sink ``[start, start + sink)`` and the start of the window (the last ``window``
+    tokens, at least one, never before the sink's end): two ``[B]`` long tensors. ``window`` is an int or ``[B]``."""
+    lens = seq_lens.long()
+    sink_end = torch.minimum(start.long() + sink, lens)
+    window = max(window, 1) if isinstance(window, int) else window.clamp(min=1)  # no host->device copy
+    return sink_end, torch.maximum(lens - window, sink_end)
+
+
+def forced_block_mask(
+    seq_lens: torch.Tensor, start: torch.Tensor, sink: int, window: int | torch.Tensor, block_size: int, width: int
+) -> torch.Tensor:
+    """``[B, width]`` bool: the blocks holding the sink, the window and the current (partial) block."""
+    sink_end, win_start = window_positions(seq_lens, start, sink, window)
+    blk = torch.arange(width, device=seq_lens.device).view(1, -1)
+    nblk = num_blocks(seq_lens, block_size).view(-1, 1)
+    in_sink = blk * block_size < sink_end.view(-1, 1)
+    in_window = (blk + 1) * block_size > win_start.view(-1, 1)
+    return (in_sink | in_window | (blk == nblk - 1)) & (blk < nblk)
+
+
 def block_scores(
     q: torch.Tensor,
     kmin: torch.Tensor,
@@ -143,6 +166,9 @@ def block_scores(
     seq_lens: torch.Tensor,
     block_size: int,
     method: str,
+    start: torch.Tensor | None = None,
+    sink: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Score every block of every sequence from its key metadata, pooled over each GQA group.
 
@@ -151,10 +177,12 @@ def block_scores(
         kmin, kmax, kmean: ``[NB, Hkv, D]``.
         block_table: ``[B, MB]``; seq_lens: ``[B]``.
         method: ``"quest"`` for the bound ``sum_d max(q_d min_d, q_d max_d)`` (Quest), ``"mean"`` for ``q . mean``.
+        start, sink, window: with ``window`` given, the blocks of :func:`forced_block_mask` (sink from ``start [B]``,
+            window, current block) score ``+inf`` (a top-k then always keeps them).
 
     Returns:
         ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block and
-        for evicted blocks (table entry -1).
+        for evicted blocks (table entry -1), ``+inf`` for forced blocks still held.
     """
     Hkv = kmin.shape[1]
     qg = _group_q(q, Hkv)  # [B, Hkv, G, D]
@@ -168,7 +196,12 @@ def block_scores(
     else:
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
     s = s.amax(-1).permute(0, 2, 1)  # [B, Hkv, MB]
-    return s.masked_fill(~live_blocks(block_table, seq_lens, block_size).unsqueeze(1), NEG_INF).contiguous()
+    live = live_blocks(block_table, seq_lens, block_size)
+    if window is not None:
+        start = torch.zeros_like(seq_lens) if start is None else start
+        forced = forced_block_mask(seq_lens, start, sink, window, block_size, block_table.shape[1]) & live
+        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+    return s.masked_fill(~live.unsqueeze(1), NEG_INF).contiguous()
 
 
 def token_scores(

@@ -15,6 +15,8 @@ from typing import ClassVar
 
 import torch
 
+from ..ops import reference
+
 NEG_INF = float("-inf")
 
 
@@ -191,23 +193,11 @@ class Policy:
         """Per sequence, the end of the sink and the start of the window (see :func:`window_bounds`): two ``[B]``
         long tensors computed on the device from ``state.seq_lens`` (so a captured decode step stays right as the
         lengths move). ``window`` is an int or a ``[B]`` tensor."""
-        lens = state.seq_lens.long()
-        sink_end = torch.minimum(state.start.long() + sink, lens)
-        window = max(window, 1) if isinstance(window, int) else window.clamp(min=1)  # no host->device copy
-        return sink_end, torch.maximum(lens - window, sink_end)
-
-    @classmethod
-    def forced_blocks(cls, state: DecodeState, sink: int, window) -> torch.Tensor:
-        """``[B, nblk]`` bool: the blocks holding the sink, the window and the current (partial) block."""
-        BS = state.block_size
-        sink_end, win_start = cls.forced_positions(state, sink, window)
-        blk = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
-        nblk = (state.seq_lens.long().view(-1, 1) + BS - 1) // BS
-        in_sink = blk * BS < sink_end.view(-1, 1)
-        in_window = (blk + 1) * BS > win_start.view(-1, 1)
-        return (in_sink | in_window | (blk == nblk - 1)) & (blk < nblk)
+        return reference.window_positions(state.seq_lens, state.start, sink, window)
 
     @staticmethod
-    def empty_interval(state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-        zero = torch.zeros(state.q.shape[0], dtype=torch.int32, device=state.q.device)
-        return zero, zero
+    def forced_blocks(state: DecodeState, sink: int, window) -> torch.Tensor:
+        """``[B, nblk]`` bool: the blocks holding the sink, the window and the current (partial) block."""
+        return reference.forced_block_mask(
+            state.seq_lens, state.start, sink, window, state.block_size, state.num_blocks
+        )

@@ -30,7 +30,8 @@ class _BlockTopK(Policy):
         check_count(self.window, "window")
 
     def scores(self, state: DecodeState) -> torch.Tensor:  # pragma: no cover - abstract
-        """``[B, Hkv, nblk]`` float32, higher is better, ``-inf`` for blocks not in use."""
+        """``[B, Hkv, nblk]`` float32, higher is better, ``-inf`` for blocks not in use, ``+inf`` for the sink, window
+        and current blocks (which the top-k must keep)."""
         raise NotImplementedError
 
     def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
@@ -51,12 +52,16 @@ class _BlockTopK(Policy):
         if state.evicted is not None:  # never more than the blocks still held (freed ones score -inf)
             counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
         width = max(counts)
-        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
-        s = self.scores(state)[..., : state.num_blocks]
-        s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
-        lo, hi = self.empty_interval(state)
-        indices = state.ops.topk_indices(s, width, self.counts_tensor(state, counts, width))
-        return Selection("block", indices, lo, hi, tuple(counts))
+        indices = state.ops.topk_indices(self.scores(state), width, self.counts_tensor(state, counts, width))
+        # nothing masked inside the blocks: an empty interval (any equal bounds), without allocating one
+        return Selection("block", indices, state.start, state.start, tuple(counts))
+
+    def metadata_scores(self, state: DecodeState, method: str) -> torch.Tensor:
+        """:meth:`scores` from the block metadata (``"quest"`` or ``"mean"``), forced blocks set by the same op."""
+        return state.ops.block_scores(
+            state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
+            method, state.start, self.sink, self.window,
+        )  # fmt: skip
 
 
 @dataclass
@@ -68,9 +73,7 @@ class Quest(_BlockTopK):
     """
 
     def scores(self, state: DecodeState) -> torch.Tensor:
-        return state.ops.block_scores(
-            state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size, "quest"
-        )
+        return self.metadata_scores(state, "quest")
 
 
 @dataclass
@@ -79,9 +82,7 @@ class BlockTopK(_BlockTopK):
     https://arxiv.org/abs/2402.04617). Args as :class:`Quest`."""
 
     def scores(self, state: DecodeState) -> torch.Tensor:
-        return state.ops.block_scores(
-            state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size, "mean"
-        )
+        return self.metadata_scores(state, "mean")
 
 
 @dataclass
@@ -91,7 +92,13 @@ class OracleBlockTopK(_BlockTopK):
     Reads every key to score, so it is for evaluation (hit rates, upper bounds), never a fast path.
     """
 
-    def scores(self, state: DecodeState) -> torch.Tensor:
+    def mass(self, state: DecodeState) -> torch.Tensor:
+        """``[B, Hkv, nblk]`` the softmax mass of each block, ``-inf`` for blocks not in use."""
         return state.ops.oracle_block_scores(
             state.q, state.k_pool, state.block_table, state.seq_lens, state.start, state.scale
         )
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        s = self.mass(state)
+        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
+        return s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))

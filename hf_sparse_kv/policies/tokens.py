@@ -55,6 +55,5 @@ class TokenTopK(Policy):
         forced = (pos < sink_end.view(-1, 1)) | (pos >= torch.minimum(win_start, current).view(-1, 1))
         s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
         width = max(counts)
-        lo, hi = self.empty_interval(state)
         indices = state.ops.topk_indices(s, width, self.counts_tensor(state, counts, width))
-        return Selection("token", indices, lo, hi, tuple(counts))
+        return Selection("token", indices, state.start, state.start, tuple(counts))  # an empty masked interval

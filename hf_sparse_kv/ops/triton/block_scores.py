@@ -25,9 +25,12 @@ def block_scores_kernel(
     kmean,  # [NB, H, D]
     block_table,  # [B, MB]
     seq_lens,  # [B]
+    start,  # [B] first valid position (the sink starts there)
     out,  # [B, H, MB] float32
     s_mn,  # metadata stride between blocks (elements)
     MB,
+    SINK,  # tokens of the sink (when FORCE)
+    WINDOW,  # tokens of the window (when FORCE)
     H: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -36,6 +39,7 @@ def block_scores_kernel(
     BD: tl.constexpr,
     BM: tl.constexpr,
     QUEST: tl.constexpr,
+    FORCE: tl.constexpr,
     F32: tl.constexpr,
 ):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
@@ -85,7 +89,14 @@ def block_scores_kernel(
             b_s = tl.dot(b_q, tl.trans(b_mean))
     # pool over the group: max over its query heads, -inf past the sequence's last block
     b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # [BM]
-    b_s = tl.where(m_m & (b_phys >= 0), b_s, float("-inf"))  # evicted blocks (table entry -1) too
+    m_live = m_m & (b_phys >= 0)  # evicted blocks (table entry -1) are not
+    if FORCE:  # sink, window and current block: +inf, so that a top-k keeps them
+        n = tl.load(seq_lens + i_b)
+        sink_end = tl.minimum(tl.load(start + i_b) + SINK, n)
+        win_start = tl.maximum(n - tl.maximum(WINDOW, 1), sink_end)
+        forced = (o_m * BS < sink_end) | ((o_m + 1) * BS > win_start) | (o_m == n_blk - 1)
+        b_s = tl.where(forced, float("inf"), b_s)
+    b_s = tl.where(m_live, b_s, float("-inf"))
     tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_s, mask=o_m < MB)
 
 
@@ -98,6 +109,9 @@ def block_scores(
     seq_lens: torch.Tensor,
     block_size: int,
     method: str,
+    start: torch.Tensor | None = None,
+    sink: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Score every block of every sequence from its key metadata, pooled over each GQA group.
 
@@ -106,10 +120,12 @@ def block_scores(
         kmin, kmax, kmean: ``[NB, Hkv, D]`` (inner dims contiguous).
         block_table: ``[B, MB]``; seq_lens: ``[B]``; block_size: ``BS``.
         method: ``"quest"`` for ``sum_d max(q_d min_d, q_d max_d)``, ``"mean"`` for ``q . mean``.
+        start, sink, window: with ``window`` given, the sink (from ``start [B]``), window and current block score
+            ``+inf`` (computed in the kernel: no extra launches).
 
     Returns:
         ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block and
-        for evicted blocks (table entry -1).
+        for evicted blocks (table entry -1), ``+inf`` for forced blocks still held.
     """
     if method not in METHODS:
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
@@ -131,10 +147,14 @@ def block_scores(
     BD = max(16, triton.next_power_of_2(D))
     BM = max(16, min(64, triton.next_power_of_2(MB)))
     grid = (triton.cdiv(MB, BM), B * H)
+    force = window is not None
+    if start is None:  # read only when forcing
+        start = torch.zeros_like(seq_lens) if force else seq_lens
     block_scores_kernel[grid](
-        q.contiguous(), kmin, kmax, kmean, block_table.contiguous(), seq_lens.contiguous(), out, meta[0].stride(0), MB,
+        q.contiguous(), kmin, kmax, kmean, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
+        meta[0].stride(0), MB, sink, window if force else 0,
         H=H, G=HQ // H, D=D, BS=block_size, BG=max(16, triton.next_power_of_2(HQ // H)), BD=BD, BM=BM,
-        QUEST=method == "quest", F32=F32, num_warps=4,
+        QUEST=method == "quest", FORCE=force, F32=F32, num_warps=4,
     )  # fmt: skip
     return out
 
