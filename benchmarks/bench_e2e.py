@@ -142,6 +142,7 @@ ROWS = [  # (name, policy, mode, cuda_graph)
     ("Quest 1/16 token", Quest(budget=0.0625), "token", False),
     ("Quest 1/16 block", Quest(budget=0.0625), "block", False),
     ("SinkWindow 1/16 block", SinkWindow(sink=4, budget=0.0625), "block", False),
+    ("Quest 1/16 auto", Quest(budget=0.0625), "auto", False),
     ("graph: patched Dense", Dense(), "block", True),
     ("graph: Quest 1/8 block", Quest(budget=0.125), "block", True),
     ("graph: Quest 1/16 block", Quest(budget=0.0625), "block", True),
