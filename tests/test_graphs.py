@@ -32,24 +32,30 @@ def _eager_steps(model, ids, n):
     return torch.cat(out, 1)
 
 
+def _static_steps(model, ids, n):
+    """Prefill ``ids``, then ``n`` greedy steps through :class:`DecodeGraphs` (captured on CUDA): the cache, the
+    runner and the logits ``[B, n, V]``."""
+    cache = PagedKVCache(model.config, block_size=8)
+    out = []
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, max_length=ids.shape[1] + n, capture=DEVICE.type == "cuda")
+        for _ in range(n):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    return cache, runner, torch.cat(out, 1)
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{type(p).__name__}-{getattr(p, 'budget', '')}")
 def test_static_step_equals_eager(policy):
     model = tiny_model("llama")
     ids = prompt(37, batch=2)
     patch_model(model, policy=policy, mode="block", block_size=8, dense_layers=(0,))
     ref = _eager_steps(model, ids, 24)
-    cache = PagedKVCache(model.config, block_size=8)
-    out = []
-    with torch.no_grad():
-        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
-        runner = DecodeGraphs(model, cache, max_length=37 + 24, capture=DEVICE.type == "cuda")
-        blocks = cache.blocks_in_use
-        for _ in range(24):
-            logits = runner.step(logits.argmax(-1))
-            out.append(logits)
+    cache, _, out = _static_steps(model, ids, 24)
     unpatch_model(model)
-    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
-    assert cache.get_seq_length() == 37 + 24 and cache.blocks_in_use == blocks == 2 * 8  # reserved up front
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert cache.get_seq_length() == 37 + 24 and cache.blocks_in_use == 2 * 8  # reserved up front
     assert cache.decode_steps == 24
 
 
@@ -61,18 +67,11 @@ def test_static_auto_step_switches_at_the_crossover_like_eager():
     policy = Quest(budget=0.25, sink=4, window=8)
     patch_model(model, policy=policy, mode="auto", crossover=table, block_size=8, dense_layers=(0,))
     ref = _eager_steps(model, ids, 24)
-    cache = PagedKVCache(model.config, block_size=8)
-    out = []
-    with torch.no_grad():
-        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
-        runner = DecodeGraphs(model, cache, max_length=37 + 24, capture=DEVICE.type == "cuda")
-        # the graph key holds the crossover's decision: one graph below 50 tokens, the policy's widths from there
-        assert runner.key(49) == ("dense",) and runner.key(50) == tuple(policy.plan((50, 50), 8))
-        for _ in range(24):
-            logits = runner.step(logits.argmax(-1))
-            out.append(logits)
+    cache, runner, out = _static_steps(model, ids, 24)
     unpatch_model(model)
-    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    # the graph key holds the crossover's decision: one graph below 50 tokens, the policy's widths from there
+    assert runner.key(49) == ("dense",) and runner.key(50) == tuple(policy.plan((50, 50), 8))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     # two sparse layers per step; steps at 38..49 tokens dense, 50..61 sparse
     assert cache.auto_steps == {"dense": 2 * 12, "sparse": 2 * 12}
 
