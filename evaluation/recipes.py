@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import platform
 import random
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -134,6 +135,12 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
                 "seconds": round(time.perf_counter() - t0, 2),
             }
             results.append(row)
+
+
+def file_part(label: str) -> str:
+    """A label (policy or budget, e.g. ``snapkv1/4+quest``, ``1/8``) as part of a file name: ``/`` -> ``over``,
+    anything but letters, digits, ``-``, ``_`` and ``.`` -> ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", label.replace("/", "over"))
 
 
 def _tokens(tok, text: str, n: int) -> list[int]:
@@ -281,7 +288,7 @@ def summarize_needle(cfg, results: ResultsDir, title: str) -> list[dict[str, Any
         grid = defaultdict(list)
         for r in rs:
             grid[(r["length"], r["depth"])].append(r["correct"])
-        name = f"needle_{policy}_{budget.replace('/', 'over')}.png"
+        name = f"needle_{file_part(policy)}_{file_part(budget)}.png"
         heatmap(
             {k: sum(v) / len(v) for k, v in grid.items()},
             results.path / name,

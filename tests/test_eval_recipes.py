@@ -17,7 +17,7 @@ from tiny_models import prompt, tiny_model
 from evaluation.needle import needle_trial, score_trial
 from evaluation.perplexity import decode_logprobs, nll_of
 from evaluation.qa import TASKS, first_answer, make_item, score_item
-from evaluation.recipes import run_recipe
+from evaluation.recipes import file_part, run_recipe
 from evaluation.simulate import SimulateSession
 from evaluation.sweep import ResultsDir, parse_budget, policy_grid
 from evaluation.toy import CharTokenizer
@@ -136,6 +136,7 @@ def test_policy_grid_nests_a_query_aware_policy_under_snapkv():
     assert fixed_inner.policy.budget == 0.125 and fixed_inner.policy.then.budget == 64
     with pytest.raises(ValueError, match="needs a budget"):
         policy_grid([{"name": "snapkv", "then": {"name": "quest"}}], ["1/8"])
+    assert file_part("snapkv1/4+quest") == "snapkv1over4_quest" and file_part("1/16") == "1over16"  # plot names
 
 
 def test_perplexity_recipe_scores_snapkv_the_decode_way(tmp_path, essays):
