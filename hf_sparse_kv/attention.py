@@ -86,9 +86,9 @@ def free_for_step(cache: PagedKVCache, policy: Policy, lens: tuple[int, ...]) ->
     most of the pool is then free, compact it so the memory is given back."""
     if cache.observed:
         scores = [s.float().cpu() for s in cache.observed.values()]  # layers may sit on several devices
-        width = max(s.shape[1] for s in scores)
-        total = sum(torch.nn.functional.pad(s, (0, width - s.shape[1])) for s in scores)
-        cache.free_blocks(policy.blocks_to_free(total, lens, cache.block_size))
+        width = max(s.shape[-1] for s in scores)
+        stacked = torch.stack([torch.nn.functional.pad(s, (0, width - s.shape[-1])) for s in scores])
+        cache.free_blocks(policy.blocks_to_free(stacked, lens, cache.block_size))
         cache.observed = {}
         cache.compressed = True
     elif getattr(policy, "compresses", False) and not cache.compressed:

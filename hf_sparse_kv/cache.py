@@ -264,7 +264,7 @@ class PagedKVCache(DynamicCache):
         self.static: StaticBuffers | None = None  # set by reserve_static() for CUDA-graph decoding
         self.graphs = None  # the DecodeGraphs of a cuda_graph=True model (False: this cache cannot use them)
         self._evicted_to: list[int] = []  # per sequence, logical blocks below this were already considered
-        self.observed: dict[int, torch.Tensor] = {}  # layer -> [B, nblk] block scores of a compressing policy
+        self.observed: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, nblk] block scores of a compressing policy
         self.compressed = False  # a compressing policy already freed the prompt blocks it does not keep
         self.decode_steps = 0
         self.forwards = 0  # model forwards seen by the patch's hook: a decode step's plans live for one forward

@@ -22,10 +22,13 @@ def kept_positions(model, ids: torch.Tensor, policy: SnapKV) -> list[int]:
     model.set_attn_implementation("sdpa")
     w = min(policy.observe, L)
     nblk_prompt = -(-L // BS)
-    scores = torch.zeros(nblk_prompt)
+    per_head = []  # per layer and KV head: the mass of the last w queries of its query group, per block
     for a in attentions:
-        mass = a[0, :, L - w :].sum((0, 1)) / (a.shape[1] * w)  # [L]
-        scores += torch.nn.functional.pad(mass, (0, nblk_prompt * BS - L)).view(-1, BS).sum(-1).cpu()
+        Hq, Hkv = a.shape[1], model.config.num_key_value_heads
+        mass = a[0, :, L - w :].sum(1).view(Hkv, Hq // Hkv, L).sum(1) / (Hq // Hkv * w)  # [Hkv, L]
+        per_head.append(torch.nn.functional.pad(mass, (0, nblk_prompt * BS - L)).view(Hkv, -1, BS).sum(-1).cpu())
+    per_head = torch.cat(per_head)  # [layers * Hkv, nblk]
+    scores = per_head.amax(0) if policy.pool == "max" else per_head.mean(0)
     n = L + 1  # compression runs at the first decode step, whose token is stored already
     nblk = -(-n // BS)
     win_start = max(n - policy.window, policy.sink)
@@ -63,12 +66,12 @@ def compacted_greedy(
     return torch.cat([ids, *tokens], 1), torch.stack(scores)
 
 
-@pytest.mark.parametrize("dense_layers", [(), (0,)])
+@pytest.mark.parametrize("dense_layers,pool", [((), "max"), ((0,), "max"), ((), "mean")])
 @pytest.mark.parametrize("mode", ["mask", "token", "block"])
-def test_snapkv_decodes_like_a_cache_holding_only_the_kept_tokens(mode, dense_layers):
+def test_snapkv_decodes_like_a_cache_holding_only_the_kept_tokens(mode, dense_layers, pool):
     model = tiny_model("llama")
     ids = prompt(150)
-    policy = SnapKV(budget=32, sink=4, window=8, observe=8)
+    policy = SnapKV(budget=32, sink=4, window=8, observe=8, pool=pool)
     keep = kept_positions(model, ids, policy)
     ref_seqs, ref_scores = compacted_greedy(model, ids, keep, new_tokens=10)
     patch_model(model, policy=policy, mode=mode, dense_layers=dense_layers, block_size=BS)
@@ -178,6 +181,8 @@ def test_bad_compositions_are_refused_with_advice():
         SnapKV(then=SinkWindow(window=8))
     with pytest.raises(ValueError, match="observe"):
         SnapKV(observe=0)
+    with pytest.raises(ValueError, match="pool"):
+        SnapKV(pool="sum")
     with pytest.raises(ValueError, match="budget"):
         SnapKV(budget=0.0)
     model = tiny_model("llama")

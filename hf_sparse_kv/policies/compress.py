@@ -26,10 +26,12 @@ class SnapKV(Policy):
     """SnapKV-style prefill compression, optionally with a query-aware policy on the compressed cache.
 
     Paper: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024
-    (https://arxiv.org/abs/2404.14469). During the prefill every paged layer scores each block of the prompt by the
-    softmax mass its last ``observe`` queries give it (summed over those queries and the query heads, each layer
-    normalised to one). At the first decode step the sink, the blocks of the last ``window`` tokens and the
-    best-scored blocks up to ``budget`` tokens (sink and window included; an int is tokens, a float a fraction of the
+    (https://arxiv.org/abs/2404.14469). During the prefill every paged layer scores each block of the prompt, per KV
+    head, by the softmax mass its last ``observe`` queries give it (summed over those queries and the head's query
+    group, normalised to one per head); the scores are pooled over layers and KV heads by ``pool``: ``"max"`` (a
+    block any head attends strongly is kept, the closest to the paper's per-head selection) or ``"mean"``. At the
+    first decode step the sink, the blocks of the last ``window`` tokens and the best-scored blocks up to ``budget``
+    tokens (sink and window included; an int is tokens, a float a fraction of the
     context) are kept and the other blocks are freed: KV memory held shrinks to the budget plus the generated tokens.
     Decode then attends every block still held, or runs ``then`` over them: a query-aware policy (``Quest``,
     ``BlockTopK``, ``OracleBlockTopK`` or ``TokenTopK``) whose budget counts tokens of the whole context as usual,
@@ -37,7 +39,7 @@ class SnapKV(Policy):
 
     Differs from the paper in three ways, all forced or suggested by the paged layout: one selection per sequence
     shared by every layer and KV head (the layers share one block table, so freeing a block frees it everywhere;
-    the scores are summed over layers and heads), block granularity (a block's score already sums its neighbours,
+    hence the pooling), block granularity (a block's score already sums its neighbours,
     so the paper's 1-D pooling is left out), and the observation window is the end of the last multi-token forward
     (the prompt, or its last chunk under chunked prefill). ``dense_layers`` attend every block still held.
     """
@@ -46,6 +48,7 @@ class SnapKV(Policy):
     sink: int = 4
     window: int = 32
     observe: int = 32
+    pool: str = "max"
     then: Policy | None = None
 
     compresses: ClassVar[bool] = (
@@ -60,6 +63,8 @@ class SnapKV(Policy):
             raise ValueError(
                 f"observe must be a positive int (prompt queries that score the blocks), got {self.observe!r}"
             )
+        if self.pool not in ("max", "mean"):
+            raise ValueError(f"pool must be 'max' or 'mean' (over layers and KV heads), got {self.pool!r}")
         if self.then is not None and not isinstance(self.then, (_BlockTopK, TokenTopK)):
             raise ValueError(
                 "SnapKV(then=...) takes a query-aware policy that only ranks what is still held: Quest, BlockTopK, "
@@ -96,8 +101,8 @@ class SnapKV(Policy):
             block_size: tokens per block; scale: the softmax scale.
 
         Returns:
-            ``[B, nblk]`` float32: per stored block, the attention mass of the observed queries, summed over them and
-            the query heads and divided by their number (a layer's scores of one sequence sum to 1).
+            ``[B, Hkv, nblk]`` float32: per KV head and stored block, the attention mass of the observed queries,
+            summed over them and the head's query group and divided by their number (sums to 1 per head).
         """
         B, Hq, Tq, D = query.shape
         Hkv, L = key.shape[1], key.shape[2]
@@ -113,19 +118,22 @@ class SnapKV(Policy):
             ok = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min / 2  # [B | 1, 1, w, L]
         ok = ok.repeat(1, 1, Hq // Hkv, 1)  # rows ordered (group head, query) as in q
         p = logits.masked_fill(~ok, float("-inf")).softmax(-1).nan_to_num(0.0)
-        mass = p.sum((1, 2)) / (Hq * w)  # [B, L]
+        mass = p.sum(2) / ((Hq // Hkv) * w)  # [B, Hkv, L]
         stored = torch.arange(L, device=key.device).view(1, -1) - pads.view(-1, 1).long()  # [B, L]
         nblk = -(-(L - int(pads.min())) // block_size)
-        out = torch.zeros(B, nblk, device=key.device)
-        return out.scatter_add_(1, stored.clamp(min=0) // block_size, mass * (stored >= 0))
+        out = torch.zeros(B, Hkv, nblk, device=key.device)
+        index = (stored.clamp(min=0) // block_size).unsqueeze(1).expand(B, Hkv, L)
+        return out.scatter_add_(2, index, mass * (stored >= 0).unsqueeze(1))
 
     def blocks_to_free(self, scores: torch.Tensor, lens: tuple[int, ...], block_size: int) -> list[list[int]]:
-        """The logical blocks to free per sequence at context ``lens``, from ``scores [B, nblk]`` (summed over layers).
+        """The logical blocks to free per sequence at context ``lens``, from the observed ``scores [layers, B, Hkv,
+        nblk]`` (pooled over layers and KV heads by ``pool``).
 
         Kept: the sink's blocks, the blocks of the last ``window`` tokens and the current one, then the best-scored
         others up to ``budget`` tokens rounded down to whole blocks. Blocks without a score (written after the
         observed forward) are kept."""
-        rows = scores.tolist()  # one copy per generation
+        pooled = scores.amax((0, 2)) if self.pool == "max" else scores.mean((0, 2))  # [B, nblk]
+        rows = pooled.tolist()  # one copy per generation
         free = []
         for n, row in zip(lens, rows):
             nblk = -(-n // block_size)
