@@ -10,8 +10,12 @@ after the call: the KV bytes the cache holds (blocks in use, metadata included, 
 the unpatched model), the bytes its pools have allocated (free blocks included), and the peak GPU memory of the
 call above the weights. Rows: unpatched ``sdpa``; patched ``Dense()`` and ``Quest`` 1/16 (selection only: they keep
 every block); ``SnapKV`` at 1/4 and 1/8 (compressed at the first decode step, then the pool is compacted);
-``SnapKV`` 1/4 with ``Quest`` 1/16 on top; ``SinkWindow(evict=True)`` 1/8 (every layer sparse). Random weights say
+``SnapKV`` 1/4 with ``Quest`` 1/16 on top; ``SinkWindow(evict=True)`` at 1/8 of the context and with a fixed
+512-token window (every layer sparse). Random weights say
 nothing about quality (the evaluation recipes measure it); memory depends only on the shapes and the policy.
+
+``--device cpu`` runs the same on the CPU (reference backend, no peak column): the bytes held and allocated do not
+depend on the device, so a few layers and a long generation show how memory evolves where the GPU is not at hand.
 
 The peak of a long prompt is set by its prefill (every policy holds the whole prompt until the first decode
 step); what eviction buys is the memory held while decoding, which is what lets a server keep more sequences.
@@ -45,6 +49,7 @@ ROWS = [  # (name, policy, dense_layers); None: the unpatched model
     ("SnapKV 1/8", SnapKV(budget=0.125), (0, 1)),
     ("SnapKV 1/4 + Quest 1/16", SnapKV(budget=0.25, then=Quest(budget=0.0625)), (0, 1)),
     ("SinkWindow 1/8 evict", SinkWindow(sink=4, budget=0.125, evict=True), ()),
+    ("SinkWindow 4+512 evict", SinkWindow(sink=4, window=512, evict=True), ()),  # a fixed window: flat memory
 ]
 
 
@@ -60,10 +65,12 @@ def run_row(model, policy, dense_layers, batch: int, length: int, new: int, devi
     if policy is not None:
         patch_model(model, policy=policy, mode="block", dense_layers=dense_layers)
     ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
-    torch.cuda.empty_cache()
-    sync(device)
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        sync(device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -76,7 +83,7 @@ def run_row(model, policy, dense_layers, batch: int, length: int, new: int, devi
     row = {
         "held_GB": held / GB,
         "allocated_GB": allocated / GB,
-        "peak_GB": (torch.cuda.max_memory_allocated() - base) / GB,
+        "peak_GB": (torch.cuda.max_memory_allocated() - base) / GB if cuda else None,
         "generate_s": seconds,
     }
     if isinstance(cache, PagedKVCache):
@@ -94,10 +101,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all)")
     p.add_argument("--out", default="benchmarks/results/bench_memory.csv")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (no peak: the held and allocated bytes only)")
     args = p.parse_args()
     print(env_info())
-    device = torch.device("cuda")
-    model = build_model(args.layers, "cuda")
+    device = torch.device(args.device)
+    model = build_model(args.layers, args.device)
     keep = {r.strip() for r in args.rows.split(",") if r.strip()}
     rows = []
     for shape in args.shapes.split(","):

@@ -57,6 +57,7 @@ def test_evicting_matches_transformers_sliding_window_over_a_long_generation():
     assert torch.equal(out.sequences, ref_seqs)
     torch.testing.assert_close(torch.stack(out.scores), ref_scores, rtol=0, atol=1e-5)
     assert held[-1] <= 16 // 8 + 2
+    assert cache.table.capacity == 16  # the pool never grew past its minimum: 130 tokens in at most 16 blocks
 
 
 def test_evict_needs_every_layer_sparse_and_single_token_steps():
@@ -74,3 +75,26 @@ def test_evict_needs_every_layer_sparse_and_single_token_steps():
     cache.reset()
     assert not cache.evicted and cache.blocks_in_use == 0
     unpatch_model(model)
+
+
+def test_a_thousand_token_generation_holds_flat_memory():
+    """StreamingLLM proper over a long generation: blocks held and the pool's allocation stay flat at every step."""
+    model = tiny_model("llama")
+    patch_model(model, policy=SinkWindow(sink=4, window=32, evict=True), dense_layers=(), block_size=8)
+    cache = PagedKVCache(model.config, block_size=8)
+    held, allocated = [], []
+
+    def record(input_ids, scores):  # a logits processor: called once per generated token
+        held.append(cache.memory_bytes())
+        allocated.append(cache.capacity_bytes())
+        return scores
+
+    with torch.no_grad():
+        model.generate(
+            prompt(40), max_new_tokens=1000, min_new_tokens=1000, do_sample=False, logits_processor=[record],
+            **{cache_kwarg(model): cache},
+        )  # fmt: skip
+    unpatch_model(model)
+    per_block = cache.memory_bytes() // cache.blocks_in_use
+    assert len(held) == 1000 and max(held[1:]) <= (1 + 32 // 8 + 2) * per_block  # sink, window, current block
+    assert max(allocated) == allocated[0] == 16 * per_block  # the pool never grows (1040 tokens would need 130)
