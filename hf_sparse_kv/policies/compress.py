@@ -31,16 +31,16 @@ class SnapKV(Policy):
     group, normalised to one per head); the scores are pooled over layers and KV heads by ``pool``: ``"max"`` (a
     block any head attends strongly is kept, the closest to the paper's per-head selection) or ``"mean"``. At the
     first decode step the sink, the blocks of the last ``window`` tokens and the best-scored blocks up to ``budget``
-    tokens (sink and window included; an int is tokens, a float a fraction of the
-    context) are kept and the other blocks are freed: KV memory held shrinks to the budget plus the generated tokens.
+    tokens (sink and window included; an int is tokens, a float a fraction of the context) are kept and the other
+    blocks are freed: KV memory held shrinks to the budget plus the generated tokens.
     Decode then attends every block still held, or runs ``then`` over them: a query-aware policy (``Quest``,
     ``BlockTopK``, ``OracleBlockTopK`` or ``TokenTopK``) whose budget counts tokens of the whole context as usual,
     e.g. ``SnapKV(budget=0.25, then=Quest(budget=0.0625))``.
 
     Differs from the paper in three ways, all forced or suggested by the paged layout: one selection per sequence
     shared by every layer and KV head (the layers share one block table, so freeing a block frees it everywhere;
-    hence the pooling), block granularity (a block's score already sums its neighbours,
-    so the paper's 1-D pooling is left out), and the observation window is the end of the last multi-token forward
+    hence the pooling), block granularity (a block's score already sums its neighbours, so the paper's 1-D pooling
+    is left out), and the observation window is the end of the last multi-token forward
     (the prompt, or its last chunk under chunked prefill). ``dense_layers`` attend every block still held.
     """
 
@@ -51,9 +51,8 @@ class SnapKV(Policy):
     pool: str = "max"
     then: Policy | None = None
 
-    compresses: ClassVar[bool] = (
-        True  # read by the patched attention: observe the prefill, free blocks at the first decode step
-    )
+    # read by the patched attention: observe the prefill, free blocks at the first decode step
+    compresses: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
