@@ -170,7 +170,7 @@ def greedy_under_policies(
     try:
         prefix = PagedKVCache(model.config, block_size=block_size)
         with torch.no_grad():
-            model(ids[:, :-1], **{cache_kwarg(model): prefix}, **kw)
+            model(ids[:, :-1], **{cache_kwarg(model): prefix}, **kw, logits_to_keep=1)  # the cache, not logits
         out = {}
         for key, policy in policies.items():
             patch_model(
@@ -179,7 +179,7 @@ def greedy_under_policies(
             if getattr(policy, "compresses", False):  # it scores the prompt during its own prefill
                 cache = PagedKVCache(model.config, block_size=block_size)
                 with torch.no_grad():
-                    model(ids[:, :-1], **{cache_kwarg(model): cache}, **kw)
+                    model(ids[:, :-1], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)
             else:
                 cache = copy.deepcopy(prefix)
             token, gen = ids[:, -1:], []

@@ -37,7 +37,7 @@ def decode_logprobs(
         kw = {cache_kwarg(model): cache, "use_cache": True}
         out = []
         with torch.no_grad():
-            model(ids[:, :split], **kw)
+            model(ids[:, :split], **kw, logits_to_keep=1)  # the prefix fills the cache; its logits are not needed
             for i in range(split, ids.shape[1] - 1):
                 out.append(torch.log_softmax(model(ids[:, i : i + 1], **kw).logits[0, -1].float(), -1))
     finally:

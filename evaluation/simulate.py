@@ -275,7 +275,8 @@ class SimulateSession:
         ctx = SimulateContext(Dense(), (), self.paged, block_size)
         self.cache = DynamicCache(config=model.config)
         with torch.no_grad(), simulating(model, ctx):
-            model(ids[:, :split], **{cache_kwarg(model): self.cache}, use_cache=True)
+            # the prefix's logits are not needed: at 32K x a 262K vocabulary they would take 34 GB
+            model(ids[:, :split], **{cache_kwarg(model): self.cache}, use_cache=True, logits_to_keep=1)
         self.split = split
 
     def run(self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False) -> tuple[torch.Tensor, Fidelity | None]:
