@@ -176,7 +176,7 @@ def greedy_under_policies(
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if getattr(policy, "compresses", False):  # it scores the prompt during its own prefill
+            if policy.compresses:  # it scores the prompt during its own prefill
                 cache = PagedKVCache(model.config, block_size=block_size)
                 with torch.no_grad():
                     model(ids[:, :-1], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)

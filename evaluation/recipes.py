@@ -108,7 +108,7 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
         for cell in [PolicyCell("dense", None, Dense())] + [c for c in todo if c.budget is not None]:
             t0 = time.perf_counter()
             fid, way = None, p["way"]
-            if session is not None and getattr(cell.policy, "compresses", False):
+            if session is not None and cell.policy.compresses:
                 way = "decode"  # freeing prompt blocks cannot be replayed chunk-wise; the two ways agree (tested)
             if session is not None and way == "simulate":
                 lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=fidelity and cell.budget is not None)

@@ -280,7 +280,7 @@ class SimulateSession:
         self.split = split
 
     def run(self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False) -> tuple[torch.Tensor, Fidelity | None]:
-        if getattr(policy, "compresses", False):
+        if policy.compresses:
             raise ValueError(
                 f"{type(policy).__name__} frees prompt blocks after the prefill, which the simulate way cannot "
                 "replay chunk-wise: score it with way: decode"

@@ -91,7 +91,7 @@ def free_for_step(cache: PagedKVCache, policy: Policy, lens: tuple[int, ...]) ->
         cache.free_blocks(policy.blocks_to_free(stacked, lens, cache.block_size))
         cache.observed = {}
         cache.compressed = True
-    elif getattr(policy, "compresses", False) and not cache.compressed:
+    elif policy.compresses and not cache.compressed:
         raise ValueError(
             f"{type(policy).__name__} scores the prompt during its prefill, but this cache was filled without it "
             "(e.g. by a model patched with another policy): prefill the prompt with the model patched for "
@@ -175,6 +175,13 @@ def execute(selection: Selection, mode: str, state: DecodeState, v_pool: torch.T
     return ops.decode_masked(q, state.k_pool, v_pool, table, state.seq_lens, mask, scale)
 
 
+def auto_runs_sparse(config: SparseConfig, batch: int, num_kv_heads: int, head_dim: int, length: int) -> bool:
+    """``mode="auto"``: whether a decode step at ``length`` tokens runs the policy (the crossover table's decision
+    for its budget, the batch and the head shape); decided on the host."""
+    fraction = budget_fraction(config.policy, length)
+    return fraction is not None and config.crossover.use_sparse(fraction, batch, num_kv_heads, head_dim, length)
+
+
 def choose(config: SparseConfig, state: DecodeState, layer_idx: int, cache: PagedKVCache) -> tuple[Selection, str]:
     """The selection of this layer and step, and the mode that executes it.
 
@@ -188,9 +195,7 @@ def choose(config: SparseConfig, state: DecodeState, layer_idx: int, cache: Page
         return (Policy.dense_selection(state) if dense else policy.select(state)), config.mode
     if layer_idx in config.dense_layers:
         return Policy.dense_selection(state), "block"
-    fraction = budget_fraction(policy, state.length)
-    B, D = state.q.shape[0], state.q.shape[-1]
-    sparse = fraction is not None and config.crossover.use_sparse(fraction, B, state.num_kv_heads, D, state.length)
+    sparse = auto_runs_sparse(config, state.q.shape[0], state.num_kv_heads, state.q.shape[-1], state.length)
     cache.auto_steps["sparse" if sparse else "dense"] += 1
     if not sparse:
         return Policy.dense_selection(state), "block"
@@ -221,7 +226,7 @@ def sparse_attention_forward(
     if Tq > 1:  # prefill, chunked prefill, assisted decoding: dense over the whole context
         if layer.length > key.shape[2]:
             key, value = layer.dense_kv()
-        if getattr(config.policy, "compresses", False):  # the last multi-token forward is the observation
+        if config.policy.compresses:  # the last multi-token forward is the observation
             scale = scaling if scaling is not None else D**-0.5
             pads = cache.pads_tensor(query.device)
             observed = config.policy.observe_prefill(query, key, attention_mask, pads, cache.block_size, scale)

@@ -13,8 +13,9 @@ captured step may not do, and how this module avoids it:
 
 The Python bookkeeping a captured step skipped (layer lengths, counters) is done by :meth:`DecodeGraphs.step`.
 Supported: every attention layer paged (no sliding-window layers), no left padding, ``mode="block"`` or ``"auto"``
-(the crossover's dense/sparse decision is part of the plan a graph is keyed on), a policy that does not free blocks. :func:`hf_sparse_kv.patch_model` with ``cuda_graph=True`` routes ``generate()``'s decode steps
-here and falls back to eager for anything else.
+(the crossover's dense/sparse decision is part of the plan a graph is keyed on), a policy that does not free blocks.
+:func:`hf_sparse_kv.patch_model` with ``cuda_graph=True`` routes ``generate()``'s decode steps here and falls back
+to eager for anything else.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from .attention import auto_runs_sparse
 from .cache import PagedKVCache, PagedLayer
-from .crossover import budget_fraction
 
 
 class DecodeGraphs:
@@ -50,8 +51,10 @@ class DecodeGraphs:
             raise ValueError("CUDA-graph decoding needs every attention layer paged (no sliding-window layers)")
         if len({str(layer.device) for layer in cache.paged_layers}) > 1:
             raise ValueError("CUDA-graph decoding needs the whole cache on one device (device_map put it on several)")
-        if config.mode not in ("block", "auto") or getattr(config.policy, "evict", False):
-            raise ValueError("CUDA-graph decoding supports mode='block' or 'auto' with a policy that does not evict")
+        if config.mode not in ("block", "auto") or config.policy.frees_blocks:
+            raise ValueError(
+                "CUDA-graph decoding supports mode='block' or 'auto' with a policy that does not free blocks"
+            )
         self.model, self.cache, self.config = model, cache, config
         self.capture = capture and torch.cuda.is_available()
         self.static = cache.reserve_static(max_length)
@@ -69,8 +72,7 @@ class DecodeGraphs:
         B, config = len(self.cache.table.rows), self.config
         if config.mode == "auto":
             _, Hkv, _, D = self.cache.paged_layers[0].k_pool.shape
-            fraction = budget_fraction(config.policy, length)
-            if fraction is None or not config.crossover.use_sparse(fraction, B, Hkv, D, length):
+            if not auto_runs_sparse(config, B, Hkv, D, length):
                 return ("dense",)
         plan = config.policy.plan((length,) * B, self.cache.block_size)
         return None if plan is None else tuple(plan)

@@ -164,9 +164,11 @@ def _prepare_cache_for_generation(
                 f"cache_implementation={generation_config.cache_implementation!r} conflicts with hf_sparse_kv's paged "
                 "cache; leave it unset on a patched model."
             )
-        frees = getattr(config.policy, "evict", False) or getattr(config.policy, "compresses", False)
         model_kwargs[cache_kwarg(model)] = PagedKVCache(  # a policy that frees blocks reuses them: no reservation
-            model.config, config.block_size, config.backend, max_length=None if frees else max_cache_length
+            model.config,
+            config.block_size,
+            config.backend,
+            max_length=None if config.policy.frees_blocks else max_cache_length,
         )
     return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
@@ -263,7 +265,7 @@ def patch_model(
         raise ValueError(
             f"cuda_graph=True captures block-mode decode steps: use mode='block' or 'auto', got mode={mode!r}"
         )
-    if cuda_graph and (getattr(policy, "evict", False) or getattr(policy, "compresses", False)):
+    if cuda_graph and policy.frees_blocks:
         raise ValueError(
             f"cuda_graph=True needs a block table that does not change during decoding, and {type(policy).__name__} "
             "frees blocks: patch with cuda_graph=False for it."

@@ -147,6 +147,13 @@ class Policy:
     """
 
     granularity: ClassVar[str | None] = None
+    compresses: ClassVar[bool] = False  # scores the prompt at prefill and frees blocks at the first decode step
+
+    @property
+    def frees_blocks(self) -> bool:
+        """Whether the policy frees blocks (eviction or compression): the block table then changes while decoding
+        (no CUDA graphs), and the pool is not reserved up to ``generate()``'s maximum length."""
+        return self.compresses or bool(getattr(self, "evict", False))
 
     def select(self, state: DecodeState) -> Selection:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -168,25 +175,20 @@ class Policy:
     @staticmethod
     def dense_selection(state: DecodeState) -> Selection:
         """Every block of every sequence (``-1`` past a shorter sequence's last block); after an eviction, every block
-        still held."""
-        B, H, BS = state.q.shape[0], state.num_kv_heads, state.block_size
+        still held. Nothing is masked inside the blocks (``state.start`` as both bounds: an empty interval)."""
+        B, H = state.q.shape[0], state.num_kv_heads
+        counts = state.live_blocks()
         if state.evicted is not None and any(state.evicted):
-            blk = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
-            nblk = (state.seq_lens.long() + BS - 1) // BS
-            live = (blk < nblk.view(-1, 1)) & (state.block_table >= 0)  # [B, nblk]
+            live = reference.live_blocks(state.block_table, state.seq_lens, state.block_size)  # [B, nblk]
             scores = torch.zeros(live.shape, device=live.device).masked_fill(~live, float("-inf"))
             scores = scores.unsqueeze(1).expand(B, H, -1).contiguous()  # topk keeps every finite score
-            counts = state.live_blocks()
             width = max(counts)
             indices = state.ops.topk_indices(scores, width, Policy.counts_tensor(state, list(counts), width))
-            zero = torch.zeros(B, dtype=torch.int32, device=state.q.device)
-            return Selection("block", indices, zero, zero, counts)
+            return Selection("block", indices, state.start, state.start, counts)
         idx = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
-        nblk = (state.seq_lens.long() + BS - 1) // BS
-        idx = torch.where(idx < nblk.view(-1, 1), idx, -1).int()
-        zero = torch.zeros(B, dtype=torch.int32, device=state.q.device)
-        counts = tuple(-(-n // BS) for n in state.lens)
-        return Selection("block", idx.unsqueeze(1).expand(B, H, -1).contiguous(), zero, zero, counts, dense=True)
+        idx = torch.where(idx < reference.num_blocks(state.seq_lens, state.block_size).view(-1, 1), idx, -1).int()
+        indices = idx.unsqueeze(1).expand(B, H, -1).contiguous()
+        return Selection("block", indices, state.start, state.start, counts, dense=True)
 
     @staticmethod
     def forced_positions(state: DecodeState, sink: int, window) -> tuple[torch.Tensor, torch.Tensor]:
