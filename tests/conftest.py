@@ -4,6 +4,7 @@
 # the shim below takes the element instead (interpreter only).
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -21,3 +22,14 @@ if not torch.cuda.is_available():
     except (ImportError, AttributeError):
         pass
 # -------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny models run on one thread: on 2 busy cores torch's default threading makes them ~10x slower (and
+    bit-exact comparisons need the same thread count on both sides). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

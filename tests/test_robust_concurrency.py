@@ -24,14 +24,7 @@ SETTINGS = {  # name: (architecture, patch_model arguments)
 PROMPTS = [prompt(n, batch=b, seed=n) for n, b in ((33, 1), (41, 2), (27, 3), (50, 1))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run on one thread: on 2 busy cores torch's default threading makes them ~10x slower (and
-    bit-exact comparisons need the same thread count on both sides)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,7 @@ BS = 8
 NEW = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run on one thread: on 2 busy cores torch's default threading makes them ~10x slower (and
-    bit-exact comparisons need the same thread count on both sides)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 class Boom(StoppingCriteria):

@@ -122,13 +122,20 @@ def test_foreign_cache_message_lists_the_ways_out(patched):
     says(message(e), "PagedKVCache", "tuple", "PagedKVCache(model.config)", "unpatch_model(model)", "Pass none")
 
 
-def test_decode_mask_that_changes_the_padding(patched):
+def padded_prefill(patched) -> PagedKVCache:
+    """A cache filled by a batch of two 10-token prompts, the first left-padded by 3."""
     cache = PagedKVCache(patched.config, block_size=8)
     ids = prompt(10, batch=2)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     with torch.no_grad():
         patched(ids, attention_mask=mask, **{cache_kwarg(patched): cache})
+    return cache
+
+
+def test_decode_mask_that_changes_the_padding(patched):
+    cache = padded_prefill(patched)
+    with torch.no_grad():
         moved = torch.ones(2, 11, dtype=torch.long)
         moved[1, :3] = 0  # the padding moved to the other sequence
         with pytest.raises(NotImplementedError) as e:
@@ -137,15 +144,10 @@ def test_decode_mask_that_changes_the_padding(patched):
 
 
 def test_decode_mask_that_drops_the_padding_is_refused(patched):
-    cache = PagedKVCache(patched.config, block_size=8)
-    ids = prompt(10, batch=2)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with torch.no_grad():
-        patched(ids, attention_mask=mask, **{cache_kwarg(patched): cache})
-        with pytest.raises(NotImplementedError, match="pads differently"):
-            patched(prompt(1, batch=2), attention_mask=torch.ones(2, 11, dtype=torch.long),
-                    **{cache_kwarg(patched): cache})  # fmt: skip
+    cache = padded_prefill(patched)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="pads differently"):
+        patched(prompt(1, batch=2), attention_mask=torch.ones(2, 11, dtype=torch.long),
+                **{cache_kwarg(patched): cache})  # fmt: skip
 
 
 def test_cache_of_another_batch_says_reset(patched):
