@@ -23,9 +23,11 @@ and the fraction of the HBM bandwidth measured at the start of the run follow fr
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,7 @@ QUICK = [  # (models, batches, contexts, budgets, block sizes): the targets' sha
     (["llama3-8b"], [8], [4, 32], [8, 16, 64], [16, 64]),
     (["smollm2"], [1, 8], [32], [16], [32]),
 ]
+SKIPPABLE = ["scores", "topk", "topk_torch"]  # the others feed the table's columns
 TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 
 
@@ -160,12 +163,13 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
         ),
         "block": per_layer(lambda i: ops.decode_blocks(*pc(i), blocks, z, z, scale)),
         "block+sel": per_layer(lambda i: ops.decode_blocks(*pc(i), select(caches[i]), z, z, scale)),
-        "block_nopf": per_layer(lambda i: decode_blocks_fwd(*pc(i), blocks, z, z, scale, prefetch=False)),
         "sel": per_layer(lambda i: select(caches[i])),
         "scores": per_layer(lambda i: ops.block_scores(q, *caches[i][2:], bt, lens, BS, "quest")),
         "topk": per_layer(lambda i: ops.topk_indices(scores[i], Kb)),
         "topk_torch": per_layer(lambda i: R.topk_indices(scores[i], Kb)),
     }
+    for name in args.skip:
+        fns.pop(name, None)
     flex_bytes = 0
     if f"{B}:{L}:{budget}" in args.flex_at and BS == min(args.block_sizes_of(model, B, L)):
         ffns, flex_bytes = flex_fns(layer, keep)
@@ -195,7 +199,6 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
         "flex": flex_bytes,
         "token": kv_bytes(B, H, T, D) + B * H * T * 4,
         "block": kv_bytes(B, H, T, D),
-        "block_nopf": kv_bytes(B, H, T, D),
         "sel": meta_bytes,
         "scores": meta_bytes,
         "topk": 0,
@@ -225,16 +228,16 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
     print(
         f"  {model} B={B} L={L // KI}K BS={BS} 1/{budget}: dense {dense_us:.1f} | block {row['block']:.1f} "
         f"({row['blk %HBM']:.0f}% HBM) | block+sel {row['block+sel']:.1f} | token {row['token']:.1f} | "
-        f"sel {row['sel']:.1f} (topk {row['topk']:.1f}) | dense_T {row['dense_T']:.1f}",
+        f"sel {row['sel']:.1f} (topk {row.get('topk', float('nan')):.1f}) | dense_T {row['dense_T']:.1f}",
         flush=True,
     )
 
 
 def tune(ops, args, hbm):
-    """Sweep the decode_blocks knobs at the targets' shapes; prints the table, returns nothing."""
+    """Sweep the knobs of decode_blocks and block_scores at the targets' shapes; prints the tables, returns nothing."""
     from hf_sparse_kv.ops.triton.block_decode import default_block_n, default_num_splits
 
-    out = []
+    out, scores = [], []
     for model, B, L, budget in TUNE_AT:
         layer = Layer(model, B, L, args.layers)
         for BS in (16, 64):
@@ -244,30 +247,48 @@ def tune(ops, args, hbm):
             blocks = ops.topk_indices(ops.block_scores(layer.q, *caches[0][2:], bt, lens, BS, "quest"), Kb)
             args_of = [(layer.q, c[0], c[1], bt, lens, z, blocks, z, z, layer.scale) for c in caches]
             nbytes = kv_bytes(B, layer.H, Kb * BS, layer.D)
-            for bn, pf, ns in itertools.product((64, 128), (True, False), (2, 3)):
-                nw = 4
+            for bn, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4)):
                 base = default_num_splits(B * layer.H, -(-Kb * BS // bn), layer.q.device)
                 for f in (0.5, 1, 1.5, 2):
                     S = max(1, int(base * f))
                     try:
-                        kw = {"block_n": bn, "num_splits": S, "num_warps": nw, "num_stages": ns, "prefetch": pf}
+                        kw = {"block_n": bn, "num_splits": S, "num_warps": nw, "num_stages": ns}
                         us, _ = bench([lambda a=a, kw=kw: decode_blocks_fwd(*a, **kw) for a in args_of], rep=20)
                     except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
                         print(f"  tune {bn}/{nw}/{ns}: {type(e).__name__}")
                         break
-                    out.append({"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "block_n": bn, "prefetch": pf,
-                                "stages": ns, "splits": S, "us": us, "pct_hbm": 100 * nbytes / (us * 1e-6) / 1e9 / hbm,
-                                "default": bn == default_block_n(layer.D, 2) and pf and ns == 2 and f == 1})  # fmt: skip
+                    out.append({"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "block_n": bn,
+                                "warps": nw, "stages": ns, "splits": S, "us": us,
+                                "pct_hbm": 100 * nbytes / (us * 1e-6) / 1e9 / hbm,
+                                "default": bn == default_block_n(layer.D, 2) and nw == 4 and ns == 2 and f == 1})  # fmt: skip
+            meta_bytes = B * layer.H * (L // BS) * layer.D * 2 * 2
+            for bm, nw in itertools.product((16, 32, 64, 128), (2, 4, 8)):
+                kw = {"block_m": bm, "num_warps": nw}
+                fns = [
+                    functools.partial(ops.block_scores, layer.q, *c[2:], bt, lens, BS, "quest", **kw) for c in caches
+                ]
+                us, _ = bench(fns, rep=20)
+                scores.append({"model": model, "B": B, "L": L, "BS": BS, "block_m": bm, "warps": nw, "us": us,
+                               "pct_hbm": 100 * meta_bytes / (us * 1e-6) / 1e9 / hbm,
+                               "default": bm == min(64, L // BS) and nw == 4})  # fmt: skip
             del caches
         del layer
         torch.cuda.empty_cache()
-    best = []
-    for key, grp in itertools.groupby(out, key=lambda r: (r["model"], r["B"], r["L"], r["BS"])):
-        grp = sorted(grp, key=lambda r: r["us"])
-        best += grp[:3] + [r for r in grp if r["default"]]
-    print_table(best, ["model", "B", "L", "BS", "budget", "block_n", "prefetch", "stages", "splits", "us", "pct_hbm", "default"],
-                "decode_blocks knobs: the 3 fastest and the default per shape")  # fmt: skip
-    write_csv(os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_decode_tune.csv"), out)
+
+    def best_of(rows, cols, title):
+        best = []
+        for _, grp in itertools.groupby(rows, key=lambda r: (r["model"], r["B"], r["L"], r["BS"])):
+            grp = sorted(grp, key=lambda r: r["us"])
+            best += grp[:3] + [r for r in grp if r["default"]]
+        print_table(best, cols, title)
+
+    best_of(out, ["model", "B", "L", "BS", "budget", "block_n", "warps", "stages", "splits", "us", "pct_hbm", "default"],
+            "decode_blocks knobs: the 3 fastest and the default per shape")  # fmt: skip
+    best_of(scores, ["model", "B", "L", "BS", "block_m", "warps", "us", "pct_hbm", "default"],
+            "block_scores knobs: the 3 fastest and the default per shape")  # fmt: skip
+    folder = os.path.dirname(os.path.abspath(args.out))
+    write_csv(os.path.join(folder, "bench_decode_tune.csv"), out)
+    write_csv(os.path.join(folder, "bench_decode_tune_scores.csv"), scores)
 
 
 def crossovers(rows):
@@ -304,6 +325,20 @@ def crossovers(rows):
                 "crossover": where,
             }
         )
+    return out
+
+
+def token_vs_block(rows):
+    """Per (model, batch, block size): token / block time at the same selection (median, min, max over the rows)."""
+    out = []
+
+    def key(r):
+        return r["model"], r["B"], r["BS"]
+
+    for (model, B, BS), grp in itertools.groupby(sorted(rows, key=key), key=key):
+        ratios = sorted(r["token"] / r["block"] for r in grp)
+        out.append({"model": model, "B": B, "BS": BS, "rows": len(ratios), "median": ratios[len(ratios) // 2],
+                    "min": ratios[0], "max": ratios[-1]})  # fmt: skip
     return out
 
 
@@ -352,6 +387,8 @@ def main():
     p.add_argument("--budgets", nargs="+", type=int, default=FULL["budgets"], help="denominators: 16 = 1/16")
     p.add_argument("--block-sizes", nargs="+", type=int, default=FULL["block_sizes"])
     p.add_argument("--flex-at", nargs="*", default=["1:131072:16", "8:32768:16"], help="B:L:budget shapes for flex")
+    p.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE, help="providers not to time (a faster grid)")
+    p.add_argument("--time-limit", type=float, default=0, help="seconds: start no new shape after this (0: none)")
     p.add_argument("--rep", type=int, default=30, help="timed replays per provider")
     p.add_argument("--layers", type=int, default=4, help="layers per timed graph, each on its own cache")
     p.add_argument("--tune", action="store_true", help="also sweep the decode_blocks knobs at the targets' shapes")
@@ -383,7 +420,11 @@ def main():
         tune(ops, args, hbm)
 
     rows, long_rows, checked = [], [], set()
-    for model, B, L, budgets, bss in grid:
+    t0 = time.monotonic()
+    for i_shape, (model, B, L, budgets, bss) in enumerate(grid):
+        if args.time_limit and time.monotonic() - t0 > args.time_limit:
+            print(f"time limit: stopped after {i_shape} of {len(grid)} shapes (the tables cover those)", flush=True)
+            break
         layer = Layer(model, B, L, args.layers)
         dense_us, mode = bench([lambda k=k, v=v, lay=layer: lay.sdpa(k, v) for k, v in zip(layer.k, layer.v)], args.rep)
         nbytes = kv_bytes(B, layer.H, L, layer.D)
@@ -401,14 +442,15 @@ def main():
             del paged
         del layer
         torch.cuda.empty_cache()
+        write_csv(args.out, [{**r, "hbm_GBps": round(hbm, 0), **info} for r in long_rows])  # so far
 
-    for r in long_rows:
-        r.update(hbm_GBps=round(hbm, 0), **info)
-    write_csv(args.out, long_rows)
     print(f"\nwrote {args.out} ({len(long_rows)} rows)")
     print_table(crossovers(rows), ["model", "B", "budget", "contexts", "crossover"], "crossover (block+sel vs dense)")
+    print_table(
+        token_vs_block(rows), ["model", "B", "BS", "rows", "median", "min", "max"], "token / block (same selection)"
+    )
     print("\ntargets:\n  " + "\n  ".join(targets(rows, hbm)))
-    cols = ["model", "B", "L", "BS", "budget", "dense", "mask", "flex", "token", "token+sel", "block", "block_nopf",
+    cols = ["model", "B", "L", "BS", "budget", "dense", "mask", "flex", "token", "token+sel", "block",
             "block+sel", "sel", "topk", "topk_torch", "blk %HBM", "x blk+sel", "x block", "dense_T", "blk/dense_T"]  # fmt: skip
     print_table(
         [{**r, "L": f"{r['L'] // KI}K"} for r in rows],

@@ -16,6 +16,7 @@ from hf_sparse_kv.ops import reference as R
 triton = pytest.importorskip("triton")
 
 from hf_sparse_kv.ops.triton import block_decode, merge, token_decode
+from hf_sparse_kv.ops.triton.topk import row_tiles, topk_indices
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -224,17 +225,38 @@ def test_block_scores_of_freed_blocks_are_neg_inf():
         assert rel_err(out[fin], ref[fin]) < 1e-5
 
 
-@pytest.mark.parametrize("shape,k", [((2, 3, 50), 7), ((1, 2, 10), 16), ((4, 100), 100), ((2, 2, 300), 1)])
+@pytest.mark.parametrize(
+    "shape,k", [((2, 3, 50), 7), ((1, 2, 10), 16), ((4, 100), 100), ((2, 2, 300), 1), ((3, 40), 20), ((2, 130), 64)]
+)
 def test_topk_indices(shape, k):
+    """Rows of 40 and 130 are held as two tiles (32 + 16, 128 + 16 lanes); the others as one."""
     g = torch.Generator().manual_seed(k)
     s = torch.randn(shape, generator=g)
     s[..., -3:] = float("-inf")  # past the sequence
     s.view(-1, shape[-1])[0] = float("-inf")  # a row with nothing to select
     s[..., 1] = -0.0
+    s[..., 2] = float("inf")  # a forced block
     s = s.to(DEVICE)
-    out = OPS.topk_indices(s, k)
+    out = topk_indices(s, k)
     assert out.dtype == torch.int32 and out.shape == (*shape[:-1], k)
     assert torch.equal(out, R.topk_indices(s, k))
+
+
+def test_topk_row_tiles():
+    assert row_tiles(16) == (16, 0) and row_tiles(1) == (16, 0) and row_tiles(2048) == (2048, 0)
+    assert row_tiles(8193) == (8192, 16) and row_tiles(12000) == (8192, 4096)
+    assert row_tiles(16000) == (16384, 0)  # two tiles (8192 + 8192) would save nothing
+
+
+def test_topk_ties_across_tiles():
+    """Ties at the threshold straddling the two tiles go to the lowest indices, as one tile does."""
+    s = torch.zeros(2, 40)  # tiles of 32 + 16 lanes
+    s[0, 30:36] = 1.0  # six tied at the threshold, two in the first tile
+    s[1, ::5] = 2.0
+    s = s.to(DEVICE)
+    assert topk_indices(s, 4)[0].tolist() == [30, 31, 32, 33]
+    assert torch.equal(topk_indices(s, 4), topk_indices(s, 4, split=False))
+    assert topk_indices(s, 9)[1].tolist() == [0, 1, 5, 10, 15, 20, 25, 30, 35]
 
 
 @pytest.mark.parametrize("BS,T,pos0", [(8, 1, [13, 0]), (16, 1, [15, 16]), (8, 7, [3, 30]), (16, 37, [0, 21])])
@@ -287,11 +309,12 @@ def test_cuda_block_scores(dtype, method):
 
 
 @cuda_only
-@pytest.mark.parametrize("N,k", [(8192, 512), (16384, 1024), (2048, 128), (777, 1000)])
+@pytest.mark.parametrize("N,k", [(8192, 512), (16384, 1024), (2048, 128), (777, 1000), (8200, 512), (20000, 1250)])
 def test_cuda_topk_indices(N, k):
     s = torch.randn(3, 8, N, device=DEVICE)
     s[0, :, N // 2 :] = float("-inf")
-    assert torch.equal(OPS.topk_indices(s, k), R.topk_indices(s, k))
+    s[1, :, :4] = float("inf")
+    assert torch.equal(topk_indices(s, k), R.topk_indices(s, k))
 
 
 @cuda_only

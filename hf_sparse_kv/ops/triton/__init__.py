@@ -1,11 +1,12 @@
 """Triton kernels of the sparse-KV ops; each function has the signature of its twin in ``..reference``."""
 
 from .block_decode import decode_blocks
-from .block_scores import block_scores, topk_indices
+from .block_scores import block_scores
 from .masked_decode import decode_masked
 from .merge import merge_partials
 from .paged_write import paged_write
 from .token_decode import decode_tokens
+from .topk import topk_indices
 
 __all__ = [
     "block_scores",

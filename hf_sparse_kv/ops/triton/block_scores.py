@@ -112,6 +112,8 @@ def block_scores(
     start: torch.Tensor | None = None,
     sink: int = 0,
     window: int | None = None,
+    block_m: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Score every block of every sequence from its key metadata, pooled over each GQA group.
 
@@ -122,6 +124,7 @@ def block_scores(
         method: ``"quest"`` for ``sum_d max(q_d min_d, q_d max_d)``, ``"mean"`` for ``q . mean``.
         start, sink, window: with ``window`` given, the sink (from ``start [B]``), window and current block score
             ``+inf`` (computed in the kernel: no extra launches).
+        block_m, num_warps: tuning knobs (blocks per program, a power of two >= 16; warps per program).
 
     Returns:
         ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block and
@@ -145,7 +148,10 @@ def block_scores(
         return out
     F32 = q.dtype != meta[0].dtype or q.dtype == torch.float32
     BD = max(16, triton.next_power_of_2(D))
-    BM = max(16, min(64, triton.next_power_of_2(MB)))
+    # 32 blocks and 4 warps per program: within 4% of the best of 12 settings on average over the targets' shapes
+    # (H200; 64 blocks, the former default, was 13% over: benchmarks/RESULTS.md)
+    BM = block_m or max(16, min(32, triton.next_power_of_2(MB)))
+    assert BM >= 16 and BM & (BM - 1) == 0, f"block_m must be a power of two >= 16, got {BM}"
     grid = (triton.cdiv(MB, BM), B * H)
     force = window is not None
     if start is None:  # read only when forcing
@@ -154,94 +160,6 @@ def block_scores(
         q.contiguous(), kmin, kmax, kmean, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
         meta[0].stride(0), MB, sink, window if force else 0,
         H=H, G=HQ // H, D=D, BS=block_size, BG=max(16, triton.next_power_of_2(HQ // H)), BD=BD, BM=BM,
-        QUEST=method == "quest", FORCE=force, F32=F32, num_warps=4,
-    )  # fmt: skip
-    return out
-
-
-# ------------------------------------------------------------------------------------------------------- top-k
-
-
-@triton.jit
-def topk_indices_kernel(
-    scores,  # [R, N] float32
-    out,  # [R, K] int32
-    N,
-    K,
-    KK,  # min(K, N)
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    i_r = tl.program_id(0).to(tl.int64)
-    o_n = tl.arange(0, BN)
-    m_n = o_n < N
-    # [BN] the row, -inf past its end
-    b_s = tl.load(scores + i_r * N + o_n, mask=m_n, other=float("-inf"))
-    # an integer key with the order of the floats: negative floats have their magnitude bits flipped, then the
-    # signed range is shifted to [0, 2^32)
-    b_bits = b_s.to(tl.int32, bitcast=True)
-    b_key = tl.where(b_bits < 0, b_bits ^ 0x7FFFFFFF, b_bits).to(tl.int64) + 2147483648
-    # radix select: the largest t with count(key >= t) >= KK (the KK-th largest key), two bits at a time from the
-    # top. The three candidate counts of a step are packed into one int64 (21 bits each, N <= 2^20), so a step costs
-    # one block-wide reduction: 16 reductions instead of 32.
-    t = tl.zeros([], dtype=tl.int64)
-    bit = tl.full([], 1073741824, dtype=tl.int64)  # 2^30: the step decides bits 31 and 30
-    for _ in range(16):
-        packed = (
-            (b_key >= t + bit).to(tl.int64)
-            + ((b_key >= t + 2 * bit).to(tl.int64) << 21)
-            + ((b_key >= t + 3 * bit).to(tl.int64) << 42)
-        )
-        n_ge = tl.sum(packed, 0)
-        n1, n2, n3 = n_ge & 0x1FFFFF, (n_ge >> 21) & 0x1FFFFF, n_ge >> 42  # n1 >= n2 >= n3
-        t += tl.where(n3 >= KK, 3 * bit, tl.where(n2 >= KK, 2 * bit, tl.where(n1 >= KK, bit, 0)))
-        bit = bit >> 2
-    # everything above t, then the first (by index) of the ties at t, never a -inf score
-    m_gt = b_key > t
-    m_eq = b_key == t
-    n_gt = tl.sum(m_gt.to(tl.int32), 0)
-    rank_eq = tl.cumsum(m_eq.to(tl.int32), 0)  # inclusive rank among the ties
-    m_sel = (m_gt | (m_eq & (rank_eq <= KK - n_gt))) & (b_s != float("-inf")) & m_n
-    # ascending indices: each selected position goes to slot (number of selected before it)
-    o_slot = tl.cumsum(m_sel.to(tl.int32), 0) - 1
-    tl.store(out + i_r * K + o_slot, o_n.to(tl.int32), mask=m_sel)
-    n_sel = tl.sum(m_sel.to(tl.int32), 0)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        tl.store(out + i_r * K + o_k, tl.full([BK], -1, dtype=tl.int32), mask=(o_k >= n_sel) & (o_k < K))
-
-
-TOPK_MAX_N = 16384  # one program holds a whole row in registers; longer rows go to torch.topk
-
-
-def topk_indices(
-    scores: torch.Tensor, k: int, counts: torch.Tensor | None = None, num_warps: int | None = None
-) -> torch.Tensor:
-    """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
-
-    One program per row: a 16-step radix select finds the ``k``-th largest score, then a prefix sum writes the
-    selected indices in ascending order. Ties at the threshold go to the lowest indices (``torch.topk`` leaves that
-    order unspecified). ``k`` may exceed ``N`` (the extra slots are ``-1``). Rows longer than ``TOPK_MAX_N`` use the
-    reference (``torch.topk``). ``num_warps`` overrides the launch's warps per program (for tuning).
-    """
-    *lead, N = scores.shape
-    # ``counts [B]`` (keep fewer for some sequences) only differs from ``k`` in left-padded batches: the reference
-    # handles it by rank
-    varying = counts is not None and bool((counts.to(scores.device) < min(k, N)).any())
-    if N > TOPK_MAX_N or N == 0 or k == 0 or varying:
-        from .. import reference
-
-        return reference.topk_indices(scores, k, counts)
-    R = 1
-    for n in lead:
-        R *= n
-    out = torch.empty(*lead, k, dtype=torch.int32, device=scores.device)
-    if R == 0:
-        return out
-    BN = max(16, triton.next_power_of_2(N))
-    BK = max(16, min(1024, triton.next_power_of_2(k)))
-    topk_indices_kernel[(R,)](
-        scores.reshape(R, N).float().contiguous(), out, N, k, min(k, N), BN=BN, BK=BK,
-        num_warps=num_warps or max(4, min(16, BN // 512)),
+        QUEST=method == "quest", FORCE=force, F32=F32, num_warps=num_warps,
     )  # fmt: skip
     return out
