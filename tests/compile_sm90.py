@@ -1,0 +1,129 @@
+"""Compile every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU, launching nothing.
+
+The CPU tests run the kernels through Triton's interpreter, which executes them as Python: it never builds them, so
+a kernel that the interpreter runs can still fail to compile (a reassigned ``tl.constexpr``, an integer literal
+that promotes a tensor to 64 bits, a shape the layout pass rejects). This script calls each op on small CPU tensors
+with Triton's active driver replaced by one that names an sm_90 target, and with every launch turned into a
+compile-only warm-up (Triton's own ``warmup`` path: parse, lower, ``ptxas``). The ops' outputs are never read.
+
+    python tests/compile_sm90.py        # prints one line per op variant, exit status 1 if any failed to build
+
+Must run without ``TRITON_INTERPRET`` (tests/test_triton_compile.py starts it in a fresh process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from functools import partial
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET"):
+    sys.exit("compile_sm90.py builds kernels: run it without TRITON_INTERPRET")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver as triton_driver
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_sparse_kv.ops.triton import (
+    block_scores,
+    decode_blocks,
+    decode_tokens,
+    merge_partials,
+    paged_write,
+    topk_indices,
+)
+
+
+class Sm90Driver:
+    """Just enough of a Triton driver for compiling: device 0, stream 0, an sm_90 target."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within: every Triton launch compiles its kernel for sm_90 and returns without running it."""
+    real_run, saved = JITFunction.run, triton_driver._active
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return real_run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    triton_driver.set_active(Sm90Driver())
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = real_run
+        triton_driver._active = saved
+
+
+def cases():
+    """(name, thunk) pairs: each thunk calls one op variant on small CPU tensors."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype, D, BS, G in ((torch.bfloat16, 128, 16, 4), (torch.float16, 64, 32, 3), (torch.float32, 256, 64, 1)):
+        B, H, MB = 2, 2, 8
+        NB = B * MB
+        q = torch.randn(B, H * G, D, generator=g).to(dtype)
+        k_pool, v_pool = (torch.randn(NB, H, BS, D, generator=g).to(dtype) for _ in range(2))
+        meta = [torch.randn(NB, H, D, generator=g).to(dtype) for _ in range(3)]
+        table = torch.arange(NB, dtype=torch.int32).view(B, MB)
+        lens = torch.full((B,), MB * BS - 3, dtype=torch.int32)
+        zero = torch.zeros(B, dtype=torch.int32)
+        blocks = torch.arange(MB, dtype=torch.int32).expand(B, H, MB).contiguous()
+        tokens = torch.arange(MB * BS, dtype=torch.int32).expand(B, H, MB * BS).contiguous()
+        new = torch.randn(B, H, 3, D, generator=g).to(dtype)  # [B, H, T, D]
+        paged = (q, k_pool, v_pool, table, lens, zero)
+        tag = f"{str(dtype).split('.')[-1]} D={D} BS={BS} G={G}"
+        out += [
+            (f"decode_blocks {tag}", partial(decode_blocks, *paged, blocks, zero, zero, 0.1)),
+            (f"decode_tokens {tag}", partial(decode_tokens, *paged, tokens, zero, zero, 0.1)),
+            (f"block_scores quest {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest")),
+            (f"block_scores mean+forced {tag}", partial(block_scores, q, *meta, table, lens, BS, "mean", zero, 4, 32)),
+            (f"paged_write {tag}", partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new)),
+        ]
+    o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
+    out.append(("merge_partials", partial(merge_partials, o, lse)))
+    for n in (100, 2048, 8200, 20000):  # one tile; one tile; 8192 + 16 lanes; 16384 + 4096 lanes
+        scores = torch.randn(2, n, generator=g)
+        out.append((f"topk_indices N={n}", partial(topk_indices, scores, n // 16)))
+    return out
+
+
+def main() -> int:
+    print(f"triton {triton.__version__}, target sm_90")
+    failed = 0
+    with compile_only():
+        for name, thunk in cases():
+            try:
+                thunk()
+                print(f"ok      {name}")
+            except Exception:  # noqa: BLE001 - report every failure, then fail
+                failed += 1
+                print(f"FAILED  {name}\n{traceback.format_exc(limit=-3)}")
+    print(f"{failed} failed" if failed else "all compiled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
