@@ -23,6 +23,7 @@ and the fraction of the HBM bandwidth measured at the start of the run follow fr
 from __future__ import annotations
 
 import argparse
+import csv
 import functools
 import itertools
 import os
@@ -105,6 +106,35 @@ class Layer:
         return F.scaled_dot_product_attention(
             self.q.unsqueeze(2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [B, Hq, 1, D]
+
+
+def add_derived(row: dict, block_bytes: int, hbm: float) -> None:
+    """The derived columns of a table row: the block kernel's GB/s and share of the HBM probe, speedups, block/dense_T."""
+    gbps = block_bytes / (row["block"] * 1e-6) / 1e9
+    row.update({"blk GB/s": gbps, "blk %HBM": 100 * gbps / hbm, "x blk+sel": row["dense"] / row["block+sel"]})
+    row["x block"] = row["dense"] / row["block"]
+    row["blk/dense_T"] = row["block"] / row["dense_T"]
+
+
+def rows_from_csv(path: str) -> tuple[list[dict], float]:
+    """The table rows (one per model, B, L, BS, budget) and the HBM probe, rebuilt from the long CSV of a run."""
+    with open(path) as f:
+        long_rows = list(csv.DictReader(f))
+    dense = {(r["model"], r["B"], r["L"]): float(r["us"]) for r in long_rows if r["provider"] == "dense"}
+    table: dict[tuple, dict] = {}
+    for r in long_rows:
+        if r["provider"] == "dense":
+            continue
+        key = (r["model"], r["B"], r["L"], r["BS"], r["budget"])
+        row = table.setdefault(key, {"model": r["model"], "B": int(r["B"]), "L": int(r["L"]), "BS": int(r["BS"]),
+                                     "budget": r["budget"], "dense": dense[key[:3]]})  # fmt: skip
+        row[r["provider"]] = float(r["us"])
+        if r["provider"] == "block":
+            row["_block_bytes"] = int(r["kv_bytes"])
+    hbm = float(long_rows[0]["hbm_GBps"])
+    for row in table.values():
+        add_derived(row, row.pop("_block_bytes"), hbm)
+    return list(table.values()), hbm
 
 
 def flex_fns(layer: Layer, keep: torch.Tensor):
@@ -216,10 +246,7 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
              "frac_hbm": round(gbps / hbm, 3) if gbps else "", "speedup_vs_dense": round(dense_us / us, 2), "timing": mode}
         )  # fmt: skip
     row["dense_T"] = dense_t_cache[T]
-    gbps = need["block"] / (row["block"] * 1e-6) / 1e9
-    row.update({"blk GB/s": gbps, "blk %HBM": 100 * gbps / hbm, "x blk+sel": dense_us / row["block+sel"]})
-    row["x block"] = dense_us / row["block"]
-    row["blk/dense_T"] = row["block"] / row["dense_T"]
+    add_derived(row, need["block"], hbm)
     long_rows.append(
         {**key, "provider": "dense_T", "us": round(row["dense_T"], 2), "kv_bytes": kv_bytes(B, H, T, D),
          "speedup_vs_dense": round(dense_us / row["dense_T"], 2), "timing": mode}
@@ -291,18 +318,24 @@ def tune(ops, args, hbm):
     write_csv(os.path.join(folder, "bench_decode_tune_scores.csv"), scores)
 
 
+def budget_key(r: dict) -> tuple:
+    """Sort key: model, batch, then the budget as a number (1/4 before 1/16)."""
+    return r["model"], r["B"], int(r["budget"].split("/")[1])
+
+
+def best_by_context(rows) -> dict[tuple, dict[int, tuple[float, float]]]:
+    """Per (model, B, budget): {context: (fastest block+sel over the block sizes, dense)}."""
+    out: dict[tuple, dict[int, tuple[float, float]]] = {}
+    for r in sorted(rows, key=budget_key):
+        by_len = out.setdefault((r["model"], r["B"], r["budget"]), {})
+        by_len[r["L"]] = (min(by_len.get(r["L"], (float("inf"), 0))[0], r["block+sel"]), r["dense"])
+    return out
+
+
 def crossovers(rows):
     """Per (model, batch, budget): the context below which dense beats block+sel (best block size at each context)."""
     out = []
-
-    def key(r):
-        return r["model"], r["B"], r["budget"]
-
-    for (model, B, budget), grp in itertools.groupby(sorted(rows, key=key), key=key):
-        by_len: dict[int, tuple[float, float]] = {}
-        for r in grp:
-            best = min(by_len.get(r["L"], (float("inf"), 0))[0], r["block+sel"])
-            by_len[r["L"]] = (best, r["dense"])
+    for (model, B, budget), by_len in best_by_context(rows).items():
         lens = sorted(by_len)
         wins = [by_len[n][0] < by_len[n][1] for n in lens]
         if all(wins):
@@ -316,16 +349,21 @@ def crossovers(rows):
                 if last_loss + 1 < len(lens)
                 else f"> {lens[-1] // KI}K"
             )
-        out.append(
-            {
-                "model": model,
-                "B": B,
-                "budget": budget,
-                "contexts": ",".join(f"{n // KI}K" for n in lens),
-                "crossover": where,
-            }
-        )
+        contexts = ",".join(f"{n // KI}K" for n in lens)
+        out.append({"model": model, "B": B, "budget": budget, "contexts": contexts, "crossover": where})
     return out
+
+
+def speedups(rows) -> tuple[list[dict], list[str]]:
+    """Per (model, batch, budget): dense / block+sel (best block size) at each context; and the context columns."""
+    out, cols = [], set()
+    for (model, B, budget), by_len in best_by_context(rows).items():
+        row = {"model": model, "B": B, "budget": budget}
+        for n, (sparse, dense) in sorted(by_len.items()):
+            row[f"{n // KI}K"] = f"{dense / sparse:.2f}"
+            cols.add(n)
+        out.append(row)
+    return out, [f"{n // KI}K" for n in sorted(cols)]
 
 
 def token_vs_block(rows):
@@ -337,8 +375,8 @@ def token_vs_block(rows):
 
     for (model, B, BS), grp in itertools.groupby(sorted(rows, key=key), key=key):
         ratios = sorted(r["token"] / r["block"] for r in grp)
-        out.append({"model": model, "B": B, "BS": BS, "rows": len(ratios), "median": ratios[len(ratios) // 2],
-                    "min": ratios[0], "max": ratios[-1]})  # fmt: skip
+        out.append({"model": model, "B": B, "BS": BS, "rows": len(ratios), "median": f"{ratios[len(ratios) // 2]:.2f}",
+                    "min": f"{ratios[0]:.2f}", "max": f"{ratios[-1]:.2f}"})  # fmt: skip
     return out
 
 
@@ -378,6 +416,17 @@ def targets(rows, hbm):
     return lines  # fmt: skip
 
 
+def summarize(rows: list[dict], hbm: float) -> None:
+    """The crossover, speedup, token/block and target tables of a run."""
+    print_table(crossovers(rows), ["model", "B", "budget", "contexts", "crossover"], "crossover (block+sel vs dense)")
+    table, cols = speedups(rows)
+    print_table(table, ["model", "B", "budget", *cols], "dense / block+sel (best block size), per context")
+    print_table(
+        token_vs_block(rows), ["model", "B", "BS", "rows", "median", "min", "max"], "token / block (same selection)"
+    )
+    print("\ntargets:\n  " + "\n  ".join(targets(rows, hbm)))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the reduced grid (~3 minutes on an H200)")
@@ -395,7 +444,12 @@ def main():
     p.add_argument("--no-check", action="store_true", help="skip the correctness check against the reference")
     p.add_argument("--out", default="benchmarks/results/bench_decode.csv")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script through Triton's interpreter")
+    p.add_argument("--summarize", metavar="CSV", help="print the summary tables of an earlier run's CSV and exit")
     args = p.parse_args()
+    if args.summarize:
+        rows, hbm = rows_from_csv(args.summarize)
+        summarize(rows, hbm)
+        return
     global DEV
     DEV = args.device
     assert DEV == "cpu" or torch.cuda.is_available(), "this benchmark needs a CUDA device (or --device cpu)"
@@ -445,11 +499,7 @@ def main():
         write_csv(args.out, [{**r, "hbm_GBps": round(hbm, 0), **info} for r in long_rows])  # so far
 
     print(f"\nwrote {args.out} ({len(long_rows)} rows)")
-    print_table(crossovers(rows), ["model", "B", "budget", "contexts", "crossover"], "crossover (block+sel vs dense)")
-    print_table(
-        token_vs_block(rows), ["model", "B", "BS", "rows", "median", "min", "max"], "token / block (same selection)"
-    )
-    print("\ntargets:\n  " + "\n  ".join(targets(rows, hbm)))
+    summarize(rows, hbm)
     cols = ["model", "B", "L", "BS", "budget", "dense", "mask", "flex", "token", "token+sel", "block",
             "block+sel", "sel", "topk", "topk_torch", "blk %HBM", "x blk+sel", "x block", "dense_T", "blk/dense_T"]  # fmt: skip
     print_table(
