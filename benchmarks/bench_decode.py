@@ -332,6 +332,38 @@ def best_by_context(rows) -> dict[tuple, dict[int, tuple[float, float]]]:
     return out
 
 
+def merge_share(ops, args, hbm):
+    """At the targets' shapes: the block op, its stage 1 alone, and the merge alone (µs per layer); prints a table."""
+    from hf_sparse_kv.ops.triton.merge import merge_partials_fwd
+
+    out = []
+    for model, B, L, budget in TUNE_AT:
+        layer = Layer(model, B, L, args.layers)
+        for BS in (16, 64):
+            caches, bt = layer.paged(BS)
+            Kb = L // budget // BS
+            lens, z = layer.seq_lens, layer.zero
+            blocks = ops.topk_indices(ops.block_scores(layer.q, *caches[0][2:], bt, lens, BS, "quest"), Kb)
+            args_of = [(layer.q, c[0], c[1], bt, lens, z, blocks, z, z, layer.scale) for c in caches]
+            parts = [decode_blocks_fwd(*a, merge=False) for a in args_of]
+            times = {
+                "op": bench([functools.partial(decode_blocks_fwd, *a) for a in args_of], rep=args.rep)[0],
+                "stage1": bench([functools.partial(decode_blocks_fwd, *a, merge=False) for a in args_of], rep=args.rep)[
+                    0
+                ],
+                "merge": bench([functools.partial(merge_partials_fwd, *p) for p in parts], rep=args.rep)[0],
+            }
+            nbytes = kv_bytes(B, layer.H, Kb * BS, layer.D)
+            out.append({"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "splits": parts[0][1].shape[-1],
+                        **times, "op %HBM": 100 * nbytes / (times["op"] * 1e-6) / 1e9 / hbm,
+                        "stage1 %HBM": 100 * nbytes / (times["stage1"] * 1e-6) / 1e9 / hbm})  # fmt: skip
+            del caches
+        del layer
+        torch.cuda.empty_cache()
+    cols = ["model", "B", "L", "BS", "budget", "splits", "op", "stage1", "merge", "op %HBM", "stage1 %HBM"]
+    print_table(out, cols, "decode_blocks: the whole op, stage 1 alone, the merge alone (us per layer)")
+
+
 def crossovers(rows):
     """Per (model, batch, budget): the context below which dense beats block+sel (best block size at each context)."""
     out = []
@@ -441,6 +473,7 @@ def main():
     p.add_argument("--rep", type=int, default=30, help="timed replays per provider")
     p.add_argument("--layers", type=int, default=4, help="layers per timed graph, each on its own cache")
     p.add_argument("--tune", action="store_true", help="also sweep the decode_blocks knobs at the targets' shapes")
+    p.add_argument("--merge-share", action="store_true", help="only time stage 1 and the merge at the targets' shapes")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check against the reference")
     p.add_argument("--out", default="benchmarks/results/bench_decode.csv")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script through Triton's interpreter")
@@ -472,6 +505,9 @@ def main():
     ops = get_ops("triton", DEV)
     if args.tune:
         tune(ops, args, hbm)
+    if args.merge_share:
+        merge_share(ops, args, hbm)
+        return
 
     rows, long_rows, checked = [], [], set()
     t0 = time.monotonic()

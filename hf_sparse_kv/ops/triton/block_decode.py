@@ -315,8 +315,12 @@ def sparse_decode_fwd(
     num_warps: int = 4,
     num_stages: int = 2,
     prefetch: bool = True,
+    merge: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch stage 1 (and the merge when there is more than one split); returns (out ``[B, Hq, D]``, lse ``[B, Hq]``).
+
+    ``merge=False`` (for timing stage 1 alone) returns the partials ``[B, Hq, S, D]`` float32 and ``[B, Hq, S]`` when
+    there is more than one split.
 
     ``sel [B, Hkv, NSEL]`` holds logical block numbers, or token positions when ``tokens`` (one kernel serves both:
     only the mapping of a tile's rows to pool offsets differs).
@@ -351,6 +355,8 @@ def sparse_decode_fwd(
         H=H, G=G, D=D, BS=BS, BG=max(16, triton.next_power_of_2(G)), BD=max(16, triton.next_power_of_2(D)), BN=BN,
         F32=F32, PREFETCH=prefetch, TOKENS=tokens, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if S > 1 and not merge:
+        return o_part, lse_part
     if S > 1:
         merge_partials_fwd(o_part, lse_part, out=out, lse_out=lse)
     return out, lse
