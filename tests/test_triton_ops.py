@@ -107,6 +107,18 @@ def test_decode_blocks(G, BS, D, lens, starts, excl, knobs):
     check_lse(lse, ref_lse, 1e-5)
 
 
+def test_decode_blocks_unmerged_partials():
+    """``merge=False`` (the benchmark's stage-1 timing) returns the splits' partials; merged, they are the output."""
+    c = make_case(2, 2, 3, 16, 8, [70, 33], seed=5)
+    sel = random_blocks(c, 6, 8, seed=5)
+    out, lse = block_decode.decode_blocks_fwd(*decode_args(c, sel), 0.3, block_n=16, num_splits=3)
+    o_part, lse_part = block_decode.decode_blocks_fwd(*decode_args(c, sel), 0.3, block_n=16, num_splits=3, merge=False)
+    assert o_part.shape == (2, 6, 3, 16) and lse_part.shape == (2, 6, 3)
+    merged, merged_lse = merge.merge_partials_fwd(o_part, lse_part)
+    assert rel_err(merged, out) < 1e-6
+    check_lse(merged_lse, lse, 1e-6)
+
+
 @pytest.mark.parametrize("G,BS,D,lens,starts,excl", CASES)
 @pytest.mark.parametrize("knobs", [{}, {"block_n": 16, "num_splits": 2}, {"block_n": 16, "prefetch": False}])
 def test_decode_tokens(G, BS, D, lens, starts, excl, knobs):
