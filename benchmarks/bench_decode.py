@@ -29,9 +29,11 @@ import itertools
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -260,11 +262,10 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
     )
 
 
-def tune(ops, args, hbm):
-    """Sweep the knobs of decode_blocks and block_scores at the targets' shapes; prints the tables, returns nothing."""
-    from hf_sparse_kv.ops.triton.block_decode import default_block_n, default_num_splits
-
-    out, scores = [], []
+def at_target_shapes(ops, args):
+    """The targets' shapes (``TUNE_AT``) at block sizes 16 and 64, one at a time: a namespace with the model, B, L,
+    budget, BS, the ``Layer``, its paged caches and block table, Kb, and ``args_of`` (``decode_blocks_fwd``'s
+    arguments per layer over Quest's selection). The memory is freed after each."""
     for model, B, L, budget in TUNE_AT:
         layer = Layer(model, B, L, args.layers)
         for BS in (16, 64):
@@ -273,34 +274,47 @@ def tune(ops, args, hbm):
             lens, z = layer.seq_lens, layer.zero
             blocks = ops.topk_indices(ops.block_scores(layer.q, *caches[0][2:], bt, lens, BS, "quest"), Kb)
             args_of = [(layer.q, c[0], c[1], bt, lens, z, blocks, z, z, layer.scale) for c in caches]
-            nbytes = kv_bytes(B, layer.H, Kb * BS, layer.D)
-            for bn, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4)):
-                base = default_num_splits(B * layer.H, -(-Kb * BS // bn), layer.q.device)
-                for f in (0.5, 1, 1.5, 2):
-                    S = max(1, int(base * f))
-                    try:
-                        kw = {"block_n": bn, "num_splits": S, "num_warps": nw, "num_stages": ns}
-                        us, _ = bench([lambda a=a, kw=kw: decode_blocks_fwd(*a, **kw) for a in args_of], rep=20)
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
-                        print(f"  tune {bn}/{nw}/{ns}: {type(e).__name__}")
-                        break
-                    out.append({"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "block_n": bn,
-                                "warps": nw, "stages": ns, "splits": S, "us": us,
-                                "pct_hbm": 100 * nbytes / (us * 1e-6) / 1e9 / hbm,
-                                "default": bn == default_block_n(layer.D, 2) and nw == 4 and ns == 2 and f == 1})  # fmt: skip
-            meta_bytes = B * layer.H * (L // BS) * layer.D * 2 * 2
-            for bm, nw in itertools.product((16, 32, 64, 128), (2, 4, 8)):
-                kw = {"block_m": bm, "num_warps": nw}
-                fns = [
-                    functools.partial(ops.block_scores, layer.q, *c[2:], bt, lens, BS, "quest", **kw) for c in caches
-                ]
-                us, _ = bench(fns, rep=20)
-                scores.append({"model": model, "B": B, "L": L, "BS": BS, "block_m": bm, "warps": nw, "us": us,
-                               "pct_hbm": 100 * meta_bytes / (us * 1e-6) / 1e9 / hbm,
-                               "default": bm == min(64, L // BS) and nw == 4})  # fmt: skip
-            del caches
+            yield SimpleNamespace(
+                model=model, B=B, L=L, budget=budget, BS=BS, layer=layer, caches=caches, bt=bt, Kb=Kb, args_of=args_of
+            )
+            del caches, blocks, args_of
         del layer
         torch.cuda.empty_cache()
+
+
+def tune(ops, args, hbm):
+    """Sweep the knobs of decode_blocks and block_scores at the targets' shapes; prints the tables, returns nothing."""
+    from hf_sparse_kv.ops.triton.block_decode import default_block_n, default_num_splits
+
+    out, scores = [], []
+    for t in at_target_shapes(ops, args):
+        layer, B, L, BS = t.layer, t.B, t.L, t.BS
+        key = {"model": t.model, "B": B, "L": L, "BS": BS}
+        nbytes = kv_bytes(B, layer.H, t.Kb * BS, layer.D)
+        for bn, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+            base = default_num_splits(B * layer.H, -(-t.Kb * BS // bn), layer.q.device)
+            for f in (0.5, 1, 1.5, 2):
+                S = max(1, int(base * f))
+                try:
+                    kw = {"block_n": bn, "num_splits": S, "num_warps": nw, "num_stages": ns}
+                    us, _ = bench([functools.partial(decode_blocks_fwd, *a, **kw) for a in t.args_of], rep=20)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory)
+                    print(f"  tune {bn}/{nw}/{ns}: {type(e).__name__}")
+                    break
+                out.append({**key, "budget": f"1/{t.budget}", "block_n": bn, "warps": nw, "stages": ns, "splits": S,
+                            "us": us, "pct_hbm": 100 * nbytes / (us * 1e-6) / 1e9 / hbm,
+                            "default": bn == default_block_n(layer.D, 2) and nw == 4 and ns == 2 and f == 1})  # fmt: skip
+        meta_bytes = B * layer.H * (L // BS) * layer.D * 2 * 2
+        for bm, nw in itertools.product((16, 32, 64, 128), (2, 4, 8)):
+            kw = {"block_m": bm, "num_warps": nw}
+            lens = layer.seq_lens
+            fns = [
+                functools.partial(ops.block_scores, layer.q, *c[2:], t.bt, lens, BS, "quest", **kw) for c in t.caches
+            ]
+            us, _ = bench(fns, rep=20)
+            scores.append({**key, "block_m": bm, "warps": nw, "us": us,
+                           "pct_hbm": 100 * meta_bytes / (us * 1e-6) / 1e9 / hbm,
+                           "default": bm == max(16, min(32, triton.next_power_of_2(L // BS))) and nw == 4})  # fmt: skip
 
     def best_of(rows, cols, title):
         best = []
@@ -337,29 +351,20 @@ def merge_share(ops, args, hbm):
     from hf_sparse_kv.ops.triton.merge import merge_partials_fwd
 
     out = []
-    for model, B, L, budget in TUNE_AT:
-        layer = Layer(model, B, L, args.layers)
-        for BS in (16, 64):
-            caches, bt = layer.paged(BS)
-            Kb = L // budget // BS
-            lens, z = layer.seq_lens, layer.zero
-            blocks = ops.topk_indices(ops.block_scores(layer.q, *caches[0][2:], bt, lens, BS, "quest"), Kb)
-            args_of = [(layer.q, c[0], c[1], bt, lens, z, blocks, z, z, layer.scale) for c in caches]
-            parts = [decode_blocks_fwd(*a, merge=False) for a in args_of]
-            times = {
-                "op": bench([functools.partial(decode_blocks_fwd, *a) for a in args_of], rep=args.rep)[0],
-                "stage1": bench([functools.partial(decode_blocks_fwd, *a, merge=False) for a in args_of], rep=args.rep)[
-                    0
-                ],
-                "merge": bench([functools.partial(merge_partials_fwd, *p) for p in parts], rep=args.rep)[0],
-            }
-            nbytes = kv_bytes(B, layer.H, Kb * BS, layer.D)
-            out.append({"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "splits": parts[0][1].shape[-1],
-                        **times, "op %HBM": 100 * nbytes / (times["op"] * 1e-6) / 1e9 / hbm,
-                        "stage1 %HBM": 100 * nbytes / (times["stage1"] * 1e-6) / 1e9 / hbm})  # fmt: skip
-            del caches
-        del layer
-        torch.cuda.empty_cache()
+    for t in at_target_shapes(ops, args):
+        parts = [decode_blocks_fwd(*a, merge=False) for a in t.args_of]
+        times = {
+            "op": bench([functools.partial(decode_blocks_fwd, *a) for a in t.args_of], rep=args.rep)[0],
+            "stage1": bench([functools.partial(decode_blocks_fwd, *a, merge=False) for a in t.args_of], rep=args.rep)[
+                0
+            ],
+            "merge": bench([functools.partial(merge_partials_fwd, *p) for p in parts], rep=args.rep)[0],
+        }
+        nbytes = kv_bytes(t.B, t.layer.H, t.Kb * t.BS, t.layer.D)
+        out.append({"model": t.model, "B": t.B, "L": t.L, "BS": t.BS, "budget": f"1/{t.budget}",
+                    "splits": parts[0][1].shape[-1], **times,
+                    "op %HBM": 100 * nbytes / (times["op"] * 1e-6) / 1e9 / hbm,
+                    "stage1 %HBM": 100 * nbytes / (times["stage1"] * 1e-6) / 1e9 / hbm})  # fmt: skip
     cols = ["model", "B", "L", "BS", "budget", "splits", "op", "stage1", "merge", "op %HBM", "stage1 %HBM"]
     print_table(out, cols, "decode_blocks: the whole op, stage 1 alone, the merge alone (us per layer)")
 
