@@ -44,6 +44,20 @@ def _counts_ge3(b_key, t, shift):
 
 
 @triton.jit
+def _store_selected(out_row, o_n, b_s, b_key, t, N, KK, n_gt, eq_before, sel_before):
+    """Write one tile's selected lane indices ``o_n`` to ``out_row`` in ascending order: every key above the
+    threshold ``t`` (``n_gt`` of them in the whole row), then the ties at ``t`` by index until ``KK``; never a ``-inf``
+    score. ``eq_before``/``sel_before``: ties and selected lanes of the tiles before. Returns this tile's (ties,
+    selected)."""
+    m_gt, m_eq = b_key > t, b_key == t
+    rank_eq = eq_before + tl.cumsum(m_eq.to(tl.int32), 0)  # inclusive rank among the row's ties
+    m_sel = (m_gt | (m_eq & (rank_eq <= KK - n_gt))) & (b_s != float("-inf")) & (o_n < N)
+    o_slot = sel_before + tl.cumsum(m_sel.to(tl.int32), 0) - 1  # slot = selected lanes before this one
+    tl.store(out_row + o_slot, o_n.to(tl.int32), mask=m_sel)
+    return tl.sum(m_eq.to(tl.int32), 0), tl.sum(m_sel.to(tl.int32), 0)
+
+
+@triton.jit
 def topk_indices_kernel(
     scores,  # [R, N] float32
     out,  # [R, K] int32
@@ -73,33 +87,25 @@ def topk_indices_kernel(
         inc = ((n_ge & 0x1FFFFF) >= KK).to(tl.uint32) + (((n_ge >> 21) & 0x1FFFFF) >= KK).to(tl.uint32)
         inc += ((n_ge >> 42) >= KK).to(tl.uint32)
         t += inc << shift
-    # everything above t, then the first (by index) of the ties at t, never a -inf score
-    m_gt, m_eq = b_key > t, b_key == t
-    n_gt = tl.sum(m_gt.to(tl.int32), 0)
+    # everything above t, then the first (by index) of the ties at t, never a -inf score; the second tile continues
+    # both ranks (ties, selected) where the first ends
+    n_gt = tl.sum((b_key > t).to(tl.int32), 0)
     if BN2 > 0:
-        m_gt2, m_eq2 = b_key2 > t, b_key2 == t
-        n_gt += tl.sum(m_gt2.to(tl.int32), 0)
-    rank_eq = tl.cumsum(m_eq.to(tl.int32), 0)  # inclusive rank among the ties
-    m_sel = (m_gt | (m_eq & (rank_eq <= KK - n_gt))) & (b_s != float("-inf")) & (o_n < N)
-    # ascending indices: each selected position goes to slot (number of selected before it)
-    o_slot = tl.cumsum(m_sel.to(tl.int32), 0) - 1
-    tl.store(out + i_r * K + o_slot, o_n.to(tl.int32), mask=m_sel)
-    n_sel = tl.sum(m_sel.to(tl.int32), 0)
-    if BN2 > 0:  # the second tile continues both ranks where the first ends
-        rank_eq2 = tl.sum(m_eq.to(tl.int32), 0) + tl.cumsum(m_eq2.to(tl.int32), 0)
-        m_sel2 = (m_gt2 | (m_eq2 & (rank_eq2 <= KK - n_gt))) & (b_s2 != float("-inf")) & (o_n2 < N)
-        o_slot2 = n_sel + tl.cumsum(m_sel2.to(tl.int32), 0) - 1
-        tl.store(out + i_r * K + o_slot2, o_n2.to(tl.int32), mask=m_sel2)
-        n_sel += tl.sum(m_sel2.to(tl.int32), 0)
+        n_gt += tl.sum((b_key2 > t).to(tl.int32), 0)
+    n_eq, n_sel = _store_selected(out + i_r * K, o_n, b_s, b_key, t, N, KK, n_gt, 0, 0)
+    if BN2 > 0:
+        _, n_sel2 = _store_selected(out + i_r * K, o_n2, b_s2, b_key2, t, N, KK, n_gt, n_eq, n_sel)
+        n_sel += n_sel2
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         tl.store(out + i_r * K + o_k, tl.full([BK], -1, dtype=tl.int32), mask=(o_k >= n_sel) & (o_k < K))
 
 
-def row_tiles(N: int) -> tuple[int, int]:
-    """Lanes ``(BN, BN2)`` that hold a row of ``N``: one power-of-two tile, or two when that wastes fewer lanes."""
+def row_tiles(N: int, split: bool = True) -> tuple[int, int]:
+    """Lanes ``(BN, BN2)`` that hold a row of ``N``: one power-of-two tile, or two when that wastes fewer lanes (and
+    ``split``)."""
     one = max(16, triton.next_power_of_2(N))
-    if N <= 16 or N == one:
+    if not split or N <= 16 or N == one:
         return one, 0
     first = one // 2
     second = max(16, triton.next_power_of_2(N - first))
@@ -132,7 +138,7 @@ def topk_indices(
     out = torch.empty(*lead, k, dtype=torch.int32, device=scores.device)
     if R == 0:
         return out
-    BN, BN2 = row_tiles(N) if split else (max(16, triton.next_power_of_2(N)), 0)
+    BN, BN2 = row_tiles(N, split)
     topk_indices_kernel[(R,)](
         scores.reshape(R, N).float().contiguous(), out, N, k, min(k, N), BN=BN, BN2=BN2,
         BK=max(16, min(1024, triton.next_power_of_2(k))),
