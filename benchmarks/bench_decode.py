@@ -33,7 +33,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,6 +59,10 @@ QUICK = [  # (models, batches, contexts, budgets, block sizes): the targets' sha
 ]
 SKIPPABLE = ["scores", "topk", "topk_torch"]  # the others feed the table's columns
 TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
+
+
+def meta_bytes(B: int, H: int, n_blocks: int, D: int) -> int:
+    return B * H * n_blocks * D * 2 * 2  # kmin and kmax of every block in use, bf16
 
 
 def kv_bytes(B: int, H: int, n_tokens: int, D: int) -> int:
@@ -225,18 +228,18 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
         kv_t = [(k[:, :, :T].contiguous(), v[:, :, :T].contiguous()) for k, v in zip(layer.k, layer.v)]
         dense_t_cache[T] = bench([lambda kv=kv: layer.sdpa(*kv) for kv in kv_t], rep=args.rep)[0]
         del kv_t
-    meta_bytes = B * H * (L // BS) * D * 2 * 2  # kmin + kmax of every block in use
+    meta = meta_bytes(B, H, L // BS, D)
     need = {
         "mask": kv_bytes(B, H, L, D),
         "flex": flex_bytes,
         "token": kv_bytes(B, H, T, D) + B * H * T * 4,
         "block": kv_bytes(B, H, T, D),
-        "sel": meta_bytes,
-        "scores": meta_bytes,
+        "sel": meta,
+        "scores": meta,
         "topk": 0,
         "topk_torch": 0,
     }
-    need["token+sel"], need["block+sel"] = need["token"] + meta_bytes, need["block"] + meta_bytes
+    need["token+sel"], need["block+sel"] = need["token"] + meta, need["block"] + meta
     key = {"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "K": Kb, "T": T}
     row = {**key, "dense": dense_us}
     for name, fn in fns.items():
@@ -285,6 +288,7 @@ def at_target_shapes(ops, args):
 def tune(ops, args, hbm):
     """Sweep the knobs of decode_blocks and block_scores at the targets' shapes; prints the tables, returns nothing."""
     from hf_sparse_kv.ops.triton.block_decode import default_block_n, default_num_splits
+    from hf_sparse_kv.ops.triton.block_scores import default_block_m
 
     out, scores = [], []
     for t in at_target_shapes(ops, args):
@@ -304,17 +308,17 @@ def tune(ops, args, hbm):
                 out.append({**key, "budget": f"1/{t.budget}", "block_n": bn, "warps": nw, "stages": ns, "splits": S,
                             "us": us, "pct_hbm": 100 * nbytes / (us * 1e-6) / 1e9 / hbm,
                             "default": bn == default_block_n(layer.D, 2) and nw == 4 and ns == 2 and f == 1})  # fmt: skip
-        meta_bytes = B * layer.H * (L // BS) * layer.D * 2 * 2
+        meta = meta_bytes(B, layer.H, L // BS, layer.D)
+        lens = layer.seq_lens
         for bm, nw in itertools.product((16, 32, 64, 128), (2, 4, 8)):
             kw = {"block_m": bm, "num_warps": nw}
-            lens = layer.seq_lens
             fns = [
                 functools.partial(ops.block_scores, layer.q, *c[2:], t.bt, lens, BS, "quest", **kw) for c in t.caches
             ]
             us, _ = bench(fns, rep=20)
             scores.append({**key, "block_m": bm, "warps": nw, "us": us,
-                           "pct_hbm": 100 * meta_bytes / (us * 1e-6) / 1e9 / hbm,
-                           "default": bm == max(16, min(32, triton.next_power_of_2(L // BS))) and nw == 4})  # fmt: skip
+                           "pct_hbm": 100 * meta / (us * 1e-6) / 1e9 / hbm,
+                           "default": bm == default_block_m(L // BS) and nw == 4})  # fmt: skip
 
     def best_of(rows, cols, title):
         best = []

@@ -100,6 +100,15 @@ def block_scores_kernel(
     tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_s, mask=o_m < MB)
 
 
+def default_block_m(MB: int) -> int:
+    """Blocks scored per program for a table of ``MB`` blocks: 32 (fewer for short tables), with 4 warps.
+
+    Within 4% of the best of 12 settings on average over the targets' shapes (H200, 2026-11-29; 64 blocks, the former
+    default, was 13% over: benchmarks/RESULTS.md).
+    """
+    return max(16, min(32, triton.next_power_of_2(MB)))
+
+
 def block_scores(
     q: torch.Tensor,
     kmin: torch.Tensor,
@@ -148,9 +157,7 @@ def block_scores(
         return out
     F32 = q.dtype != meta[0].dtype or q.dtype == torch.float32
     BD = max(16, triton.next_power_of_2(D))
-    # 32 blocks and 4 warps per program: within 4% of the best of 12 settings on average over the targets' shapes
-    # (H200; 64 blocks, the former default, was 13% over: benchmarks/RESULTS.md)
-    BM = block_m or max(16, min(32, triton.next_power_of_2(MB)))
+    BM = block_m or default_block_m(MB)
     assert BM >= 16 and BM & (BM - 1) == 0, f"block_m must be a power of two >= 16, got {BM}"
     grid = (triton.cdiv(MB, BM), B * H)
     force = window is not None
