@@ -41,6 +41,7 @@ from common import bench, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
+from hf_sparse_kv.ops.layout import cdiv
 from hf_sparse_kv.ops.triton.block_decode import decode_blocks_fwd
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (Hq, Hkv, D) of one layer
@@ -296,7 +297,7 @@ def tune(ops, args, hbm):
         key = {"model": t.model, "B": B, "L": L, "BS": BS}
         nbytes = kv_bytes(B, layer.H, t.Kb * BS, layer.D)
         for bn, nw, ns in itertools.product((64, 128), (4, 8), (2, 3, 4)):
-            base = default_num_splits(B * layer.H, -(-t.Kb * BS // bn), layer.q.device)
+            base = default_num_splits(B * layer.H, cdiv(t.Kb * BS, bn), layer.q.device)
             for f in (0.5, 1, 1.5, 2):
                 S = max(1, int(base * f))
                 try:

@@ -67,11 +67,11 @@ def build_model(layers: int, device: str) -> LlamaForCausalLM:
     return model.eval()
 
 
-def fill_caches(model, batch: int, length: int, block_size: int, device: str):
-    """A DynamicCache and a PagedKVCache holding the same random ``length`` tokens per sequence."""
+def fill_caches(model, batch: int, length: int, block_size: int, device: str, cache_cls=PagedKVCache):
+    """A DynamicCache and a ``cache_cls`` (a PagedKVCache) holding the same random ``length`` tokens per sequence."""
     cfg = model.config
     dense = DynamicCache(config=cfg)
-    paged = PagedKVCache(cfg, block_size=block_size, max_length=length + 256)
+    paged = cache_cls(cfg, block_size=block_size, max_length=length + 256)
     g = torch.Generator(device=device).manual_seed(0)
     for i in range(cfg.num_hidden_layers):
         shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)

@@ -31,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_sparse_kv import cache_kwarg, is_patched
 from hf_sparse_kv.ops import get_ops
+from hf_sparse_kv.ops.layout import cdiv
 from hf_sparse_kv.policies import DecodeState, Dense, OracleBlockTopK, Policy, SinkWindow
 
 ATTENTION_NAME = "hf_sparse_kv_simulate"
@@ -105,7 +106,7 @@ def _block_metadata(keys: torch.Tensor, block_size: int, positions: torch.Tensor
     min/max/mean over the filled prefix ``[Q, Hkv, D]``)."""
     H, L, D = keys.shape
     BS = block_size
-    nb = -(-L // BS)
+    nb = cdiv(L, BS)
     k = torch.nn.functional.pad(keys, (0, 0, 0, nb * BS - L)).view(H, nb, BS, D).permute(1, 0, 2, 3)
     kmin, kmax, kmean = k.amin(2), k.amax(2), k.mean(2)  # right only for full blocks; the current one is below
     b, o = positions // BS, positions % BS
@@ -192,7 +193,7 @@ def _measure(ctx: SimulateContext, state: DecodeState, selection, mask, logits) 
     fid.count += recall.numel()
     if ctx.oracle is None:
         return
-    nb = -(-length // BS)
+    nb = cdiv(length, BS)
     mass = torch.nn.functional.pad(p.sum(2), (0, nb * BS - length)).view(Q, Hkv, nb, BS).sum(-1)
     in_use = torch.arange(nb, device=p.device).view(1, -1) < ((state.seq_lens.long() + BS - 1) // BS).view(-1, 1)
     oracle = _GivenScores(budget=ctx.oracle.budget, sink=ctx.oracle.sink, window=ctx.oracle.window)

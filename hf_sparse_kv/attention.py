@@ -8,11 +8,12 @@ Per layer and call:
   (dense layers select everything), then execute the selection in the chosen mode:
   ``mask`` (SDPA over the whole cache with a mask), ``token`` (gather the selected positions), ``block`` (read the
   selected pages), or ``auto`` (dense or block by the crossover table). Before the first layer of a step selects,
-  a compressing policy (SnapKV) frees the prompt blocks it does not keep (once, at the first decode step) and an
-  evicting policy (``SinkWindow(evict=True)``) the blocks no later step will read.
+  the policy frees what it will never read again (:meth:`~hf_sparse_kv.policies.Policy.release`).
 
 The per-model settings (:class:`SparseConfig`) and the cache arrive as keyword arguments injected by the hook of
-:mod:`hf_sparse_kv.patch`; nothing here is module-level state.
+:mod:`hf_sparse_kv.patch`; what lives between layers and forwards is the cache's
+:class:`~hf_sparse_kv.runtime.DecodeSession`; nothing here is module-level state. The policy is called through its
+lifecycle methods only: no branch here asks what kind of policy it is (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .cache import PagedKVCache, PagedLayer
 from .crossover import CrossoverTable, budget_fraction
 from .policies import DecodeState, Policy, Selection
+from .runtime import StepPlan
 
 ATTENTION_NAME = "hf_sparse_kv"
 CONFIG_KWARG = "hf_sparse_kv_config"
@@ -34,7 +36,9 @@ MODES = ("mask", "token", "block", "auto")
 
 @dataclass
 class SparseConfig:
-    """What a patched model does at decode time (one per patched model)."""
+    """What a patched model does at decode time (one per patched model). ``block_size`` and ``backend`` are those
+    of the caches the patch builds; a cache given by the user must carry the same (it owns them: see
+    :func:`check_cache`)."""
 
     policy: Policy
     mode: str
@@ -43,16 +47,6 @@ class SparseConfig:
     backend: str
     original_attn: str | dict = field(default="sdpa")
     crossover: CrossoverTable | None = None  # mode="auto" only
-
-
-@dataclass
-class StepPlan:
-    """Metadata shared by every paged layer of one decode step on one device (planned once, used per layer)."""
-
-    seq_lens: torch.Tensor  # [B] int32, tokens stored per sequence
-    start: torch.Tensor  # [B] int32, first valid stored position (0: padding is never stored)
-    lens: tuple[int, ...]  # seq_lens on the host
-    evicted: tuple[int, ...] | None  # blocks freed per sequence, on the host (None: none)
 
 
 def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -73,35 +67,36 @@ def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: t
     return start.int()
 
 
-def declare_padding(cache: PagedKVCache, mask: torch.Tensor | None, batch: int, length: int, device) -> None:
-    """Before a paged cache's first write: read each sequence's left padding off the prefill mask so the pages
-    store only real tokens (block boundaries then do not depend on the batch a prompt is in)."""
+def check_cache(cache: PagedKVCache, config: SparseConfig) -> None:
+    """Refuse a cache whose block size or backend differs from the patch's (the cache owns both: its pages are laid
+    out in its blocks and written by its backend's ops)."""
+    for name in ("block_size", "backend"):
+        have, want = getattr(cache, name), getattr(config, name)
+        if have != want:
+            raise ValueError(
+                f"this PagedKVCache has {name}={have!r} but the model was patched with {name}={want!r}: build the "
+                f"cache as PagedKVCache(model.config, {name}={want!r}), pass none (generate() and forward() build "
+                f"one), or patch with {name}={have!r}"
+            )
+
+
+def prepare_write(
+    cache: PagedKVCache,
+    config: SparseConfig,
+    layer_idx: int,
+    mask: torch.Tensor | None,
+    batch: int,
+    length: int,
+    device,
+) -> None:
+    """Before a paged layer's ``update``: ask the cache for only the new K/V (the attention reads the pages itself);
+    before the cache's first write, declare each sequence's left padding (read off the prefill mask, so the pages
+    store only real tokens and block boundaries do not depend on the batch a prompt is in) and the state the
+    policy needs the cache to keep."""
+    cache.defer_reads(layer_idx)
     if not cache.table.rows:
         cache.set_padding(padding_starts(mask, batch, length, device).tolist())
-
-
-def free_for_step(cache: PagedKVCache, policy: Policy, lens: tuple[int, ...]) -> None:
-    """Free what ``policy`` will never read again at context ``lens``: the unkept prompt blocks of a compressing
-    policy (scored during the prefill, freed at the first decode step), the blocks behind an evicting window; when
-    most of the pool is then free, compact it so the memory is given back."""
-    if cache.observed:
-        scores = [s.float().cpu() for s in cache.observed.values()]  # layers may sit on several devices
-        width = max(s.shape[-1] for s in scores)
-        stacked = torch.stack([torch.nn.functional.pad(s, (0, width - s.shape[-1])) for s in scores])
-        cache.free_blocks(policy.blocks_to_free(stacked, lens, cache.block_size))
-        cache.observed = {}
-        cache.compressed = True
-    elif policy.compresses and not cache.compressed:
-        raise ValueError(
-            f"{type(policy).__name__} scores the prompt during its prefill, but this cache was filled without it "
-            "(e.g. by a model patched with another policy): prefill the prompt with the model patched for "
-            f"{type(policy).__name__}, or use a fresh PagedKVCache."
-        )
-    elif getattr(policy, "evict", False):
-        cache.evict(policy.evictable(lens, cache.block_size))
-    t = cache.table
-    if cache.evicted and len(t.free) > t.capacity // 2:  # most of the pool is free: give the memory back
-        cache.compact()
+    cache.declare_state(config.policy.cache_state())
 
 
 def plan_step(
@@ -109,19 +104,15 @@ def plan_step(
 ) -> StepPlan:
     """The step's plan on ``device``, computed by the first paged layer there and reused by the others (layers
     spread over several devices by ``device_map`` get one plan per device). The first paged layer of a step
-    also frees what ``policy`` no longer needs (:func:`free_for_step`).
+    also lets ``policy`` free what it no longer needs (:meth:`~hf_sparse_kv.runtime.DecodeSession.release`).
 
     ``length`` is transformers' (padded) length; the plan holds the stored lengths, and checks that the decode
     mask pads exactly what the cache dropped at prefill."""
-    step = (length, batch, cache.forwards)
+    session = cache.session
     lens = tuple(length - p for p in cache.pads)
-    if cache._step_key != step:
-        cache.end_step()
-        cache._step_key = step
-        cache.decode_steps += 1
-        if cache.static is None:
-            free_for_step(cache, policy, lens)
-    plan = cache._step_plans.get(str(device))
+    if session.enter_step(length, batch) and cache.static is None:
+        session.release(policy, cache, lens)
+    plan = session.plan(device)
     if plan is not None:
         return plan
     if cache.static is not None:  # CUDA-graph decoding: the lengths live in device buffers (no padding there)
@@ -136,7 +127,7 @@ def plan_step(
                 "left padding fixed at prefill (as generate() does)."
             )
         plan = StepPlan((length - pads).int(), torch.zeros_like(pads), lens, cache.evicted_counts())
-    cache._step_plans[str(device)] = plan
+    session.keep_plan(device, plan)
     return plan
 
 
@@ -187,7 +178,7 @@ def choose(config: SparseConfig, state: DecodeState, layer_idx: int, cache: Page
 
     Dense layers select everything. ``mode="auto"`` runs the step dense (every block, block kernel) below the
     crossover context of the table for this budget, batch and head shape, and the policy at or above it (block
-    mode, or token mode for a token policy); it counts its choices in ``cache.auto_steps``.
+    mode, or token mode for a token policy); it counts its choices in the session's counters.
     """
     policy = config.policy
     if config.mode != "auto":
@@ -196,7 +187,7 @@ def choose(config: SparseConfig, state: DecodeState, layer_idx: int, cache: Page
     if layer_idx in config.dense_layers:
         return Policy.dense_selection(state), "block"
     sparse = auto_runs_sparse(config, state.q.shape[0], state.num_kv_heads, state.q.shape[-1], state.length)
-    cache.auto_steps["sparse" if sparse else "dense"] += 1
+    cache.session.count_auto(sparse)
     if not sparse:
         return Policy.dense_selection(state), "block"
     return policy.select(state), "token" if policy.granularity == "token" else "block"
@@ -226,17 +217,17 @@ def sparse_attention_forward(
     if Tq > 1:  # prefill, chunked prefill, assisted decoding: dense over the whole context
         if layer.length > key.shape[2]:
             key, value = layer.dense_kv()
-        if config.policy.compresses:  # the last multi-token forward is the observation
-            scale = scaling if scaling is not None else D**-0.5
-            pads = cache.pads_tensor(query.device)
-            observed = config.policy.observe_prefill(query, key, attention_mask, pads, cache.block_size, scale)
-            cache.observed[layer_idx] = observed
+        scale = scaling if scaling is not None else D**-0.5
+        pads = cache.pads_tensor(query.device)
+        observed = config.policy.observe_prefill(query, key, attention_mask, pads, cache.block_size, scale)
+        if observed is not None:  # the last multi-token forward is the observation
+            cache.session.observe(layer_idx, observed)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
 
     scale = scaling if scaling is not None else D**-0.5
-    ops = cache.ops(config.backend, query.device)
+    ops = cache.ops(query.device)
     plan = plan_step(cache, attention_mask, B, layer.length, query.device, config.policy)
     state = DecodeState(
         q=query[:, :, 0],
@@ -251,11 +242,11 @@ def sparse_attention_forward(
         length=max(plan.lens),
         block_size=cache.block_size,
         scale=scale,
-        mode=config.mode if config.mode != "auto" else "block",
         ops=ops,
         evicted=plan.evicted,
+        state=layer.state,
     )
     selection, mode = choose(config, state, layer_idx, cache)
     out = execute(selection, mode, state, layer.v_pool)  # [B, Hq, D]
-    cache.kv_bytes_read += kv_bytes(selection, mode, layer, state.length)
+    cache.session.count_read(kv_bytes(selection, mode, layer, state.length))
     return out.unsqueeze(1), None

@@ -1,12 +1,15 @@
 """PagedKVCache: a transformers ``Cache`` whose full-attention layers keep K/V in a shared block pool.
 
-Layout (DESIGN.md): each paged layer owns pools ``[NB, Hkv, BS, D]`` for keys and values and per-block key
-metadata ``[NB, Hkv, D]`` (min, max, mean); all layers share one block table ``[B, max_blocks]`` int32, one free
-list and one reference count per block, so a block id means the same slot in every layer. Full blocks are shared
-between sequences after a beam reorder and copied before a write (copy on write). Sliding-window layers (Gemma3,
-Mistral with ``sliding_window``) keep transformers' own layer and its window semantics.
+Layout (docs/ARCHITECTURE.md): each paged layer owns pools ``[NB, Hkv, BS, D]`` for keys and values, per-block
+key metadata ``[NB, Hkv, D]`` (min, max, mean) and whatever per-token or per-block state the policy declared
+(:meth:`PagedKVCache.declare_state`); all layers share one block table ``[B, max_blocks]`` int32, one free list and
+one reference count per block, so a block id means the same slot in every layer. Full blocks are shared between
+sequences after a beam reorder and copied before a write (copy on write). Sliding-window layers (Gemma3, Mistral
+with ``sliding_window``) keep transformers' own layer and its window semantics.
 
-The cache holds no policy; the patched attention function reads the pages through :meth:`PagedLayer.decode_view`.
+The cache is storage: it holds no policy and plans no step. Beside its storage it keeps one
+:class:`~hf_sparse_kv.runtime.DecodeSession` (the decode side's state of these contents), which it resets with
+its contents, reorders with its rows and tells when its table is cut, and never reads otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .ops import BACKENDS, get_ops, reference
+from .ops.layout import cdiv
+from .runtime import DecodeSession
 
 POOL_GROWTH = 2.0
 MIN_POOL_BLOCKS = 16
@@ -101,6 +106,7 @@ class PagedLayer(DynamicLayer):
         self.cache = cache
         self.length = 0
         self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
+        self.state: dict[str, torch.Tensor] = {}  # the policy-declared state (see PagedKVCache.declare_state)
 
     # transformers reads ``keys``/``values`` in a few generic places: give them the dense view (slow but correct)
     @property
@@ -129,28 +135,49 @@ class PagedLayer(DynamicLayer):
         self.v_pool = torch.zeros(NB, H, BS, D, dtype=value_states.dtype, device=self.device)
         self.kmin, self.kmax, self.kmean = (torch.zeros(NB, H, D, dtype=self.dtype, device=self.device) for _ in "abc")
         self.is_initialized = True
+        self.allocate_state()
+
+    def allocate_state(self) -> None:
+        """Allocate the declared state beside pools that exist (zeroed; the next writes fill it)."""
+        if self.is_initialized:
+            NB, H, BS, D = self.k_pool.shape
+            specs = self.cache.specs
+            self.state = {s.name: s.allocate(NB, H, BS, D, self.dtype, self.device) for s in specs}
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by physical block: pools, metadata, declared state."""
+        return [self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, *self.state.values()]
+
+    def _replace(self, tensors: list[torch.Tensor]) -> None:
+        self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean = tensors[:5]
+        self.state = dict(zip(self.state, tensors[5:]))
+
+    def refresh_state(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """Recompute the declared state of stored positions ``[lo[b], hi[b])`` from the key pool (``[B]`` tensors)."""
+        if self.state:
+            table = self.cache.table.tensor(self.device)
+            for spec in self.cache.specs:
+                spec.refresh(self.state[spec.name], self.k_pool, table, lo, hi)
 
     def grow(self, capacity: int) -> None:
         """Extend the pools to ``capacity`` blocks (existing block ids keep their slots)."""
         if not self.is_initialized:
             return
         extra = capacity - self.k_pool.shape[0]
-        grow = lambda t: torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
-        self.k_pool, self.v_pool = grow(self.k_pool), grow(self.v_pool)
-        self.kmin, self.kmax, self.kmean = grow(self.kmin), grow(self.kmax), grow(self.kmean)
+        self._replace([torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) for t in self._tensors()])
 
     def repack(self, blocks: list[int], capacity: int) -> None:
         """New pools of ``capacity`` blocks holding ``blocks`` (old ids) at ids ``0..len(blocks)-1``."""
         if not self.is_initialized:
             return
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        pack = lambda t: torch.cat([t[idx], t.new_zeros((capacity - len(blocks), *t.shape[1:]))])
-        self.k_pool, self.v_pool = pack(self.k_pool), pack(self.v_pool)
-        self.kmin, self.kmax, self.kmean = pack(self.kmin), pack(self.kmax), pack(self.kmean)
+        self._replace(
+            [torch.cat([t[idx], t.new_zeros((capacity - len(blocks), *t.shape[1:]))]) for t in self._tensors()]
+        )
 
     def copy_block(self, src: int, dst: int) -> None:
         if self.is_initialized:
-            for t in (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean):
+            for t in self._tensors():
                 t[dst] = t[src]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -172,10 +199,12 @@ class PagedLayer(DynamicLayer):
             pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
         table = self.cache.table.tensor(self.device)
         # padding is dropped on the way in by the reference; the kernels take pos0 >= 0
-        ops = self.cache.ops("reference" if frame0 < max(self.cache.pads) else self.cache.backend, self.device)
+        ops = self.cache.ops(self.device, "reference" if frame0 < max(self.cache.pads) else None)
         ops.paged_write(
             self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos0, key_states, value_states
         )
+        if self.state:
+            self.refresh_state(pos0.clamp(min=0), pos0 + T)
         self.length = frame0 + T
         if frame0 == 0 or self.cache.pop_deferred(self):
             return key_states, value_states
@@ -225,8 +254,7 @@ class PagedLayer(DynamicLayer):
     def bytes_per_block(self) -> int:
         if not self.is_initialized:
             return 0
-        per = lambda t: t[0].numel() * t.element_size()
-        return sum(per(t) for t in (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean))
+        return sum(t[0].numel() * t.element_size() for t in self._tensors())
 
 
 class PagedKVCache(DynamicCache):
@@ -240,8 +268,10 @@ class PagedKVCache(DynamicCache):
         max_length: tokens per sequence to reserve room for at the first write (``generate()`` passes its maximum
             length), so the pool is allocated once instead of grown by copies.
 
+    ``block_size`` and ``backend`` are owned here: a model patched with other values refuses this cache.
     ``memory_bytes()`` is what the cache holds; ``blocks_in_use`` the blocks referenced by some sequence;
-    ``kv_bytes_read`` the K/V bytes read by sparse decode steps so far (see :mod:`hf_sparse_kv.attention`).
+    ``kv_bytes_read``, ``decode_steps`` and ``auto_steps`` read the decode session's counters (see
+    :mod:`hf_sparse_kv.runtime`).
     """
 
     def __init__(self, config, block_size: int = 16, backend: str = "auto", max_length: int | None = None):
@@ -254,22 +284,15 @@ class PagedKVCache(DynamicCache):
         self.backend = backend
         self.max_length = max_length
         self.table = BlockTable(block_size)
-        self._deferred: set[int] = set()
+        self._deferred: set[int] = set()  # layers whose next update() returns only the new K/V (defer_reads)
         self.pads: list[int] = []  # left padding per sequence, dropped from the pages
         self._pads_on: dict = {}  # device -> pads as a tensor
         self._ops: dict = {}  # (backend, device) -> op namespace
-        self.kv_bytes_read = 0
-        self.auto_steps = {"dense": 0, "sparse": 0}  # layer-steps mode="auto" ran dense / sparse
+        self.specs: tuple = ()  # per-token / per-block state a policy declared (declare_state)
         self.evicted = False  # some blocks were freed by an evicting policy (their positions stay counted)
         self.static: StaticBuffers | None = None  # set by reserve_static() for CUDA-graph decoding
-        self.graphs = None  # the DecodeGraphs of a cuda_graph=True model (False: this cache cannot use them)
         self._evicted_to: list[int] = []  # per sequence, logical blocks below this were already considered
-        self.observed: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, nblk] block scores of a compressing policy
-        self.compressed = False  # a compressing policy already freed the prompt blocks it does not keep
-        self.decode_steps = 0
-        self.forwards = 0  # model forwards seen by the patch's hook: a decode step's plans live for one forward
-        self._step_key: tuple | None = None
-        self._step_plans: dict = {}  # device -> the step's plan (see hf_sparse_kv.attention.plan_step)
+        self.session = DecodeSession()  # the decode side's state of these contents (hf_sparse_kv.runtime)
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
         if not self.layers:
             raise ValueError("PagedKVCache needs a config that names its layers (num_hidden_layers)")
@@ -282,6 +305,23 @@ class PagedKVCache(DynamicCache):
     def blocks_in_use(self) -> int:
         return self.table.blocks_in_use
 
+    # the decode session's counters and pending observations, read-only (hf_sparse_kv.runtime writes them)
+    @property
+    def kv_bytes_read(self) -> int:
+        return self.session.counters.kv_bytes_read
+
+    @property
+    def decode_steps(self) -> int:
+        return self.session.counters.decode_steps
+
+    @property
+    def auto_steps(self) -> dict:
+        return dict(self.session.counters.auto_steps)
+
+    @property
+    def observed(self) -> dict:
+        return dict(self.session.observed)
+
     def pads_tensor(self, device) -> torch.Tensor:
         """``[B]`` int32: left padding of each sequence (tokens of transformers' frame not stored); made once per
         device and batch, so a decode step copies nothing from the host."""
@@ -292,8 +332,9 @@ class PagedKVCache(DynamicCache):
             self._pads_on[key] = torch.tensor(self.pads, dtype=torch.int32, device=device)
         return self._pads_on[key]
 
-    def ops(self, backend: str, device) -> SimpleNamespace:
-        """The op namespace of ``backend`` on ``device`` (looked up once)."""
+    def ops(self, device, backend: str | None = None) -> SimpleNamespace:
+        """The op namespace of this cache's backend (or ``backend``) on ``device`` (looked up once)."""
+        backend = backend or self.backend
         key = (backend, str(device))
         if key not in self._ops:
             self._ops[key] = get_ops(backend, device)
@@ -305,6 +346,24 @@ class PagedKVCache(DynamicCache):
         if self.table.rows:
             raise ValueError("left padding can only be declared before the first write of a PagedKVCache")
         self.pads = list(pads)
+
+    def declare_state(self, specs: tuple) -> None:
+        """Declare the per-token or per-block state (``StateSpec``s, see :class:`hf_sparse_kv.policies.StateSpec`)
+        every paged layer keeps beside its keys and refreshes at every write: before the first write, or specs the
+        cache keeps already. A cache filled without a state cannot grow it later (it would not cover the keys
+        written before)."""
+        specs = tuple(specs)
+        if set(specs) <= set(self.specs):  # kept already (a cache may keep more than a policy reads)
+            return
+        if self.table.rows:
+            names = ", ".join(s.name for s in specs) or "none"
+            raise ValueError(
+                f"this PagedKVCache was filled keeping state ({', '.join(s.name for s in self.specs) or 'none'}) "
+                f"other than what the patched policy needs ({names}): use a fresh PagedKVCache, or cache.reset() it"
+            )
+        self.specs = specs
+        for layer in self.paged_layers:  # pools kept from before a reset() get the new state beside them
+            layer.allocate_state()
 
     def memory_bytes(self) -> int:
         """Bytes the cache holds: blocks in use times the per-block bytes of every paged layer (K, V, metadata),
@@ -323,13 +382,15 @@ class PagedKVCache(DynamicCache):
     # ---- handshake with the patched attention --------------------------------------------------------------------
 
     def defer_reads(self, layer_idx: int) -> None:
-        """Called by the patched attention before ``update``: return only the new K/V, it reads the pages itself."""
+        """Called by the patched attention before ``update``: the next ``update`` of this layer returns only the new
+        K/V (the attention reads the pages itself) instead of a dense copy of the whole context."""
         self._deferred.add(layer_idx)
 
-    def end_step(self) -> None:
-        """Forget the current decode step's plans: the next paged layer starts a new step."""
-        self._step_key = None
-        self._step_plans = {}
+    def advance(self, tokens: int) -> None:
+        """Move every paged layer's length by ``tokens`` without writing: a captured decode step's writes happen on
+        the device at replay (``+1``), a warm-up or capture forward is undone (``-1``)."""
+        for layer in self.paged_layers:
+            layer.length += tokens
 
     def pop_deferred(self, layer: PagedLayer) -> bool:
         idx = self.layers.index(layer)
@@ -358,15 +419,15 @@ class PagedKVCache(DynamicCache):
             t.rows = [[] for _ in range(batch_size)]
             self.pads = self.pads if len(self.pads) == batch_size else [0] * batch_size
             if self.max_length:
-                self._ensure_free(batch_size * -(-self.max_length // self.block_size))
+                self._ensure_free(batch_size * cdiv(self.max_length, self.block_size))
             else:  # the prompt and one spare block per sequence: the first decode steps do not double the pool
-                self._ensure_free(sum(-(-(length - p) // self.block_size) + 1 for p in self.pads))
+                self._ensure_free(sum(cdiv(length - p, self.block_size) + 1 for p in self.pads))
         elif len(t.rows) != batch_size:
             raise ValueError(
                 f"PagedKVCache holds {len(t.rows)} sequences but got a batch of {batch_size}: call cache.reset() "
                 "before reusing it for another batch, or make a new PagedKVCache"
             )
-        need = [-(-(length - p) // self.block_size) for p in self.pads]
+        need = [cdiv(length - p, self.block_size) for p in self.pads]
         first = [max(write_from - p, 0) // self.block_size for p in self.pads]
         shared = [
             (b, lb)
@@ -416,7 +477,7 @@ class PagedKVCache(DynamicCache):
         blocks = []
         for b, (row, (lo, hi)) in enumerate(zip(t.rows, spans)):
             end = min(hi // BS, len(row))
-            blocks.append(range(max(-(-lo // BS), self._evicted_to[b]), end))  # spans only grow: skip what was seen
+            blocks.append(range(max(cdiv(lo, BS), self._evicted_to[b]), end))  # spans only grow: skip what was seen
             self._evicted_to[b] = max(self._evicted_to[b], end)
         return self.free_blocks(blocks)
 
@@ -457,6 +518,11 @@ class PagedKVCache(DynamicCache):
         t.invalidate()
         return capacity
 
+    def compact_if_mostly_free(self) -> None:
+        """After blocks were freed: compact the pool when more than half of it is free (the memory goes back)."""
+        if self.evicted and len(self.table.free) > self.table.capacity // 2:
+            self.compact()
+
     def evicted_counts(self) -> tuple[int, ...] | None:
         """Blocks freed per sequence (``None`` when none was)."""
         return tuple(row.count(-1) for row in self.table.rows) if self.evicted else None
@@ -469,13 +535,10 @@ class PagedKVCache(DynamicCache):
         self.table.rows = []
         self.table.invalidate()
         self.pads = []
-        self.end_step()
         self.evicted = False
         self._evicted_to = []
-        self.observed = {}
-        self.compressed = False
         self.static = None
-        self.graphs = None  # captured decode steps belong to one generation
+        self.session.reset()  # plans, observations and captured steps belong to one generation (counters go on)
         self._deferred.clear()
         for layer in self.layers:
             layer.reset()
@@ -517,7 +580,7 @@ class PagedKVCache(DynamicCache):
         t.rows = new_rows
         self.pads = [self.pads[s] for s in sources]
         self._evicted_to = [self._evicted_to[s] for s in sources] if self._evicted_to else []
-        self.observed = {i: v[torch.as_tensor(sources, device=v.device)] for i, v in self.observed.items()}
+        self.session.select_rows(sources)
         t.invalidate()
 
     def crop(self, max_length: int) -> None:
@@ -527,10 +590,11 @@ class PagedKVCache(DynamicCache):
         keep = max(keep, 0)
         if keep == length:
             return
-        self.static = self.graphs = None  # the reservation and captured steps assumed the old table
+        self.static = None  # the reservation and captured steps assumed the old table
+        self.session.set_graphs(None)
         t = self.table
         for row, pad in zip(t.rows, self.pads):
-            need = -(-max(keep - pad, 0) // self.block_size)
+            need = cdiv(max(keep - pad, 0), self.block_size)
             while len(row) > need:
                 t.release(row.pop())
         t.invalidate()
@@ -542,5 +606,6 @@ class PagedKVCache(DynamicCache):
                     lo = (hi - 1).clamp(min=0)  # the last (now partial) block of each sequence
                     table = t.tensor(layer.device)
                     reference.refresh_metadata(layer.k_pool, layer.kmin, layer.kmax, layer.kmean, table, lo, hi)
+                    layer.refresh_state(lo, hi)
             else:
                 layer.crop(keep - length)

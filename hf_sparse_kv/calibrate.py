@@ -26,6 +26,7 @@ import torch
 from .attention import execute
 from .crossover import CrossoverTable
 from .ops import get_ops, resolve_backend
+from .ops.layout import cdiv
 from .policies import DecodeState, Dense, Policy, Quest
 
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -91,7 +92,7 @@ def layer_states(args: tuple, min_bytes: int, most: int = 16) -> list[tuple[Deco
     """Enough :func:`random_state` copies (like a model's layers) to hold ``min_bytes`` of pages, 1 to ``most``."""
     first = random_state(*args)
     per = sum(t.numel() * t.element_size() for t in (first[0].k_pool, first[1], first[0].kmin, first[0].kmax))
-    copies = max(1, min(most, -(-min_bytes // per)))
+    copies = max(1, min(most, cdiv(min_bytes, per)))
     return [first] + [random_state(*args, seed=i) for i in range(1, copies)]
 
 
@@ -104,7 +105,7 @@ def cycle_calls(policy: Policy, states: list) -> None:
 def random_state(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, backend, seed=0):
     """A decode state over random pages (a random block table), and its value pool."""
     g = torch.Generator(device=device).manual_seed(context + batch + 1000003 * seed)
-    nblk = -(-context // block_size)
+    nblk = cdiv(context, block_size)
     NB = batch * nblk
     k_pool = torch.randn(NB, num_kv_heads, block_size, head_dim, generator=g, device=device).to(dtype)
     v_pool = torch.randn(NB, num_kv_heads, block_size, head_dim, generator=g, device=device).to(dtype)
@@ -123,7 +124,6 @@ def random_state(batch, context, num_q_heads, num_kv_heads, head_dim, block_size
         length=context,
         block_size=block_size,
         scale=head_dim**-0.5,
-        mode="block",
         ops=get_ops(backend, device),
     )
     return state, v_pool

@@ -106,13 +106,6 @@ class CrossoverTable:
 
 
 def budget_fraction(policy, context: int) -> float | None:
-    """The fraction of ``context`` a policy's budget keeps (``None`` for a policy without a budget, e.g. Dense)."""
-    budget = getattr(policy, "budget", None)
-    if budget is None:
-        window = getattr(policy, "window", None)
-        if window is None:
-            return None
-        return min(1.0, (getattr(policy, "sink", 0) + window) / max(context, 1))
-    if isinstance(budget, float):
-        return budget
-    return min(1.0, budget / max(context, 1))
+    """The fraction of ``context`` a policy's budget keeps (``None`` for a policy without a budget, e.g. Dense): what
+    its :meth:`~hf_sparse_kv.policies.Policy.budget_fraction` says."""
+    return policy.budget_fraction(context)

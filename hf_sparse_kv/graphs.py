@@ -14,8 +14,9 @@ captured step may not do, and how this module avoids it:
 The Python bookkeeping a captured step skipped (layer lengths, counters) is done by :meth:`DecodeGraphs.step`.
 Supported: every attention layer paged (no sliding-window layers), no left padding, ``mode="block"`` or ``"auto"``
 (the crossover's dense/sparse decision is part of the plan a graph is keyed on), a policy that does not free blocks.
-:func:`hf_sparse_kv.patch_model` with ``cuda_graph=True`` routes ``generate()``'s decode steps here and falls back
-to eager for anything else.
+:func:`hf_sparse_kv.patch_model` with ``cuda_graph=True`` routes every forward through :func:`captured_step`, which
+owns the rule of which forwards replay a graph (:func:`step_applies`) and returns ``None`` for the others (they
+run eagerly).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 
 from .attention import auto_runs_sparse
 from .cache import PagedKVCache, PagedLayer
+from .patched import cache_kwarg, patch_state
+from .runtime import Counters
 
 
 class DecodeGraphs:
@@ -42,9 +45,7 @@ class DecodeGraphs:
     def __init__(
         self, model, cache: PagedKVCache, max_length: int, capture: bool = True, forward: Callable | None = None
     ):
-        from .patch import STATE_ATTR, cache_kwarg
-
-        config = getattr(model, STATE_ATTR).config
+        config = patch_state(model).config
         self.forward_fn = forward or model
         self.cache_name = cache_kwarg(model)
         if not all(isinstance(layer, PagedLayer) for layer in cache.layers):
@@ -89,25 +90,23 @@ class DecodeGraphs:
         kw = {self.cache_name: self.cache, "use_cache": True}
         return self.forward_fn(input_ids=self.ids, position_ids=self.positions, **kw).logits
 
-    def _rewind(self, kv_bytes: int, steps: int, auto_steps: dict) -> None:
+    def _rewind(self, before: Counters) -> None:
         """Undo the host bookkeeping of a warm-up or capture forward (the device writes are redone by the replay)."""
-        for layer in self.cache.paged_layers:
-            layer.length -= 1
-        self.cache.kv_bytes_read, self.cache.decode_steps = kv_bytes, steps
-        self.cache.auto_steps = dict(auto_steps)
-        self.cache.end_step()
+        self.cache.advance(-1)
+        self.cache.session.restore_counters(before)
+        self.cache.session.end_step()
 
     def _capture(self, key) -> tuple:
-        cache = self.cache
-        before = (int(cache.kv_bytes_read), cache.decode_steps, dict(cache.auto_steps))
+        session = self.cache.session
+        before = session.counters.copy()
         self._forward()  # warm-up: compiles the kernels of this width, allocates workspaces
-        per_step = (int(cache.kv_bytes_read) - before[0], {k: cache.auto_steps[k] - before[2][k] for k in before[2]})
-        self._rewind(*before)
+        per_step = session.counters.minus(before)
+        self._rewind(before)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward()
-        self._rewind(*before)
+        self._rewind(before)
         return graph, logits, per_step
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,14 +125,50 @@ class DecodeGraphs:
         key = self.key(length + 1)
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)
-        graph, logits, (kv_bytes, auto_steps) = self.graphs[key]
+        graph, logits, per_step = self.graphs[key]
         graph.replay()
         self.replays += 1
-        for layer in cache.paged_layers:
-            layer.length += 1
-        cache.kv_bytes_read += kv_bytes
-        for k, n in auto_steps.items():
-            cache.auto_steps[k] += n
-        cache.decode_steps += 1
-        cache.end_step()
+        cache.advance(1)
+        cache.session.add_counters(per_step)
+        cache.session.end_step()
         return logits.clone()
+
+
+def step_applies(cache, ids, kwargs: dict) -> bool:
+    """Whether a forward may replay a captured decode step: one new token per sequence of a CUDA batch, on a
+    filled :class:`PagedKVCache` reserved up to a maximum length, without left padding or a mask with holes, and
+    asking for nothing a captured step does not return (hidden states, embeddings as input)."""
+    mask = kwargs.get("attention_mask")
+    return (
+        isinstance(cache, PagedKVCache)
+        and isinstance(ids, torch.Tensor)
+        and ids.is_cuda
+        and ids.dim() == 2
+        and ids.shape[1] == 1
+        and cache.get_seq_length() > 0
+        and cache.max_length is not None
+        and not any(cache.pads)
+        and cache.session.graphs is not False
+        and kwargs.get("inputs_embeds") is None
+        and not kwargs.get("output_hidden_states")
+        and (mask is None or bool(mask.all()))
+    )
+
+
+def captured_step(model, forward: Callable, cache, ids, kwargs: dict) -> torch.Tensor | None:
+    """The logits ``[B, 1, V]`` of a decode step replayed from a captured graph, or ``None`` when this forward
+    must run eagerly (:func:`step_applies` says no, the cache cannot be captured, or its reservation is full). The
+    cache's first eligible step builds its :class:`DecodeGraphs` (``forward``: the model's unwrapped forward)."""
+    if not step_applies(cache, ids, kwargs):
+        return None
+    runner = cache.session.graphs
+    if runner is None:
+        try:
+            runner = DecodeGraphs(model, cache, cache.max_length, forward=forward)
+        except ValueError:
+            cache.session.set_graphs(False)  # this cache cannot decode from graphs: eager from now on
+            return None
+        cache.session.set_graphs(runner)
+    if not runner.fits(ids):
+        return None
+    return runner.step(ids, kwargs.get("position_ids"))

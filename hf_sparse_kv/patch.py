@@ -14,13 +14,13 @@ What patching does, all undone by :func:`unpatch_model`:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from functools import partial, update_wrapper
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import (
     ATTENTION_NAME,
@@ -28,15 +28,19 @@ from .attention import (
     CONFIG_KWARG,
     MODES,
     SparseConfig,
-    declare_padding,
+    check_cache,
+    prepare_write,
     sparse_attention_forward,
 )
 from .cache import PagedKVCache, PagedLayer, check_block_size
 from .crossover import CrossoverTable
+from .graphs import captured_step
 from .ops import BACKENDS
+from .patched import STATE_ATTR, PatchState, cache_kwarg
 from .policies import Dense, Policy
 
-STATE_ATTR = "_hf_sparse_kv"
+__all__ = ["cache_kwarg", "is_patched", "patch_model", "unpatch_model"]
+
 CACHE_NAMES = ("cache", "past_key_values")
 
 
@@ -60,11 +64,6 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
         )
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if policy.granularity == "token" and mode == "block":
-        raise ValueError(
-            f"{type(policy).__name__} selects single tokens: mode='block' would read whole blocks and change what it "
-            "attends. Use mode='token' (physically sparse) or mode='mask'."
-        )
     check_block_size(block_size)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -82,11 +81,7 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
     bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
     if bad:
         raise ValueError(f"dense_layers must be layer indices in [0, {n}), got out-of-range or non-int {bad}")
-    if getattr(policy, "evict", False) and layers:
-        raise ValueError(
-            "SinkWindow(evict=True) frees the tokens that leave the window, which a dense layer still needs: "
-            "pass dense_layers=() with it (or use evict=False)."
-        )
+    policy.check_patch(mode, layers)
     return layers
 
 
@@ -104,12 +99,6 @@ def _foreign_cache_error(cache) -> TypeError:
     )
 
 
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The name under which ``model.forward``/``generate`` take a cache: ``"cache"`` in recent transformers 5.x,
-    ``"past_key_values"`` before (e.g. 5.17). ``model(ids, **{cache_kwarg(model): cache})`` works on both."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-
-
 def _model_pre_hook(model, args, kwargs):
     config: SparseConfig = getattr(model, STATE_ATTR).config
     if kwargs.get("output_attentions") or getattr(model.config, "output_attentions", False):
@@ -121,7 +110,8 @@ def _model_pre_hook(model, args, kwargs):
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
     if cache is not None:
-        cache.forwards += 1  # a new forward: its decode step is planned afresh
+        check_cache(cache, config)
+        cache.session.begin_forward()  # a new forward: its decode step is planned afresh
     use_cache = kwargs.get("use_cache")
     if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
         kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
@@ -142,10 +132,9 @@ def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
             "build the cache from the model's own config, PagedKVCache(model.config)"
         )
     if isinstance(cache, PagedKVCache) and isinstance(cache.layers[module.layer_idx], PagedLayer):
-        cache.defer_reads(module.layer_idx)
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         mask = kwargs.get("attention_mask")
-        declare_padding(cache, mask, hidden.shape[0], hidden.shape[1], hidden.device)
+        prepare_write(cache, config, module.layer_idx, mask, hidden.shape[0], hidden.shape[1], hidden.device)
     kwargs[CONFIG_KWARG] = config
     kwargs[CACHE_KWARG] = cache
     return args, kwargs
@@ -158,6 +147,8 @@ def _prepare_cache_for_generation(
     _name, cache = _find_cache(model_kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
+    if cache is not None:
+        check_cache(cache, config)
     if cache is None and generation_config.use_cache is not False:
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
@@ -174,51 +165,14 @@ def _prepare_cache_for_generation(
 
 
 def _graph_forward(model, original, *args, **kwargs):
-    """``model.forward`` under ``cuda_graph=True``: single-token decode steps on a filled, unpadded PagedKVCache
-    replay a captured graph (see :class:`hf_sparse_kv.graphs.DecodeGraphs`); anything else runs ``original``."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    from .graphs import DecodeGraphs
-
+    """``model.forward`` under ``cuda_graph=True``: a decode step that :func:`hf_sparse_kv.graphs.step_applies` to
+    replays a captured graph; anything else runs ``original``."""
     _, cache = _find_cache(kwargs)
     ids = kwargs.get("input_ids", args[0] if args else None)
-    mask = kwargs.get("attention_mask")
-    eligible = (
-        isinstance(cache, PagedKVCache)
-        and isinstance(ids, torch.Tensor)
-        and ids.is_cuda
-        and ids.dim() == 2
-        and ids.shape[1] == 1
-        and cache.get_seq_length() > 0
-        and cache.max_length is not None
-        and not any(cache.pads)
-        and getattr(cache, "graphs", None) is not False
-        and kwargs.get("inputs_embeds") is None
-        and not kwargs.get("output_hidden_states")
-        and (mask is None or bool(mask.all()))
-    )
-    if not eligible:
+    logits = captured_step(model, original, cache, ids, kwargs)
+    if logits is None:
         return original(*args, **kwargs)
-    runner = getattr(cache, "graphs", None)
-    if runner is None:
-        try:
-            runner = DecodeGraphs(model, cache, cache.max_length, forward=original)
-        except ValueError:
-            cache.graphs = False  # this cache cannot decode from graphs: eager from now on
-            return original(*args, **kwargs)
-        cache.graphs = runner
-    if not runner.fits(ids):
-        return original(*args, **kwargs)
-    logits = runner.step(ids, kwargs.get("position_ids"))
     return CausalLMOutputWithPast(logits=logits, **{cache_kwarg(model): cache})
-
-
-class _PatchState:
-    """What unpatching needs: the hooks to remove and the original attention implementation."""
-
-    def __init__(self, config: SparseConfig, handles: list):
-        self.config = config
-        self.handles = handles
 
 
 def _register() -> None:
@@ -294,7 +248,7 @@ def patch_model(
     if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
         original_forward = type(model).forward.__get__(model)
         model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
-    setattr(model, STATE_ATTR, _PatchState(config, handles))
+    setattr(model, STATE_ATTR, PatchState(config, handles))
     return model
 
 

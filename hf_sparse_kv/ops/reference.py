@@ -6,7 +6,7 @@ Everything computes in float32 and casts the result back to the input dtype. Sha
 - ``NB`` blocks in the pool, ``BS`` tokens per block, ``MB`` block-table width, ``K`` selected blocks,
   ``T`` selected tokens, ``L`` context length (the largest ``seq_lens``)
 
-The paged layout (see DESIGN.md): a layer's keys and values live in pools ``[NB, Hkv, BS, D]``; sequence ``b``'s
+The paged layout (docs/ARCHITECTURE.md): a layer's keys and values live in pools ``[NB, Hkv, BS, D]``; sequence ``b``'s
 token at logical position ``p`` sits in physical block ``block_table[b, p // BS]`` at offset ``p % BS``.
 
 The token-validity rule shared by every attention op: position ``p`` of sequence ``b`` may be attended iff
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .layout import cdiv, forced_block_mask, num_blocks
 
 NEG_INF = float("-inf")
 
@@ -108,7 +110,7 @@ def refresh_metadata(
 def gather_dense(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """Contiguous copy of the first ``length`` positions: ``pool [NB, H, BS, D]`` -> ``[B, H, length, D]``."""
     BS = pool.shape[2]
-    nblk = -(-length // BS)
+    nblk = cdiv(length, BS)
     blocks = pool[block_table[:, :nblk].long().clamp(min=0)]  # [B, nblk, H, BS, D]
     B, _, H, _, D = blocks.shape
     return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nblk * BS, D)[:, :, :length]
@@ -122,39 +124,11 @@ def _group_q(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.float().view(B, num_kv_heads, Hq // num_kv_heads, D)  # [B, Hkv, G, D]
 
 
-def num_blocks(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Blocks in use per sequence: ``[B]`` -> ``[B]``."""
-    return (seq_lens.long() + block_size - 1) // block_size
-
-
 def live_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """``[B, MB]`` bool: the block exists (before the sequence's end) and was not evicted (table entry ``>= 0``)."""
     MB = block_table.shape[1]
     before_end = torch.arange(MB, device=block_table.device).view(1, -1) < num_blocks(seq_lens, block_size).view(-1, 1)
     return before_end & (block_table >= 0)
-
-
-def window_positions(
-    seq_lens: torch.Tensor, start: torch.Tensor, sink: int, window: int | torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence, the end of the sink ``[start, start + sink)`` and the start of the window (the last ``window``
-    tokens, at least one, never before the sink's end): two ``[B]`` long tensors. ``window`` is an int or ``[B]``."""
-    lens = seq_lens.long()
-    sink_end = torch.minimum(start.long() + sink, lens)
-    window = max(window, 1) if isinstance(window, int) else window.clamp(min=1)  # no host->device copy
-    return sink_end, torch.maximum(lens - window, sink_end)
-
-
-def forced_block_mask(
-    seq_lens: torch.Tensor, start: torch.Tensor, sink: int, window: int | torch.Tensor, block_size: int, width: int
-) -> torch.Tensor:
-    """``[B, width]`` bool: the blocks holding the sink, the window and the current (partial) block."""
-    sink_end, win_start = window_positions(seq_lens, start, sink, window)
-    blk = torch.arange(width, device=seq_lens.device).view(1, -1)
-    nblk = num_blocks(seq_lens, block_size).view(-1, 1)
-    in_sink = blk * block_size < sink_end.view(-1, 1)
-    in_window = (blk + 1) * block_size > win_start.view(-1, 1)
-    return (in_sink | in_window | (blk == nblk - 1)) & (blk < nblk)
 
 
 def block_scores(
@@ -220,7 +194,7 @@ def token_scores(
 
 def _live_positions(block_table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
     """``[B, length]`` bool: the position's block was not evicted (its table entry is not -1)."""
-    nblk = -(-length // block_size)
+    nblk = cdiv(length, block_size)
     live = block_table[:, :nblk] >= 0
     return live.repeat_interleave(block_size, dim=1)[:, :length]
 
@@ -246,7 +220,7 @@ def oracle_block_scores(
     ok = valid_positions(pos, seq_lens, start, zero, zero) & _live_positions(block_table, BS, L)
     # a sequence with nothing valid has no mass (0), not NaN
     p = logits.masked_fill(~ok.view(ok.shape[0], 1, 1, L), NEG_INF).softmax(-1).nan_to_num(0.0).sum(2)  # [B, Hkv, L]
-    nblk = -(-L // BS)
+    nblk = cdiv(L, BS)
     mass = F.pad(p, (0, nblk * BS - L)).view(*p.shape[:2], nblk, BS).sum(-1)
     out = torch.full((*p.shape[:2], MB), NEG_INF, device=q.device)
     out[..., :nblk] = mass

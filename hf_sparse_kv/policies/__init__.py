@@ -1,6 +1,6 @@
 """Selection policies, one ``@dataclass`` each; :data:`POLICIES` is the one registry of their string names."""
 
-from .base import DecodeState, Policy, Selection
+from .base import DecodeState, Policy, Selection, StateSpec
 from .blocks import BlockTopK, OracleBlockTopK, Quest
 from .compress import SnapKV
 from .simple import Dense, SinkWindow
@@ -27,5 +27,6 @@ __all__ = [
     "Selection",
     "SinkWindow",
     "SnapKV",
+    "StateSpec",
     "TokenTopK",
 ]

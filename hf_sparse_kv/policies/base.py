@@ -1,21 +1,31 @@
-"""The policy contract: a decode step's state in, a fixed-width :class:`Selection` out.
+"""The policy contract: a decode step's state in, a fixed-width :class:`Selection` out, and a lifecycle around it.
 
-A policy is a ``@dataclass`` with one method, :meth:`Policy.select`. It sees the step's :class:`DecodeState` (the
-query, one layer's paged keys and metadata, the block table) and returns what each (sequence, KV head) may attend.
-Budgets count the tokens one decode query attends, sink and window included: an ``int`` is tokens, a ``float`` in
-(0, 1] is a fraction of the current context; a budget at or above the context means dense.
+A policy is a ``@dataclass`` with one method to write, :meth:`Policy.select`. It sees the step's
+:class:`DecodeState` (the query, one layer's paged keys, metadata and declared state, the block table) and returns
+what each (sequence, KV head) may attend. Budgets count the tokens one decode query attends, sink and window
+included: an ``int`` is tokens, a ``float`` in (0, 1] is a fraction of the current context; a budget at or above the
+context means dense.
+
+Around :meth:`~Policy.select`, the policy owns its lifecycle through methods with no-op defaults, which the patch and
+the attention call without asking what kind of policy they hold (docs/ARCHITECTURE.md, "The life of a decode step"):
+:meth:`~Policy.check_patch` (refuse settings it cannot run under), :meth:`~Policy.cache_state` (the per-token or
+per-block state the cache keeps for it and how a write refreshes it), :meth:`~Policy.observe_prefill` (score the
+prompt during the prefill), :meth:`~Policy.release` (free blocks it will never read again),
+:meth:`~Policy.budget_fraction` (for ``mode="auto"``) and :attr:`~Policy.frees_blocks`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
 
 from ..ops import reference
+from ..ops.layout import cdiv, forced_block_mask, window_positions
 
 NEG_INF = float("-inf")
 
@@ -53,11 +63,12 @@ class DecodeState:
         lens: the same lengths on the host (each context in tokens, the current token included), so that
             selection widths are decided without reading the device.
         length: the longest context, ``max(lens)``.
-        block_size: tokens per block. scale: softmax scale. mode: ``"mask"``, ``"token"`` or ``"block"``.
+        block_size: tokens per block. scale: softmax scale.
         ops: the op namespace of the backend (see :func:`hf_sparse_kv.ops.get_ops`).
         evicted: per sequence, the blocks an evicting or compressing policy freed (their table entries are -1), on
             the host; ``None`` when nothing was freed. Scores of freed blocks are ``-inf``; a selection never holds
             them.
+        state: the layer's tensors of the state the policy declared (:meth:`Policy.cache_state`), by name.
     """
 
     q: torch.Tensor
@@ -72,9 +83,9 @@ class DecodeState:
     length: int
     block_size: int
     scale: float
-    mode: str
     ops: SimpleNamespace
     evicted: tuple[int, ...] | None = None
+    state: dict = field(default_factory=dict)
 
     @property
     def num_kv_heads(self) -> int:
@@ -88,7 +99,7 @@ class DecodeState:
 
     def live_blocks(self) -> tuple[int, ...]:
         """Blocks each sequence still holds (on the host)."""
-        held = [-(-n // self.block_size) for n in self.lens]
+        held = [cdiv(n, self.block_size) for n in self.lens]
         return tuple(h - e for h, e in zip(held, self.evicted or (0,) * len(held)))
 
     def live_tokens(self) -> tuple[int, ...]:
@@ -123,37 +134,96 @@ def budget_tokens(budget: float, length: int) -> int:
     return budget
 
 
-def window_bounds(length: int, sink: int, window: int) -> tuple[int, int]:
-    """(end of the sink ``[0, sink)``, start of the window ``[length - window, length)``); the window never starts
-    before the sink ends and holds at least the current token."""
-    sink_end = min(sink, length)
-    return sink_end, max(length - max(window, 1), sink_end)
+@dataclass(frozen=True)
+class StateSpec:
+    """Per-token or per-block state a policy asks every paged layer of the cache to keep beside its keys.
 
+    Attributes:
+        name: the key of the state in :attr:`DecodeState.state`.
+        scope: ``"token"`` (a tensor ``[NB, Hkv, BS, *shape(D)]``) or ``"block"`` (``[NB, Hkv, *shape(D)]``).
+        shape: the trailing dims as a function of the head dim ``D``.
+        refresh: ``refresh(state, k_pool, block_table, lo, hi)`` recomputes, in place, the entries of the stored
+            positions ``lo[b] <= p < hi[b]`` (``[B]`` long tensors; for ``"block"`` scope, the blocks holding them,
+            from all their stored keys) from ``k_pool [NB, Hkv, BS, D]`` through ``block_table [B, MB]``. The cache
+            calls it after every write and after a crop; copies, reorders, growth and compaction move the state
+            with its block.
+        dtype: the state's dtype (``None``: the keys' dtype).
+    """
 
-def forced_block_count(length: int, sink: int, window: int, block_size: int) -> int:
-    """Blocks holding the sink, the window and the current block of a context of ``length`` tokens."""
-    sink_end, win_start = window_bounds(length, sink, window)
-    nblk = -(-length // block_size)
-    in_sink = -(-sink_end // block_size)  # blocks [0, in_sink)
-    first_window = win_start // block_size  # blocks [first_window, nblk), the current one included
-    return in_sink + (nblk - first_window) - max(0, in_sink - first_window)
+    name: str
+    scope: str
+    shape: Callable[[int], tuple[int, ...]]
+    refresh: Callable[..., None]
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in ("token", "block"):
+            raise ValueError(f"StateSpec scope must be 'token' or 'block', got {self.scope!r}")
+
+    def allocate(self, NB: int, H: int, BS: int, D: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """The zeroed state of a pool of ``NB`` blocks."""
+        per_block = (BS,) if self.scope == "token" else ()
+        return torch.zeros(NB, H, *per_block, *self.shape(D), dtype=self.dtype or dtype, device=device)
 
 
 @dataclass
 class Policy:
     """Base of every policy: a dataclass whose :meth:`select` returns a :class:`Selection`.
 
-    Subclasses set ``granularity`` (``"block"``, ``"token"`` or ``None`` for dense) and implement :meth:`select`.
+    Subclasses set ``granularity`` (``"block"``, ``"token"`` or ``None`` for dense) and implement :meth:`select` and
+    :meth:`plan`; the lifecycle methods below have no-op defaults.
     """
 
     granularity: ClassVar[str | None] = None
-    compresses: ClassVar[bool] = False  # scores the prompt at prefill and frees blocks at the first decode step
+    compresses: ClassVar[bool] = False  # says so for callers (evaluation): it scores the prompt at its prefill
+
+    # ---- lifecycle (no-op defaults; the patch and the attention call these and branch on nothing else) ----------
 
     @property
     def frees_blocks(self) -> bool:
         """Whether the policy frees blocks (eviction or compression): the block table then changes while decoding
         (no CUDA graphs), and the pool is not reserved up to ``generate()``'s maximum length."""
-        return self.compresses or bool(getattr(self, "evict", False))
+        return False
+
+    def check_patch(self, mode: str, dense_layers: tuple[int, ...]) -> None:
+        """Raise a ``ValueError`` if the policy cannot run with this patch's ``mode`` and ``dense_layers``."""
+        if self.granularity == "token" and mode == "block":
+            raise ValueError(
+                f"{type(self).__name__} selects single tokens: mode='block' would read whole blocks and change what "
+                "it attends. Use mode='token' (physically sparse) or mode='mask'."
+            )
+
+    def cache_state(self) -> tuple[StateSpec, ...]:
+        """The per-token or per-block state the cache must keep for :meth:`select` (none by default; the block
+        min/max/mean metadata is always kept)."""
+        return ()
+
+    def observe_prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        mask: torch.Tensor | None,
+        pads: torch.Tensor,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Called by every paged layer's multi-token forward (prefill) with its queries ``[B, Hq, Tq, D]`` and whole
+        context ``[B, Hkv, L, D]``; a returned ``[B, Hkv, nblk]`` observation reaches :meth:`release` at the next
+        decode step. Default: observe nothing."""
+        return None
+
+    def release(self, cache, lens: tuple[int, ...], observation) -> None:
+        """Called once per decode step, before the first layer selects, at context ``lens`` (stored tokens per
+        sequence): free what the policy will never read again through the cache's ``free_blocks(blocks)`` or
+        ``evict(spans)``. ``observation`` (:class:`hf_sparse_kv.runtime.Observation`) holds the prefill
+        observations made since the last step. Default: free nothing."""
+
+    def budget_fraction(self, context: int) -> float | None:
+        """The fraction of ``context`` the policy reads (``None``: no budget, e.g. Dense), for ``mode="auto"``."""
+        budget = getattr(self, "budget", None)
+        if budget is None:
+            return None
+        return budget if isinstance(budget, float) else min(1.0, budget / max(context, 1))
 
     def select(self, state: DecodeState) -> Selection:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -192,14 +262,12 @@ class Policy:
 
     @staticmethod
     def forced_positions(state: DecodeState, sink: int, window) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence, the end of the sink and the start of the window (see :func:`window_bounds`): two ``[B]``
+        """Per sequence, the end of the sink and the start of the window (the rule of :mod:`hf_sparse_kv.ops.layout`): two ``[B]``
         long tensors computed on the device from ``state.seq_lens`` (so a captured decode step stays right as the
         lengths move). ``window`` is an int or a ``[B]`` tensor."""
-        return reference.window_positions(state.seq_lens, state.start, sink, window)
+        return window_positions(state.seq_lens, state.start, sink, window)
 
     @staticmethod
     def forced_blocks(state: DecodeState, sink: int, window) -> torch.Tensor:
         """``[B, nblk]`` bool: the blocks holding the sink, the window and the current (partial) block."""
-        return reference.forced_block_mask(
-            state.seq_lens, state.start, sink, window, state.block_size, state.num_blocks
-        )
+        return forced_block_mask(state.seq_lens, state.start, sink, window, state.block_size, state.num_blocks)

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count, forced_block_count
+from ..ops.layout import cdiv, forced_block_count
+from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
 
 
 @dataclass
@@ -38,7 +39,7 @@ class _BlockTopK(Policy):
         """Blocks to keep per sequence (``None``: every sequence keeps all its blocks), decided on the host."""
         counts, dense = [], True
         for n in lens:
-            nblk, tokens = -(-n // block_size), budget_tokens(self.budget, n)
+            nblk, tokens = cdiv(n, block_size), budget_tokens(self.budget, n)
             forced = forced_block_count(n, self.sink, self.window, block_size)
             keep = nblk if tokens >= n else min(max(tokens // block_size, forced), nblk)
             counts.append(keep)

@@ -7,16 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import (
-    DecodeState,
-    Policy,
-    Selection,
-    budget_tokens,
-    check_budget,
-    check_count,
-    forced_block_count,
-    window_bounds,
-)
+from ..ops.layout import cdiv, forced_block_count, forced_block_set
+from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
 from .blocks import _BlockTopK
 from .tokens import TokenTopK
 
@@ -51,8 +43,7 @@ class SnapKV(Policy):
     pool: str = "max"
     then: Policy | None = None
 
-    # read by the patched attention: observe the prefill, free blocks at the first decode step
-    compresses: ClassVar[bool] = True
+    compresses: ClassVar[bool] = True  # observes the prefill, frees blocks at the first decode step
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -73,6 +64,21 @@ class SnapKV(Policy):
     @property
     def granularity(self) -> str:  # type: ignore[override]
         return self.then.granularity if self.then is not None else "block"
+
+    @property
+    def frees_blocks(self) -> bool:
+        return True
+
+    def release(self, cache, lens: tuple[int, ...], observation) -> None:
+        """At the first decode step after the prefill: free the unkept prompt blocks (:meth:`blocks_to_free`)."""
+        if observation.scores is not None:
+            cache.free_blocks(self.blocks_to_free(observation.scores, lens, cache.block_size))
+        elif not observation.used_before:
+            raise ValueError(
+                f"{type(self).__name__} scores the prompt during its prefill, but this cache was filled without it "
+                "(e.g. by a model patched with another policy): prefill the prompt with the model patched for "
+                f"{type(self).__name__}, or use a fresh PagedKVCache."
+            )
 
     def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
         return self.then.plan(lens, block_size) if self.then is not None else None
@@ -119,7 +125,7 @@ class SnapKV(Policy):
         p = logits.masked_fill(~ok, float("-inf")).softmax(-1).nan_to_num(0.0)
         mass = p.sum(2) / ((Hq // Hkv) * w)  # [B, Hkv, L]
         stored = torch.arange(L, device=key.device).view(1, -1) - pads.view(-1, 1).long()  # [B, L]
-        nblk = -(-(L - int(pads.min())) // block_size)
+        nblk = cdiv(L - int(pads.min()), block_size)
         out = torch.zeros(B, Hkv, nblk, device=key.device)
         index = (stored.clamp(min=0) // block_size).unsqueeze(1).expand(B, Hkv, L)
         return out.scatter_add_(2, index, mass * (stored >= 0).unsqueeze(1))
@@ -135,12 +141,11 @@ class SnapKV(Policy):
         rows = pooled.tolist()  # one copy per generation
         free = []
         for n, row in zip(lens, rows):
-            nblk = -(-n // block_size)
+            nblk = cdiv(n, block_size)
             tokens = budget_tokens(self.budget, n)
             forced_n = forced_block_count(n, self.sink, self.window, block_size)
             keep = nblk if tokens >= n else min(max(tokens // block_size, forced_n), nblk)
-            sink_end, win_start = window_bounds(n, self.sink, self.window)
-            forced = {*range(-(-sink_end // block_size)), *range(win_start // block_size, nblk)}
+            forced = forced_block_set(n, self.sink, self.window, block_size)
             forced |= set(range(min(len(row), nblk), nblk))  # not scored: newer than the observation
             ranked = sorted((b for b in range(nblk) if b not in forced), key=lambda b: -row[b])
             free.append(sorted(ranked[max(keep - len(forced), 0) :]))

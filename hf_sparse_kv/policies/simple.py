@@ -7,16 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import (
-    DecodeState,
-    Policy,
-    Selection,
-    budget_tokens,
-    check_budget,
-    check_count,
-    forced_block_count,
-    window_bounds,
-)
+from ..ops.layout import forced_block_count, window_bounds
+from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
 
 
 @dataclass
@@ -60,6 +52,28 @@ class SinkWindow(Policy):
                 raise ValueError(f"window must be a positive int (tokens), got {self.window!r}")
         else:
             check_budget(self.budget)
+
+    @property
+    def frees_blocks(self) -> bool:
+        return self.evict
+
+    def check_patch(self, mode: str, dense_layers: tuple[int, ...]) -> None:
+        super().check_patch(mode, dense_layers)
+        if self.evict and dense_layers:
+            raise ValueError(
+                "SinkWindow(evict=True) frees the tokens that leave the window, which a dense layer still needs: "
+                "pass dense_layers=() with it (or use evict=False)."
+            )
+
+    def release(self, cache, lens: tuple[int, ...], observation) -> None:
+        """With ``evict=True``: free the blocks behind the window (:meth:`evictable`)."""
+        if self.evict:
+            cache.evict(self.evictable(lens, cache.block_size))
+
+    def budget_fraction(self, context: int) -> float | None:
+        if self.window is not None:
+            return min(1.0, (self.sink + self.window) / max(context, 1))
+        return super().budget_fraction(context)
 
     def evictable(self, lens: tuple[int, ...], block_size: int) -> list[tuple[int, int]]:
         """Per sequence, the span ``[sink end, window start)`` no later step will attend (the window only moves

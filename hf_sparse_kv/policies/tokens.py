@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
-from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count, window_bounds
+from ..ops.layout import forced_token_count, forced_token_mask
+from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
 
 
 @dataclass
@@ -35,9 +34,7 @@ class TokenTopK(Policy):
         counts = []
         for n in lens:
             tokens = budget_tokens(self.budget, n)
-            sink_end, win_start = window_bounds(n, self.sink, self.window)
-            lo = min(win_start, (n - 1) // block_size * block_size)  # the window and the current block: [lo, n)
-            forced = sink_end + (n - lo) - max(0, sink_end - lo)
+            forced = forced_token_count(n, self.sink, self.window, block_size)
             counts.append(n if tokens >= n else min(max(tokens, forced), n))
         return None if all(c >= n for c, n in zip(counts, lens)) else counts
 
@@ -49,10 +46,7 @@ class TokenTopK(Policy):
         if state.evicted is not None:  # never more than the tokens still held (freed ones score -inf)
             counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
         s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start)
-        pos = torch.arange(s.shape[-1], device=s.device).view(1, -1)
-        sink_end, win_start = self.forced_positions(state, self.sink, self.window)
-        current = (state.seq_lens.long() - 1) // BS * BS  # start of the current block
-        forced = (pos < sink_end.view(-1, 1)) | (pos >= torch.minimum(win_start, current).view(-1, 1))
+        forced = forced_token_mask(state.seq_lens, state.start, self.sink, self.window, BS, s.shape[-1])
         s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
         width = max(counts)
         indices = state.ops.topk_indices(s, width, self.counts_tensor(state, counts, width))

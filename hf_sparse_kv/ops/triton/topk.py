@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import reference
+
 TOPK_MAX_N = 24576  # the longest row held in registers (16384 + 8192 lanes); longer rows go to torch.topk
 
 
@@ -129,8 +131,6 @@ def topk_indices(
     *lead, N = scores.shape
     varying = counts is not None and bool((counts.to(scores.device) < min(k, N)).any())
     if N > TOPK_MAX_N or N == 0 or k == 0 or varying:
-        from .. import reference
-
         return reference.topk_indices(scores, k, counts)
     R = 1
     for n in lead:
