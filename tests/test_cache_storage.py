@@ -1,0 +1,294 @@
+"""Unit tests of the cache's storage API (BlockTable, reserve_static, declared state) and of the policy lifecycle
+as the attention drives it (docs/ARCHITECTURE.md): a new policy plugs in through its methods alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from tiny_models import DEVICE, greedy, prompt, tiny_model
+
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.cache import BlockTable
+from hf_sparse_kv.ops import reference
+from hf_sparse_kv.policies import DecodeState, Quest, Selection, StateSpec
+from hf_sparse_kv.policies.blocks import _BlockTopK
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BS = 8
+
+
+# ---- BlockTable ------------------------------------------------------------------------------------------------
+
+
+def test_block_table_free_list_and_reference_counts():
+    t = BlockTable(block_size=BS)
+    assert t.capacity == 0 and t.blocks_in_use == 0
+    t.grow(4)
+    assert t.capacity == 4 and sorted(t.free) == [0, 1, 2, 3]
+    a, b = t.take(), t.take()
+    assert (a, b) == (0, 1), "blocks are handed out lowest id first"
+    assert t.blocks_in_use == 2 and t.refcount[a] == 1
+    t.refcount[a] += 1  # shared by a second sequence (what the cache's beam reorder does)
+    t.release(a)
+    assert t.blocks_in_use == 2 and a not in t.free, "a shared block stays until its last holder releases it"
+    t.release(a)
+    t.release(b)
+    assert t.blocks_in_use == 0 and sorted(t.free) == [0, 1, 2, 3]
+    t.release(-1)  # an evicted hole: nothing to release
+    assert t.blocks_in_use == 0
+    t.grow(6)
+    assert t.capacity == 6 and sorted(t.free) == list(range(6)) and len(t.refcount) == 6
+
+
+def test_block_table_tensor_is_cached_per_device_until_invalidated():
+    t = BlockTable(block_size=BS)
+    t.grow(8)
+    t.rows = [[t.take(), t.take()], [t.take()]]
+    first = t.tensor(torch.device("cpu"))
+    assert first.dtype == torch.int32 and first.tolist() == [[0, 1], [2, -1]]
+    assert t.tensor(torch.device("cpu")) is first, "built once per device"
+    t.rows[1].append(t.take())
+    assert t.tensor(torch.device("cpu")) is first, "a change is seen only after invalidate()"
+    t.invalidate()
+    assert t.tensor(torch.device("cpu")).tolist() == [[0, 1], [2, 3]]
+
+
+def test_empty_block_table_tensor_has_one_column():
+    t = BlockTable(block_size=BS)
+    assert t.tensor(torch.device("cpu")).shape == (0, 1)
+
+
+# ---- reserve_static ---------------------------------------------------------------------------------------------
+
+
+def _filled_cache(model, length, batch=1, **kw):
+    cache = PagedKVCache(model.config, block_size=BS, **kw)
+    with torch.no_grad():
+        model(prompt(length, batch=batch), use_cache=True, **{cache_kwarg(model): cache})
+    return cache
+
+
+def test_reserve_static_allocates_every_block_up_to_max_length():
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    cache = _filled_cache(model, 21, batch=2)
+    before = [list(r) for r in cache.table.rows]
+    static = cache.reserve_static(max_length=50)
+    assert [len(r) for r in cache.table.rows] == [-(-50 // BS)] * 2
+    assert [r[: len(b)] for r, b in zip(cache.table.rows, before)] == before, "the prompt's blocks stay in place"
+    assert static.max_length == 50 and cache.static is static
+    for buf in (static.seq_lens, static.pos0, static.start):
+        assert buf.shape == (2,) and buf.dtype == torch.int32 and buf.device.type == DEVICE.type
+    assert not static.start.any()
+    table = cache.table.tensor(DEVICE)
+    assert table.shape == (2, -(-50 // BS))
+    # decoding into the reservation never changes the table again
+    with torch.no_grad():
+        for i in range(5):
+            static.pos0.fill_(21 + i)
+            static.seq_lens.fill_(22 + i)
+            model(prompt(1, batch=2, seed=i), use_cache=True, **{cache_kwarg(model): cache})
+    assert cache.table.tensor(DEVICE) is table and cache.get_seq_length() == 26
+    unpatch_model(model)
+
+
+def test_reserve_static_refuses_what_a_captured_step_cannot_follow():
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    with pytest.raises(ValueError, match="filled cache"):
+        PagedKVCache(model.config, block_size=BS).reserve_static(32)  # empty
+    cache = _filled_cache(model, 40)
+    cache.free_blocks([[1]])
+    with pytest.raises(ValueError, match="evicted"):
+        cache.reserve_static(64)
+    cache = PagedKVCache(model.config, block_size=BS)
+    cache.set_padding([3])
+    with torch.no_grad():
+        mask = torch.ones(1, 20, dtype=torch.long, device=DEVICE)
+        mask[:, :3] = 0
+        model(prompt(20), attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+    with pytest.raises(ValueError, match="left padding"):
+        cache.reserve_static(64)
+    unpatch_model(model)
+
+
+# ---- one owner for block_size and backend ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", [{"block_size": 16}, {"backend": "reference"}])
+def test_a_cache_that_disagrees_with_the_patch_is_refused(setting):
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=16), block_size=BS, backend="auto")
+    name = next(iter(setting))
+    cache = PagedKVCache(model.config, **{"block_size": BS, "backend": "auto", **setting})
+    with pytest.raises(ValueError, match=f"{name}="):
+        with torch.no_grad():
+            model(prompt(20), use_cache=True, **{cache_kwarg(model): cache})
+    with pytest.raises(ValueError, match=f"{name}="):
+        greedy(model, prompt(20), new_tokens=2, **{cache_kwarg(model): cache})
+    assert cache.blocks_in_use == 0, "refused before anything was written"
+    unpatch_model(model)
+
+
+# ---- the lifecycle: a policy with its own per-token and per-block state -----------------------------------------
+
+
+def _norms_refresh(state, k_pool, table, lo, hi):
+    """Per-token state: each stored key's squared norm (summed over D), recomputed for positions [lo, hi)."""
+    BSz = k_pool.shape[2]
+    for b in range(table.shape[0]):
+        for p in range(int(lo[b]), int(hi[b])):
+            blk, off = int(table[b, p // BSz]), p % BSz
+            state[blk, :, off] = k_pool[blk, :, off].float().pow(2).sum(-1).to(state.dtype)
+
+
+def _block_max_refresh(state, k_pool, table, lo, hi):
+    """Per-block state: the largest key entry of each block, over all its stored keys (zero-padded tail included:
+    the test compares with the same rule)."""
+    BSz = k_pool.shape[2]
+    for b in range(table.shape[0]):
+        if int(hi[b]) <= int(lo[b]):
+            continue
+        for lb in range(int(lo[b]) // BSz, -(-int(hi[b]) // BSz)):
+            blk = int(table[b, lb])
+            state[blk] = k_pool[blk].amax((1, 2)).unsqueeze(-1).to(state.dtype)
+
+
+NORMS = StateSpec("norms", "token", lambda D: (), _norms_refresh, torch.float32)
+BLOCK_MAX = StateSpec("block_max", "block", lambda D: (1,), _block_max_refresh)
+
+
+@dataclass
+class _NormTopK(_BlockTopK):
+    """A test selector: blocks ranked by the largest stored key norm, read from the state it declares. It also
+    records the lifecycle calls the attention makes."""
+
+    calls: list | None = None
+
+    def cache_state(self):
+        return (NORMS, BLOCK_MAX)
+
+    def observe_prefill(self, query, key, mask, pads, block_size, scale):
+        self.calls.append(("observe", int(query.shape[2])))
+        return None
+
+    def release(self, cache, lens, observation):
+        self.calls.append(("release", lens, observation.scores is None))
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        norms = state.state["norms"]  # [NB, Hkv, BS]
+        table = state.block_table.long().clamp(min=0)
+        s = norms[table].amax(-1).permute(0, 2, 1).float()  # [B, Hkv, nblk]
+        live = reference.live_blocks(state.block_table, state.seq_lens, state.block_size)
+        forced = self.forced_blocks(state, self.sink, self.window)
+        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+        return s.masked_fill(~live.unsqueeze(1), float("-inf"))
+
+
+def _check_state(cache: PagedKVCache):
+    """Every paged layer's declared state equals a recomputation from its key pool."""
+    for layer in cache.paged_layers:
+        table = cache.table.tensor(layer.device)
+        for b, row in enumerate(cache.table.rows):
+            n = layer.length - cache.pads[b]
+            for p in range(n):
+                blk, off = row[p // BS], p % BS
+                want = layer.k_pool[blk, :, off].float().pow(2).sum(-1)
+                torch.testing.assert_close(layer.state["norms"][blk, :, off], want, rtol=1e-5, atol=1e-5)
+            for lb in range(-(-n // BS)):
+                blk = int(table[b, lb])
+                torch.testing.assert_close(
+                    layer.state["block_max"][blk, :, 0], layer.k_pool[blk].amax((1, 2)), rtol=0, atol=0
+                )
+
+
+def test_a_new_policy_plugs_in_through_its_lifecycle_methods():
+    model = tiny_model("llama")
+    policy = _NormTopK(budget=16, sink=2, window=4, calls=[])
+    patch_model(model, policy=policy, block_size=BS, dense_layers=(0,))
+    ids = prompt(37, batch=2)
+    seqs, _ = greedy(model, ids, new_tokens=6)
+    observes = [c for c in policy.calls if c[0] == "observe"]
+    releases = [c for c in policy.calls if c[0] == "release"]
+    assert observes == [("observe", 37)] * 3, "every paged layer of the prefill is offered the observation"
+    assert len(releases) == 5, "one release per decode step (the last token is not written), before selecting"
+    assert releases[0][1] == (38, 38) and all(r[2] for r in releases)
+    assert seqs.shape == (2, 43)
+    unpatch_model(model)
+
+
+def test_declared_state_follows_writes_beam_reorder_crop_and_compaction():
+    model = tiny_model("llama")
+    patch_model(model, policy=_NormTopK(budget=16, sink=2, window=4, calls=[]), block_size=BS)
+    cache = PagedKVCache(model.config, block_size=BS)
+    with torch.no_grad():
+        model(prompt(29, batch=2), use_cache=True, **{cache_kwarg(model): cache})
+        _check_state(cache)
+        assert all(set(layer.state) == {"norms", "block_max"} for layer in cache.paged_layers)
+        for i in range(3):
+            model(prompt(1, batch=2, seed=10 + i), use_cache=True, **{cache_kwarg(model): cache})
+        _check_state(cache)
+        cache.reorder_cache(torch.tensor([1, 1], device=DEVICE))  # beams share every block
+        model(prompt(1, batch=2, seed=20), use_cache=True, **{cache_kwarg(model): cache})  # copy on write
+        _check_state(cache)
+        cache.crop(27)  # back into a partial block
+        model(prompt(1, batch=2, seed=21), use_cache=True, **{cache_kwarg(model): cache})
+        _check_state(cache)
+        cache.free_blocks([[0, 1, 2], [0, 1, 2]])
+        cache.compact()
+        _check_state_live(cache)
+    unpatch_model(model)
+
+
+def _check_state_live(cache: PagedKVCache):
+    for layer in cache.paged_layers:
+        for row in cache.table.rows:
+            for blk in row:
+                if blk >= 0:
+                    torch.testing.assert_close(
+                        layer.state["block_max"][blk, :, 0], layer.k_pool[blk].amax((1, 2)), rtol=0, atol=0
+                    )
+                    want = layer.k_pool[blk].float().pow(2).sum(-1)
+                    got = layer.state["norms"][blk]
+                    filled = want != 0  # the unwritten tail of the last block is zero in both
+                    torch.testing.assert_close(got[filled], want[filled], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_filled_without_a_declared_state_is_refused_with_advice():
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    cache = _filled_cache(model, 20)
+    patch_model(model, policy=_NormTopK(budget=16, calls=[]), block_size=BS)
+    with pytest.raises(ValueError, match="fresh PagedKVCache"):
+        with torch.no_grad():
+            model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
+    cache.reset()
+    with torch.no_grad():  # after a reset the same cache takes the new state
+        model(prompt(20), use_cache=True, **{cache_kwarg(model): cache})
+    _check_state(cache)
+    # a cache keeping more state than a policy reads serves it
+    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    with torch.no_grad():
+        model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
+    unpatch_model(model)
+
+
+def test_selection_reads_the_declared_state():
+    """The test selector's choice follows its state: blocks whose keys are scaled up get selected."""
+    model = tiny_model("llama")
+    patch_model(model, policy=_NormTopK(budget=24, sink=1, window=1, calls=[]), block_size=BS, dense_layers=())
+    cache = _filled_cache(model, 64)
+    layer = cache.paged_layers[0]
+    row = cache.table.rows[0]
+    layer.state["norms"][row[2]] += 1e6  # block 2 now scores highest everywhere
+    state = DecodeState(
+        q=torch.randn(1, 4, 16, device=DEVICE), k_pool=layer.k_pool, kmin=layer.kmin, kmax=layer.kmax,
+        kmean=layer.kmean, block_table=cache.table.tensor(DEVICE), seq_lens=torch.tensor([64], dtype=torch.int32),
+        start=torch.zeros(1, dtype=torch.int32), lens=(64,), length=64, block_size=BS, scale=0.25,
+        ops=cache.ops(DEVICE), state=layer.state,
+    )  # fmt: skip
+    sel: Selection = model._hf_sparse_kv.config.policy.select(state)
+    assert 2 in sel.indices[0, 0].tolist() and 2 in sel.indices[0, 1].tolist()
+    unpatch_model(model)
