@@ -285,8 +285,8 @@ def test_selection_reads_the_declared_state():
     layer.state["norms"][row[2]] += 1e6  # block 2 now scores highest everywhere
     state = DecodeState(
         q=torch.randn(1, 4, 16, device=DEVICE), k_pool=layer.k_pool, kmin=layer.kmin, kmax=layer.kmax,
-        kmean=layer.kmean, block_table=cache.table.tensor(DEVICE), seq_lens=torch.tensor([64], dtype=torch.int32),
-        start=torch.zeros(1, dtype=torch.int32), lens=(64,), length=64, block_size=BS, scale=0.25,
+        kmean=layer.kmean, block_table=cache.table.tensor(DEVICE), seq_lens=torch.tensor([64], dtype=torch.int32, device=DEVICE),
+        start=torch.zeros(1, dtype=torch.int32, device=DEVICE), lens=(64,), length=64, block_size=BS, scale=0.25,
         ops=cache.ops(DEVICE), state=layer.state,
     )  # fmt: skip
     sel: Selection = model._hf_sparse_kv.config.policy.select(state)
