@@ -103,16 +103,22 @@ def test_error_while_patching_restores_the_model(model, reference, monkeypatch):
     same(greedy(model, ids, new_tokens=8), plain)
 
 
-def test_error_while_repatching_keeps_the_previous_patch(model, reference, monkeypatch):
+@pytest.mark.filterwarnings("ignore:cuda_graph=True")
+@pytest.mark.parametrize("graph", [False, True])
+def test_error_while_repatching_keeps_the_previous_patch(model, reference, monkeypatch, graph):
     ids, plain, sparse = reference
-    patch_model(model, **QUEST)
+    patch_model(model, **QUEST, cuda_graph=graph)
     try:
         handles = len(model._forward_pre_hooks)
+        wrapped = dict(vars(model))
         with monkeypatch.context() as m:
             _failing(model, m)
             with pytest.raises(ValueError, match="refused"):
                 patch_model(model, policy=SinkWindow(sink=4, window=8), block_size=8)
         assert is_patched(model) and len(model._forward_pre_hooks) == handles
+        assert [vars(model).get(k) for k in ("forward", "_prepare_cache_for_generation")] == [
+            wrapped.get(k) for k in ("forward", "_prepare_cache_for_generation")
+        ]
         assert model.config._attn_implementation == "hf_sparse_kv"
         same(greedy(model, ids, new_tokens=8), sparse)
     finally:
