@@ -62,6 +62,32 @@ def _head_model_name(model: torch.nn.Module) -> str:
     return f"{name}ForCausalLM"
 
 
+class _Settings:
+    """What patching changes, as it was before: the attention implementation of every config the model reaches
+    (the inner model shares the outer one's; sub-configs of multimodal models have their own) and the methods set on
+    the instance. :meth:`restore` puts them back when patching fails half-way."""
+
+    WRAPPED = ("_prepare_cache_for_generation", "forward")
+
+    def __init__(self, model: torch.nn.Module):
+        configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "sub_configs")]
+        seen: dict[int, object] = {}
+        while configs:
+            config = configs.pop()
+            if id(config) not in seen:
+                seen[id(config)] = config
+                configs += [getattr(config, key) for key in config.sub_configs if getattr(config, key, None)]
+        self.attn = [(c, c.__dict__.get("_attn_implementation_internal")) for c in seen.values()]
+        self.methods = {name: model.__dict__[name] for name in self.WRAPPED if name in model.__dict__}
+
+    def restore(self, model: torch.nn.Module) -> None:
+        for config, value in self.attn:
+            config.__dict__["_attn_implementation_internal"] = value  # not the setter: it recurses into sub-configs
+        for name in self.WRAPPED:
+            model.__dict__.pop(name, None)
+        model.__dict__.update(self.methods)
+
+
 def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[int, ...]:
     if not isinstance(policy, Policy):
         raise TypeError(
@@ -229,32 +255,6 @@ def _graph_forward(model, original, *args, **kwargs):
         return original(*args, **kwargs)
     logits = runner.step(ids, kwargs.get("position_ids"))
     return CausalLMOutputWithPast(logits=logits, **{cache_kwarg(model): cache})
-
-
-class _Settings:
-    """What patching changes, as it was before: the attention implementation of every config the model reaches
-    (the inner model shares the outer one's; sub-configs of multimodal models have their own) and the methods set on
-    the instance. :meth:`restore` puts them back when patching fails half-way."""
-
-    WRAPPED = ("_prepare_cache_for_generation", "forward")
-
-    def __init__(self, model: torch.nn.Module):
-        configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "sub_configs")]
-        seen: dict[int, object] = {}
-        while configs:
-            config = configs.pop()
-            if id(config) not in seen:
-                seen[id(config)] = config
-                configs += [getattr(config, key) for key in config.sub_configs if getattr(config, key, None)]
-        self.attn = [(c, c.__dict__.get("_attn_implementation_internal")) for c in seen.values()]
-        self.methods = {name: model.__dict__[name] for name in self.WRAPPED if name in model.__dict__}
-
-    def restore(self, model: torch.nn.Module) -> None:
-        for config, value in self.attn:
-            config.__dict__["_attn_implementation_internal"] = value  # not the setter: it recurses into sub-configs
-        for name in self.WRAPPED:
-            model.__dict__.pop(name, None)
-        model.__dict__.update(self.methods)
 
 
 class _PatchState:
