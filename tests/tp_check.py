@@ -4,8 +4,8 @@
 
 Rank 0 saves a tiny random Llama (4 layers, 8 query / 4 KV heads, head dim 64) with ``save_pretrained``; every rank
 loads it with ``from_pretrained(dir, distributed_config=DistributedConfig(tp_plan="auto"))`` (each rank holds half of
-the heads, and half of every layer's pages) and also whole, on its own device, as the one-device reference. Checked, on one prompt and on a left-padded
-batch of two:
+the heads, and half of every layer's pages) and also whole, on its own device, as the one-device reference.
+Checked, on one prompt and on a left-padded batch of two:
 
 - Dense patched under TP gives the greedy tokens of the unpatched TP model, logits within ``ATOL``;
 - Quest under TP gives the greedy tokens of Quest on one device (the logits' largest difference is reported, not
