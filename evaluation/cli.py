@@ -126,7 +126,7 @@ def eval_main(argv: list[str]) -> None:
     p.add_argument(
         "--policies",
         nargs="+",
-        help=f"policy names: {', '.join(POLICIES)}, or the class names ({', '.join(c.__name__ for c in POLICIES.values())})",
+        help=f"policy names: {', '.join(POLICIES)} (or by class: {', '.join(c.__name__ for c in POLICIES.values())})",
     )
     p.add_argument("--dense-layers", nargs="*", type=int)
     p.add_argument("--block-size", type=int)

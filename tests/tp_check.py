@@ -1,4 +1,4 @@
-"""Tensor parallelism (transformers' ``tp_plan="auto"``) under a patched model; run by ``tests/test_tensor_parallel.py``::
+"""Tensor parallelism (transformers' ``tp_plan="auto"``) under a patched model; ``tests/test_tensor_parallel.py`` runs::
 
     torchrun --nproc-per-node 2 tests/tp_check.py --out result.json
 
