@@ -57,24 +57,28 @@ def llama8b_config(layers: int) -> LlamaConfig:
     )
 
 
-def build_model(layers: int, device: str) -> LlamaForCausalLM:
+def build_model(layers: int, device: str, config: LlamaConfig | None = None) -> LlamaForCausalLM:
+    """The model of ``config`` (default: the 8B shape with ``layers`` layers), random bf16 weights, on ``device``."""
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
-        model = LlamaForCausalLM(llama8b_config(layers))
+        model = LlamaForCausalLM(config or llama8b_config(layers))
     torch.set_default_dtype(torch.float32)
     model.config._attn_implementation = "sdpa"
     model.set_attn_implementation("sdpa")
     return model.eval()
 
 
-def fill_caches(model, batch: int, length: int, block_size: int, device: str, cache_cls=PagedKVCache):
-    """A DynamicCache and a ``cache_cls`` (a PagedKVCache) holding the same random ``length`` tokens per sequence."""
+def fill_caches(
+    model, batch: int, length: int, block_size: int, device: str, kv_heads: int | None = None, cache_cls=PagedKVCache
+):
+    """A DynamicCache and a ``cache_cls`` (a PagedKVCache) holding the same random ``length`` tokens per sequence,
+    for ``kv_heads`` KV heads per layer (default the config's; under tensor parallelism, a rank's share)."""
     cfg = model.config
     dense = DynamicCache(config=cfg)
     paged = cache_cls(cfg, block_size=block_size, max_length=length + 256)
     g = torch.Generator(device=device).manual_seed(0)
     for i in range(cfg.num_hidden_layers):
-        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+        shape = (batch, kv_heads or cfg.num_key_value_heads, length, cfg.head_dim)
         k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         dense.update(k, v, i)

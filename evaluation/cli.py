@@ -1,4 +1,4 @@
-"""``hf-sparse-kv``: the command line.
+"""``hf-sparse-kv``: the command line (``hf-sparse-kv --help`` lists the commands).
 
     hf-sparse-kv demo [options]                        the demo table (evaluation.demo)
     hf-sparse-kv calibrate [--shapes 32,8,128] [--out crossover.json]   measure mode="auto"'s crossover table
@@ -8,7 +8,11 @@
 
 ``eval`` runs a recipe (perplexity, fidelity, needle, qa) from the command line alone, over the defaults of
 ``recipes/<recipe>`` style configs; ``--config`` starts from a YAML file instead. ``accelerate launch -m
-evaluation.cli run ...`` shards the trials over the launched processes.
+evaluation.cli run ...`` shards the trials over the launched processes. Policies are named as in
+:data:`hf_sparse_kv.policies.POLICIES` (``quest``, ``sink_window``) or by their class (``Quest``, ``SinkWindow``).
+
+``run`` and ``eval`` check every recipe and flag before loading a model; a mistake is reported in one line on stderr
+with exit code 2.
 """
 
 from __future__ import annotations
@@ -23,6 +27,30 @@ def _value(text: str):
     return yaml.safe_load(text)
 
 
+COMMANDS = {
+    "demo": "the demo table: SmolLM2-135M-Instruct, a 4K-token essay with a needle, Dense / Quest / SinkWindow",
+    "calibrate": 'measure the crossover table of mode="auto" on this GPU (--out crossover.json)',
+    "run": "run recipe YAML files (recipes/*.yaml); an interrupted run resumes",
+    "eval": "run one recipe (perplexity, fidelity, needle, qa) from flags alone",
+}
+
+
+def usage() -> str:
+    """The top-level help: the commands, one line each."""
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
+    return "\n".join(
+        ["usage: hf-sparse-kv <command> [options]   (hf-sparse-kv <command> --help: its options)", "", "commands:"]
+        + lines
+    )
+
+
+def fail(message: str) -> None:
+    """Report a user's mistake in one line on stderr and exit with code 2 (as argparse does)."""
+    print(f"hf-sparse-kv: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="hf-sparse-kv run", description="run recipe YAML files (resumable)")
     p.add_argument("recipes", nargs="+", help="recipe YAML files")
@@ -32,17 +60,35 @@ def run_main(argv: list[str]) -> None:
 
 
 def _split(item: str):
-    key, _, value = item.partition("=")
-    return key, _value(value)
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+        fail(f"--set takes KEY=VALUE, got {item!r}")
+    try:
+        return key, _value(value)
+    except Exception as e:  # noqa: BLE001 - a YAML error, reported in one line
+        fail(f"--set {item!r}: {e}")
+
+
+def _checked(configs: list, overrides: dict) -> list[dict]:
+    """Every config loaded and checked (:func:`evaluation.sweep.check_config`) before any model loads; a mistake
+    ends the command with one line on stderr (exit code 2)."""
+    from .sweep import check_config, load_config
+
+    checked = []
+    for config in configs:
+        where = f"{config}: " if isinstance(config, str) else ""
+        try:
+            checked.append(check_config(load_config(config, overrides)))
+        except Exception as e:  # noqa: BLE001 - a missing file, bad YAML, a bad value: all the user's to fix
+            fail(f"{where}{e}")
+    return checked
 
 
 def _run_all(configs: list, overrides: dict) -> None:
     from .recipes import run_recipe
-    from .sweep import load_config
 
     loaded: dict = {}
-    for config in configs:
-        cfg = load_config(config, overrides)
+    for cfg in _checked(configs, overrides):
         key = (cfg["model"], cfg.get("dtype"), cfg.get("device"))
         model, tok = loaded.get(key, (None, None))
         if model is None:
@@ -67,13 +113,21 @@ def _print_rows(rows: list[dict]) -> None:
 
 def eval_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="hf-sparse-kv eval", description="run one recipe from the command line")
-    p.add_argument("recipe", choices=["perplexity", "fidelity", "needle", "qa"])
+    from hf_sparse_kv.policies import POLICIES
+
+    from .sweep import RECIPES
+
+    p.add_argument("recipe", choices=RECIPES)
     p.add_argument("--config", help="start from this YAML file")
     p.add_argument("--model", help="'smollm2', 'gemma3-270m', a hub id or a local path")
     p.add_argument("--text", help="'essays', a text file/folder, or a YAML dict for datasets")
     p.add_argument("--lengths", nargs="+", type=int)
     p.add_argument("--budgets", nargs="+")
-    p.add_argument("--policies", nargs="+", help="policy names (dense, quest, sink_window, block_topk, ...)")
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        help=f"policy names: {', '.join(POLICIES)} (or by class: {', '.join(c.__name__ for c in POLICIES.values())})",
+    )
     p.add_argument("--dense-layers", nargs="*", type=int)
     p.add_argument("--block-size", type=int)
     p.add_argument("--output")
@@ -85,7 +139,10 @@ def eval_main(argv: list[str]) -> None:
 
         import yaml
 
-        cfg = {**yaml.safe_load(Path(args.config).read_text()), "recipe": args.recipe}
+        try:
+            cfg = {**yaml.safe_load(Path(args.config).read_text()), "recipe": args.recipe}
+        except Exception as e:  # noqa: BLE001 - a missing or unreadable file
+            fail(f"--config {args.config}: {e}")
     given = {
         "model": args.model,
         "lengths": args.lengths,
@@ -103,10 +160,12 @@ def eval_main(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": None, "calibrate": None, "run": run_main, "eval": eval_main}
-    if not argv or argv[0] not in commands:
-        print(f"usage: hf-sparse-kv {{{','.join(commands)}}} [options]   (add --help after a command)")
-        raise SystemExit(2)
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        raise SystemExit(0)
+    if not argv or argv[0] not in COMMANDS:
+        print(usage(), file=sys.stderr)
+        fail(f"unknown command {argv[0]!r}" if argv else "a command is required")
     if argv[0] == "demo":
         from . import demo
 
@@ -117,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
 
         calibrate.main(argv[1:])
         return
-    commands[argv[0]](argv[1:])
+    {"run": run_main, "eval": eval_main}[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

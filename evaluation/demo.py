@@ -1,4 +1,5 @@
-"""The main job on the embedded default: SmolLM2-135M on a ~4K-token essay prompt with a needle in it.
+"""The main job on the embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF, from PyPI) on a ~4K-token essay prompt
+with a needle in it.
 
 For ``Dense``, ``Quest`` and ``SinkWindow`` at one budget (1/8 by default) it prints the generated answer, its
 agreement with dense, decode ms/token, KV bytes read per decode step and the perplexity of a held-out
@@ -83,10 +84,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "gemma3-270m": "Gemma-3-270M (Q4_K_M GGUF)"}
+
+
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(
-        f"\nSmolLM2-135M, {args.context}-token essay prompt, budget {args.budget}, mode={args.mode}, "
-        f"block_size={args.block_size}, CPU reference backend"
+        f"\n{MODEL_NAMES.get(args.model, args.model)}, {args.context}-token essay prompt, budget {args.budget}, "
+        f"mode={args.mode}, block_size={args.block_size}, CPU reference backend"
     )
     head = f"{'policy':<11} {'answer':<26} {'ok':<4} {'agree':>6} {'ms/token':>9} {'KV MB/step':>11} {'ppl':>7}"
     print(head)

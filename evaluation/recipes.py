@@ -23,7 +23,17 @@ import torch
 from .perplexity import decode_logprobs, kl_dense_sparse, nll_of
 from .plots import heatmap, metric_vs_budget
 from .simulate import SimulateSession
-from .sweep import PolicyCell, ResultsDir, Shard, budget_label, load_config, policy_grid, progress, stable_seed
+from .sweep import (
+    PolicyCell,
+    ResultsDir,
+    Shard,
+    budget_label,
+    check_config,
+    load_config,
+    policy_grid,
+    progress,
+    stable_seed,
+)
 
 # ------------------------------------------------------------------------------------------------------ loading
 
@@ -303,9 +313,6 @@ def summarize_needle(cfg, results: ResultsDir, title: str) -> list[dict[str, Any
 # ------------------------------------------------------------------------------------------------------ dispatch
 
 
-RECIPES = ("perplexity", "fidelity", "needle", "qa")
-
-
 def run_recipe(
     config,
     overrides: dict[str, Any] | None = None,
@@ -315,9 +322,7 @@ def run_recipe(
     shard: Shard | None = None,
 ) -> list[dict[str, Any]]:
     """Run one recipe (a YAML path or a dict) to its results folder and return its summary rows (main process)."""
-    cfg = load_config(config, overrides)
-    if cfg["recipe"] not in RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {cfg['recipe']!r}")
+    cfg = check_config(load_config(config, overrides))
     shard = shard or Shard.detect(cfg.get("device"))
     results = ResultsDir(cfg["output"], shard)
     results.save_config(cfg)

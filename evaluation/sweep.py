@@ -19,6 +19,8 @@ from typing import Any
 
 from hf_sparse_kv.policies import POLICIES, Dense, Policy
 
+RECIPES = ("perplexity", "fidelity", "needle", "qa")
+
 DEFAULTS: dict[str, Any] = {
     "model": "smollm2",
     "dtype": "float32",
@@ -42,7 +44,10 @@ def stable_seed(*parts: Any) -> int:
 def parse_budget(value: Any) -> int | float:
     """``0.125``, ``"1/8"`` -> 0.125 (a fraction of the context); ``2048`` -> 2048 tokens."""
     if isinstance(value, str):
-        value = float(Fraction(value.strip()))
+        try:
+            value = float(Fraction(value.strip()))
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"budget {value!r} is neither a number of tokens nor a fraction like 1/8") from None
     if isinstance(value, float) and value > 1:
         value = int(value)
     return value
@@ -81,9 +86,9 @@ def policy_grid(specs: list[dict[str, Any]], budgets: list[Any]) -> list[PolicyC
     cells = []
     for spec in specs:
         spec = dict(spec) if isinstance(spec, dict) else {"name": spec}
-        name = spec.pop("name")
+        cls = _policy_class(spec.pop("name", None))
+        name = next(key for key, value in POLICIES.items() if value is cls)  # "Quest" is labelled "quest"
         label = spec.pop("label", name)
-        cls = _policy_class(name)
         if cls is Dense:
             cells.append(PolicyCell(label, None, Dense()))
             continue
@@ -109,9 +114,40 @@ def _nested_policy(spec: dict[str, Any], budget: float | None) -> Policy:
 
 
 def _policy_class(name: str) -> type[Policy]:
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
-    return POLICIES[name]
+    """The policy class of ``name``: a key of :data:`~hf_sparse_kv.policies.POLICIES` (``"sink_window"``) or the
+    class's own name (``"SinkWindow"``)."""
+    by_class = {cls.__name__: cls for cls in POLICIES.values()}
+    if name not in POLICIES and name not in by_class:
+        raise ValueError(
+            f"unknown policy {name!r}; known: {', '.join(POLICIES)} (or the class names {', '.join(by_class)})"
+        )
+    return POLICIES.get(name) or by_class[name]
+
+
+def check_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Raise a ``ValueError``/``TypeError`` for what a recipe would only meet after loading its model: an unknown
+    recipe, policy, mode or dtype, a bad budget, block size, length or layer index. Returns ``cfg``."""
+    from hf_sparse_kv.attention import MODES
+    from hf_sparse_kv.cache import check_block_size
+
+    if cfg["recipe"] not in RECIPES:
+        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {cfg['recipe']!r}")
+    if not isinstance(cfg["policies"], list) or not isinstance(cfg["budgets"], list):
+        raise TypeError("'policies' and 'budgets' must be lists")
+    policy_grid(cfg["policies"], cfg["budgets"])  # builds every policy: names, budgets, sink/window checked
+    if cfg["mode"] not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {cfg['mode']!r}")
+    check_block_size(cfg["block_size"])
+    dtypes = ("float32", "bfloat16", "float16", "float64")
+    if (cfg.get("dtype") or "float32") not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {cfg['dtype']!r}")
+    for key, minimum in (("lengths", 1), ("dense_layers", 0)):
+        values = cfg[key]
+        if not isinstance(values, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise TypeError(f"'{key}' must be a list of ints, got {values!r}")
+        if any(v < minimum for v in values):
+            raise ValueError(f"'{key}' must hold ints >= {minimum}, got {values!r}")
+    return cfg
 
 
 def load_config(path_or_dict: str | Path | dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:

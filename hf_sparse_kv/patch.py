@@ -14,6 +14,8 @@ What patching does, all undone by :func:`unpatch_model`:
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Iterable
 from functools import partial, update_wrapper
 
@@ -57,6 +59,39 @@ def _num_layers(model: torch.nn.Module) -> int:
     return int(config.num_hidden_layers)
 
 
+def _head_model_name(model: torch.nn.Module) -> str:
+    """``LlamaModel`` -> ``LlamaForCausalLM``, ``Gemma3TextModel`` -> ``Gemma3ForCausalLM``: what a user most likely
+    meant to patch (for the message only)."""
+    name = type(model).__name__.removesuffix("Model").removesuffix("Text")
+    return f"{name}ForCausalLM"
+
+
+class _Settings:
+    """What patching changes, as it was before: the attention implementation of every config the model reaches
+    (the inner model shares the outer one's; sub-configs of multimodal models have their own) and the methods set on
+    the instance. :meth:`restore` puts them back when patching fails half-way."""
+
+    WRAPPED = ("_prepare_cache_for_generation", "forward")
+
+    def __init__(self, model: torch.nn.Module):
+        configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "sub_configs")]
+        seen: dict[int, object] = {}
+        while configs:
+            config = configs.pop()
+            if id(config) not in seen:
+                seen[id(config)] = config
+                configs += [getattr(config, key) for key in config.sub_configs if getattr(config, key, None)]
+        self.attn = [(c, c.__dict__.get("_attn_implementation_internal")) for c in seen.values()]
+        self.methods = {name: model.__dict__[name] for name in self.WRAPPED if name in model.__dict__}
+
+    def restore(self, model: torch.nn.Module) -> None:
+        for config, value in self.attn:
+            config.__dict__["_attn_implementation_internal"] = value  # not the setter: it recurses into sub-configs
+        for name in self.WRAPPED:
+            model.__dict__.pop(name, None)
+        model.__dict__.update(self.methods)
+
+
 def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[int, ...]:
     if not isinstance(policy, Policy):
         raise TypeError(
@@ -69,6 +104,12 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if not hasattr(type(model), "_prepare_cache_for_generation"):
+        raise TypeError(
+            f"{type(model).__name__} has no generate(): patch the model with the language-model head that holds it "
+            f"(e.g. {_head_model_name(model)}: patch_model(model), not model.model); the layers and the config are "
+            "shared, so the inner model is patched with it."
+        )
     if not getattr(model, "_supports_attention_backend", False) or not _attention_modules(model):
         raise TypeError(
             f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, so it "
@@ -161,6 +202,9 @@ def _prepare_cache_for_generation(
             config.backend,
             max_length=None if config.policy.frees_blocks else max_cache_length,
         )
+        if generation_config.cache_implementation == "dynamic":  # what was asked for: a cache that grows
+            generation_config = copy.copy(generation_config)  # transformers refuses a name beside a cache
+            generation_config.cache_implementation = None
     return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
 
@@ -194,7 +238,8 @@ def patch_model(
 
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface`` (Llama, Qwen2/3,
-            Mistral, Gemma3, ...).
+            Mistral, Gemma3, ...): the model with ``generate()`` (``LlamaForCausalLM``), not its inner ``model.model``
+            (refused: it shares its layers and config with the outer model, which patching covers).
         policy: a policy from :mod:`hf_sparse_kv.policies` (default ``Dense()``).
         mode: ``"mask"`` (SDPA with a mask: exact, saves nothing), ``"token"`` (gather selected tokens),
             ``"block"`` (read selected pages) or ``"auto"`` (each step dense or sparse by the crossover table).
@@ -206,10 +251,15 @@ def patch_model(
             captured steps (``hf-sparse-kv calibrate [--timing graph]`` measures yours).
         cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (see :mod:`hf_sparse_kv.graphs`): needs
             ``mode="block"`` or ``"auto"``, a CUDA model whose attention layers are all full-attention, no left
-            padding; other steps run eagerly.
+            padding; other steps run eagerly (a model on the CPU warns once, at patching, that it runs eagerly).
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
+
+    Raises:
+        TypeError, ValueError: for a bad argument or a model that cannot be patched. Every check runs before anything
+            changes, and an error while patching undoes what was done: a refused call leaves the model (its config's
+            attention implementation, its hooks, a previous patch) exactly as it was.
     """
     policy = Dense() if policy is None else policy
     layers = _validate(model, policy, mode, dense_layers, block_size, backend)
@@ -232,28 +282,42 @@ def patch_model(
         raise ValueError("crossover is used by mode='auto' only")
     config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table)
     _register()
-    if previous:
-        unpatch_model(model)
-    handles = [model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)]
-    for module in _attention_modules(model):
-        handles.append(module.register_forward_pre_hook(partial(_attention_pre_hook, config), with_kwargs=True))
-    try:
+    saved = _Settings(model)
+    handles = []
+    try:  # a previous patch stays in force until this one is complete
+        handles.append(model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
+        for module in _attention_modules(model):
+            handles.append(module.register_forward_pre_hook(partial(_attention_pre_hook, config), with_kwargs=True))
         model.set_attn_implementation(ATTENTION_NAME)
-    except Exception:
+        original = type(model)._prepare_cache_for_generation.__get__(model)
+        model.__dict__.pop("forward", None)  # a previous patch's CUDA-graph wrapper
+        model._prepare_cache_for_generation = partial(_prepare_cache_for_generation, model, original)
+        if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
+            original_forward = type(model).forward.__get__(model)
+            model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
+    except BaseException:
         for h in handles:
             h.remove()
+        saved.restore(model)
         raise
-    original = type(model)._prepare_cache_for_generation.__get__(model)
-    model._prepare_cache_for_generation = partial(_prepare_cache_for_generation, model, original)
-    if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
-        original_forward = type(model).forward.__get__(model)
-        model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
+    for handle in previous.handles if previous else ():
+        handle.remove()  # replaced by this patch's hooks
     setattr(model, STATE_ATTR, PatchState(config, handles))
+    if cuda_graph and not any(p.is_cuda for p in model.parameters()):
+        warnings.warn(
+            "cuda_graph=True: the model is not on a CUDA device, so its decode steps run eagerly (CUDA graphs "
+            "capture CUDA models only)",
+            UserWarning,
+            stacklevel=2,
+        )
     return model
 
 
 def unpatch_model(model: torch.nn.Module):
-    """Undo :func:`patch_model`: the original attention again, same outputs bit for bit. A no-op if unpatched."""
+    """Undo :func:`patch_model`: the original attention again, same outputs bit for bit.
+
+    A no-op on an object that is not patched (never patched, already unpatched, or a patched model's inner
+    ``model.model``, which is unpatched with the model that holds it): it is returned unchanged."""
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         return model

@@ -58,14 +58,25 @@ def test_bad_sink_window():
         ({"dense_layers": (-1,)}, ValueError, "dense_layers"),
         ({"dense_layers": 1}, TypeError, "dense_layers"),
         ({"backend": "cuda"}, ValueError, "backend"),
+        ({"cuda_graph": True, "mode": "mask"}, ValueError, "cuda_graph"),
+        ({"cuda_graph": True, "policy": SinkWindow(sink=4, window=8, evict=True), "dense_layers": ()}, ValueError,
+         "frees blocks"),
+        ({"crossover": "table.json"}, ValueError, "crossover"),
+        ({"mode": "auto", "crossover": "/nonexistent/table.json"}, FileNotFoundError, "table.json"),
     ],
-)
+)  # fmt: skip
 def test_bad_patch_arguments_leave_the_model_unpatched(model, kwargs, err, match):
+    ids = prompt(12)
+    with torch.no_grad():
+        before = model(ids).logits
     with pytest.raises(err, match=match):
         patch_model(model, **kwargs)
     assert not is_patched(model)
     assert model.config._attn_implementation == "sdpa"
     assert all(not m._forward_pre_hooks for m in model.modules())
+    assert "_prepare_cache_for_generation" not in vars(model) and "forward" not in vars(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
 
 
 def test_model_without_attention_interface():

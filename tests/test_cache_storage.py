@@ -123,9 +123,8 @@ def test_a_cache_that_disagrees_with_the_patch_is_refused(setting):
     patch_model(model, policy=Quest(budget=16), block_size=BS, backend="auto")
     name = next(iter(setting))
     cache = PagedKVCache(model.config, **{"block_size": BS, "backend": "auto", **setting})
-    with pytest.raises(ValueError, match=f"{name}="):
-        with torch.no_grad():
-            model(prompt(20), use_cache=True, **{cache_kwarg(model): cache})
+    with pytest.raises(ValueError, match=f"{name}="), torch.no_grad():
+        model(prompt(20), use_cache=True, **{cache_kwarg(model): cache})
     with pytest.raises(ValueError, match=f"{name}="):
         greedy(model, prompt(20), new_tokens=2, **{cache_kwarg(model): cache})
     assert cache.blocks_in_use == 0, "refused before anything was written"
@@ -172,7 +171,6 @@ class _NormTopK(_BlockTopK):
 
     def observe_prefill(self, query, key, mask, pads, block_size, scale):
         self.calls.append(("observe", int(query.shape[2])))
-        return None
 
     def release(self, cache, lens, observation):
         self.calls.append(("release", lens, observation.scores is None))
@@ -261,9 +259,8 @@ def test_a_cache_filled_without_a_declared_state_is_refused_with_advice():
     patch_model(model, policy=Quest(budget=16), block_size=BS)
     cache = _filled_cache(model, 20)
     patch_model(model, policy=_NormTopK(budget=16, calls=[]), block_size=BS)
-    with pytest.raises(ValueError, match="fresh PagedKVCache"):
-        with torch.no_grad():
-            model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
+    with pytest.raises(ValueError, match="fresh PagedKVCache"), torch.no_grad():
+        model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
     cache.reset()
     with torch.no_grad():  # after a reset the same cache takes the new state
         model(prompt(20), use_cache=True, **{cache_kwarg(model): cache})

@@ -9,6 +9,7 @@ import torch
 
 from ..ops.layout import cdiv, forced_block_count
 from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+from .checks import warn_budget_below_forced
 
 
 @dataclass
@@ -17,6 +18,12 @@ class _BlockTopK(Policy):
 
     The budget is rounded down to whole blocks (at least the forced ones); the selection is ``[B, Hkv, K]`` logical
     block numbers, ascending, one set per KV head from the scores pooled over its query heads.
+
+    The sink, the window and the current block are always read, so the budget is at least ``sink + window`` tokens
+    (more in whole blocks): an int budget below it reads what ``budget=sink + window`` reads, and constructing such a
+    policy warns with that effective budget. A fraction of the context does the same, silently, at every context
+    shorter than ``(sink + window) / budget`` tokens (e.g. 288 tokens at 1/8 with the defaults): at short contexts
+    sink and window dominate.
     """
 
     budget: int | float = 0.125
@@ -29,6 +36,7 @@ class _BlockTopK(Policy):
         check_budget(self.budget)
         check_count(self.sink, "sink")
         check_count(self.window, "window")
+        warn_budget_below_forced(type(self).__name__, self.budget, self.sink, self.window)
 
     def scores(self, state: DecodeState) -> torch.Tensor:  # pragma: no cover - abstract
         """``[B, Hkv, nblk]`` float32, higher is better, ``-inf`` for blocks not in use, ``+inf`` for the sink, window

@@ -10,6 +10,7 @@ import torch
 from ..ops.layout import cdiv, forced_block_count, forced_block_set
 from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
 from .blocks import _BlockTopK
+from .checks import warn_budget_below_forced
 from .tokens import TokenTopK
 
 
@@ -34,6 +35,10 @@ class SnapKV(Policy):
     hence the pooling), block granularity (a block's score already sums its neighbours, so the paper's 1-D pooling
     is left out), and the observation window is the end of the last multi-token forward
     (the prompt, or its last chunk under chunked prefill). ``dense_layers`` attend every block still held.
+
+    The sink and the window are always kept: an int budget below ``sink + window`` keeps what
+    ``budget=sink + window`` keeps (constructing it warns); a fraction does so at contexts shorter than
+    ``(sink + window) / budget``.
     """
 
     budget: int | float = 0.25
@@ -49,6 +54,7 @@ class SnapKV(Policy):
         check_budget(self.budget)
         check_count(self.sink, "sink")
         check_count(self.window, "window")
+        warn_budget_below_forced(type(self).__name__, self.budget, self.sink, self.window)
         if isinstance(self.observe, bool) or not isinstance(self.observe, int) or self.observe < 1:
             raise ValueError(
                 f"observe must be a positive int (prompt queries that score the blocks), got {self.observe!r}"

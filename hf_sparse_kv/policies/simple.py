@@ -9,6 +9,7 @@ import torch
 
 from ..ops.layout import forced_block_count, window_bounds
 from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+from .checks import warn_budget_below_forced
 
 
 @dataclass
@@ -34,6 +35,9 @@ class SinkWindow(Policy):
     block and token modes attend exactly the same tokens as the mask mode. With ``evict=True`` the blocks that
     leave the window are freed (StreamingLLM proper): KV memory stays flat however long the generation runs; every
     layer must then be sparse (``dense_layers=()``), as a dense layer would need the freed tokens.
+
+    The window holds at least the current token: an int ``budget`` below ``sink + 1`` reads what ``budget=sink + 1``
+    reads (constructing it warns); a fraction does so at contexts shorter than ``(sink + 1) / budget``.
     """
 
     sink: int = 4
@@ -52,6 +56,7 @@ class SinkWindow(Policy):
                 raise ValueError(f"window must be a positive int (tokens), got {self.window!r}")
         else:
             check_budget(self.budget)
+            warn_budget_below_forced(type(self).__name__, self.budget, self.sink, 1)
 
     @property
     def frees_blocks(self) -> bool:

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from ..ops.layout import forced_token_count, forced_token_mask
 from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+from .checks import warn_budget_below_forced
 
 
 @dataclass
@@ -16,6 +17,10 @@ class TokenTopK(Policy):
     Scores every key (like a sparse indexer, e.g. DeepSeek's DSA, https://arxiv.org/abs/2512.02556), then reads
     only the chosen tokens. Runs in ``"token"`` and ``"mask"`` modes; in ``"block"`` mode it would read whole blocks
     and change its meaning, so patching refuses that combination.
+
+    The sink, the window and the current block are always kept: an int budget below ``sink + window`` reads what
+    ``budget=sink + window`` reads (constructing it warns); a fraction does so at contexts shorter than
+    ``(sink + window) / budget``.
     """
 
     budget: int | float = 0.125
@@ -28,6 +33,7 @@ class TokenTopK(Policy):
         check_budget(self.budget)
         check_count(self.sink, "sink")
         check_count(self.window, "window")
+        warn_budget_below_forced(type(self).__name__, self.budget, self.sink, self.window)
 
     def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
         """Tokens to keep per sequence (``None``: every sequence keeps everything), decided on the host."""
