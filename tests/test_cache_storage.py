@@ -72,7 +72,7 @@ def _filled_cache(model, length, batch=1, **kw):
 
 def test_reserve_static_allocates_every_block_up_to_max_length():
     model = tiny_model("llama")
-    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
     cache = _filled_cache(model, 21, batch=2)
     before = [list(r) for r in cache.table.rows]
     static = cache.reserve_static(max_length=50)
@@ -96,7 +96,7 @@ def test_reserve_static_allocates_every_block_up_to_max_length():
 
 def test_reserve_static_refuses_what_a_captured_step_cannot_follow():
     model = tiny_model("llama")
-    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
     with pytest.raises(ValueError, match="filled cache"):
         PagedKVCache(model.config, block_size=BS).reserve_static(32)  # empty
     cache = _filled_cache(model, 40)
@@ -120,7 +120,7 @@ def test_reserve_static_refuses_what_a_captured_step_cannot_follow():
 @pytest.mark.parametrize("setting", [{"block_size": 16}, {"backend": "reference"}])
 def test_a_cache_that_disagrees_with_the_patch_is_refused(setting):
     model = tiny_model("llama")
-    patch_model(model, policy=Quest(budget=16), block_size=BS, backend="auto")
+    patch_model(model, policy=Quest(budget=48), block_size=BS, backend="auto")
     name = next(iter(setting))
     cache = PagedKVCache(model.config, **{"block_size": BS, "backend": "auto", **setting})
     with pytest.raises(ValueError, match=f"{name}="), torch.no_grad():
@@ -256,9 +256,9 @@ def _check_state_live(cache: PagedKVCache):
 
 def test_a_cache_filled_without_a_declared_state_is_refused_with_advice():
     model = tiny_model("llama")
-    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
     cache = _filled_cache(model, 20)
-    patch_model(model, policy=_NormTopK(budget=16, calls=[]), block_size=BS)
+    patch_model(model, policy=_NormTopK(budget=48, calls=[]), block_size=BS)
     with pytest.raises(ValueError, match="fresh PagedKVCache"), torch.no_grad():
         model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
     cache.reset()
@@ -266,7 +266,7 @@ def test_a_cache_filled_without_a_declared_state_is_refused_with_advice():
         model(prompt(20), use_cache=True, **{cache_kwarg(model): cache})
     _check_state(cache)
     # a cache keeping more state than a policy reads serves it
-    patch_model(model, policy=Quest(budget=16), block_size=BS)
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
     with torch.no_grad():
         model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
     unpatch_model(model)
