@@ -3,6 +3,8 @@
     hf-sparse-kv demo [options]                        the demo table (evaluation.demo)
     hf-sparse-kv calibrate [--shapes 32,8,128] [--out crossover.json]   measure mode="auto"'s crossover table
     hf-sparse-kv run recipes/<name>.yaml [more.yaml]   run recipes (resumes: cells already done are skipped)
+    hf-sparse-kv stage FILE --name NAME | --model M | --extras   split a file into parts for a remote machine
+    hf-sparse-kv suite {smollm2,gemma3,qwen2.5} --out DIR [--time-limit S] [--summarize]   a model's whole suite
     hf-sparse-kv eval <recipe> [--model M] [--lengths 2048 8192] [--budgets 1/8 1/16] [--policies quest ...]
                                [--output DIR] [--set key=value ...]
 
@@ -103,7 +105,7 @@ def eval_main(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": None, "calibrate": None, "run": run_main, "eval": eval_main}
+    commands = {"demo": None, "calibrate": None, "run": run_main, "eval": eval_main, "stage": None, "suite": None}
     if not argv or argv[0] not in commands:
         print(f"usage: hf-sparse-kv {{{','.join(commands)}}} [options]   (add --help after a command)")
         raise SystemExit(2)
@@ -111,6 +113,16 @@ def main(argv: list[str] | None = None) -> None:
         from . import demo
 
         demo.main(argv[1:])
+        return
+    if argv[0] == "stage":
+        from . import stage
+
+        stage.main(argv[1:])
+        return
+    if argv[0] == "suite":
+        from . import suite
+
+        suite.main(argv[1:])
         return
     if argv[0] == "calibrate":
         from hf_sparse_kv import calibrate
