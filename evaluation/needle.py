@@ -223,3 +223,64 @@ def greedy_under_policies(
     finally:
         unpatch_model(model)
     return out
+
+
+def greedy_batch(
+    model,
+    prompts: list[list[int]],
+    policies: dict[Any, Policy],
+    new_tokens: int,
+    dense_layers=(0, 1),
+    block_size: int = 16,
+    mode: str = "block",
+    pad_id: int = 0,
+) -> list[dict[Any, list[int]]]:
+    """:func:`greedy_under_policies` for several prompts at once: left-padded into one batch, one shared prefill,
+    then every policy decodes all of them together (the patched attention stores no padding and runs each
+    sequence's policy at its own length). Returns one ``{key: generated token ids}`` per prompt (``new_tokens``
+    each). One prompt takes the batch-1 path itself."""
+    device = model.device
+    if len(prompts) == 1:
+        ids = torch.tensor([prompts[0]], device=device)
+        return [greedy_under_policies(model, ids, policies, new_tokens, dense_layers, block_size, mode)]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    kw = {"use_cache": True}
+
+    def prefill(cache: PagedKVCache) -> None:
+        with torch.no_grad():
+            model(
+                ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
+                **{cache_kwarg(model): cache}, **kw, logits_to_keep=1,
+            )  # fmt: skip
+
+    out: list[dict[Any, list[int]]] = [{} for _ in prompts]
+    patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
+    try:
+        prefix = PagedKVCache(model.config, block_size=block_size)
+        prefill(prefix)
+        for key, policy in policies.items():
+            patch_model(
+                model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
+            )
+            if policy.compresses:
+                cache = PagedKVCache(model.config, block_size=block_size)
+                prefill(cache)
+            else:
+                cache = copy.deepcopy(prefix)
+            token, m, p, gen = ids[:, -1:], mask, pos[:, -1:], []
+            with torch.no_grad():
+                for _ in range(new_tokens):
+                    logits = model(token, attention_mask=m, position_ids=p, **{cache_kwarg(model): cache}, **kw).logits
+                    token = logits[:, -1].argmax(-1, keepdim=True)
+                    gen.append(token)
+                    m = torch.cat([m, torch.ones_like(token)], 1)
+                    p = p + 1
+            tokens = torch.cat(gen, 1).tolist()
+            for i in range(len(prompts)):
+                out[i][key] = tokens[i]
+    finally:
+        unpatch_model(model)
+    return out

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from .environment import environment
-from .needle import generate_cells, needle_trial, score_trial
-from .perplexity import decode_logprobs, kl_dense_sparse, nll_of
+from .needle import greedy_batch, needle_trial, score_trial
+from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
 from .simulate import SimulateSession
 from .sweep import PolicyCell, ResultsDir, budget_label, parse_budget, policy_grid, stable_seed
@@ -96,16 +96,20 @@ def plan(cfg: dict[str, Any]) -> list[Job]:
         jobs += [Job("perplexity", n, ppl_labels, bds) for n in lengths]
         jobs += [Job("needle", n, lbls, bds, {"variant": "single"}) for n in lengths]
     hard = needle.get("hard", {})
+
+    def own(part: dict) -> tuple[str, ...]:  # a part may narrow the budgets it runs
+        return tuple(budget_label(parse_budget(b)) for b in part.get("budgets", cfg["budgets"]))
+
     for variant in hard.get("variants", []):
         for n in hard.get("lengths", lengths):
-            jobs.append(Job("needle", int(n), labels, budgets, {"variant": variant}))
+            jobs.append(Job("needle", int(n), labels, own(hard), {"variant": variant}))
     start = needle.get("start")
     if start:
         for n in start.get("lengths", [max(lengths)]):
-            jobs.append(Job("needle", int(n), labels, budgets, {"variant": "single_start"}))
+            jobs.append(Job("needle", int(n), labels, own(start), {"variant": "single_start"}))
     qa = cfg.get("qa")
     if qa:
-        jobs += [Job("qa", int(n), labels, budgets) for n in qa.get("lengths", lengths)]
+        jobs += [Job("qa", int(n), labels, own(qa)) for n in qa.get("lengths", lengths)]
     if slow:
         jobs += [Job("perplexity", n, ("dense", *slow), budgets) for n in lengths]
     return jobs
@@ -122,6 +126,14 @@ def suite_text(name: str) -> str:
     if name in loaders:
         return loaders[name]()
     return Path(name).read_text(encoding="utf-8")
+
+
+def batch_size(value: Any, length: int) -> int:
+    """A config's ``batch``: an int, or ``{length: int}`` (lengths not listed: the smallest listed), at least 1."""
+    if isinstance(value, dict):
+        table = {int(k): int(v) for k, v in value.items()}
+        return max(1, table.get(length, min(table.values())))
+    return max(1, int(value or 1))
 
 
 def _select(cells: list[PolicyCell], job: Job) -> list[PolicyCell]:
@@ -172,8 +184,7 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
             fid, way = None, "simulate"
             if cell.policy.compresses:
                 way = "decode"
-                mode = cfg.get("mode", "block")
-                lp = decode_logprobs(model, ids, p["scored"], cell.policy, cfg["dense_layers"], cfg["block_size"], mode)
+                lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg)[0]
             else:
                 session = session or SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"])
                 want = bool(p["fidelity"]) and cell.budget is not None
@@ -203,6 +214,77 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
             done.add(("perplexity", job.length, w, *cell.key))
 
 
+def _decode_batch(model, ids: torch.Tensor, n_scored: int, policy, cfg) -> torch.Tensor:
+    """The exact ``decode`` way for a batch of equal-length windows ``ids [B, W]``: ``[B, N, V]`` log-probs of the
+    last ``n_scored`` tokens, each from a decode step of the patched model (no padding: windows share a length)."""
+    from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+
+    mode = (
+        "token" if policy.granularity == "token" and cfg.get("mode", "block") == "block" else cfg.get("mode", "block")
+    )
+    split = ids.shape[1] - n_scored - 1
+    patch_model(model, policy=policy, mode=mode, dense_layers=cfg["dense_layers"], block_size=cfg["block_size"])
+    try:
+        kw = {cache_kwarg(model): PagedKVCache(model.config, block_size=cfg["block_size"]), "use_cache": True}
+        out = []
+        with torch.no_grad():
+            model(ids[:, :split], **kw, logits_to_keep=1)
+            for i in range(split, ids.shape[1] - 1):
+                out.append(torch.log_softmax(model(ids[:, i : i + 1], **kw).logits[:, -1].float(), -1))
+    finally:
+        unpatch_model(model)
+    return torch.stack(out, 1)
+
+
+def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadline, cache) -> None:
+    """Policies that free blocks (SnapKV), scored the exact ``decode`` way, ``perplexity.batch`` windows at once
+    (dense is decoded beside them for the KL; its row comes from the simulate tiers)."""
+    from hf_sparse_kv.policies import Dense
+
+    p = {"windows": 16, "scored": 256, "batch": 1, **cfg.get("perplexity", {})}
+    todo_cells = [c for c in _select(cells, job) if c.budget is not None]
+    windows = _windows(tok, texts, job.length, p["windows"], cache)
+    pending = [
+        w for w in range(len(windows)) if any(("perplexity", job.length, w, *c.key) not in done for c in todo_cells)
+    ]
+    batch = batch_size(p["batch"], job.length)
+    for b0 in range(0, len(pending), batch):
+        if deadline.passed():
+            return
+        ws = pending[b0 : b0 + batch]
+        ids = torch.tensor([windows[w][1] for w in ws], device=model.device)
+        dense_lp = _decode_batch(model, ids, p["scored"], Dense(), cfg)
+        for cell in todo_cells:
+            if all(("perplexity", job.length, w, *cell.key) in done for w in ws):
+                continue
+            t0 = time.perf_counter()
+            lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg)
+            sec = round((time.perf_counter() - t0) / len(ws), 2)
+            for b, w in enumerate(ws):
+                if ("perplexity", job.length, w, *cell.key) in done:
+                    continue
+                nll = nll_of(lp[b], ids[b : b + 1])
+                results.append(
+                    {
+                        "task": "perplexity",
+                        "length": job.length,
+                        "window": w,
+                        "text": windows[w][0],
+                        "policy": cell.label,
+                        "budget": budget_label(cell.budget),
+                        "budget_value": _budget_value(cell, job.length),
+                        "way": "decode",
+                        "nll_sum": float(nll.sum()),
+                        "n": int(nll.numel()),
+                        "kl_mean": float(kl_dense_sparse(dense_lp[b], lp[b]).mean()),
+                        "recall": None,
+                        "hit_rate": None,
+                        "seconds": sec,
+                    }
+                )
+                done.add(("perplexity", job.length, w, *cell.key))
+
+
 def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
     n = cfg.get("needle", {})
     variant = job.params["variant"]
@@ -217,46 +299,66 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
     chosen = _select(cells, job)
     if not any(c.budget is None for c in chosen):
         chosen = [c for c in cells if c.budget is None] + chosen
+    pending = []
     for trial in range(int(p["trials"])):
         todo = [c for c in chosen if ("needle", job.length, variant, trial, *c.key) not in done]
-        if not todo:
-            continue
+        if todo:
+            pending.append((trial, todo))
+    batch = batch_size(p.get("batch"), job.length)
+    for b0 in range(0, len(pending), batch):
         if deadline.passed():
             return
-        seed = stable_seed(cfg.get("seed", 0), job.length, variant, trial)
-        depth = float(p["depths"][trial % len(p["depths"])])
-        text_name = names[trial % len(names)]
-        phrasing = trial % 3 if variant in ("single", "single_start") else 0
-        offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 40000))))
-        base = "single" if variant == "single_start" else variant
-        t = needle_trial(
-            tok, job.length, depth, base, seed, offset, int(p.get("n_needles", 4)), texts[text_name], phrasing
-        )
-        ids = torch.tensor([tok.encode(t["text"])], device=model.device)
-        gens, sec = generate_cells(model, ids, todo, cfg, int(p["new_tokens"]))
-        for c in todo:
-            g = tok.decode(gens[c.key])
-            results.append(
-                {
-                    "task": "needle",
-                    "variant": variant,
-                    "length": job.length,
-                    "trial": trial,
-                    "depth": depth,
-                    "text": text_name,
-                    "phrasing": phrasing,
-                    "policy": c.label,
-                    "budget": budget_label(c.budget),
-                    "budget_value": _budget_value(c, job.length),
-                    "answers": t["answers"],
-                    "generated": g,
-                    "correct": bool(score_trial(g, t)),
-                    "needle_token_pos": t["needle_token_pos"],
-                    "n_tokens": t["n_tokens"],
-                    "seconds": sec,
-                }
+        group = pending[b0 : b0 + batch]
+        todo = [c for c in chosen if any(c in t for _, t in group)]
+        trials = []
+        for trial, _ in group:
+            seed = stable_seed(cfg.get("seed", 0), job.length, variant, trial)
+            depth = float(p["depths"][trial % len(p["depths"])])
+            text_name = names[trial % len(names)]
+            phrasing = trial % 3 if variant in ("single", "single_start") else 0
+            offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 40000))))
+            base = "single" if variant == "single_start" else variant
+            t = needle_trial(
+                tok, job.length, depth, base, seed, offset, int(p.get("n_needles", 4)), texts[text_name], phrasing
             )
-            done.add(("needle", job.length, variant, trial, *c.key))
+            trials.append((trial, depth, text_name, phrasing, t))
+        gens, sec = _generate(model, [tok.encode(t["text"]) for *_, t in trials], todo, cfg, int(p["new_tokens"]))
+        for (trial, depth, text_name, phrasing, t), (_, mine), gen in zip(trials, group, gens):
+            for c in mine:
+                g = tok.decode(gen[c.key])
+                results.append(
+                    {
+                        "task": "needle",
+                        "variant": variant,
+                        "length": job.length,
+                        "trial": trial,
+                        "depth": depth,
+                        "text": text_name,
+                        "phrasing": phrasing,
+                        "policy": c.label,
+                        "budget": budget_label(c.budget),
+                        "budget_value": _budget_value(c, job.length),
+                        "answers": t["answers"],
+                        "generated": g,
+                        "correct": bool(score_trial(g, t)),
+                        "needle_token_pos": t["needle_token_pos"],
+                        "n_tokens": t["n_tokens"],
+                        "batch": len(group),
+                        "seconds": sec,
+                    }
+                )
+                done.add(("needle", job.length, variant, trial, *c.key))
+
+
+def _generate(model, prompts: list[list[int]], todo: list[PolicyCell], cfg, new_tokens: int):
+    """Greedy answers of ``prompts`` (one left-padded batch) under the cells ``todo``; (per prompt ``{key: ids}``,
+    seconds per cell and prompt)."""
+    t0 = time.perf_counter()
+    policies = {c.key: c.policy for c in todo}
+    gens = greedy_batch(
+        model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block")
+    )
+    return gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3)
 
 
 def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
@@ -265,21 +367,29 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
     chosen = _select(cells, job)
     if not any(c.budget is None for c in chosen):
         chosen = [c for c in cells if c.budget is None] + chosen
+    pending = []
     for i in range(int(p["items"])):
         for task in p["tasks"]:
             todo = [c for c in chosen if ("qa", job.length, task, i, *c.key) not in done]
-            if not todo:
-                continue
-            if deadline.passed():
-                return
+            if todo:
+                pending.append((task, i, todo))
+    batch = batch_size(p.get("batch"), job.length)
+    for b0 in range(0, len(pending), batch):
+        if deadline.passed():
+            return
+        group = pending[b0 : b0 + batch]
+        todo = [c for c in chosen if any(c in t for *_, t in group)]
+        items = []
+        for task, i, _ in group:
             seed = stable_seed(cfg.get("seed", 0), task, job.length, i)
             offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 20000))))
             text_name = names[i % len(names)]
-            item = make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)
-            ids = torch.tensor([tok.encode(item["prompt"])[-job.length :]], device=model.device)
-            gens, sec = generate_cells(model, ids, todo, cfg, int(p["new_tokens"]))
-            for c in todo:
-                g = tok.decode(gens[c.key])
+            items.append((text_name, make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)))
+        prompts = [tok.encode(item["prompt"])[-job.length :] for _, item in items]
+        gens, sec = _generate(model, prompts, todo, cfg, int(p["new_tokens"]))
+        for (task, i, mine), (text_name, item), gen in zip(group, items, gens):
+            for c in mine:
+                g = tok.decode(gen[c.key])
                 results.append(
                     {
                         "task": "qa",
@@ -293,6 +403,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
                         "gold": item["gold"],
                         "generated": g,
                         "correct": bool(score_item(g, item)),
+                        "batch": len(group),
                         "seconds": sec,
                     }
                 )
@@ -347,7 +458,9 @@ def run_suite(
         if deadline.passed():
             break
         print(f"[suite] {job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}")
-        if job.task == "perplexity":
+        if job.task == "perplexity" and any(c.policy.compresses for c in _select(cells, job)):
+            _perplexity_decode(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
+        elif job.task == "perplexity":
             _perplexity(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
         elif job.task == "needle":
             _needle(cfg, job, cells, model, tokenizer, texts, results, done, deadline)

@@ -22,7 +22,7 @@ def _tiny_cfg(name: str) -> dict:
         block_size=8,
         dense_layers=[0],
         dtype="float32",
-        perplexity={"windows": 2, "scored": 16, "chunk": 8, "fidelity": True},
+        perplexity={"windows": 3, "scored": 16, "chunk": 8, "fidelity": True, "batch": 2},
         decisive={"policies": ["dense", "oracle", "quest"], "budgets": ["1/8"]},
     )
     cfg["policies"] = [
@@ -30,11 +30,11 @@ def _tiny_cfg(name: str) -> dict:
     ]
     cfg["policies"][-1]["then"] = {"name": "quest", "sink": 2, "window": 8}
     cfg["needle"] = {
-        "trials": 2, "depths": [0.1, 0.6], "new_tokens": 3, "max_offset": 200,
+        "trials": 3, "depths": [0.1, 0.6], "new_tokens": 3, "max_offset": 200, "batch": {640: 2},
         "hard": {"variants": ["multi_key", "multi_value"], "trials": 1, "n_needles": 2, "multi_value": {"new_tokens": 4}},
         "start": {"depths": [0.0], "trials": 1},
     }  # fmt: skip
-    cfg["qa"] = {"tasks": ["fact"], "items": 1, "new_tokens": 3, "max_offset": 200}
+    cfg["qa"] = {"tasks": ["fact", "variable_tracking"], "items": 1, "new_tokens": 3, "max_offset": 200, "batch": 2}
     return cfg
 
 
@@ -83,6 +83,6 @@ def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path):
     assert "Δppl % [95% CI]" in md and "McNemar p" in md and "accuracy [95% CI]" in md
     summary = json.loads((tmp_path / "summary.json").read_text())
     quest = next(r for r in summary["perplexity"] if r["policy"] == "quest" and r["budget"] == "1/8")
-    assert quest["windows"] == 2 and quest["dppl_low"] <= quest["dppl_pct"] <= quest["dppl_high"]
+    assert quest["windows"] == 3 and quest["dppl_low"] <= quest["dppl_pct"] <= quest["dppl_high"]
     assert list(tmp_path.glob("dppl_vs_budget_640.png")) and list(tmp_path.glob("needle_single_640_vs_budget.png"))
     assert list(tmp_path.glob("needle_depth_quest_1over8.png"))
