@@ -257,6 +257,8 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
         for cell in todo_cells:
             if all(("perplexity", job.length, w, *cell.key) in done for w in ws):
                 continue
+            if deadline.passed():
+                return
             t0 = time.perf_counter()
             lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg)
             sec = round((time.perf_counter() - t0) / len(ws), 2)
