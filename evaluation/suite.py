@@ -6,9 +6,9 @@ limit; summaries with 95% intervals from the raw cells (:mod:`evaluation.suite_s
 
 The config is ``recipes/suite_<model>.yaml``. Every finished cell is one JSON line in ``DIR/cells.jsonl`` (field
 ``task``: ``perplexity``, ``needle`` or ``qa``); a rerun skips the cells already there. Work runs in tiers (see
-:func:`plan`): first dense, the oracle and Quest at 1/16 (perplexity, then the needle), then every policy at 1/16,
-then 1/8 and 1/32, then the harder retrieval (multi-key, multi-value, needles at the start of the longest context),
-then QA and SnapKV's perplexity (the slow exact ``decode`` way). The time limit is checked before every unit (one
+:func:`plan`): first dense, the oracle and Quest at 1/16, then every policy at 1/16, then 1/8 and 1/32; each tier runs
+perplexity, the needle, the harder retrieval (multi-key, multi-value, needles at the start of the longest context)
+and QA; SnapKV's perplexity (the slow exact ``decode`` way) comes last. The time limit is checked before every unit (one
 window, one trial), so a stop loses at most the unit in flight.
 
 Perplexity windows alternate between the haystack texts (essays, King James Bible), evenly spaced over each; each
@@ -91,25 +91,26 @@ def plan(cfg: dict[str, Any]) -> list[Job]:
     lengths = [int(n) for n in cfg["lengths"]]
     needle = cfg.get("needle", {})
     jobs: list[Job] = []
+    hard, start, qa = needle.get("hard", {}), needle.get("start"), cfg.get("qa")
+
+    def own(part: dict, bds: tuple[str, ...]) -> tuple[str, ...]:  # a part may narrow the budgets it runs
+        mine = {budget_label(parse_budget(b)) for b in part.get("budgets", cfg["budgets"])}
+        return tuple(b for b in bds if b in mine)
+
     for lbls, bds in ((key, first), (labels, first), (labels, rest)):
         ppl_labels = tuple(lb for lb in lbls if lb in fast)
         jobs += [Job("perplexity", n, ppl_labels, bds) for n in lengths]
         jobs += [Job("needle", n, lbls, bds, {"variant": "single"}) for n in lengths]
-    hard = needle.get("hard", {})
-
-    def own(part: dict) -> tuple[str, ...]:  # a part may narrow the budgets it runs
-        return tuple(budget_label(parse_budget(b)) for b in part.get("budgets", cfg["budgets"]))
-
-    for variant in hard.get("variants", []):
-        for n in hard.get("lengths", lengths):
-            jobs.append(Job("needle", int(n), labels, own(hard), {"variant": variant}))
-    start = needle.get("start")
-    if start:
-        for n in start.get("lengths", [max(lengths)]):
-            jobs.append(Job("needle", int(n), labels, own(start), {"variant": "single_start"}))
-    qa = cfg.get("qa")
-    if qa:
-        jobs += [Job("qa", int(n), labels, own(qa)) for n in qa.get("lengths", lengths)]
+        for variant in hard.get("variants", []):
+            jobs += [
+                Job("needle", int(n), lbls, own(hard, bds), {"variant": variant}) for n in hard.get("lengths", lengths)
+            ]
+        if start:
+            for n in start.get("lengths", [max(lengths)]):
+                jobs.append(Job("needle", int(n), lbls, own(start, bds), {"variant": "single_start"}))
+        if qa:
+            jobs += [Job("qa", int(n), lbls, own(qa, bds)) for n in qa.get("lengths", lengths)]
+    jobs = [j for j in jobs if j.budgets]
     if slow:
         jobs += [Job("perplexity", n, ("dense", *slow), budgets) for n in lengths]
     return jobs
