@@ -481,6 +481,57 @@ def run_suite(
     return status
 
 
+# (layers, parameters) of the suite's models, for :func:`estimate`
+SHAPES = {"smollm2": (30, 0.135e9), "gemma3-270m": (18, 0.27e9), "qwen2.5-coder-1.5b": (28, 1.54e9)}
+
+
+def estimate(cfg: dict[str, Any], step_ms_per_layer: float = 1.6, tflops: float = 150.0) -> list[tuple[Job, float]]:
+    """Rough device seconds per job, for planning a GPU session (not a measurement).
+
+    Assumes eager decode steps bound by the host at ``step_ms_per_layer`` per layer whatever the batch (about what
+    ``benchmarks/RESULTS.md`` measured on the H200: 50-60 ms per step of a 32-layer model), prefills at ``tflops``
+    effective, a ``simulate`` cell at 3 ms per layer (twice that with fidelity)."""
+    layers, params = SHAPES.get(cfg["model"], (32, 1e9))
+    step = layers * step_ms_per_layer / 1000
+
+    def prefill(tokens: int) -> float:
+        return 2 * params * tokens / (tflops * 1e12) + layers * 0.002
+
+    cells = cells_of(cfg)
+    out = []
+    for job in plan(cfg):
+        mine = [c for c in _select(cells, job) if c.budget is not None]
+        if job.task == "perplexity":
+            p = {"windows": 16, "scored": 256, "batch": 1, "fidelity": True, **cfg.get("perplexity", {})}
+            if any(c.policy.compresses for c in mine):
+                batches = -(-p["windows"] // batch_size(p["batch"], job.length))
+                b = batch_size(p["batch"], job.length)
+                sec = batches * (1 + len(mine)) * (prefill(b * job.length) + p["scored"] * step)
+            else:
+                sim = layers * 0.003 * (2 if p["fidelity"] else 1)
+                sec = p["windows"] * (prefill(job.length) + (1 + len(mine)) * sim)
+        else:
+            n = cfg.get("needle", {}) if job.task == "needle" else cfg.get("qa", {})
+            variant = job.params.get("variant", "")
+            part = (
+                {**n, **n.get("hard", {}), **n.get("hard", {}).get(variant, {})} if variant.startswith("multi") else n
+            )
+            part = {**n, **n.get("start", {})} if variant == "single_start" else part
+            units = (
+                int(part.get("trials", 100))
+                if job.task == "needle"
+                else int(n.get("items", 100)) * len(n.get("tasks", [1, 2, 3]))
+            )
+            b = batch_size(part.get("batch"), job.length)
+            new = int(part.get("new_tokens", 8)) + 1
+            compress = sum(c.policy.compresses for c in mine)
+            dense_here = "dense" in job.labels and job.labels[0] == "dense" and len(job.budgets) == 1
+            per_batch = prefill(b * job.length) * (1 + compress) + (len(mine) + dense_here) * new * step
+            sec = -(-units // b) * per_batch
+        out.append((job, sec))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """``hf-sparse-kv suite MODEL --out DIR [--time-limit S] [--summarize] [--set key=value ...]``."""
     import yaml
@@ -492,6 +543,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="results folder (cells.jsonl, summary.md, plots); resumes")
     p.add_argument("--time-limit", type=float, help="seconds; the run stops cleanly before the next unit after it")
     p.add_argument("--summarize", action="store_true", help="only write tables and plots from DIR/cells.jsonl")
+    p.add_argument("--estimate", action="store_true", help="print rough device minutes per job (no model loaded)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (YAML)")
     a = p.parse_args(argv)
     overrides = {}
@@ -499,6 +551,16 @@ def main(argv: list[str] | None = None) -> None:
         k, _, v = item.partition("=")
         overrides[k] = yaml.safe_load(v)
     cfg = load_suite(a.model, overrides)
+    if a.estimate:
+        total = 0.0
+        for job, sec in estimate(cfg):
+            total += sec
+            what = job.params.get("variant", "")
+            print(
+                f"{job.task:10} {job.length:6} {what:13} {len(job.labels)} policies @ {','.join(job.budgets):14} "
+                f"{sec / 60:6.1f} min  (cumulative {total / 60:6.1f})"
+            )
+        return
     if not a.summarize:
         run_suite(cfg, a.out, a.time_limit)
     print(summarize(a.out, title=str(cfg.get("model"))))
