@@ -62,8 +62,20 @@ def test_printed_commands_run_as_shell_commands(tmp_path):
     for c in calls:
         subprocess.run(c["command"], shell=True, check=True, cwd=tmp_path / "repo", env=env)
     assert (tmp_path / "dev" / "w.bin").read_bytes() == data
-    again = subprocess.run(calls[0]["command"], shell=True, cwd=tmp_path / "repo", env=env)  # .ok: skipped
+    again = subprocess.run(calls[0]["command"], check=False, shell=True, cwd=tmp_path / "repo", env=env)  # .ok: skipped
     assert again.returncode == 0
     bad = calls[0]["command"].replace(m.part_sha256[0], "0" * 64).replace(f"[ -f {tmp_path}/dev/w.bin.ok ] || ", "")
-    out = subprocess.run(bad, shell=True, cwd=tmp_path / "repo", env=env, capture_output=True, text=True)
+    out = subprocess.run(bad, check=False, shell=True, cwd=tmp_path / "repo", env=env, capture_output=True, text=True)
     assert out.returncode == 1 and "part 01" in out.stderr and "damaged" in out.stderr
+
+
+def test_staged_assets_are_found_through_the_environment(tmp_path, monkeypatch):
+    from evaluation.assets import ASSETS_ENV, STAGED, staged_path
+    from evaluation.suite import suite_text
+
+    monkeypatch.setenv(ASSETS_ENV, str(tmp_path))
+    assert staged_path("qwen2.5-coder-1.5b") is None  # not staged: load_model would fetch from PyPI
+    (tmp_path / STAGED["qwen2.5-coder-1.5b"]).write_bytes(b"GGUF")
+    assert staged_path("qwen2.5-coder-1.5b") == (tmp_path, "qwen2.5-coder-1.5b.gguf")
+    (tmp_path / "kjv.txt").write_text("In the beginning.", encoding="utf-8")
+    assert suite_text("kjv") == "In the beginning."
