@@ -42,7 +42,10 @@ def test_plan_runs_the_decisive_cells_first():
     jobs = plan(load_suite("qwen2.5"))
     first = [j for j in jobs if j.labels == ("dense", "oracle", "quest")]
     assert jobs[: len(first)] == first and all(j.budgets == ("1/16",) for j in first)
-    assert {j.task for j in first} == {"perplexity", "needle", "qa"} and jobs[-1].labels[1:] == ("snapkv", "snapkv1/4+quest")
+    assert {j.task for j in first} == {"perplexity", "needle", "qa"} and jobs[-1].labels[1:] == (
+        "snapkv",
+        "snapkv1/4+quest",
+    )
     assert {j.length for j in first} == {8192, 16384, 32768}
 
 
