@@ -153,9 +153,10 @@ def errorbar_plot(rows, metric, low, high, group, path: Path, ylabel: str, title
             dense[group(r, dense=True)] = r[metric] * scale
         else:
             lines[group(r)].append(r)
-    for name, rs in sorted(lines.items()):
+    for i, (name, rs) in enumerate(sorted(lines.items())):
         rs.sort(key=lambda r: r["budget_value"])
-        x = [r["budget_value"] for r in rs]
+        shift = 2 ** (0.03 * (i - (len(lines) - 1) / 2))  # a small offset per line so the error bars do not overlap
+        x = [r["budget_value"] * shift for r in rs]
         y = [r[metric] * scale for r in rs]
         err = [
             [max(0.0, (r[metric] - r[low]) * scale) if not math.isnan(r[low]) else 0.0 for r in rs],
