@@ -172,6 +172,24 @@ def stage_extras(dest: Path) -> list[Path]:
     return sorted(dest.iterdir())
 
 
+SUITE_OF = {"smollm2": "smollm2", "gemma3-270m": "gemma3", "qwen2.5-coder-1.5b": "qwen2.5"}
+
+
+def suite_call(model: str, device_dir: str = DEVICE_DIR, time_limit: int = 450, dest: str = STAGE_DIR) -> dict:
+    """The remote call that runs (or resumes) a model's suite once its file is staged: ``.stage/extras`` carried
+    (texts + gguf wheel), results in ``evaluation/results/suite_<m>/`` (copy the returned ``cells.jsonl`` back
+    there before the next call so that it resumes on a fresh machine too), cells and summary copied to ``$OUT``."""
+    key = SUITE_OF[model]
+    out = f"evaluation/results/suite_{key}"
+    cmd = (
+        f"mkdir -p {device_dir} {out} && cp {dest}/extras/*.txt {device_dir}/ && python3 -m pip install -q --no-index "
+        f"--no-deps --target /tmp/site {dest}/extras/gguf-*.whl && PYTHONPATH=/tmp/site:$PWD "
+        f"HF_SPARSE_KV_ASSETS={device_dir} PYTHONUNBUFFERED=1 python3 -m evaluation.cli suite {key} --out {out} "
+        f"--time-limit {time_limit}; cp {out}/cells.jsonl {out}/summary.md $OUT/"
+    )
+    return {"carry": [f"{dest}/extras"], "command": cmd, "timeout_s": 600}
+
+
 def main(argv: list[str] | None = None) -> None:
     """``split`` (the default), ``put`` and ``join`` from the command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -228,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{file} ({m.size / 2**20:.1f} MiB) -> {len(m.parts)} part(s) under {a.dest}/{name}; sha256 {m.sha256}")
     print("remote calls, in order, back to back (the machine must stay warm between them):")
     print(json.dumps(commands(m, a.device_dir), indent=1))
+    if a.model:
+        print("then the suite, as many calls as it needs (needs `hf-sparse-kv stage --extras` once):")
+        print(json.dumps(suite_call(a.model, a.device_dir, dest=a.dest), indent=1))
 
 
 if __name__ == "__main__":

@@ -79,3 +79,12 @@ def test_staged_assets_are_found_through_the_environment(tmp_path, monkeypatch):
     assert staged_path("qwen2.5-coder-1.5b") == (tmp_path, "qwen2.5-coder-1.5b.gguf")
     (tmp_path / "kjv.txt").write_text("In the beginning.", encoding="utf-8")
     assert suite_text("kjv") == "In the beginning."
+
+
+def test_suite_call_carries_the_extras_and_returns_the_cells():
+    from evaluation.stage import suite_call
+
+    call = suite_call("qwen2.5-coder-1.5b")
+    assert call["carry"] == [".stage/extras"] and len(call["command"]) < 2000
+    assert "HF_SPARSE_KV_ASSETS=/root/hfsk_assets" in call["command"] and "suite qwen2.5" in call["command"]
+    assert call["command"].endswith("cells.jsonl evaluation/results/suite_qwen2.5/summary.md $OUT/")
