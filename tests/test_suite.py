@@ -1,0 +1,91 @@
+"""The per-model suite end to end on a tiny random model (nothing downloaded): every task and policy runs, a time
+limit stops it cleanly, a rerun resumes without redoing cells, and the summary has intervals and plots."""
+
+from __future__ import annotations
+
+import json
+
+from test_assets_text import make_essays
+from tiny_models import tiny_model
+
+from evaluation.suite import load_suite, plan, run_suite
+from evaluation.suite_summary import summarize
+from evaluation.toy import CharTokenizer
+
+
+def _tiny_cfg(name: str) -> dict:
+    """A real suite config cut down to seconds: one short length, two windows, two trials, two budgets."""
+    cfg = load_suite(name)
+    cfg.update(
+        lengths=[640],
+        budgets=["1/4", "1/8"],
+        block_size=8,
+        dense_layers=[0],
+        dtype="float32",
+        perplexity={"windows": 3, "scored": 16, "chunk": 8, "fidelity": True, "batch": 2},
+        decisive={"policies": ["dense", "oracle", "quest"], "budgets": ["1/8"]},
+    )
+    cfg["policies"] = [
+        dict(p, sink=2, window=8) if p["name"] not in ("dense", "sink_window") else p for p in cfg["policies"]
+    ]
+    cfg["policies"][-1]["then"] = {"name": "quest", "sink": 2, "window": 8}
+    cfg["needle"] = {
+        "trials": 3, "depths": [0.1, 0.6], "new_tokens": 3, "max_offset": 200, "batch": {640: 2},
+        "hard": {"variants": ["multi_key", "multi_value"], "trials": 1, "n_needles": 2, "multi_value": {"new_tokens": 4}},
+        "start": {"depths": [0.0], "trials": 1},
+    }  # fmt: skip
+    cfg["qa"] = {"tasks": ["fact", "variable_tracking"], "items": 1, "new_tokens": 3, "max_offset": 200, "batch": 2}
+    return cfg
+
+
+def test_plan_runs_the_decisive_cells_first():
+    jobs = plan(load_suite("qwen2.5"))
+    first = [j for j in jobs if j.labels == ("dense", "oracle", "quest")]
+    assert jobs[: len(first)] == first and all(j.budgets == ("1/16",) for j in first)
+    assert {j.task for j in first} == {"perplexity", "needle", "qa"} and jobs[-1].labels[1:] == (
+        "snapkv",
+        "snapkv1/4+quest",
+    )
+    assert {j.length for j in first} == {8192, 16384, 32768}
+
+
+def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path):
+    cfg = _tiny_cfg("qwen2.5")
+    model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
+    texts = {"essays": make_essays(400), "kjv": make_essays(500)[5000:]}
+    stopped = run_suite(cfg, tmp_path, time_limit=0, model=model, tokenizer=tok, texts=texts)
+    assert not stopped["finished"] and not (tmp_path / "cells.jsonl").exists()
+    status = run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)
+    assert status["finished"]
+    rows = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    tasks = {r["task"] for r in rows}
+    assert tasks == {"perplexity", "needle", "qa"}
+    labels = {r["policy"] for r in rows if r["task"] == "perplexity"}
+    assert labels == {
+        "dense",
+        "oracle",
+        "quest",
+        "token_topk",
+        "block_topk",
+        "sink_window",
+        "snapkv",
+        "snapkv1/4+quest",
+    }
+    assert {r["variant"] for r in rows if r["task"] == "needle"} == {
+        "single",
+        "multi_key",
+        "multi_value",
+        "single_start",
+    }
+    assert {r["text"] for r in rows if r["task"] == "needle"} == {"essays", "kjv"}
+    assert any(r["hit_rate"] is not None for r in rows if r["task"] == "perplexity")
+    n = len(rows)
+    again = run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)
+    assert again["finished"] and len((tmp_path / "cells.jsonl").read_text().splitlines()) == n  # nothing redone
+    md = summarize(tmp_path, "tiny")
+    assert "Δppl % [95% CI]" in md and "McNemar p" in md and "accuracy [95% CI]" in md
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    quest = next(r for r in summary["perplexity"] if r["policy"] == "quest" and r["budget"] == "1/8")
+    assert quest["windows"] == 3 and quest["dppl_low"] <= quest["dppl_pct"] <= quest["dppl_high"]
+    assert list(tmp_path.glob("dppl_vs_budget_640.png")) and list(tmp_path.glob("needle_single_640_vs_budget.png"))
+    assert list(tmp_path.glob("needle_depth_quest_1over8.png"))
