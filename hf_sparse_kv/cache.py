@@ -14,6 +14,8 @@ its contents, reorders with its rows and tells when its table is cut, and never 
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -103,10 +105,19 @@ class PagedLayer(DynamicLayer):
 
     def __init__(self, cache: PagedKVCache):
         super().__init__()
-        self.cache = cache
+        self.attach(cache)
         self.length = 0
         self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
         self.state: dict[str, torch.Tensor] = {}  # the policy-declared state (see PagedKVCache.declare_state)
+
+    def attach(self, cache: PagedKVCache) -> None:
+        """Belong to ``cache``, held weakly: a cache and its layers form no reference cycle, so dropping the last
+        reference to a cache frees its device memory at once (not at the next cyclic garbage collection)."""
+        self._cache = weakref.ref(cache)
+
+    @property
+    def cache(self) -> PagedKVCache:
+        return self._cache()
 
     # transformers reads ``keys``/``values`` in a few generic places: give them the dense view (slow but correct)
     @property
@@ -296,6 +307,15 @@ class PagedKVCache(DynamicCache):
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
         if not self.layers:
             raise ValueError("PagedKVCache needs a config that names its layers (num_hidden_layers)")
+
+    def __deepcopy__(self, memo: dict) -> PagedKVCache:
+        """A copy that owns copies of everything (pools, table, session); its layers belong to the copy."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        for layer in new.paged_layers:
+            layer.attach(new)
+        return new
 
     @property
     def paged_layers(self) -> list[PagedLayer]:

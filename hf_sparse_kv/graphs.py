@@ -21,6 +21,7 @@ run eagerly).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -56,7 +57,8 @@ class DecodeGraphs:
             raise ValueError(
                 "CUDA-graph decoding supports mode='block' or 'auto' with a policy that does not free blocks"
             )
-        self.model, self.cache, self.config = model, cache, config
+        self.model, self.config = model, config
+        self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
         self.capture = capture and torch.cuda.is_available()
         self.static = cache.reserve_static(max_length)
         B = len(cache.table.rows)
@@ -66,6 +68,10 @@ class DecodeGraphs:
         self.graphs: dict = {}  # plan key -> (graph, logits, kv bytes per step)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
+
+    @property
+    def cache(self) -> PagedKVCache:
+        return self._cache()
 
     def key(self, length: int) -> tuple | None:
         """The host plan of the step that decodes at ``length`` tokens (the width of every sparse layer; under

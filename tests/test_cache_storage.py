@@ -3,6 +3,7 @@ as the attention drives it (docs/ARCHITECTURE.md): a new policy plugs in through
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import pytest
@@ -288,4 +289,50 @@ def test_selection_reads_the_declared_state():
     )  # fmt: skip
     sel: Selection = model._hf_sparse_kv.config.policy.select(state)
     assert 2 in sel.indices[0, 0].tolist() and 2 in sel.indices[0, 1].tolist()
+    unpatch_model(model)
+
+
+# ---- a cache's memory goes when its last reference does ---------------------------------------------------------
+
+
+def test_a_dropped_cache_is_freed_without_the_cyclic_garbage_collector():
+    """A cache and its layers form no reference cycle: the device memory of a generation's cache is given back when
+    the caller drops it, not at some later garbage collection (a batch of long prompts per call ran a GPU out of
+    memory when each cache waited for ``gc``)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
+    gc.disable()
+    try:
+        cache = _filled_cache(model, 40)
+        ref = weakref.ref(cache)
+        del cache
+        assert ref() is None
+        out = model.generate(prompt(40), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        ref = weakref.ref(out[cache_kwarg(model)] if cache_kwarg(model) in out else out["past_key_values"])
+        del out
+        assert ref() is None
+    finally:
+        gc.enable()
+        unpatch_model(model)
+
+
+def test_a_deep_copy_decodes_on_its_own_pages():
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
+    cache = _filled_cache(model, 45, batch=2)
+    twin = copy.deepcopy(cache)
+    assert all(layer.cache is twin for layer in twin.paged_layers)
+    assert all(layer.cache is cache for layer in cache.paged_layers)
+    with torch.no_grad():
+        a = model(prompt(1, batch=2, seed=5), use_cache=True, **{cache_kwarg(model): cache}).logits
+        b = model(prompt(1, batch=2, seed=5), use_cache=True, **{cache_kwarg(model): twin}).logits
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        model(prompt(1, batch=2, seed=6), use_cache=True, **{cache_kwarg(model): twin})
+        assert cache.get_seq_length() == 46 and twin.get_seq_length() == 47
+        again = model(prompt(1, batch=2, seed=7), use_cache=True, **{cache_kwarg(model): copy.deepcopy(cache)}).logits
+        ref = model(prompt(1, batch=2, seed=7), use_cache=True, **{cache_kwarg(model): cache}).logits
+        torch.testing.assert_close(again, ref, rtol=0, atol=0)
     unpatch_model(model)
