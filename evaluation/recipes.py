@@ -29,8 +29,10 @@ from .sweep import (
     ResultsDir,
     Shard,
     budget_label,
+    budget_value,
     check_config,
     load_config,
+    perplexity_row,
     policy_grid,
     progress,
     stable_seed,
@@ -68,13 +70,6 @@ def load_model_from(cfg: dict[str, Any], device: str):
 
     dtype = getattr(torch, cfg.get("dtype") or "float32")
     return load_model(cfg["model"], dtype=dtype, device=device)
-
-
-def _budget_value(cell_or_row, length: int) -> float | None:
-    b = cell_or_row.budget if isinstance(cell_or_row, PolicyCell) else cell_or_row
-    if b is None:
-        return None
-    return b if isinstance(b, float) else b / length
 
 
 # --------------------------------------------------------------------------------------------------- perplexity
@@ -117,20 +112,8 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
                 if not any(c.budget is None for c in todo):
                     continue
             nll = nll_of(lp, ids)
-            row = {
-                "length": length,
-                "window": w,
-                "policy": cell.label,
-                "budget": budget_label(cell.budget),
-                "budget_value": _budget_value(cell, length),
-                "way": way,
-                "nll_sum": float(nll.sum()),
-                "n": int(nll.numel()),
-                "kl_mean": float(kl_dense_sparse(dense_lp, lp).mean()),
-                "recall": fid.recall if fid else None,
-                "hit_rate": fid.hit_rate if fid else None,
-                "seconds": round(time.perf_counter() - t0, 2),
-            }
+            kl = kl_dense_sparse(dense_lp, lp).mean()
+            row = perplexity_row(length, w, cell, way, nll, kl, fid, round(time.perf_counter() - t0, 2))
             results.append(row)
 
 
@@ -239,7 +222,7 @@ def run_needle(cfg, model, tok, text, results: ResultsDir, shard: Shard) -> None
                     "trial": trial,
                     "policy": c.label,
                     "budget": budget_label(c.budget),
-                    "budget_value": _budget_value(c, length),
+                    "budget_value": budget_value(c.budget, length),
                     "variant": p["variant"],
                     "answers": t["answers"],
                     "generated": g,

@@ -34,7 +34,16 @@ from .needle import greedy_batch, needle_trial, score_trial
 from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
 from .simulate import SimulateSession
-from .sweep import PolicyCell, ResultsDir, budget_label, parse_budget, policy_grid, stable_seed
+from .sweep import (
+    PolicyCell,
+    ResultsDir,
+    budget_label,
+    budget_value,
+    parse_budget,
+    perplexity_row,
+    policy_grid,
+    stable_seed,
+)
 
 SUITES = {"smollm2": "suite_smollm2.yaml", "gemma3": "suite_gemma3.yaml", "qwen2.5": "suite_qwen2.5.yaml"}
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -141,12 +150,6 @@ def _select(cells: list[PolicyCell], job: Job) -> list[PolicyCell]:
     return [c for c in cells if c.label in job.labels and (c.budget is None or budget_label(c.budget) in job.budgets)]
 
 
-def _budget_value(cell: PolicyCell, length: int) -> float | None:
-    if cell.budget is None:
-        return None
-    return cell.budget if isinstance(cell.budget, float) else cell.budget / length
-
-
 def _windows(tok, texts: dict[str, str], length: int, n: int, cache: dict) -> list[tuple[str, list[int]]]:
     """``n`` windows of ``length`` tokens, alternating over the texts, evenly spaced over each text."""
     names = list(texts)
@@ -195,22 +198,9 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
                 if ("perplexity", job.length, w, *cell.key) in done:
                     continue
             nll = nll_of(lp, ids)
-            row = {
-                "task": "perplexity",
-                "length": job.length,
-                "window": w,
-                "text": text_name,
-                "policy": cell.label,
-                "budget": budget_label(cell.budget),
-                "budget_value": _budget_value(cell, job.length),
-                "way": way,
-                "nll_sum": float(nll.sum()),
-                "n": int(nll.numel()),
-                "kl_mean": float(kl_dense_sparse(dense_lp, lp).mean()),
-                "recall": fid.recall if fid else None,
-                "hit_rate": fid.hit_rate if fid else None,
-                "seconds": round(time.perf_counter() - t0, 2),
-            }
+            kl = kl_dense_sparse(dense_lp, lp).mean()
+            seconds = round(time.perf_counter() - t0, 2)
+            row = perplexity_row(job.length, w, cell, way, nll, kl, fid, seconds, task="perplexity", text=text_name)
             results.append(row)
             done.add(("perplexity", job.length, w, *cell.key))
 
@@ -267,24 +257,9 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
                 if ("perplexity", job.length, w, *cell.key) in done:
                     continue
                 nll = nll_of(lp[b], ids[b : b + 1])
-                results.append(
-                    {
-                        "task": "perplexity",
-                        "length": job.length,
-                        "window": w,
-                        "text": windows[w][0],
-                        "policy": cell.label,
-                        "budget": budget_label(cell.budget),
-                        "budget_value": _budget_value(cell, job.length),
-                        "way": "decode",
-                        "nll_sum": float(nll.sum()),
-                        "n": int(nll.numel()),
-                        "kl_mean": float(kl_dense_sparse(dense_lp[b], lp[b]).mean()),
-                        "recall": None,
-                        "hit_rate": None,
-                        "seconds": sec,
-                    }
-                )
+                kl = kl_dense_sparse(dense_lp[b], lp[b]).mean()
+                extra = {"task": "perplexity", "text": windows[w][0]}
+                results.append(perplexity_row(job.length, w, cell, "decode", nll, kl, None, sec, **extra))
                 done.add(("perplexity", job.length, w, *cell.key))
 
 
@@ -340,7 +315,7 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
                         "phrasing": phrasing,
                         "policy": c.label,
                         "budget": budget_label(c.budget),
-                        "budget_value": _budget_value(c, job.length),
+                        "budget_value": budget_value(c.budget, job.length),
                         "answers": t["answers"],
                         "generated": g,
                         "correct": bool(score_trial(g, t)),
@@ -402,7 +377,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
                         "text": text_name,
                         "policy": c.label,
                         "budget": budget_label(c.budget),
-                        "budget_value": _budget_value(c, job.length),
+                        "budget_value": budget_value(c.budget, job.length),
                         "gold": item["gold"],
                         "generated": g,
                         "correct": bool(score_item(g, item)),

@@ -53,6 +53,35 @@ def parse_budget(value: Any) -> int | float:
     return value
 
 
+def budget_value(budget: float | None, length: int) -> float | None:
+    """A budget as a fraction of a ``length``-token context (``None`` for dense)."""
+    if budget is None:
+        return None
+    return budget if isinstance(budget, float) else budget / length
+
+
+def perplexity_row(
+    length: int, window: int, cell: PolicyCell, way: str, nll, kl: float, fidelity, seconds: float, **extra
+) -> dict[str, Any]:
+    """The raw cell of one (window, policy): ``nll`` ``[N]`` per scored token, ``kl`` the mean KL(dense ‖ policy),
+    ``fidelity`` an object with ``recall`` and ``hit_rate`` (or ``None``); ``extra`` keys go first (e.g. the task)."""
+    return {
+        **extra,
+        "length": length,
+        "window": window,
+        "policy": cell.label,
+        "budget": budget_label(cell.budget),
+        "budget_value": budget_value(cell.budget, length),
+        "way": way,
+        "nll_sum": float(nll.sum()),
+        "n": int(nll.numel()),
+        "kl_mean": float(kl),
+        "recall": fidelity.recall if fidelity else None,
+        "hit_rate": fidelity.hit_rate if fidelity else None,
+        "seconds": seconds,
+    }
+
+
 def budget_label(budget: float | None) -> str:
     """``0.125`` -> ``"1/8"``, ``2048`` -> ``"2048"``, None -> ``"-"``."""
     if budget is None:
