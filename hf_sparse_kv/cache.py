@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from .ops import BACKENDS, get_ops, reference
+from .ops import BACKENDS, get_ops, reference, resolve_backend
 from .ops.layout import cdiv
+from .ops.library import registered_ops
 from .runtime import DecodeSession
 
 POOL_GROWTH = 2.0
@@ -37,15 +38,111 @@ def check_block_size(block_size: int) -> None:
 
 @dataclass
 class StaticBuffers:
-    """Device buffers of a cache reserved for CUDA-graph decoding (see :meth:`PagedKVCache.reserve_static`).
+    """Device buffers of a cache reserved for static decoding (see :meth:`PagedKVCache.reserve_static`): what a
+    static decode step (compiled, captured, or both: :mod:`hf_sparse_kv.graphs`) reads instead of host state.
 
-    Attributes: ``max_length`` tokens reserved per sequence; ``seq_lens`` ``[B]`` the stored length after this
-    step's token; ``pos0`` ``[B]`` where this step's token is written; ``start`` ``[B]`` zeros."""
+    Attributes:
+        max_length: tokens reserved per sequence (transformers' frame, left padding included).
+        frame: ``[1]`` long, the position of this step's token in transformers' frame (the same for every sequence).
+        seq_lens: ``[B]`` int32, the stored length after this step's token (``frame + 1 - pads``).
+        pos0: ``[B]`` int32, where this step's token is stored (``frame - pads``).
+        start: ``[B]`` int32 zeros (padding is never stored).
+        pads: ``[B]`` int32, each sequence's left padding.
+        positions: ``[B, 1]`` long, this step's position ids as ``generate()`` makes them (``frame - pads``).
+        table: ``[B, MB]`` int32, the block table, fixed by the reservation.
+        ops: the backend's registered ops (:func:`hf_sparse_kv.ops.library.registered_ops`).
+        plan: the host plan the current step was keyed on (set by :meth:`begin_step`; see
+            :func:`hf_sparse_kv.attention.static_plan`).
+    """
 
     max_length: int
+    frame: torch.Tensor
     seq_lens: torch.Tensor
     pos0: torch.Tensor
     start: torch.Tensor
+    pads: torch.Tensor
+    positions: torch.Tensor
+    table: torch.Tensor
+    ops: SimpleNamespace
+    plan: object = None
+
+    def begin_step(self, frame: int, plan) -> None:
+        """Fill the buffers for the token at position ``frame`` (transformers' frame) and keep the step's plan; runs
+        before the step (outside a traced or captured region)."""
+        self.frame.fill_(frame)
+        torch.sub(frame, self.pads, out=self.pos0)
+        torch.add(self.pos0, 1, out=self.seq_lens)
+        self.positions.copy_(self.pos0.view(-1, 1))
+        self.plan = plan
+
+
+class WindowRing:
+    """A sliding-window layer of a cache reserved for static decoding: keys and values ``[B, Hkv, W, D]`` in a ring,
+    the token at position ``p`` of transformers' frame in slot ``p % W``, so every step has the same shapes.
+
+    :meth:`PagedKVCache.reserve_static` builds it from transformers' sliding-window layer (which holds the last
+    ``W - 1`` tokens); a single-token step writes slot ``frame % W`` and attends the slots whose position lies in
+    ``(frame - W, frame]`` and after the sequence's padding (:meth:`mask`), which is transformers' window rule. Only
+    static decode steps use it: anything else on a reserved cache is refused.
+    """
+
+    is_sliding = True
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, layer, length: int, static: StaticBuffers):
+        keys, values = layer.keys, layer.values  # [B, Hkv, n, D], positions length - n .. length - 1
+        W = layer.sliding_window
+        B, H, n, D = keys.shape
+        self.sliding_window, self.length, self.static = W, length, static
+        self.keys = keys.new_zeros(B, H, W, D)
+        self.values = values.new_zeros(B, H, W, D)
+        slots = torch.arange(length - n, length, device=keys.device) % W
+        self.keys[:, :, slots] = keys
+        self.values[:, :, slots] = values
+        self.is_initialized = True
+        self.device, self.dtype = keys.device, keys.dtype
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write one token ``[B, Hkv, 1, D]`` at slot ``frame % W``; return the whole ring."""
+        if key_states.shape[2] != 1:
+            raise NotImplementedError("a cache reserved for static decoding takes one token per step")
+        slot = self.static.frame % self.sliding_window  # [1]
+        self.keys.index_copy_(2, slot, key_states.to(self.dtype))
+        self.values.index_copy_(2, slot, value_states.to(self.dtype))
+        return self.keys, self.values
+
+    def mask(self) -> torch.Tensor:
+        """``[B, 1, 1, W]`` bool: the slots this step's query attends (position in ``(frame - W, frame]``, at or after
+        the sequence's padding); the position of slot ``s`` is ``frame - ((frame - s) mod W)``."""
+        W = self.sliding_window
+        s = torch.arange(W, device=self.device)
+        frame = self.static.frame
+        pos = frame - torch.remainder(frame - s, W)  # [W]
+        return (pos.view(1, W) >= self.static.pads.view(-1, 1).long()).view(-1, 1, 1, W)
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # built initialised
+        pass
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.sliding_window, 0  # static; the attention builds its own mask (mask())
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a sliding-window ring of a static reservation cannot be cropped")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("a sliding-window ring of a static reservation cannot be reordered")
+
+    batch_repeat_interleave = batch_select_indices = reorder_cache
 
 
 class BlockTable:
@@ -152,10 +249,10 @@ class PagedLayer(DynamicLayer):
         self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean = tensors[:5]
         self.state = dict(zip(self.state, tensors[5:]))
 
-    def refresh_state(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    def refresh_state(self, lo: torch.Tensor, hi: torch.Tensor, table: torch.Tensor | None = None) -> None:
         """Recompute the declared state of stored positions ``[lo[b], hi[b])`` from the key pool (``[B]`` tensors)."""
         if self.state:
-            table = self.cache.table.tensor(self.device)
+            table = self.cache.table.tensor(self.device) if table is None else table
             for spec in self.cache.specs:
                 spec.refresh(self.state[spec.name], self.k_pool, table, lo, hi)
 
@@ -190,13 +287,18 @@ class PagedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, _, T, _ = key_states.shape
-        frame0 = self.length
         static = self.cache.static
-        if static is not None and T == 1:  # blocks are reserved; the write position comes from a device buffer
-            pos0 = static.pos0
-        else:
-            self.cache.reserve(B, frame0 + T, frame0)
-            pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
+        if static is not None:  # a static step: blocks reserved, positions in device buffers, lengths kept outside
+            if T != 1:
+                raise NotImplementedError("a cache reserved for static decoding takes one token per step")
+            pools = (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean)
+            static.ops.paged_write(*pools, static.table, static.pos0, key_states, value_states)
+            if self.state:
+                self.refresh_state(static.pos0, static.pos0 + 1, static.table)
+            return key_states, value_states
+        frame0 = self.length
+        self.cache.reserve(B, frame0 + T, frame0)
+        pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
         table = self.cache.table.tensor(self.device)
         # padding is dropped on the way in by the reference; the kernels take pos0 >= 0
         ops = self.cache.ops(self.device, "reference" if frame0 < max(self.cache.pads) else None)
@@ -231,6 +333,8 @@ class PagedLayer(DynamicLayer):
         return self.length
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        if self.cache.static is not None:  # a static step's mask has the reserved length (the attention ignores it)
+            return self.cache.static.max_length, 0
         return self.length + query_length, 0
 
     def get_max_length(self) -> int:
@@ -290,7 +394,8 @@ class PagedKVCache(DynamicCache):
         self._ops: dict = {}  # (backend, device) -> op namespace
         self.specs: tuple = ()  # per-token / per-block state a policy declared (declare_state)
         self.evicted = False  # some blocks were freed by an evicting policy (their positions stay counted)
-        self.static: StaticBuffers | None = None  # set by reserve_static() for CUDA-graph decoding
+        self.static: StaticBuffers | None = None  # set by reserve_static() for static decoding
+        self._sliding: dict = {}  # layer index -> transformers' sliding-window layer a WindowRing replaced
         self._evicted_to: list[int] = []  # per sequence, logical blocks below this were already considered
         self.session = DecodeSession()  # the decode side's state of these contents (hf_sparse_kv.runtime)
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
@@ -387,10 +492,11 @@ class PagedKVCache(DynamicCache):
         self._deferred.add(layer_idx)
 
     def advance(self, tokens: int) -> None:
-        """Move every paged layer's length by ``tokens`` without writing: a captured decode step's writes happen on
-        the device at replay (``+1``), a warm-up or capture forward is undone (``-1``)."""
-        for layer in self.paged_layers:
-            layer.length += tokens
+        """Move every paged layer's (and sliding-window ring's) length by ``tokens`` without writing: a static step
+        writes on the device only, and its host bookkeeping runs before it."""
+        for layer in self.layers:
+            if isinstance(layer, (PagedLayer, WindowRing)):
+                layer.length += tokens
 
     def pop_deferred(self, layer: PagedLayer) -> bool:
         idx = self.layers.index(layer)
@@ -452,18 +558,43 @@ class PagedKVCache(DynamicCache):
         t.invalidate()
 
     def reserve_static(self, max_length: int) -> StaticBuffers:
-        """Prepare for CUDA-graph decoding: allocate every block up to ``max_length`` tokens now (so the block table
-        never changes again) and keep the step's lengths in device buffers that a captured step reads.
+        """Prepare for static decoding (compiled or CUDA-graph steps): allocate every block up to ``max_length``
+        tokens (transformers' frame) now, so the block table never changes again, keep the step's positions in
+        device buffers that a static step reads, and turn each sliding-window layer into a :class:`WindowRing` of
+        fixed shape. Left padding is kept (its starts become a device buffer).
 
-        Call after the prefill; left padding and evicting policies are not supported here."""
-        if not self.table.rows or any(self.pads) or self.evicted:
-            raise ValueError("reserve_static needs a filled cache without left padding or evicted blocks")
-        device = self.paged_layers[0].device
-        self.reserve(len(self.table.rows), max_length, self.get_seq_length())
-        B = len(self.table.rows)
+        Call after the prefill. From then on every forward on this cache is a single-token static step whose
+        buffers :meth:`StaticBuffers.begin_step` fills first (``hf_sparse_kv.graphs.begin_static_step`` does it);
+        :meth:`reset` ends the reservation. Evicting policies are not supported (their table changes)."""
+        if not self.table.rows and not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.layers):
+            raise ValueError("reserve_static needs a filled cache (call it after the prefill)")
+        if self.evicted:
+            raise ValueError("reserve_static needs a cache without evicted blocks (an evicting policy's table changes)")
+        if self.static is not None:
+            return self.static
+        length = self.get_seq_length()
+        if max_length <= length:
+            raise ValueError(f"reserve_static: max_length={max_length} leaves no room after {length} tokens")
+        device = self.paged_layers[0].device if self.paged_layers else self.layers[0].device
+        B = len(self.table.rows) or self.layers[0].keys.shape[0]
+        if self.table.rows:
+            self.reserve(B, max_length, length)
+        pads = self.pads if len(self.pads) == B else [0] * B
         zeros = torch.zeros(B, dtype=torch.int32, device=device)
-        self.static = StaticBuffers(max_length, zeros.clone(), zeros.clone(), zeros)
-        self.table.tensor(device)  # built once, then stable
+        table = self.table.tensor(device) if self.table.rows else zeros.view(B, 1)
+        backend = resolve_backend(self.backend, device)
+        pads_t = torch.tensor(pads, dtype=torch.int32, device=device)
+        frame = torch.zeros(1, dtype=torch.long, device=device)
+        positions = torch.zeros(B, 1, dtype=torch.long, device=device)
+        ops = registered_ops(backend)
+        self.static = StaticBuffers(
+            max_length, frame, zeros.clone(), zeros.clone(), zeros, pads_t, positions, table, ops
+        )
+        self.pads = pads
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                self._sliding[i] = layer
+                self.layers[i] = WindowRing(layer, length, self.static)
         return self.static
 
     def evict(self, spans: list[tuple[int, int]]) -> int:
@@ -538,6 +669,9 @@ class PagedKVCache(DynamicCache):
         self.evicted = False
         self._evicted_to = []
         self.static = None
+        for i, layer in self._sliding.items():  # the rings of a static reservation give their layers back
+            self.layers[i] = layer
+        self._sliding = {}
         self.session.reset()  # plans, observations and captured steps belong to one generation (counters go on)
         self._deferred.clear()
         for layer in self.layers:
@@ -590,6 +724,10 @@ class PagedKVCache(DynamicCache):
         keep = max(keep, 0)
         if keep == length:
             return
+        if self._sliding:
+            raise NotImplementedError(
+                "a cache reserved for static decoding with sliding-window layers cannot be cropped"
+            )
         self.static = None  # the reservation and captured steps assumed the old table
         self.session.set_graphs(None)
         t = self.table

@@ -36,7 +36,7 @@ from .attention import (
 )
 from .cache import PagedKVCache, PagedLayer, check_block_size
 from .crossover import CrossoverTable
-from .graphs import captured_step
+from .graphs import begin_static_step, captured_step
 from .ops import BACKENDS
 from .patched import STATE_ATTR, PatchState, cache_kwarg
 from .policies import Dense, Policy
@@ -153,6 +153,10 @@ def _model_pre_hook(model, args, kwargs):
     if cache is not None:
         check_cache(cache, config)
         cache.session.begin_forward()  # a new forward: its decode step is planned afresh
+        if cache.static is not None and not cache.session.graphs:  # reserved by the user: a static step
+            begin_static_step(config, cache)  # outside the forward, which may be compiled
+            if kwargs.get("position_ids") is None:
+                kwargs["position_ids"] = cache.static.positions
     use_cache = kwargs.get("use_cache")
     if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
         kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
@@ -172,7 +176,8 @@ def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
             f"this PagedKVCache has {len(cache.layers)} layers but the model has at least {module.layer_idx + 1}: "
             "build the cache from the model's own config, PagedKVCache(model.config)"
         )
-    if isinstance(cache, PagedKVCache) and isinstance(cache.layers[module.layer_idx], PagedLayer):
+    static = isinstance(cache, PagedKVCache) and cache.static is not None  # a static step: nothing to prepare
+    if isinstance(cache, PagedKVCache) and isinstance(cache.layers[module.layer_idx], PagedLayer) and not static:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         mask = kwargs.get("attention_mask")
         prepare_write(cache, config, module.layer_idx, mask, hidden.shape[0], hidden.shape[1], hidden.device)
@@ -249,9 +254,10 @@ def patch_model(
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
             sparse; default: the H200 table shipped with the package for eager or, with ``cuda_graph=True``, for
             captured steps (``hf-sparse-kv calibrate [--timing graph]`` measures yours).
-        cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (see :mod:`hf_sparse_kv.graphs`): needs
-            ``mode="block"`` or ``"auto"``, a CUDA model whose attention layers are all full-attention, no left
-            padding; other steps run eagerly (a model on the CPU warns once, at patching, that it runs eagerly).
+        cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (static steps, see
+            :mod:`hf_sparse_kv.graphs`): any mode, left-padded batches and sliding-window layers included, on a CUDA
+            model with a policy that does not free blocks; other steps run eagerly (a model on the CPU warns once,
+            at patching, that it runs eagerly).
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -265,10 +271,6 @@ def patch_model(
     layers = _validate(model, policy, mode, dense_layers, block_size, backend)
     previous = getattr(model, STATE_ATTR, None)
     original_attn = previous.config.original_attn if previous else model.config._attn_implementation
-    if cuda_graph and mode not in ("block", "auto"):
-        raise ValueError(
-            f"cuda_graph=True captures block-mode decode steps: use mode='block' or 'auto', got mode={mode!r}"
-        )
     if cuda_graph and policy.frees_blocks:
         raise ValueError(
             f"cuda_graph=True needs a block table that does not change during decoding, and {type(policy).__name__} "
