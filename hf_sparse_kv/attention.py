@@ -224,7 +224,7 @@ def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]
 def static_counters(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan, lens: tuple[int, ...]) -> Counters:
     """What the eager step at ``lens`` would add to the session's counters (one step, its K/V bytes, its auto
     choices): a static step counts on the host before it runs."""
-    delta = Counters(decode_steps=1)
+    nbytes, auto = 0, {"dense": 0, "sparse": 0}
     BS, policy = cache.block_size, config.policy
     everything = tuple(cdiv(n, BS) for n in lens)
     for i, layer in enumerate(cache.layers):
@@ -234,13 +234,13 @@ def static_counters(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan,
         mode = config.mode
         if mode == "auto":
             if i not in config.dense_layers:
-                delta.auto_steps["sparse" if plan.sparse else "dense"] += 1
+                auto["sparse" if plan.sparse else "dense"] += 1
             sparse = not dense and plan.sparse
             mode = "token" if sparse and policy.granularity == "token" else "block"
         kind = "token" if not dense and policy.granularity == "token" else "block"
         counts = everything if dense else plan.counts
-        delta.kv_bytes_read += kv_bytes(Selection(kind, None, None, None, counts), mode, layer, max(lens))
-    return delta
+        nbytes += kv_bytes(Selection(kind, None, None, None, counts), mode, layer, max(lens))
+    return Counters(nbytes, 1, auto)
 
 
 def static_attention(

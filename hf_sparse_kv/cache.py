@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from .ops import BACKENDS, get_ops, reference, resolve_backend
 from .ops.layout import cdiv
@@ -76,7 +76,7 @@ class StaticBuffers:
         self.plan = plan
 
 
-class WindowRing:
+class WindowRing(CacheLayerMixin):
     """A sliding-window layer of a cache reserved for static decoding: keys and values ``[B, Hkv, W, D]`` in a ring,
     the token at position ``p`` of transformers' frame in slot ``p % W``, so every step has the same shapes.
 

@@ -31,6 +31,7 @@ from .attention import (
     MODES,
     SparseConfig,
     check_cache,
+    padding_starts,
     prepare_write,
     sparse_attention_forward,
 )
@@ -153,6 +154,9 @@ def _model_pre_hook(model, args, kwargs):
     if cache is not None:
         check_cache(cache, config)
         cache.session.begin_forward()  # a new forward: its decode step is planned afresh
+        mask = kwargs.get("attention_mask")
+        if not cache.paged_layers and not cache.get_seq_length() and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            _declare_padding(cache, mask)  # no paged layer declares it: a static step's sliding rings need it
         if cache.static is not None and not cache.session.graphs:  # reserved by the user: a static step
             begin_static_step(config, cache)  # outside the forward, which may be compiled
             if kwargs.get("position_ids") is None:
@@ -161,6 +165,16 @@ def _model_pre_hook(model, args, kwargs):
     if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
         kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
     return args, kwargs
+
+
+def _declare_padding(cache: PagedKVCache, mask: torch.Tensor) -> None:
+    """Declare the left padding of a prefill's 2-D mask ``[B, L]`` to a cache without paged layers (left padding
+    only; a mask with holes declares nothing)."""
+    B, L = mask.shape
+    try:
+        cache.set_padding(padding_starts(mask.bool()[:, None, None, :], B, L, mask.device).tolist())
+    except NotImplementedError:
+        pass
 
 
 def _attention_pre_hook(config: SparseConfig, module, args, kwargs):

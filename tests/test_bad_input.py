@@ -58,7 +58,6 @@ def test_bad_sink_window():
         ({"dense_layers": (-1,)}, ValueError, "dense_layers"),
         ({"dense_layers": 1}, TypeError, "dense_layers"),
         ({"backend": "cuda"}, ValueError, "backend"),
-        ({"cuda_graph": True, "mode": "mask"}, ValueError, "cuda_graph"),
         ({"cuda_graph": True, "policy": SinkWindow(sink=4, window=8, evict=True), "dense_layers": ()}, ValueError,
          "frees blocks"),
         ({"crossover": "table.json"}, ValueError, "crossover"),
