@@ -48,6 +48,7 @@ class SparseConfig:
     backend: str
     original_attn: str | dict = field(default="sdpa")
     crossover: CrossoverTable | None = None  # mode="auto" only
+    compile: str | dict | None = None  # cuda_graph=True: torch.compile the static step before capturing it
 
 
 def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:

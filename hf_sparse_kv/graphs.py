@@ -196,7 +196,8 @@ def captured_step(model, forward: Callable, cache, ids, kwargs: dict) -> torch.T
     runner = cache.session.graphs
     if runner is None:
         try:
-            runner = DecodeGraphs(model, cache, cache.max_length, forward=forward)
+            config = patch_state(model).config
+            runner = DecodeGraphs(model, cache, cache.max_length, forward=forward, compile=config.compile)
         except ValueError:
             cache.session.set_graphs(False)  # this cache cannot decode from graphs: eager from now on
             return None

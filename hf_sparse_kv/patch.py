@@ -252,6 +252,7 @@ def patch_model(
     backend: str = "auto",
     crossover: CrossoverTable | str | None = None,
     cuda_graph: bool = False,
+    compile: str | dict | None = None,
 ):
     """Make ``model``'s decode steps physically sparse; ``generate()`` keeps working as before.
 
@@ -272,6 +273,9 @@ def patch_model(
             :mod:`hf_sparse_kv.graphs`): any mode, left-padded batches and sliding-window layers included, on a CUDA
             model with a policy that does not free blocks; other steps run eagerly (a model on the CPU warns once,
             at patching, that it runs eagerly).
+        compile: with ``cuda_graph=True``, compile each static step with ``torch.compile(fullgraph=True)`` before
+            capturing it: a backend name (``"inductor"``) or a dict of ``torch.compile`` keyword arguments (inductor
+            fuses the model's own small kernels: norms, rotary, SiLU; the first step of each plan compiles).
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -290,13 +294,17 @@ def patch_model(
             f"cuda_graph=True needs a block table that does not change during decoding, and {type(policy).__name__} "
             "frees blocks: patch with cuda_graph=False for it."
         )
+    if compile is not None and not cuda_graph:
+        raise ValueError("compile= compiles the captured static step: pass cuda_graph=True with it")
+    if compile is not None and not isinstance(compile, (str, dict)):
+        raise TypeError(f"compile must be a torch.compile backend name or a dict of its arguments, got {compile!r}")
     table = None
     if mode == "auto":
         timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's
         table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover, timing)
     elif crossover is not None:
         raise ValueError("crossover is used by mode='auto' only")
-    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table)
+    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table, compile)
     _register()
     saved = _Settings(model)
     handles = []

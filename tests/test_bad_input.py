@@ -60,6 +60,8 @@ def test_bad_sink_window():
         ({"backend": "cuda"}, ValueError, "backend"),
         ({"cuda_graph": True, "policy": SinkWindow(sink=4, window=8, evict=True), "dense_layers": ()}, ValueError,
          "frees blocks"),
+        ({"compile": "inductor"}, ValueError, "cuda_graph=True"),
+        ({"compile": 3, "cuda_graph": True}, TypeError, "compile"),
         ({"crossover": "table.json"}, ValueError, "crossover"),
         ({"mode": "auto", "crossover": "/nonexistent/table.json"}, FileNotFoundError, "table.json"),
     ],
