@@ -8,7 +8,11 @@ Per layer and call:
   (dense layers select everything), then execute the selection in the chosen mode:
   ``mask`` (SDPA over the whole cache with a mask), ``token`` (gather the selected positions), ``block`` (read the
   selected pages), or ``auto`` (dense or block by the crossover table). Before the first layer of a step selects,
-  the policy frees what it will never read again (:meth:`~hf_sparse_kv.policies.Policy.release`).
+  the policy frees what it will never read again (:meth:`~hf_sparse_kv.policies.Policy.release`);
+- a single-token step on a cache reserved for static decoding: :func:`static_attention`, the same selection and
+  execution with every length read from device buffers and every host decision from the step's
+  :class:`StaticPlan` (made before the step by ``hf_sparse_kv.graphs.begin_static_step``), so the step compiles
+  under ``fullgraph=True`` and replays from a CUDA graph; its sliding-window layers attend their ring.
 
 The per-model settings (:class:`SparseConfig`) and the cache arrive as keyword arguments injected by the hook of
 :mod:`hf_sparse_kv.patch`; what lives between layers and forwards is the cache's

@@ -108,3 +108,33 @@ def test_generate_with_a_compile_config_gives_the_eager_tokens():
         out = model.generate(ids, max_new_tokens=8, do_sample=False, compile_config=CompileConfig(backend="aot_eager"))
     unpatch_model(model)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor + CUDA-graph capture of the compiled step: CUDA")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_captured_inductor_step_equals_eager_on_cuda(arch):
+    """``DecodeGraphs(compile="inductor")`` (what ``patch_model(cuda_graph=True, compile="inductor")`` runs): the
+    step compiled by inductor, then captured and replayed, on a left-padded batch."""
+    torch._dynamo.reset()
+    model = tiny_model(arch)
+    ids = prompt(30, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    _patch(model, Quest(budget=16, sink=4, window=8), "block")
+    cache = PagedKVCache(model.config, block_size=8)
+    kw = {cache_kwarg(model): cache}
+    out = []
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+        ref = torch.stack(gen.logits[1:], 1)  # the decode steps' raw logits (the first came from the prefill)
+        logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **kw).logits
+        runner = DecodeGraphs(model, cache, 30 + STEPS, capture=True, compile="inductor")
+        token = logits[:, -1:].argmax(-1)
+        for _ in range(STEPS):
+            logits = runner.step(token)
+            out.append(logits[:, -1])
+            token = logits.argmax(-1)
+    unpatch_model(model)
+    assert runner.replays == STEPS
+    torch.testing.assert_close(torch.stack(out[:-1], 1), ref, rtol=0, atol=2e-4)
