@@ -296,7 +296,7 @@ def main() -> None:
     p.add_argument("--ttft", default="1x8192,1x32768,1x131072", help="BxL shapes whose prefill is timed")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same ratios (a dry run, e.g. on the CPU)")
-    p.add_argument("--generate", default="1x32768,8x4096", help="BxL shapes of the timed generate() calls ('' none)")
+    p.add_argument("--generate", default="1x32768,8x32768", help="BxL shapes of the timed generate() calls ('' none)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens each timed generate() makes")
     p.add_argument("--no-static", action="store_true", help="skip the StaticCache + torch.compile row")
     p.add_argument("--block-size", type=int, default=16)
@@ -339,7 +339,7 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    for shape in args.shapes.split(","):
+    for shape in args.shapes.split(",") if args.shapes else []:
         batch, length = map(int, shape.split("x"))
         dense_cache, paged = fill_caches(model, batch, length, args.block_size, device)
         kv_held = {

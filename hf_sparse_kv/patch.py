@@ -157,7 +157,10 @@ def _model_pre_hook(model, args, kwargs):
         mask = kwargs.get("attention_mask")
         if not cache.paged_layers and not cache.get_seq_length() and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             _declare_padding(cache, mask)  # no paged layer declares it: a static step's sliding rings need it
-        if cache.static is not None and not cache.session.graphs:  # reserved by the user: a static step
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        one = isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1
+        if cache.static is not None and not cache.session.graphs and one:  # reserved by the user: a static step
             begin_static_step(config, cache)  # outside the forward, which may be compiled
             if kwargs.get("position_ids") is None:
                 kwargs["position_ids"] = cache.static.positions
