@@ -53,6 +53,7 @@ class SparseConfig:
     original_attn: str | dict = field(default="sdpa")
     crossover: CrossoverTable | None = None  # mode="auto" only
     compile: str | dict | None = None  # cuda_graph=True: torch.compile the static step before capturing it
+    cuda_graph: bool = False  # generate()'s decode steps go through the captured-step runner (hf_sparse_kv.graphs)
 
 
 def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:

@@ -262,6 +262,9 @@ class PagedKVCache(DynamicCache):
         backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         max_length: tokens per sequence to reserve room for at the first write (``generate()`` passes its maximum
             length), so the pool is allocated once instead of grown by copies.
+        static: decode in static steps (:mod:`hf_sparse_kv.graphs`): the first single-token forward after the prefill
+            calls :meth:`reserve_static` with ``max_length`` (required); the cache then tells transformers it is
+            compileable (``generate(compile_config=...)`` compiles its decode steps).
 
     ``block_size`` and ``backend`` are owned here: a model patched with other values refuses this cache.
     ``memory_bytes()`` is what the cache holds; ``blocks_in_use`` the blocks referenced by some sequence;
@@ -269,8 +272,12 @@ class PagedKVCache(DynamicCache):
     :mod:`hf_sparse_kv.runtime`).
     """
 
-    def __init__(self, config, block_size: int = 16, backend: str = "auto", max_length: int | None = None):
+    def __init__(
+        self, config, block_size: int = 16, backend: str = "auto", max_length: int | None = None, static: bool = False
+    ):
         check_block_size(block_size)
+        if static and not max_length:
+            raise ValueError("PagedKVCache(static=True) needs max_length: the tokens per sequence to reserve")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of 'auto', 'reference', 'triton', got {backend!r}")
         config = getattr(config, "config", config)  # a model is accepted too
@@ -278,6 +285,7 @@ class PagedKVCache(DynamicCache):
         self.block_size = block_size
         self.backend = backend
         self.max_length = max_length
+        self.static_decoding = static
         self.table = BlockTable(block_size)
         self._deferred: set[int] = set()  # layers whose next update() returns only the new K/V (defer_reads)
         self.pads: list[int] = []  # left padding per sequence, dropped from the pages
@@ -292,6 +300,11 @@ class PagedKVCache(DynamicCache):
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
         if not self.layers:
             raise ValueError("PagedKVCache needs a config that names its layers (num_hidden_layers)")
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether transformers may compile a decode step on this cache: a cache that decodes in static steps."""
+        return self.static_decoding or self.static is not None
 
     @property
     def paged_layers(self) -> list[PagedLayer]:

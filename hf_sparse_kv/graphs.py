@@ -25,8 +25,10 @@ frees blocks does not (its table changes). Two ways in:
   and the removal of launch overhead add up. ``capture=False`` runs the same static step without a graph (the CPU
   tests do).
 - a user's own ``model.forward = torch.compile(model.forward, fullgraph=True)`` on a cache reserved with
-  ``cache.reserve_static(max_length)`` after the prefill: the patch's model pre-hook, which runs outside the
-  compiled forward, calls :func:`begin_static_step` (and passes the step's position ids).
+  ``cache.reserve_static(max_length)`` after the prefill, or ``generate(compile_config=...)`` (the patch then builds
+  a ``PagedKVCache(static=True)``, reserved at its first decode step): the patch's model pre-hook, which runs
+  outside the compiled forward (``torch.compiler.disable``: transformers compiles ``model.__call__``), calls
+  :func:`begin_static_step` (and passes the step's position ids).
 
 Why the home-made capture stays rather than ``torch.compile(mode="reduce-overhead")``'s CUDA graphs: inductor's
 cudagraph trees skip a graph that mutates inputs whose address they cannot prove static (the paged pools, written in

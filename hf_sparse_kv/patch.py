@@ -160,6 +160,8 @@ def _model_pre_hook(model, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         ids = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
         one = isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1
+        if one and cache.static_decoding and cache.static is None and cache.get_seq_length():
+            cache.reserve_static(cache.max_length)  # the first decode step of a cache built for static decoding
         if cache.static is not None and not cache.session.graphs and one:  # reserved by the user: a static step
             begin_static_step(config, cache)  # outside the forward, which may be compiled
             if kwargs.get("position_ids") is None:
@@ -218,11 +220,14 @@ def _prepare_cache_for_generation(
                 f"cache_implementation={generation_config.cache_implementation!r} conflicts with hf_sparse_kv's paged "
                 "cache; leave it unset on a patched model."
             )
+        # compile_config: decode in static steps, which transformers compiles (unless cuda_graph=True captures them)
+        static = generation_config.compile_config is not None and not config.cuda_graph and bool(max_cache_length)
         model_kwargs[cache_kwarg(model)] = PagedKVCache(  # a policy that frees blocks reuses them: no reservation
             model.config,
             config.block_size,
             config.backend,
             max_length=None if config.policy.frees_blocks else max_cache_length,
+            static=static and not config.policy.frees_blocks,
         )
         if generation_config.cache_implementation == "dynamic":  # what was asked for: a cache that grows
             generation_config = copy.copy(generation_config)  # transformers refuses a name beside a cache
@@ -307,12 +312,13 @@ def patch_model(
         table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover, timing)
     elif crossover is not None:
         raise ValueError("crossover is used by mode='auto' only")
-    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table, compile)
+    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table, compile, cuda_graph)
     _register()
     saved = _Settings(model)
     handles = []
     try:  # a previous patch stays in force until this one is complete
-        handles.append(model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
+        # the model hook plans a static step on the host: never traced (generate() compiles model.__call__)
+        handles.append(model.register_forward_pre_hook(torch.compiler.disable(_model_pre_hook), with_kwargs=True))
         for module in _attention_modules(model):
             handles.append(module.register_forward_pre_hook(partial(_attention_pre_hook, config), with_kwargs=True))
         model.set_attn_implementation(ATTENTION_NAME)

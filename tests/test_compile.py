@@ -94,20 +94,32 @@ def test_users_compiled_forward_on_a_reserved_cache_equals_eager(arch):
     assert cache.get_seq_length() == 30 + STEPS
 
 
-def test_generate_with_a_compile_config_gives_the_eager_tokens():
-    """transformers compiles ``generate()``'s decode steps only on a cache it calls compileable; a PagedKVCache is
-    not one (its eager step plans on the host), so ``compile_config`` runs the eager step: same tokens. The compiled
-    ``generate()`` path is ``patch_model(cuda_graph=True)`` (a captured static step), see docs/ARCHITECTURE.md."""
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_generate_with_a_compile_config_compiles_static_steps(padded):
+    """``generate(compile_config=...)``: the patch builds a cache that decodes in static steps (reserved at the first
+    decode step by the model hook, which is never traced), transformers compiles ``model.__call__`` for the decode
+    steps, and the tokens and logits are the eager ones."""
     from transformers import CompileConfig
 
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     model = tiny_model("llama")
-    ids = prompt(20)
-    patch_model(model, policy=Quest(budget=16, sink=4, window=8), block_size=8)
+    ids = prompt(30, batch=2)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :7] = 0
+    patch_model(model, policy=Quest(budget=16, sink=4, window=8), block_size=8, dense_layers=(0,))
+    config = CompileConfig(backend="aot_eager")
+    config._compile_all_devices = True  # transformers' switch for compiling on the CPU
+    kw = {"attention_mask": mask, "max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    kw.update(output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        ref = model.generate(ids, max_new_tokens=8, do_sample=False)
-        out = model.generate(ids, max_new_tokens=8, do_sample=False, compile_config=CompileConfig(backend="aot_eager"))
+        ref = model.generate(ids, **kw)
+        out = model.generate(ids, compile_config=config, **kw)
     unpatch_model(model)
-    assert torch.equal(out, ref)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=0, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "the decode steps were compiled"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor + CUDA-graph capture of the compiled step: CUDA")
