@@ -499,7 +499,22 @@ class PagedKVCache(DynamicCache):
             if isinstance(layer, DynamicSlidingWindowLayer):
                 self._sliding[i] = layer
                 self.layers[i] = WindowRing(layer, length, self.static)
+        self._mark_static()
         return self.static
+
+    def _mark_static(self) -> None:
+        """Tell ``torch.compile`` that every tensor a static step reads or writes keeps its address (the pools are
+        never regrown from here on), as transformers' ``StaticCache`` does: ``mode="reduce-overhead"``'s CUDA graphs
+        then replay steps that write the pools in place instead of skipping them."""
+        s = self.static
+        tensors = [s.frame, s.seq_lens, s.pos0, s.start, s.pads, s.positions, s.table]
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer) and layer.is_initialized:
+                tensors += layer._tensors()
+            elif isinstance(layer, WindowRing):
+                tensors += [layer.keys, layer.values]
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
 
     def evict(self, spans: list[tuple[int, int]]) -> int:
         """Free the blocks lying wholly inside ``spans[b] = (lo, hi)`` (stored positions) of each sequence.
