@@ -30,11 +30,11 @@ frees blocks does not (its table changes). Two ways in:
   outside the compiled forward (``torch.compiler.disable``: transformers compiles ``model.__call__``), calls
   :func:`begin_static_step` (and passes the step's position ids).
 
-Why the home-made capture stays rather than ``torch.compile(mode="reduce-overhead")``'s CUDA graphs: inductor's
-cudagraph trees skip a graph that mutates inputs whose address they cannot prove static (the paged pools, written in
-place every step, would all have to be marked static), re-record when a guard fails, and give no hook for the
-step's host bookkeeping; capturing the compiled step here keys the graphs on the plan the step already has, and
-keeps CUDA graphs available without compiling (compiling an 8B model costs minutes per plan).
+Why the home-made capture stays beside ``torch.compile(mode="reduce-overhead")``'s CUDA graphs (which also work on
+a reservation: its tensors are marked as static addresses): cudagraph trees are tied to a compile (minutes per plan
+on an 8B model; a captured step needs none), skip a graph whenever an input they cannot prove static is mutated,
+re-record when a guard fails, and give no place for the step's host bookkeeping; capturing the (optionally
+compiled) step here keys the graphs on the plan the step already has.
 """
 
 from __future__ import annotations
