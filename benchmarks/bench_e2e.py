@@ -17,9 +17,33 @@ capture per selection width, during the warm-up steps; a width change inside the
 step, which the median ignores). ``graph: Quest 1/16 auto`` runs ``mode="auto"`` with the crossover table for
 captured steps (``--crossover`` names another): dense below the table's crossover, Quest from it.
 
+Rows named ``graph+compile: ...`` patch with ``cuda_graph=True, compile="inductor"``: the static decode step is
+compiled (``fullgraph=True``; inductor fuses the model's own norms, rotary, SiLU) and the compiled step captured.
+Rows named ``reduce-overhead: ...`` are the user's way: the patched model's cache reserved (``reserve_static``) and
+``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``.
+The row ``unpatched StaticCache + compile`` is what the transformers docs recommend for fast decoding: the unpatched
+model on a ``StaticCache`` with ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``.
+
+The floor. The bandwidth of a device-to-device copy is measured in the same run (``common.hbm_bandwidth``); a row's
+floor is the bytes its step must read over that bandwidth: the weights (the input embedding counted as the ``B``
+rows a step reads), the K/V bytes the row's cache counted (the unpatched rows: the whole context), and the block
+metadata its selection scores (Quest: min and max, BlockTopK: mean, of every block of each sparse layer). The row
+``floor: dense`` is the floor of reading the whole context; every row prints ``of_floor`` = ms / its own floor.
+
+``--generate BxL`` also times real ``generate()`` calls: a real prefill of ``L`` random tokens, then
+``--new-tokens`` (128) greedy tokens, for the unpatched model (dynamic and static cache), patched Dense and Quest
+1/16 captured; reported as TTFT (``max_new_tokens=1``), the whole call, and the decode ms/token
+(``(whole - TTFT) / (new - 1)``). With ``B > 1`` the prompts are also run left-padded (lengths spread over
+``[3L/4, L]``), the serving-style batch.
+
 Columns: ms/token (median), tokens/s (batch / median), KV MB read per step (all layers, from the cache's counter),
-KV GB held, peak GPU GB during the row, speedup over unpatched. Selection cost ~ Quest row - SinkWindow row at the
-same budget (same bytes read, no scoring).
+KV GB held, peak GPU GB during the row, speedup over unpatched, floor ms and ms / floor. Selection cost ~ Quest row
+- SinkWindow row at the same budget (same bytes read, no scoring).
+
+A dry run on the CPU (a tiny model of the same ratios, seconds)::
+
+    python benchmarks/bench_e2e.py --device cpu --tiny --shapes 1x256,2x128 --ttft 1x128 --generate 2x128 \
+        --new-tokens 8 --steps 3 --warmup 1 --out /tmp/bench_e2e.csv
 """
 
 from __future__ import annotations
@@ -36,10 +60,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import env_info, print_table, write_csv
+from common import env_info, hbm_bandwidth, print_table, write_csv
+from transformers import StaticCache
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
-from hf_sparse_kv.policies import Dense, Quest, SinkWindow
+from hf_sparse_kv.policies import BlockTopK, Dense, Quest, SinkWindow
 
 
 def llama8b_config(layers: int) -> LlamaConfig:
@@ -55,6 +80,14 @@ def llama8b_config(layers: int) -> LlamaConfig:
         rope_theta=500000.0,
         tie_word_embeddings=False,
     )
+
+
+def tiny_config() -> LlamaConfig:
+    """The 8B shape's ratios at a size the CPU runs in seconds (4 layers, 8 query / 2 KV heads, head dim 32)."""
+    cfg = llama8b_config(4)
+    cfg.update({"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8})
+    cfg.update({"num_key_value_heads": 2, "head_dim": 32})
+    return cfg
 
 
 def build_model(layers: int, device: str, config: LlamaConfig | None = None) -> LlamaForCausalLM:
@@ -137,6 +170,60 @@ def time_prefill(model, batch: int, length: int) -> float:
     return min(times)
 
 
+def static_cache(model, batch: int, length: int, max_length: int, device: str) -> StaticCache:
+    """A transformers ``StaticCache`` of ``max_length`` tokens holding ``length`` random tokens per sequence (the
+    same generator and shapes as :func:`fill_caches`)."""
+    cfg = model.config
+    cache = StaticCache(config=cfg, max_cache_len=max_length)
+    g = torch.Generator(device=device).manual_seed(0)
+    for i in range(cfg.num_hidden_layers):
+        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+        k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+        v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+        cache.update(k, v, i)
+        del k, v
+    return cache
+
+
+def weight_bytes(model, batch: int) -> int:
+    """Bytes of weights a decode step reads: every parameter, the input embedding counted as the ``batch`` rows
+    looked up (an untied head reads its whole matrix)."""
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.get_output_embeddings().weight is embed:  # tied: read whole by the head
+        return total
+    return total - embed.numel() * embed.element_size() + batch * embed.shape[1] * embed.element_size()
+
+
+def metadata_bytes(model, policy, batch: int, length: int, block_size: int, sparse_layers: float) -> int:
+    """Block metadata a step's selection reads: ``sparse_layers`` layers (an average under ``mode="auto"``) of
+    min and max (Quest) or mean (BlockTopK) of every block, ``[B, Hkv, nblk, D]`` bf16 each."""
+    per = 2 if isinstance(policy, Quest) else 1 if isinstance(policy, BlockTopK) else 0
+    cfg = model.config
+    nblk = -(-length // block_size)
+    return int(per * sparse_layers * batch * nblk * cfg.num_key_value_heads * cfg.head_dim * 2)
+
+
+def dense_kv_bytes(model, batch: int, length: int) -> int:
+    cfg = model.config
+    return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * length * cfg.head_dim * 2
+
+
+def time_generate(model, ids, mask, new_tokens: int, **kw) -> tuple[float, float]:
+    """Seconds of ``generate()`` with ``max_new_tokens=1`` (TTFT) and ``new_tokens`` (greedy, every token made),
+    after a warm-up call of two tokens (kernels built, compiled steps compiled)."""
+    out = []
+    kw = {"pad_token_id": 0, **kw}
+    with torch.no_grad():
+        for n in (2, 1, new_tokens):
+            sync(model.device)
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+            sync(model.device)
+            out.append(time.perf_counter() - t0)
+    return out[1], out[2]
+
+
 ROWS = [  # (name, policy, mode, cuda_graph)
     ("patched Dense", Dense(), "block", False),
     ("Quest 1/8 mask", Quest(budget=0.125), "mask", False),
@@ -153,6 +240,59 @@ ROWS = [  # (name, policy, mode, cuda_graph)
     ("graph: SinkWindow 1/16 block", SinkWindow(sink=4, budget=0.0625), "block", True),
     ("graph: Quest 1/16 auto", Quest(budget=0.0625), "auto", True),
 ]
+COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compile="inductor"; "reduce-overhead" =
+    # the cache reserved (reserve_static) and model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    ("graph+compile: patched Dense", Dense(), "block", "graph"),
+    ("graph+compile: Quest 1/16 block", Quest(budget=0.0625), "block", "graph"),
+    ("reduce-overhead: patched Dense", Dense(), "block", "reduce-overhead"),
+    ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
+]
+STATIC_ROW = "unpatched StaticCache + compile"
+GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments)
+    ("generate: unpatched sdpa", None, {}),
+    ("generate: unpatched StaticCache + compile", None, {"cache_implementation": "static"}),
+    ("generate: graph: patched Dense", Dense(), {}),
+    ("generate: graph: Quest 1/16 block", Quest(budget=0.0625), {}),
+]
+
+
+def floor_fields(ms: float, nbytes: int, bandwidth: float) -> dict:
+    floor = 1000 * nbytes / (bandwidth * 1e9)
+    return {"floor_ms": floor, "of_floor": ms / floor if ms else None}
+
+
+def run_generate(model, args, results, bandwidth) -> None:
+    """The ``--generate`` rows: real prefill, then ``--new-tokens`` tokens, per shape (padded too when ``B > 1``)."""
+    for shape in args.generate.split(",") if args.generate else []:
+        batch, length = map(int, shape.split("x"))
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=g).to(model.device)
+        variants = [("", None)]
+        if batch > 1:  # left-padded prompts of lengths spread over [3L/4, L]
+            mask = torch.ones_like(ids)
+            for b in range(batch):
+                mask[b, : (length // 4) * b // (batch - 1)] = 0
+            variants.append((" (left-padded)", mask))
+        for suffix, mask in variants:
+            for name, policy, extra in GENERATE_ROWS:
+                if policy is not None:
+                    patch_model(model, policy=policy, mode="block", block_size=args.block_size, cuda_graph=True)
+                reset_peak()
+                try:
+                    ttft, whole = time_generate(model, ids, mask, args.new_tokens, **extra)
+                except Exception as e:  # noqa: BLE001 - a row that cannot run says why, the others go on
+                    print(f"{name}{suffix}: {type(e).__name__}: {e}", flush=True)
+                    ttft = whole = float("nan")
+                if policy is not None:
+                    unpatch_model(model)
+                ms = 1000 * (whole - ttft) / max(args.new_tokens - 1, 1)
+                results.append(
+                    {"batch": batch, "context": length, "row": name + suffix, "ms_per_token": ms,
+                     "tokens_per_s": batch / (ms / 1000), "ttft_s": ttft, "generate_s": whole, "peak_gb": peak_gb()}
+                )  # fmt: skip
+                print(results[-1], flush=True)
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -160,6 +300,10 @@ def main() -> None:
     p.add_argument("--shapes", default="1x8192,1x32768,1x65536,1x131072,8x8192,8x32768", help="BxL,...")
     p.add_argument("--ttft", default="1x8192,1x32768,1x131072", help="BxL shapes whose prefill is timed")
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tiny", action="store_true", help="a tiny model of the same ratios (a dry run, e.g. on the CPU)")
+    p.add_argument("--generate", default="1x32768,8x32768", help="BxL shapes of the timed generate() calls ('' none)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens each timed generate() makes")
+    p.add_argument("--no-static", action="store_true", help="skip the StaticCache + torch.compile row")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)
@@ -170,9 +314,14 @@ def main() -> None:
     args = p.parse_args()
     device = args.device
     print(env_info(), flush=True)
-    model = build_model(args.layers, device)
+    model = build_model(args.layers, device, tiny_config() if args.tiny else None)
     print(f"model built: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters", flush=True)
-    rows_wanted = [r for r in ROWS if not args.rows or r[0] in args.rows.split(",")]
+    keep = args.rows.split(",") if args.rows else None
+    rows_wanted = [r for r in ROWS if not keep or r[0] in keep]
+    compiled_wanted = [r for r in COMPILED_ROWS if not keep or r[0] in keep]
+    static_wanted = not args.no_static and (not keep or STATIC_ROW in keep)
+    bandwidth = hbm_bandwidth(device, 2**31 if device == "cuda" else 2**24)
+    print(f"HBM bandwidth (device copy): {bandwidth:.0f} GB/s", flush=True)
     results = []
 
     for shape in args.ttft.split(",") if args.ttft else []:
@@ -195,13 +344,18 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    for shape in args.shapes.split(","):
+    for shape in args.shapes.split(",") if args.shapes else []:
         batch, length = map(int, shape.split("x"))
         dense_cache, paged = fill_caches(model, batch, length, args.block_size, device)
         kv_held = {
             "unpatched": sum(t.numel() * t.element_size() for k, v, *_ in dense_cache for t in (k, v)),
             "paged": paged.memory_bytes(),
         }
+        weights, dense_kv = weight_bytes(model, batch), dense_kv_bytes(model, batch, length)
+        results.append(
+            {"batch": batch, "context": length, "row": "floor: dense", "kv_mb_per_step": dense_kv / 1e6,
+             **floor_fields(0.0, weights + dense_kv, bandwidth), "hbm_gb_s": bandwidth}
+        )  # fmt: skip
         reset_peak()
         t = time_decode(model, dense_cache, batch, length, args.steps, args.warmup)
         base_ms = 1000 * statistics.median(t)
@@ -212,24 +366,65 @@ def main() -> None:
                 "row": "unpatched sdpa",
                 "ms_per_token": base_ms,
                 "tokens_per_s": batch / (base_ms / 1000),
-                "kv_mb_per_step": None,
+                "kv_mb_per_step": dense_kv / 1e6,
                 "kv_gb_held": kv_held["unpatched"] / 1e9,
                 "peak_gb": peak_gb(),
                 "speedup": 1.0,
+                **floor_fields(base_ms, weights + dense_kv, bandwidth),
             }
         )
         print(results[-1], flush=True)
         del dense_cache
         if device == "cuda":
             torch.cuda.empty_cache()
-        for name, policy, mode, graph in rows_wanted:
+        if static_wanted:  # the unpatched model as the transformers docs recommend for fast decoding
+            static = static_cache(model, batch, length, length + args.steps + args.warmup + 1, device)
+            forward = model.forward
+            options = {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager"}
+            model.forward = torch.compile(forward, fullgraph=True, **options)
+            reset_peak()
+            try:
+                t = time_decode(model, static, batch, length, args.steps, args.warmup)
+                ms = 1000 * statistics.median(t)
+            except Exception as e:  # noqa: BLE001 - the row says why it could not run; the others go on
+                print(f"{STATIC_ROW}: {type(e).__name__}: {e}", flush=True)
+                ms = float("nan")
+            del model.forward
+            results.append(
+                {"batch": batch, "context": length, "row": STATIC_ROW, "ms_per_token": ms,
+                 "tokens_per_s": batch / (ms / 1000), "kv_mb_per_step": dense_kv / 1e6, "peak_gb": peak_gb(),
+                 "speedup": base_ms / ms, **floor_fields(ms, weights + dense_kv, bandwidth)}
+            )  # fmt: skip
+            print(results[-1], flush=True)
+            del static
+            torch._dynamo.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        backend = "inductor" if device == "cuda" else "aot_eager"
+        patched_rows = [(n, p, m, g, None) for n, p, m, g in rows_wanted]
+        patched_rows += [(n, p, m, how == "graph", how) for n, p, m, how in compiled_wanted]
+        for name, policy, mode, graph, compiled in patched_rows:
             table = {"crossover": args.crossover} if mode == "auto" else {}
-            patch_model(model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph, **table)
+            backend_if_graph = backend if compiled == "graph" else None
+            patch_model(
+                model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph,
+                compile=backend_if_graph, **table,
+            )  # fmt: skip
+            if compiled == "reduce-overhead":  # the user's way: a reserved cache, the model's forward compiled
+                paged.reserve_static(length + args.steps + args.warmup + 1)
+                options = {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager"}
+                model.forward = torch.compile(model.forward, fullgraph=True, **options)
             reset_peak()
             read0, steps0 = int(paged.kv_bytes_read), paged.decode_steps
+            auto0 = paged.auto_steps
             t = time_decode(model, paged, batch, length, args.steps, args.warmup)
             ms = 1000 * statistics.median(t)
-            read = (int(paged.kv_bytes_read) - read0) / max(paged.decode_steps - steps0, 1)
+            steps = max(paged.decode_steps - steps0, 1)
+            read = (int(paged.kv_bytes_read) - read0) / steps
+            sparse_layers = model.config.num_hidden_layers - 2  # the default dense layers (0, 1)
+            if mode == "auto":
+                sparse_layers = (paged.auto_steps["sparse"] - auto0["sparse"]) / steps
+            meta = metadata_bytes(model, policy, batch, length, args.block_size, sparse_layers)
             results.append(
                 {
                     "batch": batch,
@@ -241,13 +436,20 @@ def main() -> None:
                     "kv_gb_held": kv_held["paged"] / 1e9,
                     "peak_gb": peak_gb(),
                     "speedup": base_ms / ms,
+                    **floor_fields(ms, weights + int(read) + meta, bandwidth),
                 }
             )
             print(results[-1], flush=True)
+            if compiled == "reduce-overhead":
+                del model.forward
             unpatch_model(model)
+            if compiled:
+                torch._dynamo.reset()
         del paged
         if device == "cuda":
             torch.cuda.empty_cache()
+
+    run_generate(model, args, results, bandwidth)
 
     write_csv(args.out, results)
     cols = [
@@ -260,11 +462,17 @@ def main() -> None:
         "kv_gb_held",
         "peak_gb",
         "speedup",
+        "floor_ms",
+        "of_floor",
+        "generate_s",
         "ttft_s",
         "ttft_patched_s",
         "ttft_ratio",
     ]
-    print_table(results, cols, title=f"Llama-3.1-8B shape, {args.layers} layers, bf16, block_size {args.block_size}")
+    shape = (
+        "tiny Llama (4 layers, 8/2 heads, head dim 32)" if args.tiny else f"Llama-3.1-8B shape, {args.layers} layers"
+    )
+    print_table(results, cols, title=f"{shape}, bf16, block_size {args.block_size}, HBM {bandwidth:.0f} GB/s")
 
 
 if __name__ == "__main__":

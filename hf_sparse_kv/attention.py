@@ -8,7 +8,11 @@ Per layer and call:
   (dense layers select everything), then execute the selection in the chosen mode:
   ``mask`` (SDPA over the whole cache with a mask), ``token`` (gather the selected positions), ``block`` (read the
   selected pages), or ``auto`` (dense or block by the crossover table). Before the first layer of a step selects,
-  the policy frees what it will never read again (:meth:`~hf_sparse_kv.policies.Policy.release`).
+  the policy frees what it will never read again (:meth:`~hf_sparse_kv.policies.Policy.release`);
+- a single-token step on a cache reserved for static decoding: :func:`static_attention`, the same selection and
+  execution with every length read from device buffers and every host decision from the step's
+  :class:`StaticPlan` (made before the step by ``hf_sparse_kv.graphs.begin_static_step``), so the step compiles
+  under ``fullgraph=True`` and replays from a CUDA graph; its sliding-window layers attend their ring.
 
 The per-model settings (:class:`SparseConfig`) and the cache arrive as keyword arguments injected by the hook of
 :mod:`hf_sparse_kv.patch`; what lives between layers and forwards is the cache's
@@ -23,10 +27,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .cache import PagedKVCache, PagedLayer
+from .cache import PagedKVCache, PagedLayer, WindowRing
 from .crossover import CrossoverTable, budget_fraction
+from .ops.layout import cdiv
 from .policies import DecodeState, Policy, Selection
-from .runtime import StepPlan
+from .runtime import Counters, StepPlan
 
 ATTENTION_NAME = "hf_sparse_kv"
 CONFIG_KWARG = "hf_sparse_kv_config"
@@ -47,6 +52,8 @@ class SparseConfig:
     backend: str
     original_attn: str | dict = field(default="sdpa")
     crossover: CrossoverTable | None = None  # mode="auto" only
+    compile: str | dict | None = None  # cuda_graph=True: torch.compile the static step before capturing it
+    cuda_graph: bool = False  # generate()'s decode steps go through the captured-step runner (hf_sparse_kv.graphs)
 
 
 def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -110,23 +117,20 @@ def plan_step(
     mask pads exactly what the cache dropped at prefill."""
     session = cache.session
     lens = tuple(length - p for p in cache.pads)
-    if session.enter_step(length, batch) and cache.static is None:
+    if session.enter_step(length, batch):
         session.release(policy, cache, lens)
     plan = session.plan(device)
     if plan is not None:
         return plan
-    if cache.static is not None:  # CUDA-graph decoding: the lengths live in device buffers (no padding there)
-        plan = StepPlan(cache.static.seq_lens, cache.static.start, lens, None)
-    else:
-        pads = cache.pads_tensor(device)
-        if (mask is None and any(cache.pads)) or (
-            mask is not None and not torch.equal(padding_starts(mask, batch, length, device), pads)
-        ):
-            raise NotImplementedError(
-                "the attention mask of this decode step pads differently from the prompt's; hf_sparse_kv supports "
-                "left padding fixed at prefill (as generate() does)."
-            )
-        plan = StepPlan((length - pads).int(), torch.zeros_like(pads), lens, cache.evicted_counts())
+    pads = cache.pads_tensor(device)
+    if (mask is None and any(cache.pads)) or (
+        mask is not None and not torch.equal(padding_starts(mask, batch, length, device), pads)
+    ):
+        raise NotImplementedError(
+            "the attention mask of this decode step pads differently from the prompt's; hf_sparse_kv supports "
+            "left padding fixed at prefill (as generate() does)."
+        )
+    plan = StepPlan((length - pads).int(), torch.zeros_like(pads), lens, cache.evicted_counts())
     session.keep_plan(device, plan)
     return plan
 
@@ -173,12 +177,16 @@ def auto_runs_sparse(config: SparseConfig, batch: int, num_kv_heads: int, head_d
     return fraction is not None and config.crossover.use_sparse(fraction, batch, num_kv_heads, head_dim, length)
 
 
-def choose(config: SparseConfig, state: DecodeState, layer_idx: int, cache: PagedKVCache) -> tuple[Selection, str]:
+def choose(
+    config: SparseConfig, state: DecodeState, layer_idx: int, cache: PagedKVCache, sparse: bool | None = None
+) -> tuple[Selection, str]:
     """The selection of this layer and step, and the mode that executes it.
 
     Dense layers select everything. ``mode="auto"`` runs the step dense (every block, block kernel) below the
     crossover context of the table for this budget, batch and head shape, and the policy at or above it (block
-    mode, or token mode for a token policy); it counts its choices in the session's counters.
+    mode, or token mode for a token policy); it counts its choices in the session's counters. A static step passes
+    the decision its plan holds (``sparse``) and counts nothing (its counts are made before it, by
+    :func:`static_counters`).
     """
     policy = config.policy
     if config.mode != "auto":
@@ -186,11 +194,93 @@ def choose(config: SparseConfig, state: DecodeState, layer_idx: int, cache: Page
         return (Policy.dense_selection(state) if dense else policy.select(state)), config.mode
     if layer_idx in config.dense_layers:
         return Policy.dense_selection(state), "block"
-    sparse = auto_runs_sparse(config, state.q.shape[0], state.num_kv_heads, state.q.shape[-1], state.length)
-    cache.session.count_auto(sparse)
+    if sparse is None:
+        sparse = auto_runs_sparse(config, state.q.shape[0], state.num_kv_heads, state.q.shape[-1], state.length)
+        cache.session.count_auto(sparse)
     if not sparse:
         return Policy.dense_selection(state), "block"
     return policy.select(state), "token" if policy.granularity == "token" else "block"
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """The host decisions of one static decode step, made before it from its lengths: the key under which a step is
+    compiled or captured (two steps with equal plans run the same graph).
+
+    Attributes:
+        sparse: ``mode="auto"``'s decision for the sparse layers (``True`` in the other modes).
+        counts: what :meth:`Policy.plan` returns at the step's stored lengths (``None``: everything).
+    """
+
+    sparse: bool
+    counts: tuple[int, ...] | None
+
+
+def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]) -> StaticPlan:
+    """The :class:`StaticPlan` of a step at stored lengths ``lens`` (the current token included), decided on the
+    host as the eager step decides (:func:`choose`, :meth:`Policy.plan`)."""
+    sparse = True
+    if config.mode == "auto" and cache.paged_layers:
+        _, Hkv, _, D = cache.paged_layers[0].k_pool.shape
+        sparse = auto_runs_sparse(config, len(lens), Hkv, D, max(lens))
+    counts = config.policy.plan(lens, cache.block_size) if sparse else None
+    return StaticPlan(sparse, None if counts is None else tuple(counts))
+
+
+def static_counters(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan, lens: tuple[int, ...]) -> Counters:
+    """What the eager step at ``lens`` would add to the session's counters (one step, its K/V bytes, its auto
+    choices): a static step counts on the host before it runs."""
+    nbytes, auto = 0, {"dense": 0, "sparse": 0}
+    BS, policy = cache.block_size, config.policy
+    everything = tuple(cdiv(n, BS) for n in lens)
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, PagedLayer):
+            continue
+        dense = i in config.dense_layers or plan.counts is None
+        mode = config.mode
+        if mode == "auto":
+            if i not in config.dense_layers:
+                auto["sparse" if plan.sparse else "dense"] += 1
+            sparse = not dense and plan.sparse
+            mode = "token" if sparse and policy.granularity == "token" else "block"
+        kind = "token" if not dense and policy.granularity == "token" else "block"
+        counts = everything if dense else plan.counts
+        nbytes += kv_bytes(Selection(kind, None, None, None, counts), mode, layer, max(lens))
+    return Counters(nbytes, 1, auto)
+
+
+def static_attention(
+    config: SparseConfig, cache: PagedKVCache, module: torch.nn.Module, query: torch.Tensor, scale: float, **kwargs
+) -> torch.Tensor:
+    """A static decode step's attention (``query [B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``): what the eager step does,
+    with every length read from the cache's :class:`~hf_sparse_kv.cache.StaticBuffers` and every host decision
+    from its plan, so that nothing here depends on host state that changes between steps (the step traces under
+    ``torch.compile(fullgraph=True)`` and replays from a CUDA graph). The step's bookkeeping (lengths, counters)
+    runs before it, in ``hf_sparse_kv.graphs.begin_static_step``."""
+    static, layer_idx = cache.static, module.layer_idx
+    layer = cache.layers[layer_idx]
+    B = query.shape[0]
+    length = static.table.shape[1] * cache.block_size  # the reserved width stands in for the step's lengths
+    state = DecodeState(
+        q=query[:, :, 0],
+        k_pool=layer.k_pool,
+        kmin=layer.kmin,
+        kmax=layer.kmax,
+        kmean=layer.kmean,
+        block_table=static.table,
+        seq_lens=static.seq_lens,
+        start=static.start,
+        lens=(length,) * B,
+        length=length,
+        block_size=cache.block_size,
+        scale=scale,
+        ops=static.ops,
+        state=layer.state,
+        static=True,
+        planned=static.plan.counts,
+    )
+    selection, mode = choose(config, state, layer_idx, cache, sparse=static.plan.sparse)
+    return execute(selection, mode, state, layer.v_pool).unsqueeze(1)
 
 
 def sparse_attention_forward(
@@ -208,12 +298,18 @@ def sparse_attention_forward(
     cache = kwargs.pop(CACHE_KWARG, None)
     layer_idx = getattr(module, "layer_idx", None)
     layer = cache.layers[layer_idx] if isinstance(cache, PagedKVCache) and layer_idx is not None else None
-    if config is None or not isinstance(layer, PagedLayer):
+    if config is None or not isinstance(layer, (PagedLayer, WindowRing)):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
 
     B, _Hq, Tq, D = query.shape
+    if isinstance(layer, WindowRing):  # a static step's sliding-window layer: its own mask over the ring
+        return sdpa_attention_forward(
+            module, query, key, value, layer.mask(), dropout=dropout, scaling=scaling, **kwargs
+        )
+    if cache.static is not None and isinstance(layer, PagedLayer):
+        return static_attention(config, cache, module, query, scaling if scaling is not None else D**-0.5), None
     if Tq > 1:  # prefill, chunked prefill, assisted decoding: dense over the whole context
         if layer.length > key.shape[2]:
             key, value = layer.dense_kv()

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from .ops import BACKENDS, get_ops, reference
+from .ops import BACKENDS, get_ops, reference, resolve_backend
 from .ops.layout import cdiv
+from .ops.library import registered_ops
 from .runtime import DecodeSession
+from .static import StaticBuffers, WindowRing
 
 POOL_GROWTH = 2.0
 MIN_POOL_BLOCKS = 16
@@ -35,19 +36,6 @@ def check_block_size(block_size: int) -> None:
     ok = isinstance(block_size, int) and not isinstance(block_size, bool) and 8 <= block_size <= 256
     if not ok or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two between 8 and 256, got {block_size!r}")
-
-
-@dataclass
-class StaticBuffers:
-    """Device buffers of a cache reserved for CUDA-graph decoding (see :meth:`PagedKVCache.reserve_static`).
-
-    Attributes: ``max_length`` tokens reserved per sequence; ``seq_lens`` ``[B]`` the stored length after this
-    step's token; ``pos0`` ``[B]`` where this step's token is written; ``start`` ``[B]`` zeros."""
-
-    max_length: int
-    seq_lens: torch.Tensor
-    pos0: torch.Tensor
-    start: torch.Tensor
 
 
 class BlockTable:
@@ -163,10 +151,10 @@ class PagedLayer(DynamicLayer):
         self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean = tensors[:5]
         self.state = dict(zip(self.state, tensors[5:]))
 
-    def refresh_state(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    def refresh_state(self, lo: torch.Tensor, hi: torch.Tensor, table: torch.Tensor | None = None) -> None:
         """Recompute the declared state of stored positions ``[lo[b], hi[b])`` from the key pool (``[B]`` tensors)."""
         if self.state:
-            table = self.cache.table.tensor(self.device)
+            table = self.cache.table.tensor(self.device) if table is None else table
             for spec in self.cache.specs:
                 spec.refresh(self.state[spec.name], self.k_pool, table, lo, hi)
 
@@ -201,13 +189,18 @@ class PagedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, _, T, _ = key_states.shape
-        frame0 = self.length
         static = self.cache.static
-        if static is not None and T == 1:  # blocks are reserved; the write position comes from a device buffer
-            pos0 = static.pos0
-        else:
-            self.cache.reserve(B, frame0 + T, frame0)
-            pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
+        if static is not None:  # a static step: blocks reserved, positions in device buffers, lengths kept outside
+            if T != 1:
+                raise NotImplementedError("a cache reserved for static decoding takes one token per step")
+            pools = (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean)
+            static.ops.paged_write(*pools, static.table, static.pos0, key_states, value_states)
+            if self.state:
+                self.refresh_state(static.pos0, static.pos0 + 1, static.table)
+            return key_states, value_states
+        frame0 = self.length
+        self.cache.reserve(B, frame0 + T, frame0)
+        pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
         table = self.cache.table.tensor(self.device)
         # padding is dropped on the way in by the reference; the kernels take pos0 >= 0
         ops = self.cache.ops(self.device, "reference" if frame0 < max(self.cache.pads) else None)
@@ -242,6 +235,8 @@ class PagedLayer(DynamicLayer):
         return self.length
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        if self.cache.static is not None:  # a static step's mask has the reserved length (the attention ignores it)
+            return self.cache.static.max_length, 0
         return self.length + query_length, 0
 
     def get_max_length(self) -> int:
@@ -278,6 +273,9 @@ class PagedKVCache(DynamicCache):
         backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         max_length: tokens per sequence to reserve room for at the first write (``generate()`` passes its maximum
             length), so the pool is allocated once instead of grown by copies.
+        static: decode in static steps (:mod:`hf_sparse_kv.graphs`): the first single-token forward after the prefill
+            calls :meth:`reserve_static` with ``max_length`` (required); the cache then tells transformers it is
+            compileable (``generate(compile_config=...)`` compiles its decode steps).
 
     ``block_size`` and ``backend`` are owned here: a model patched with other values refuses this cache.
     ``memory_bytes()`` is what the cache holds; ``blocks_in_use`` the blocks referenced by some sequence;
@@ -285,8 +283,12 @@ class PagedKVCache(DynamicCache):
     :mod:`hf_sparse_kv.runtime`).
     """
 
-    def __init__(self, config, block_size: int = 16, backend: str = "auto", max_length: int | None = None):
+    def __init__(
+        self, config, block_size: int = 16, backend: str = "auto", max_length: int | None = None, static: bool = False
+    ):
         check_block_size(block_size)
+        if static and not max_length:
+            raise ValueError("PagedKVCache(static=True) needs max_length: the tokens per sequence to reserve")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of 'auto', 'reference', 'triton', got {backend!r}")
         config = getattr(config, "config", config)  # a model is accepted too
@@ -294,6 +296,7 @@ class PagedKVCache(DynamicCache):
         self.block_size = block_size
         self.backend = backend
         self.max_length = max_length
+        self.static_decoding = static
         self.table = BlockTable(block_size)
         self._deferred: set[int] = set()  # layers whose next update() returns only the new K/V (defer_reads)
         self.pads: list[int] = []  # left padding per sequence, dropped from the pages
@@ -301,7 +304,8 @@ class PagedKVCache(DynamicCache):
         self._ops: dict = {}  # (backend, device) -> op namespace
         self.specs: tuple = ()  # per-token / per-block state a policy declared (declare_state)
         self.evicted = False  # some blocks were freed by an evicting policy (their positions stay counted)
-        self.static: StaticBuffers | None = None  # set by reserve_static() for CUDA-graph decoding
+        self.static: StaticBuffers | None = None  # set by reserve_static() for static decoding
+        self._sliding: dict = {}  # layer index -> transformers' sliding-window layer a WindowRing replaced
         self._evicted_to: list[int] = []  # per sequence, logical blocks below this were already considered
         self.session = DecodeSession()  # the decode side's state of these contents (hf_sparse_kv.runtime)
         self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
@@ -316,6 +320,11 @@ class PagedKVCache(DynamicCache):
         for layer in new.paged_layers:
             layer.attach(new)
         return new
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether transformers may compile a decode step on this cache: a cache that decodes in static steps."""
+        return self.static_decoding or self.static is not None
 
     @property
     def paged_layers(self) -> list[PagedLayer]:
@@ -407,10 +416,11 @@ class PagedKVCache(DynamicCache):
         self._deferred.add(layer_idx)
 
     def advance(self, tokens: int) -> None:
-        """Move every paged layer's length by ``tokens`` without writing: a captured decode step's writes happen on
-        the device at replay (``+1``), a warm-up or capture forward is undone (``-1``)."""
-        for layer in self.paged_layers:
-            layer.length += tokens
+        """Move every paged layer's (and sliding-window ring's) length by ``tokens`` without writing: a static step
+        writes on the device only, and its host bookkeeping runs before it."""
+        for layer in self.layers:
+            if isinstance(layer, (PagedLayer, WindowRing)):
+                layer.length += tokens
 
     def pop_deferred(self, layer: PagedLayer) -> bool:
         idx = self.layers.index(layer)
@@ -472,19 +482,59 @@ class PagedKVCache(DynamicCache):
         t.invalidate()
 
     def reserve_static(self, max_length: int) -> StaticBuffers:
-        """Prepare for CUDA-graph decoding: allocate every block up to ``max_length`` tokens now (so the block table
-        never changes again) and keep the step's lengths in device buffers that a captured step reads.
+        """Prepare for static decoding (compiled or CUDA-graph steps): allocate every block up to ``max_length``
+        tokens (transformers' frame) now, so the block table never changes again, keep the step's positions in
+        device buffers that a static step reads, and turn each sliding-window layer into a :class:`WindowRing` of
+        fixed shape. Left padding is kept (its starts become a device buffer).
 
-        Call after the prefill; left padding and evicting policies are not supported here."""
-        if not self.table.rows or any(self.pads) or self.evicted:
-            raise ValueError("reserve_static needs a filled cache without left padding or evicted blocks")
-        device = self.paged_layers[0].device
-        self.reserve(len(self.table.rows), max_length, self.get_seq_length())
-        B = len(self.table.rows)
+        Call after the prefill. From then on every forward on this cache is a single-token static step whose
+        buffers :meth:`StaticBuffers.begin_step` fills first (``hf_sparse_kv.graphs.begin_static_step`` does it);
+        :meth:`reset` ends the reservation. Evicting policies are not supported (their table changes)."""
+        if not self.table.rows and not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.layers):
+            raise ValueError("reserve_static needs a filled cache (call it after the prefill)")
+        if self.evicted:
+            raise ValueError("reserve_static needs a cache without evicted blocks (an evicting policy's table changes)")
+        if self.static is not None:
+            return self.static
+        length = self.get_seq_length()
+        if max_length <= length:
+            raise ValueError(f"reserve_static: max_length={max_length} leaves no room after {length} tokens")
+        device = self.paged_layers[0].device if self.paged_layers else self.layers[0].device
+        B = len(self.table.rows) or self.layers[0].keys.shape[0]
+        if self.table.rows:
+            self.reserve(B, max_length, length)
+        pads = self.pads if len(self.pads) == B else [0] * B
         zeros = torch.zeros(B, dtype=torch.int32, device=device)
-        self.static = StaticBuffers(max_length, zeros.clone(), zeros.clone(), zeros)
-        self.table.tensor(device)  # built once, then stable
+        table = self.table.tensor(device) if self.table.rows else zeros.view(B, 1)
+        backend = resolve_backend(self.backend, device)
+        pads_t = torch.tensor(pads, dtype=torch.int32, device=device)
+        frame = torch.zeros(1, dtype=torch.long, device=device)
+        positions = torch.zeros(B, 1, dtype=torch.long, device=device)
+        ops = registered_ops(backend)
+        self.static = StaticBuffers(
+            max_length, frame, zeros.clone(), zeros.clone(), zeros, pads_t, positions, table, ops
+        )
+        self.pads = pads
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                self._sliding[i] = layer
+                self.layers[i] = WindowRing(layer, length, self.static)
+        self._mark_static()
         return self.static
+
+    def _mark_static(self) -> None:
+        """Tell ``torch.compile`` that every tensor a static step reads or writes keeps its address (the pools are
+        never regrown from here on), as transformers' ``StaticCache`` does: ``mode="reduce-overhead"``'s CUDA graphs
+        then replay steps that write the pools in place instead of skipping them."""
+        s = self.static
+        tensors = [s.frame, s.seq_lens, s.pos0, s.start, s.pads, s.positions, s.table]
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer) and layer.is_initialized:
+                tensors += layer._tensors()
+            elif isinstance(layer, WindowRing):
+                tensors += [layer.keys, layer.values]
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
 
     def evict(self, spans: list[tuple[int, int]]) -> int:
         """Free the blocks lying wholly inside ``spans[b] = (lo, hi)`` (stored positions) of each sequence.
@@ -558,6 +608,9 @@ class PagedKVCache(DynamicCache):
         self.evicted = False
         self._evicted_to = []
         self.static = None
+        for i, layer in self._sliding.items():  # the rings of a static reservation give their layers back
+            self.layers[i] = layer
+        self._sliding = {}
         self.session.reset()  # plans, observations and captured steps belong to one generation (counters go on)
         self._deferred.clear()
         for layer in self.layers:
@@ -589,6 +642,13 @@ class PagedKVCache(DynamicCache):
         t = self.table
         if not t.rows:
             return
+        if self.static is not None:  # beam search shares blocks (copy on write): static steps cannot follow
+            if self._sliding:
+                raise NotImplementedError(
+                    "a cache reserved for static decoding with sliding-window layers cannot be reordered"
+                )
+            self.static = None
+            self.session.set_graphs(False)  # eager from now on
         new_rows = [list(t.rows[s]) for s in sources]
         for row in new_rows:
             for blk in row:
@@ -610,6 +670,10 @@ class PagedKVCache(DynamicCache):
         keep = max(keep, 0)
         if keep == length:
             return
+        if self._sliding:
+            raise NotImplementedError(
+                "a cache reserved for static decoding with sliding-window layers cannot be cropped"
+            )
         self.static = None  # the reservation and captured steps assumed the old table
         self.session.set_graphs(None)
         t = self.table

@@ -1,22 +1,40 @@
-"""CUDA-graph decoding: capture a patched model's decode step once per selection width, then replay it.
+"""Static decoding: a decode step whose host decisions are made before it, so that it can be compiled
+(``torch.compile(fullgraph=True)``), captured as a CUDA graph, or both.
 
 In eager mode a decode step of a large model is bound by the host: Python launches a few hundred kernels per
-token while the GPU waits (see benchmarks/RESULTS.md). Replaying a captured graph removes that cost. What a
-captured step may not do, and how this module avoids it:
+token while the GPU waits (see benchmarks/RESULTS.md). A *static step* removes every reason for the step to read
+or change host state:
 
-- change the block table: :meth:`PagedKVCache.reserve_static` allocates every block up to the maximum length first;
-- read lengths from the host: the step reads ``seq_lens`` and the write position from device buffers that
-  :meth:`DecodeGraphs.step` fills before each replay;
-- change a selection's width: the width of a step is decided on the host by the policy's ``plan()`` (the same
-  numbers its ``select()`` uses), and one graph is captured per distinct plan (a fractional budget grows its
-  width by one block every ``block_size / budget`` tokens, so a long generation captures a handful of graphs).
+- the block table never changes: :meth:`PagedKVCache.reserve_static` allocates every block up to the maximum length
+  first, and turns each sliding-window layer into a fixed-shape ring (:class:`~hf_sparse_kv.cache.WindowRing`);
+- lengths, write positions, position ids and each sequence's left padding live in device buffers
+  (:class:`~hf_sparse_kv.cache.StaticBuffers`) that :func:`begin_static_step` fills before the step;
+- the widths of the selections, and ``mode="auto"``'s dense/sparse decision, are the step's
+  :class:`~hf_sparse_kv.attention.StaticPlan`, decided on the host from the lengths by the policy's ``plan()``;
+  two steps with equal plans run the same graph (a fractional budget grows its width by one block every
+  ``block_size / budget`` tokens, so a long generation makes a handful of plans);
+- the ops are PyTorch custom ops (:mod:`hf_sparse_kv.ops.library`), opaque to dynamo, free of host syncs;
+- the host bookkeeping of the step (layer lengths, counters) is done by :func:`begin_static_step`, not by the step.
 
-The Python bookkeeping a captured step skipped (layer lengths, counters) is done by :meth:`DecodeGraphs.step`.
-Supported: every attention layer paged (no sliding-window layers), no left padding, ``mode="block"`` or ``"auto"``
-(the crossover's dense/sparse decision is part of the plan a graph is keyed on), a policy that does not free blocks.
-:func:`hf_sparse_kv.patch_model` with ``cuda_graph=True`` routes every forward through :func:`captured_step`, which
-owns the rule of which forwards replay a graph (:func:`step_applies`) and returns ``None`` for the others (they
-run eagerly).
+Every mode (mask, token, block, auto), left-padded batches and sliding-window layers run statically; a policy that
+frees blocks does not (its table changes). Two ways in:
+
+- :class:`DecodeGraphs` (what ``patch_model(cuda_graph=True)`` uses for ``generate()``): keyed on the plan, it
+  captures one CUDA graph per plan and replays it; with ``compile=`` it compiles the step first (``fullgraph=True``)
+  and captures the compiled step, so inductor's fusion of the model's own small kernels (norms, rotary, SiLU)
+  and the removal of launch overhead add up. ``capture=False`` runs the same static step without a graph (the CPU
+  tests do).
+- a user's own ``model.forward = torch.compile(model.forward, fullgraph=True)`` on a cache reserved with
+  ``cache.reserve_static(max_length)`` after the prefill, or ``generate(compile_config=...)`` (the patch then builds
+  a ``PagedKVCache(static=True)``, reserved at its first decode step): the patch's model pre-hook, which runs
+  outside the compiled forward (``torch.compiler.disable``: transformers compiles ``model.__call__``), calls
+  :func:`begin_static_step` (and passes the step's position ids).
+
+Why the home-made capture stays beside ``torch.compile(mode="reduce-overhead")``'s CUDA graphs (which also work on
+a reservation: its tensors are marked as static addresses): cudagraph trees are tied to a compile (minutes per plan
+on an 8B model; a captured step needs none), skip a graph whenever an input they cannot prove static is mutated,
+re-record when a guard fails, and give no place for the step's host bookkeeping; capturing the (optionally
+compiled) step here keys the graphs on the plan the step already has.
 """
 
 from __future__ import annotations
@@ -26,46 +44,73 @@ from collections.abc import Callable
 
 import torch
 
-from .attention import auto_runs_sparse
-from .cache import PagedKVCache, PagedLayer
+from .attention import StaticPlan, padding_starts, static_counters, static_plan
+from .cache import PagedKVCache
 from .patched import cache_kwarg, patch_state
-from .runtime import Counters
+
+
+def begin_static_step(config, cache: PagedKVCache) -> StaticPlan:
+    """The host part of a static decode step on a reserved ``cache``, before the step runs: plan it at its lengths,
+    fill the device buffers, move the layers' lengths on by the new token and count the step (as the eager step
+    would). Returns the step's plan (the key of its graph)."""
+    static = cache.static
+    frame = cache.get_seq_length()  # tokens before this one, in transformers' frame
+    if frame + 1 > static.max_length:
+        raise ValueError(
+            f"this PagedKVCache is reserved for {static.max_length} tokens per sequence and holds {frame}: reserve "
+            "more (reserve_static / generate's max_length), or reset() it"
+        )
+    lens = tuple(frame + 1 - p for p in cache.pads)
+    plan = static_plan(config, cache, lens)
+    static.begin_step(frame, plan)
+    cache.advance(1)
+    cache.session.add_counters(static_counters(config, cache, plan, lens))
+    return plan
 
 
 class DecodeGraphs:
-    """Captured decode steps of one ``model`` on one ``cache`` (batch fixed by the cache).
+    """Static decode steps of one ``model`` on one ``cache`` (batch fixed by the cache), captured per plan.
 
     Args:
-        model: a model patched with ``mode="block"``.
+        model: a patched model (any mode; a policy that does not free blocks).
         cache: its filled :class:`PagedKVCache` (after the prefill).
-        max_length: tokens per sequence to reserve (prompt + new tokens).
-        capture: capture CUDA graphs (``False`` runs the same static step eagerly: for tests on the CPU).
-        forward: the model's forward to call (default ``model``; the patch passes the unwrapped one).
+        max_length: tokens per sequence to reserve (prompt + new tokens, left padding included).
+        capture: capture CUDA graphs (``False`` runs the same static step without a graph: for tests on the CPU).
+        forward: the model's forward to call (default: the class's forward, without the patch's model hook).
+        compile: ``None``, a ``torch.compile`` backend name, or a dict of ``torch.compile`` keyword arguments:
+            compile the step with ``fullgraph=True`` (then capture the compiled step).
     """
 
     def __init__(
-        self, model, cache: PagedKVCache, max_length: int, capture: bool = True, forward: Callable | None = None
+        self,
+        model,
+        cache: PagedKVCache,
+        max_length: int,
+        capture: bool = True,
+        forward: Callable | None = None,
+        compile: str | dict | None = None,
     ):
         config = patch_state(model).config
-        self.forward_fn = forward or model
         self.cache_name = cache_kwarg(model)
-        if not all(isinstance(layer, PagedLayer) for layer in cache.layers):
-            raise ValueError("CUDA-graph decoding needs every attention layer paged (no sliding-window layers)")
         if len({str(layer.device) for layer in cache.paged_layers}) > 1:
-            raise ValueError("CUDA-graph decoding needs the whole cache on one device (device_map put it on several)")
-        if config.mode not in ("block", "auto") or config.policy.frees_blocks:
-            raise ValueError(
-                "CUDA-graph decoding supports mode='block' or 'auto' with a policy that does not free blocks"
-            )
+            raise ValueError("static decoding needs the whole cache on one device (device_map put it on several)")
+        if config.policy.frees_blocks:
+            raise ValueError("static decoding needs a policy that does not free blocks (its block table changes)")
         self.model, self.config = model, config
         self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
         self.capture = capture and torch.cuda.is_available()
         self.static = cache.reserve_static(max_length)
-        B = len(cache.table.rows)
-        device = cache.paged_layers[0].device
+        cache.session.set_graphs(self)  # the patch's model hook leaves this cache's steps to this runner
+        fn = forward or type(model).forward.__get__(model)
+        if compile is not None:
+            options = {"backend": compile} if isinstance(compile, str) else dict(compile)
+            fn = torch.compile(fn, fullgraph=True, **options)
+        self.forward_fn = fn
+        B = self.static.pads.shape[0]
+        device = self.static.pads.device
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)
-        self.graphs: dict = {}  # plan key -> (graph, logits, kv bytes per step)
+        self.graphs: dict = {}  # StaticPlan -> (graph, logits)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
 
@@ -73,19 +118,12 @@ class DecodeGraphs:
     def cache(self) -> PagedKVCache:
         return self._cache()
 
-    def key(self, length: int) -> tuple | None:
-        """The host plan of the step that decodes at ``length`` tokens (the width of every sparse layer; under
-        ``mode="auto"``, ``("dense",)`` below the crossover, as :func:`hf_sparse_kv.attention.choose` decides)."""
-        B, config = len(self.cache.table.rows), self.config
-        if config.mode == "auto":
-            _, Hkv, _, D = self.cache.paged_layers[0].k_pool.shape
-            if not auto_runs_sparse(config, B, Hkv, D, length):
-                return ("dense",)
-        plan = config.policy.plan((length,) * B, self.cache.block_size)
-        return None if plan is None else tuple(plan)
+    def key(self, length: int) -> StaticPlan:
+        """The plan of the step that decodes at ``length`` tokens of transformers' frame (the current one included)."""
+        return static_plan(self.config, self.cache, tuple(length - p for p in self.cache.pads))
 
     def fits(self, input_ids: torch.Tensor) -> bool:
-        """Whether the next step can run captured (batch, one token, room left in the reservation)."""
+        """Whether the next step can run statically (batch, one token, room left in the reservation)."""
         return (
             input_ids.shape == self.ids.shape
             and input_ids.device == self.ids.device
@@ -96,55 +134,52 @@ class DecodeGraphs:
         kw = {self.cache_name: self.cache, "use_cache": True}
         return self.forward_fn(input_ids=self.ids, position_ids=self.positions, **kw).logits
 
-    def _rewind(self, before: Counters) -> None:
-        """Undo the host bookkeeping of a warm-up or capture forward (the device writes are redone by the replay)."""
-        self.cache.advance(-1)
-        self.cache.session.restore_counters(before)
-        self.cache.session.end_step()
-
-    def _capture(self, key) -> tuple:
-        session = self.cache.session
-        before = session.counters.copy()
-        self._forward()  # warm-up: compiles the kernels of this width, allocates workspaces
-        per_step = session.counters.minus(before)
-        self._rewind(before)
+    def _capture(self) -> tuple:
+        # warm-up (compiles the kernels of this plan, allocates workspaces): it writes this step's token, which the
+        # replay writes again, to the same place
+        self._forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward()
-        self._rewind(before)
-        return graph, logits, per_step
+        return graph, logits
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per sequence: ``input_ids [B, 1]`` -> logits ``[B, 1, V]`` (a fresh tensor)."""
-        cache = self.cache
-        length = cache.get_seq_length()  # tokens before this one
-        self.static.pos0.fill_(length)
-        self.static.seq_lens.fill_(length + 1)
+        plan = begin_static_step(self.config, self.cache)
         self.ids.copy_(input_ids)
-        if position_ids is None:
-            self.positions.fill_(length)
-        else:
-            self.positions.copy_(position_ids)
+        self.positions.copy_(self.static.positions if position_ids is None else position_ids)
         if not self.capture:
             return self._forward().clone()
-        key = self.key(length + 1)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(key)
-        graph, logits, per_step = self.graphs[key]
+        if plan not in self.graphs:
+            self.graphs[plan] = self._capture()
+        graph, logits = self.graphs[plan]
         graph.replay()
         self.replays += 1
-        cache.advance(1)
-        cache.session.add_counters(per_step)
-        cache.session.end_step()
         return logits.clone()
+
+
+def pads_match(cache: PagedKVCache, mask: torch.Tensor | None, length: int) -> bool:
+    """Whether a decode mask (2-D ``[B, length]`` or 4-D) pads exactly as the cache's prompt did (left padding
+    only, fixed at prefill)."""
+    B = len(cache.table.rows) or len(cache.pads)
+    if mask is None:
+        return not any(cache.pads)
+    if mask.dim() == 2:
+        mask = mask.bool()[:, None, None, :]
+    if mask.shape[-1] < length:
+        return False
+    try:
+        starts = padding_starts(mask, B, length, mask.device)
+    except NotImplementedError:  # holes inside the context
+        return False
+    return starts.tolist() == list(cache.pads or [0] * B)
 
 
 def step_applies(cache, ids, kwargs: dict) -> bool:
     """Whether a forward may replay a captured decode step: one new token per sequence of a CUDA batch, on a
-    filled :class:`PagedKVCache` reserved up to a maximum length, without left padding or a mask with holes, and
-    asking for nothing a captured step does not return (hidden states, embeddings as input)."""
-    mask = kwargs.get("attention_mask")
+    filled :class:`PagedKVCache` reserved up to a maximum length, a mask that pads as the prompt did (left padding
+    only), and asking for nothing a captured step does not return (hidden states, embeddings as input)."""
     return (
         isinstance(cache, PagedKVCache)
         and isinstance(ids, torch.Tensor)
@@ -153,28 +188,30 @@ def step_applies(cache, ids, kwargs: dict) -> bool:
         and ids.shape[1] == 1
         and cache.get_seq_length() > 0
         and cache.max_length is not None
-        and not any(cache.pads)
         and cache.session.graphs is not False
         and kwargs.get("inputs_embeds") is None
         and not kwargs.get("output_hidden_states")
-        and (mask is None or bool(mask.all()))
+        and pads_match(cache, kwargs.get("attention_mask"), cache.get_seq_length() + 1)
     )
 
 
 def captured_step(model, forward: Callable, cache, ids, kwargs: dict) -> torch.Tensor | None:
     """The logits ``[B, 1, V]`` of a decode step replayed from a captured graph, or ``None`` when this forward
-    must run eagerly (:func:`step_applies` says no, the cache cannot be captured, or its reservation is full). The
-    cache's first eligible step builds its :class:`DecodeGraphs` (``forward``: the model's unwrapped forward)."""
+    must run eagerly (:func:`step_applies` says no, or the cache cannot be captured). The cache's first eligible
+    step builds its :class:`DecodeGraphs` (``forward``: the model's unwrapped forward)."""
     if not step_applies(cache, ids, kwargs):
         return None
     runner = cache.session.graphs
     if runner is None:
         try:
-            runner = DecodeGraphs(model, cache, cache.max_length, forward=forward)
+            config = patch_state(model).config
+            runner = DecodeGraphs(model, cache, cache.max_length, forward=forward, compile=config.compile)
         except ValueError:
             cache.session.set_graphs(False)  # this cache cannot decode from graphs: eager from now on
             return None
-        cache.session.set_graphs(runner)
     if not runner.fits(ids):
-        return None
+        raise ValueError(
+            f"this PagedKVCache is reserved for static decoding of {tuple(runner.ids.shape)} token ids up to "
+            f"{runner.static.max_length} tokens; got {tuple(ids.shape)} at {cache.get_seq_length()}: reset() it first"
+        )
     return runner.step(ids, kwargs.get("position_ids"))

@@ -31,12 +31,13 @@ from .attention import (
     MODES,
     SparseConfig,
     check_cache,
+    padding_starts,
     prepare_write,
     sparse_attention_forward,
 )
 from .cache import PagedKVCache, PagedLayer, check_block_size
 from .crossover import CrossoverTable
-from .graphs import captured_step
+from .graphs import begin_static_step, captured_step
 from .ops import BACKENDS
 from .patched import STATE_ATTR, PatchState, cache_kwarg
 from .policies import Dense, Policy
@@ -153,10 +154,32 @@ def _model_pre_hook(model, args, kwargs):
     if cache is not None:
         check_cache(cache, config)
         cache.session.begin_forward()  # a new forward: its decode step is planned afresh
+        mask = kwargs.get("attention_mask")
+        if not cache.paged_layers and not cache.get_seq_length() and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            _declare_padding(cache, mask)  # no paged layer declares it: a static step's sliding rings need it
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        one = isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1
+        if one and cache.static_decoding and cache.static is None and cache.get_seq_length():
+            cache.reserve_static(cache.max_length)  # the first decode step of a cache built for static decoding
+        if cache.static is not None and not cache.session.graphs and one:  # reserved by the user: a static step
+            begin_static_step(config, cache)  # outside the forward, which may be compiled
+            if kwargs.get("position_ids") is None:
+                kwargs["position_ids"] = cache.static.positions
     use_cache = kwargs.get("use_cache")
     if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
         kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
     return args, kwargs
+
+
+def _declare_padding(cache: PagedKVCache, mask: torch.Tensor) -> None:
+    """Declare the left padding of a prefill's 2-D mask ``[B, L]`` to a cache without paged layers (left padding
+    only; a mask with holes declares nothing)."""
+    B, L = mask.shape
+    try:
+        cache.set_padding(padding_starts(mask.bool()[:, None, None, :], B, L, mask.device).tolist())
+    except NotImplementedError:
+        pass
 
 
 def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
@@ -172,7 +195,8 @@ def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
             f"this PagedKVCache has {len(cache.layers)} layers but the model has at least {module.layer_idx + 1}: "
             "build the cache from the model's own config, PagedKVCache(model.config)"
         )
-    if isinstance(cache, PagedKVCache) and isinstance(cache.layers[module.layer_idx], PagedLayer):
+    static = isinstance(cache, PagedKVCache) and cache.static is not None  # a static step: nothing to prepare
+    if isinstance(cache, PagedKVCache) and isinstance(cache.layers[module.layer_idx], PagedLayer) and not static:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         mask = kwargs.get("attention_mask")
         prepare_write(cache, config, module.layer_idx, mask, hidden.shape[0], hidden.shape[1], hidden.device)
@@ -196,11 +220,14 @@ def _prepare_cache_for_generation(
                 f"cache_implementation={generation_config.cache_implementation!r} conflicts with hf_sparse_kv's paged "
                 "cache; leave it unset on a patched model."
             )
+        # compile_config: decode in static steps, which transformers compiles (unless cuda_graph=True captures them)
+        static = generation_config.compile_config is not None and not config.cuda_graph and bool(max_cache_length)
         model_kwargs[cache_kwarg(model)] = PagedKVCache(  # a policy that frees blocks reuses them: no reservation
             model.config,
             config.block_size,
             config.backend,
             max_length=None if config.policy.frees_blocks else max_cache_length,
+            static=static and not config.policy.frees_blocks,
         )
         if generation_config.cache_implementation == "dynamic":  # what was asked for: a cache that grows
             generation_config = copy.copy(generation_config)  # transformers refuses a name beside a cache
@@ -233,6 +260,7 @@ def patch_model(
     backend: str = "auto",
     crossover: CrossoverTable | str | None = None,
     cuda_graph: bool = False,
+    compile: str | dict | None = None,
 ):
     """Make ``model``'s decode steps physically sparse; ``generate()`` keeps working as before.
 
@@ -249,9 +277,13 @@ def patch_model(
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
             sparse; default: the H200 table shipped with the package for eager or, with ``cuda_graph=True``, for
             captured steps (``hf-sparse-kv calibrate [--timing graph]`` measures yours).
-        cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (see :mod:`hf_sparse_kv.graphs`): needs
-            ``mode="block"`` or ``"auto"``, a CUDA model whose attention layers are all full-attention, no left
-            padding; other steps run eagerly (a model on the CPU warns once, at patching, that it runs eagerly).
+        cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (static steps, see
+            :mod:`hf_sparse_kv.graphs`): any mode, left-padded batches and sliding-window layers included, on a CUDA
+            model with a policy that does not free blocks; other steps run eagerly (a model on the CPU warns once,
+            at patching, that it runs eagerly).
+        compile: with ``cuda_graph=True``, compile each static step with ``torch.compile(fullgraph=True)`` before
+            capturing it: a backend name (``"inductor"``) or a dict of ``torch.compile`` keyword arguments (inductor
+            fuses the model's own small kernels: norms, rotary, SiLU; the first step of each plan compiles).
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -265,27 +297,28 @@ def patch_model(
     layers = _validate(model, policy, mode, dense_layers, block_size, backend)
     previous = getattr(model, STATE_ATTR, None)
     original_attn = previous.config.original_attn if previous else model.config._attn_implementation
-    if cuda_graph and mode not in ("block", "auto"):
-        raise ValueError(
-            f"cuda_graph=True captures block-mode decode steps: use mode='block' or 'auto', got mode={mode!r}"
-        )
     if cuda_graph and policy.frees_blocks:
         raise ValueError(
             f"cuda_graph=True needs a block table that does not change during decoding, and {type(policy).__name__} "
             "frees blocks: patch with cuda_graph=False for it."
         )
+    if compile is not None and not cuda_graph:
+        raise ValueError("compile= compiles the captured static step: pass cuda_graph=True with it")
+    if compile is not None and not isinstance(compile, (str, dict)):
+        raise TypeError(f"compile must be a torch.compile backend name or a dict of its arguments, got {compile!r}")
     table = None
     if mode == "auto":
         timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's
         table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover, timing)
     elif crossover is not None:
         raise ValueError("crossover is used by mode='auto' only")
-    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table)
+    config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table, compile, cuda_graph)
     _register()
     saved = _Settings(model)
     handles = []
     try:  # a previous patch stays in force until this one is complete
-        handles.append(model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
+        # the model hook plans a static step on the host: never traced (generate() compiles model.__call__)
+        handles.append(model.register_forward_pre_hook(torch.compiler.disable(_model_pre_hook), with_kwargs=True))
         for module in _attention_modules(model):
             handles.append(module.register_forward_pre_hook(partial(_attention_pre_hook, config), with_kwargs=True))
         model.set_attn_implementation(ATTENTION_NAME)

@@ -21,7 +21,8 @@ PACKAGES = ("hf_sparse_kv", "evaluation", "benchmarks")
 ALLOWED = {
     "hf_sparse_kv.ops": ("hf_sparse_kv.ops",),
     "hf_sparse_kv.runtime": (),
-    "hf_sparse_kv.cache": ("hf_sparse_kv.ops", "hf_sparse_kv.runtime"),
+    "hf_sparse_kv.static": (),
+    "hf_sparse_kv.cache": ("hf_sparse_kv.ops", "hf_sparse_kv.runtime", "hf_sparse_kv.static"),
     "hf_sparse_kv.policies": ("hf_sparse_kv.ops", "hf_sparse_kv.policies"),
     "hf_sparse_kv.crossover": (),
     "hf_sparse_kv.attention": (

@@ -80,18 +80,17 @@ def test_reserve_static_allocates_every_block_up_to_max_length():
     assert [len(r) for r in cache.table.rows] == [-(-50 // BS)] * 2
     assert [r[: len(b)] for r, b in zip(cache.table.rows, before)] == before, "the prompt's blocks stay in place"
     assert static.max_length == 50 and cache.static is static
-    for buf in (static.seq_lens, static.pos0, static.start):
+    for buf in (static.seq_lens, static.pos0, static.start, static.pads):
         assert buf.shape == (2,) and buf.dtype == torch.int32 and buf.device.type == DEVICE.type
     assert not static.start.any()
     table = cache.table.tensor(DEVICE)
-    assert table.shape == (2, -(-50 // BS))
-    # decoding into the reservation never changes the table again
+    assert table.shape == (2, -(-50 // BS)) and static.table is table
+    # decoding into the reservation never changes the table again (the model hook begins each static step)
     with torch.no_grad():
         for i in range(5):
-            static.pos0.fill_(21 + i)
-            static.seq_lens.fill_(22 + i)
             model(prompt(1, batch=2, seed=i), use_cache=True, **{cache_kwarg(model): cache})
     assert cache.table.tensor(DEVICE) is table and cache.get_seq_length() == 26
+    assert static.pos0.tolist() == [25, 25] and static.seq_lens.tolist() == [26, 26]
     unpatch_model(model)
 
 
@@ -105,13 +104,12 @@ def test_reserve_static_refuses_what_a_captured_step_cannot_follow():
     with pytest.raises(ValueError, match="evicted"):
         cache.reserve_static(64)
     cache = PagedKVCache(model.config, block_size=BS)
-    cache.set_padding([3])
     with torch.no_grad():
         mask = torch.ones(1, 20, dtype=torch.long, device=DEVICE)
         mask[:, :3] = 0
         model(prompt(20), attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
-    with pytest.raises(ValueError, match="left padding"):
-        cache.reserve_static(64)
+    static = cache.reserve_static(64)  # left padding is kept, as a device buffer
+    assert static.pads.tolist() == [3] and len(cache.table.rows[0]) == -(-(64 - 3) // BS)
     unpatch_model(model)
 
 

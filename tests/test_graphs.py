@@ -7,6 +7,7 @@ import torch
 from tiny_models import DEVICE, greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.attention import StaticPlan
 from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Quest, SinkWindow
@@ -70,7 +71,8 @@ def test_static_auto_step_switches_at_the_crossover_like_eager():
     cache, runner, out = _static_steps(model, ids, 24)
     unpatch_model(model)
     # the graph key holds the crossover's decision: one graph below 50 tokens, the policy's widths from there
-    assert runner.key(49) == ("dense",) and runner.key(50) == tuple(policy.plan((50, 50), 8))
+    assert runner.key(49) == StaticPlan(False, None)
+    assert runner.key(50) == StaticPlan(True, tuple(policy.plan((50, 50), 8)))
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     # two sparse layers per step; steps at 38..49 tokens dense, 50..61 sparse
     assert cache.auto_steps == {"dense": 2 * 12, "sparse": 2 * 12}
@@ -90,15 +92,82 @@ def test_generate_with_cuda_graph_flag_matches_eager():
     torch.testing.assert_close(scores, ref_scores, rtol=0, atol=1e-5)
 
 
-def test_cuda_graph_needs_block_mode_and_full_attention_layers():
+def test_cuda_graph_refuses_a_policy_that_frees_blocks_and_accepts_every_mode():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="mode='block' or 'auto'"):
-        patch_model(model, policy=Dense(), mode="token", cuda_graph=True)
-    gemma = tiny_model("gemma3")
-    patch_model(gemma, policy=Dense(), mode="block", block_size=8)
-    cache = PagedKVCache(gemma.config, block_size=8)
+    with pytest.raises(ValueError, match="frees blocks"):
+        patch_model(model, policy=SinkWindow(sink=4, window=8, evict=True), dense_layers=(), cuda_graph=True)
+    for mode in ("mask", "token", "block", "auto"):
+        patch_model(model, policy=Dense(), mode=mode, cuda_graph=True)
+    unpatch_model(model)
+
+
+# ---- left padding and sliding-window layers ----------------------------------------------------------------------
+
+
+def _padded_prompt(lengths, total):
+    """Left-padded ids ``[B, total]`` and their mask (sequence ``b`` holds ``lengths[b]`` real tokens)."""
+    ids = prompt(total, batch=len(lengths))
+    mask = torch.ones_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, : total - n] = 0
+        ids[b, : total - n] = 0
+    return ids, mask
+
+
+def _eager_padded(model, ids, mask, n):
+    """Greedy steps of an eager forward with the growing mask and generate()'s position ids: logits ``[B, n, V]``."""
+    cache = PagedKVCache(model.config, block_size=8)
+    kw = {cache_kwarg(model): cache}
+    out = []
     with torch.no_grad():
-        gemma(prompt(20), **{cache_kwarg(gemma): cache})
-    with pytest.raises(ValueError, match="sliding"):
-        DecodeGraphs(gemma, cache, max_length=40, capture=False)
-    unpatch_model(gemma)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
+        for _ in range(n):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            pos = mask.sum(-1, keepdim=True) - 1
+            logits = model(logits.argmax(-1), attention_mask=mask, position_ids=pos, **kw).logits
+            out.append(logits)
+    return torch.cat(out, 1)
+
+
+def _static_padded(model, ids, mask, n, **runner):
+    cache = PagedKVCache(model.config, block_size=8)
+    out = []
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(model): cache}).logits[:, -1:]
+        graphs = DecodeGraphs(model, cache, ids.shape[1] + n, capture=DEVICE.type == "cuda", **runner)
+        for _ in range(n):
+            logits = graphs.step(logits.argmax(-1))  # position ids from the padding buffer
+            out.append(logits)
+    return cache, torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("policy", POLICIES[:3], ids=lambda p: f"{type(p).__name__}-{getattr(p, 'budget', '')}")
+def test_static_step_of_a_left_padded_batch_equals_eager(policy):
+    model = tiny_model("llama")
+    ids, mask = _padded_prompt([37, 20, 29], 37)
+    patch_model(model, policy=policy, mode="block", block_size=8, dense_layers=(0,))
+    ref = _eager_padded(model, ids, mask, 20)
+    cache, out = _static_padded(model, ids, mask, 20)
+    unpatch_model(model)
+    assert cache.pads == [0, 17, 8]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_static_step_with_sliding_window_layers_equals_eager(arch, padded):
+    """Gemma-3 (sliding and full layers alternate) and Mistral with a window (every layer sliding, so nothing is
+    paged): the ring of a static step holds what transformers' sliding layer holds, and the window moves past it
+    (window 24, prompt 30, 20 steps)."""
+    model = tiny_model(arch)
+    ids, mask = _padded_prompt([30, 17] if padded else [30, 30], 30)
+    patch_model(model, policy=Quest(budget=16, sink=4, window=8), mode="block", block_size=8, dense_layers=())
+    ref = _eager_padded(model, ids, mask, 20)
+    cache, out = _static_padded(model, ids, mask, 20)
+    unpatch_model(model)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert cache.get_seq_length() == 50
+    cache.reset()
+    assert all(type(layer).__name__ != "WindowRing" for layer in cache.layers), "reset gives the layers back"

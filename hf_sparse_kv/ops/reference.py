@@ -179,11 +179,17 @@ def block_scores(
 
 
 def token_scores(
-    q: torch.Tensor, k_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    length: int | None = None,
 ) -> torch.Tensor:
     """Exact ``q . k`` of every token, max over each GQA group: ``[B, Hkv, L]`` float32, ``-inf`` where invalid
-    (padding, past the end, in an evicted block)."""
-    L = int(seq_lens.max())
+    (padding, past the end, in an evicted block). ``L`` is ``length`` (at most the table's ``MB * BS``), by default
+    ``max(seq_lens)`` (read from the device)."""
+    L = int(seq_lens.max()) if length is None else length
     keys = gather_dense(k_pool, block_table, L).float()  # [B, Hkv, L, D]
     s = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys).amax(2)
     pos = torch.arange(L, device=q.device).expand(q.shape[0], L)
@@ -206,13 +212,15 @@ def oracle_block_scores(
     seq_lens: torch.Tensor,
     start: torch.Tensor,
     scale: float,
+    length: int | None = None,
 ) -> torch.Tensor:
     """True softmax mass of each block, summed over each GQA group's query heads: ``[B, Hkv, MB]`` float32.
 
-    Reads every key (an evaluation oracle, not a fast path). Blocks past the sequence or evicted get ``-inf``.
+    Reads every key (an evaluation oracle, not a fast path) up to ``length`` positions (default ``max(seq_lens)``,
+    read from the device). Blocks past the sequence or evicted get ``-inf``.
     """
     BS, MB = k_pool.shape[2], block_table.shape[1]
-    L = int(seq_lens.max())
+    L = int(seq_lens.max()) if length is None else length
     keys = gather_dense(k_pool, block_table, L).float()
     logits = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys) * scale
     pos = torch.arange(L, device=q.device).expand(q.shape[0], L)

@@ -69,6 +69,11 @@ class DecodeState:
             the host; ``None`` when nothing was freed. Scores of freed blocks are ``-inf``; a selection never holds
             them.
         state: the layer's tensors of the state the policy declared (:meth:`Policy.cache_state`), by name.
+        static: a static decode step (compiled or captured, see :mod:`hf_sparse_kv.graphs`): ``lens`` and
+            ``length`` are then the reserved bounds, not the step's lengths (those live in ``seq_lens`` only), and
+            ``planned`` is what :meth:`Policy.plan` returned for the step's lengths before the step began (the
+            step's key); :meth:`Policy.widths` reads it.
+        planned: see ``static``.
     """
 
     q: torch.Tensor
@@ -86,6 +91,8 @@ class DecodeState:
     ops: SimpleNamespace
     evicted: tuple[int, ...] | None = None
     state: dict = field(default_factory=dict)
+    static: bool = False
+    planned: tuple[int, ...] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -235,11 +242,24 @@ class Policy:
 
     # ---- helpers shared by the policies -----------------------------------------------------------------------
 
+    def widths(self, state: DecodeState) -> list[int] | None:
+        """:meth:`plan` at the step's lengths: computed from ``state.lens``, or, in a static step, the plan the step
+        was keyed on (``state.planned``), so that nothing in the step depends on the step's lengths on the host."""
+        if state.static:
+            return None if state.planned is None else list(state.planned)
+        return self.plan(state.lens, state.block_size)
+
     @staticmethod
     def counts_tensor(state: DecodeState, counts: list[int], width: int) -> torch.Tensor | None:
-        """Per-sequence counts for ``topk_indices``: ``None`` when every sequence keeps ``width`` (no copy)."""
+        """Per-sequence counts for ``topk_indices``: ``None`` when every sequence keeps ``width`` (no copy). A static
+        step fills them on the device (a copy from a host tensor could not be captured in a CUDA graph)."""
         if all(c == width for c in counts):
             return None
+        if state.static:
+            t = torch.empty(len(counts), dtype=torch.long, device=state.q.device)
+            for b, c in enumerate(counts):
+                t[b] = c
+            return t
         return torch.tensor(counts, dtype=torch.long).to(state.q.device, non_blocking=True)
 
     @staticmethod

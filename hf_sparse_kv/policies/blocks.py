@@ -55,7 +55,7 @@ class _BlockTopK(Policy):
         return None if dense else counts
 
     def select(self, state: DecodeState) -> Selection:
-        counts = self.plan(state.lens, state.block_size)
+        counts = self.widths(state)
         if counts is None:
             return self.dense_selection(state)
         if state.evicted is not None:  # never more than the blocks still held (freed ones score -inf)
@@ -104,7 +104,7 @@ class OracleBlockTopK(_BlockTopK):
     def mass(self, state: DecodeState) -> torch.Tensor:
         """``[B, Hkv, nblk]`` the softmax mass of each block, ``-inf`` for blocks not in use."""
         return state.ops.oracle_block_scores(
-            state.q, state.k_pool, state.block_table, state.seq_lens, state.start, state.scale
+            state.q, state.k_pool, state.block_table, state.seq_lens, state.start, state.scale, state.length
         )
 
     def scores(self, state: DecodeState) -> torch.Tensor:

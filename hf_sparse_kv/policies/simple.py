@@ -110,7 +110,7 @@ class SinkWindow(Policy):
         return [forced_block_count(n, self.sink, w, block_size) for n, w in zip(lens, windows)]
 
     def select(self, state: DecodeState) -> Selection:
-        counts = self.plan(state.lens, state.block_size)
+        counts = self.widths(state)
         if counts is None:
             return self.dense_selection(state)
         forced = self.forced_blocks(state, self.sink, self.window_tensor(state))  # [B, nblk]

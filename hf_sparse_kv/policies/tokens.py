@@ -46,12 +46,12 @@ class TokenTopK(Policy):
 
     def select(self, state: DecodeState) -> Selection:
         BS = state.block_size
-        counts = self.plan(state.lens, BS)
+        counts = self.widths(state)
         if counts is None:
             return self.dense_selection(state)
         if state.evicted is not None:  # never more than the tokens still held (freed ones score -inf)
             counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
-        s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start)
+        s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, state.length)
         forced = forced_token_mask(state.seq_lens, state.start, self.sink, self.window, BS, s.shape[-1])
         s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
         width = max(counts)

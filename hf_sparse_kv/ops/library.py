@@ -1,0 +1,247 @@
+"""The decode ops as PyTorch custom ops (``torch.library``), so that a static decode step traces under
+``torch.compile(fullgraph=True)``.
+
+Each op of :data:`REGISTERED` is registered once, at import, as ``hf_sparse_kv::<name>`` with a fake (meta)
+implementation that gives its output's shape: the registration is an entry in PyTorch's op registry, not state of
+this package. The real implementation dispatches on its ``backend`` argument to :mod:`.reference` or to the Triton
+launcher of the same name (whose host-side checks, split choice and launch dynamo therefore never sees).
+
+Why ``torch.library.custom_op`` and not ``triton_op`` / ``wrap_triton``: a custom op is opaque to dynamo and to
+inductor, which is what the launchers need (asserts on strides, a split count read from the device's properties,
+the reference's per-sequence loops), and it traces the same way on torch 2.11 and 2.13; ``triton_op`` would let
+inductor see the kernels but traces the launcher's Python, which would have to become trace-safe first. Inductor
+still fuses everything around the ops (norms, rotary, MLP); the ops hold no host sync, so a CUDA graph captures
+them.
+
+The ops whose reference is plain tensor code with static shapes (``blocks_to_tokens``, ``selection_to_mask``,
+``gather_dense``, ``merge_partials``) are not registered: dynamo traces them as they are.
+"""
+
+from types import SimpleNamespace
+
+import torch
+
+from . import reference
+
+NAMESPACE = "hf_sparse_kv"
+
+
+def _impl(backend: str, name: str):
+    """The backend's implementation of op ``name`` (Triton falls back to the reference for the ops it lacks)."""
+    if backend == "triton":
+        from . import triton as triton_ops  # optional package, imported on first use
+
+        return getattr(triton_ops, name, None) or getattr(reference, name)
+    return getattr(reference, name)
+
+
+# ---- registrations (PyTorch's op registry, filled once at import) ----------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::paged_write", mutates_args=("k_pool", "v_pool", "kmin", "kmax", "kmean"))
+def paged_write_op(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    block_table: torch.Tensor,
+    pos0: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    backend: str,
+) -> None:
+    """``reference.paged_write``: ``[B, Hkv, T, D]`` new keys/values into pools ``[NB, Hkv, BS, D]``, in place."""
+    _impl(backend, "paged_write")(k_pool, v_pool, kmin, kmax, kmean, block_table, pos0, k_new, v_new)
+
+
+@paged_write_op.register_fake
+def _(k_pool, v_pool, kmin, kmax, kmean, block_table, pos0, k_new, v_new, backend):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::block_scores", mutates_args=())
+def block_scores_op(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    method: str,
+    start: torch.Tensor | None,
+    sink: int,
+    window: int | None,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.block_scores``: ``[B, Hkv, MB]`` float32."""
+    fn = _impl(backend, "block_scores")
+    return fn(q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start, sink, window)
+
+
+@block_scores_op.register_fake
+def _(q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start, sink, window, backend):
+    return q.new_empty(q.shape[0], kmin.shape[1], block_table.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::token_scores", mutates_args=())
+def token_scores_op(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    length: int,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.token_scores`` over ``length`` positions: ``[B, Hkv, length]`` float32."""
+    return _impl(backend, "token_scores")(q, k_pool, block_table, seq_lens, start, length)
+
+
+@token_scores_op.register_fake
+def _(q, k_pool, block_table, seq_lens, start, length, backend):
+    return q.new_empty(q.shape[0], k_pool.shape[1], length, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::oracle_block_scores", mutates_args=())
+def oracle_block_scores_op(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    length: int,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.oracle_block_scores`` over ``length`` positions: ``[B, Hkv, MB]`` float32."""
+    return _impl(backend, "oracle_block_scores")(q, k_pool, block_table, seq_lens, start, scale, length)
+
+
+@oracle_block_scores_op.register_fake
+def _(q, k_pool, block_table, seq_lens, start, scale, length, backend):
+    return q.new_empty(q.shape[0], k_pool.shape[1], block_table.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::topk_indices", mutates_args=())
+def topk_indices_op(scores: torch.Tensor, k: int, counts: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """``reference.topk_indices``: ``[..., N]`` -> ``[..., k]`` int32. Per-sequence ``counts`` go to the reference
+    (the Triton launcher would read them on the host to choose; the reference needs no read)."""
+    return _impl(backend if counts is None else "reference", "topk_indices")(scores, k, counts)
+
+
+@topk_indices_op.register_fake
+def _(scores, k, counts, backend):
+    return scores.new_empty(*scores.shape[:-1], k, dtype=torch.int32)
+
+
+def _decode_schema(name: str):
+    @torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
+    def op(
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        start: torch.Tensor,
+        sel: torch.Tensor,
+        ex_lo: torch.Tensor,
+        ex_hi: torch.Tensor,
+        scale: float,
+        backend: str,
+    ) -> torch.Tensor:
+        return _impl(backend, name)(q, k_pool, v_pool, block_table, seq_lens, start, sel, ex_lo, ex_hi, scale)
+
+    @op.register_fake
+    def _(q, k_pool, v_pool, block_table, seq_lens, start, sel, ex_lo, ex_hi, scale, backend):
+        return torch.empty_like(q)
+
+    return op
+
+
+decode_blocks_op = _decode_schema("decode_blocks")  # [B, Hq, D] over selected blocks
+decode_tokens_op = _decode_schema("decode_tokens")  # [B, Hq, D] over selected token positions
+
+
+@torch.library.custom_op(f"{NAMESPACE}::decode_masked", mutates_args=())
+def decode_masked_op(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.decode_masked``: ``[B, Hq, D]``."""
+    return _impl(backend, "decode_masked")(q, k_pool, v_pool, block_table, seq_lens, mask, scale)
+
+
+@decode_masked_op.register_fake
+def _(q, k_pool, v_pool, block_table, seq_lens, mask, scale, backend):
+    return torch.empty_like(q)
+
+
+REGISTERED = (
+    "paged_write",
+    "block_scores",
+    "token_scores",
+    "oracle_block_scores",
+    "topk_indices",
+    "decode_blocks",
+    "decode_tokens",
+    "decode_masked",
+)
+
+
+# ---- the namespace a static step calls ---------------------------------------------------------------------------
+
+
+def registered_ops(backend: str) -> SimpleNamespace:
+    """The op namespace of a resolved ``backend`` (``"reference"`` or ``"triton"``) whose ops go through the
+    registered custom ops: the signatures of :mod:`.reference` (``token_scores`` and ``oracle_block_scores`` take
+    their ``length`` as an int, required here: a static step never reads it off the device)."""
+
+    def paged_write(k_pool, v_pool, kmin, kmax, kmean, block_table, pos0, k_new, v_new):
+        paged_write_op(k_pool, v_pool, kmin, kmax, kmean, block_table, pos0, k_new, v_new, backend)
+
+    def block_scores(q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start=None, sink=0, window=None):
+        return block_scores_op(
+            q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start, sink, window, backend
+        )
+
+    def token_scores(q, k_pool, block_table, seq_lens, start, length):
+        return token_scores_op(q, k_pool, block_table, seq_lens, start, length, backend)
+
+    def oracle_block_scores(q, k_pool, block_table, seq_lens, start, scale, length):
+        return oracle_block_scores_op(q, k_pool, block_table, seq_lens, start, scale, length, backend)
+
+    def topk_indices(scores, k, counts=None):
+        return topk_indices_op(scores, k, counts, backend)
+
+    def decode_blocks(q, k_pool, v_pool, block_table, seq_lens, start, blocks, ex_lo, ex_hi, scale):
+        return decode_blocks_op(q, k_pool, v_pool, block_table, seq_lens, start, blocks, ex_lo, ex_hi, scale, backend)
+
+    def decode_tokens(q, k_pool, v_pool, block_table, seq_lens, start, tokens, ex_lo, ex_hi, scale):
+        return decode_tokens_op(q, k_pool, v_pool, block_table, seq_lens, start, tokens, ex_lo, ex_hi, scale, backend)
+
+    def decode_masked(q, k_pool, v_pool, block_table, seq_lens, mask, scale):
+        return decode_masked_op(q, k_pool, v_pool, block_table, seq_lens, mask, scale, backend)
+
+    return SimpleNamespace(
+        name=backend,
+        paged_write=paged_write,
+        block_scores=block_scores,
+        token_scores=token_scores,
+        oracle_block_scores=oracle_block_scores,
+        topk_indices=topk_indices,
+        decode_blocks=decode_blocks,
+        decode_tokens=decode_tokens,
+        decode_masked=decode_masked,
+        blocks_to_tokens=reference.blocks_to_tokens,
+        selection_to_mask=reference.selection_to_mask,
+        gather_dense=reference.gather_dense,
+        merge_partials=reference.merge_partials,
+    )

@@ -1,0 +1,122 @@
+"""What a cache reserved for static decoding keeps beside its pages (see :meth:`PagedKVCache.reserve_static` and
+:mod:`hf_sparse_kv.graphs`): :class:`StaticBuffers`, the device buffers a static step reads instead of host state,
+and :class:`WindowRing`, a sliding-window layer of fixed shape. Storage, like :mod:`hf_sparse_kv.cache`; nothing
+here imports the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+
+@dataclass
+class StaticBuffers:
+    """Device buffers of a cache reserved for static decoding (see :meth:`PagedKVCache.reserve_static`): what a
+    static decode step (compiled, captured, or both: :mod:`hf_sparse_kv.graphs`) reads instead of host state.
+
+    Attributes:
+        max_length: tokens reserved per sequence (transformers' frame, left padding included).
+        frame: ``[1]`` long, the position of this step's token in transformers' frame (the same for every sequence).
+        seq_lens: ``[B]`` int32, the stored length after this step's token (``frame + 1 - pads``).
+        pos0: ``[B]`` int32, where this step's token is stored (``frame - pads``).
+        start: ``[B]`` int32 zeros (padding is never stored).
+        pads: ``[B]`` int32, each sequence's left padding.
+        positions: ``[B, 1]`` long, this step's position ids as ``generate()`` makes them (``frame - pads``).
+        table: ``[B, MB]`` int32, the block table, fixed by the reservation.
+        ops: the backend's registered ops (:func:`hf_sparse_kv.ops.library.registered_ops`).
+        plan: the host plan the current step was keyed on (set by :meth:`begin_step`; see
+            :func:`hf_sparse_kv.attention.static_plan`).
+    """
+
+    max_length: int
+    frame: torch.Tensor
+    seq_lens: torch.Tensor
+    pos0: torch.Tensor
+    start: torch.Tensor
+    pads: torch.Tensor
+    positions: torch.Tensor
+    table: torch.Tensor
+    ops: SimpleNamespace
+    plan: object = None
+
+    def begin_step(self, frame: int, plan) -> None:
+        """Fill the buffers for the token at position ``frame`` (transformers' frame) and keep the step's plan; runs
+        before the step (outside a traced or captured region)."""
+        self.frame.fill_(frame)
+        torch.sub(frame, self.pads, out=self.pos0)
+        torch.add(self.pos0, 1, out=self.seq_lens)
+        self.positions.copy_(self.pos0.view(-1, 1))
+        self.plan = plan
+
+
+class WindowRing(CacheLayerMixin):
+    """A sliding-window layer of a cache reserved for static decoding: keys and values ``[B, Hkv, W, D]`` in a ring,
+    the token at position ``p`` of transformers' frame in slot ``p % W``, so every step has the same shapes.
+
+    :meth:`PagedKVCache.reserve_static` builds it from transformers' sliding-window layer (which holds the last
+    ``W - 1`` tokens); a single-token step writes slot ``frame % W`` and attends the slots whose position lies in
+    ``(frame - W, frame]`` and after the sequence's padding (:meth:`mask`), which is transformers' window rule. Only
+    static decode steps use it: anything else on a reserved cache is refused.
+    """
+
+    is_sliding = True
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, layer, length: int, static: StaticBuffers):
+        keys, values = layer.keys, layer.values  # [B, Hkv, n, D], positions length - n .. length - 1
+        W = layer.sliding_window
+        B, H, n, D = keys.shape
+        self.sliding_window, self.length, self.static = W, length, static
+        self.keys = keys.new_zeros(B, H, W, D)
+        self.values = values.new_zeros(B, H, W, D)
+        slots = torch.arange(length - n, length, device=keys.device) % W
+        self.keys[:, :, slots] = keys
+        self.values[:, :, slots] = values
+        self.is_initialized = True
+        self.device, self.dtype = keys.device, keys.dtype
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write one token ``[B, Hkv, 1, D]`` at slot ``frame % W``; return the whole ring."""
+        if key_states.shape[2] != 1:
+            raise NotImplementedError("a cache reserved for static decoding takes one token per step")
+        slot = self.static.frame % self.sliding_window  # [1]
+        self.keys.index_copy_(2, slot, key_states.to(self.dtype))
+        self.values.index_copy_(2, slot, value_states.to(self.dtype))
+        return self.keys, self.values
+
+    def mask(self) -> torch.Tensor:
+        """``[B, 1, 1, W]`` bool: the slots this step's query attends (position in ``(frame - W, frame]``, at or after
+        the sequence's padding); the position of slot ``s`` is ``frame - ((frame - s) mod W)``."""
+        W = self.sliding_window
+        s = torch.arange(W, device=self.device)
+        frame = self.static.frame
+        pos = frame - torch.remainder(frame - s, W)  # [W]
+        return (pos.view(1, W) >= self.static.pads.view(-1, 1).long()).view(-1, 1, 1, W)
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # built initialised
+        pass
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.sliding_window, 0  # static; the attention builds its own mask (mask())
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a sliding-window ring of a static reservation cannot be cropped")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("a sliding-window ring of a static reservation cannot be reordered")
+
+    batch_repeat_interleave = batch_select_indices = reorder_cache

@@ -1,0 +1,152 @@
+"""torch.compile on a patched model: the static decode step (hf_sparse_kv.graphs) traces under ``fullgraph=True``
+(backend ``aot_eager`` here; the sparse ops are custom ops, hf_sparse_kv.ops.library) and gives the eager outputs,
+for every policy and mode, through :class:`DecodeGraphs` and through a user's own ``torch.compile(model.forward)``."""
+
+import pytest
+import torch
+from tiny_models import prompt, tiny_model
+
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.crossover import CrossoverTable
+from hf_sparse_kv.graphs import DecodeGraphs
+from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, Quest, SinkWindow, TokenTopK
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK_POLICIES = [
+    Dense(),
+    SinkWindow(sink=4, window=12),
+    Quest(budget=24, sink=4, window=8),
+    BlockTopK(budget=24, sink=4, window=8),
+    OracleBlockTopK(budget=24, sink=4, window=8),
+]
+CASES = [(p, m) for p in BLOCK_POLICIES for m in ("mask", "token", "block", "auto")]
+CASES += [(TokenTopK(budget=20, sink=4, window=8), m) for m in ("mask", "token", "auto")]
+# the crossover of mode="auto": dense below 45 tokens, sparse from there (the steps cross it)
+TABLE = CrossoverTable(
+    [{"budget": 0.5, "batch": 1, "num_kv_heads": 2, "head_dim": 16, "crossover": 45}], max_context=1 << 20
+)
+PROMPT, STEPS = 37, 12
+
+
+def _patch(model, policy, mode):
+    table = {"crossover": TABLE} if mode == "auto" else {}
+    patch_model(model, policy=policy, mode=mode, block_size=8, dense_layers=(0,), **table)
+
+
+def _eager(model, ids, n):
+    cache = PagedKVCache(model.config, block_size=8)
+    kw = {cache_kwarg(model): cache}
+    out = []
+    with torch.no_grad():
+        logits = model(ids, **kw).logits[:, -1:]
+        for _ in range(n):
+            logits = model(logits.argmax(-1), **kw).logits
+            out.append(logits)
+    return cache, torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("policy,mode", CASES, ids=lambda x: type(x).__name__ if not isinstance(x, str) else x)
+def test_compiled_static_step_equals_eager(policy, mode):
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids = prompt(PROMPT, batch=2)
+    _patch(model, policy, mode)
+    ref_cache, ref = _eager(model, ids, STEPS)
+    cache, out = PagedKVCache(model.config, block_size=8), []
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, PROMPT + STEPS, capture=False, compile="aot_eager")
+        for _ in range(STEPS):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    # the static step counts on the host what the eager step counts
+    assert (cache.decode_steps, cache.kv_bytes_read, cache.auto_steps) == (
+        ref_cache.decode_steps,
+        ref_cache.kv_bytes_read,
+        ref_cache.auto_steps,
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_users_compiled_forward_on_a_reserved_cache_equals_eager(arch):
+    """``model.forward = torch.compile(model.forward, fullgraph=True)`` after the prefill, on a cache reserved with
+    ``reserve_static``: the patch's model hook (outside the compiled forward) begins each static step and passes
+    its position ids."""
+    torch._dynamo.reset()
+    model = tiny_model(arch)
+    ids = prompt(30, batch=2)
+    _patch(model, Quest(budget=16, sink=4, window=8), "block")
+    _, ref = _eager(model, ids, STEPS)
+    cache, out = PagedKVCache(model.config, block_size=8), []
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        cache.reserve_static(30 + STEPS)
+        model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+        for _ in range(STEPS):
+            logits = model(logits.argmax(-1), **{cache_kwarg(model): cache}).logits
+            out.append(logits)
+    del model.forward
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert cache.get_seq_length() == 30 + STEPS
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_generate_with_a_compile_config_compiles_static_steps(padded):
+    """``generate(compile_config=...)``: the patch builds a cache that decodes in static steps (reserved at the first
+    decode step by the model hook, which is never traced), transformers compiles ``model.__call__`` for the decode
+    steps, and the tokens and logits are the eager ones."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny_model("llama")
+    ids = prompt(30, batch=2)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :7] = 0
+    patch_model(model, policy=Quest(budget=16, sink=4, window=8), block_size=8, dense_layers=(0,))
+    config = CompileConfig(backend="aot_eager")
+    config._compile_all_devices = True  # transformers' switch for compiling on the CPU
+    kw = {"attention_mask": mask, "max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    kw.update(output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        out = model.generate(ids, compile_config=config, **kw)
+    unpatch_model(model)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=0, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "the decode steps were compiled"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor + CUDA-graph capture of the compiled step: CUDA")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_captured_inductor_step_equals_eager_on_cuda(arch):
+    """``DecodeGraphs(compile="inductor")`` (what ``patch_model(cuda_graph=True, compile="inductor")`` runs): the
+    step compiled by inductor, then captured and replayed, on a left-padded batch."""
+    torch._dynamo.reset()
+    model = tiny_model(arch)
+    ids = prompt(30, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    _patch(model, Quest(budget=16, sink=4, window=8), "block")
+    cache = PagedKVCache(model.config, block_size=8)
+    kw = {cache_kwarg(model): cache}
+    out = []
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+        ref = torch.stack(gen.logits[1:], 1)  # the decode steps' raw logits (the first came from the prefill)
+        logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **kw).logits
+        runner = DecodeGraphs(model, cache, 30 + STEPS, capture=True, compile="inductor")
+        token = logits[:, -1:].argmax(-1)
+        for _ in range(STEPS):
+            logits = runner.step(token)
+            out.append(logits[:, -1])
+            token = logits.argmax(-1)
+    unpatch_model(model)
+    assert runner.replays == STEPS
+    torch.testing.assert_close(torch.stack(out[:-1], 1), ref, rtol=0, atol=2e-4)
