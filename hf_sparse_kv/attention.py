@@ -245,6 +245,7 @@ def sparse_attention_forward(
         ops=ops,
         evicted=plan.evicted,
         state=layer.state,
+        layer=layer_idx,
     )
     selection, mode = choose(config, state, layer_idx, cache)
     out = execute(selection, mode, state, layer.v_pool)  # [B, Hq, D]
