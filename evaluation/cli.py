@@ -2,6 +2,8 @@
 
     hf-sparse-kv demo [options]                        the demo table (evaluation.demo)
     hf-sparse-kv calibrate [--shapes 32,8,128] [--out crossover.json]   measure mode="auto"'s crossover table
+    hf-sparse-kv calibrate-selector [--model M] [--method channels|pca] [--out sel.pt]   a projected selector's
+                               calibration (evaluation.calibrate_selector)
     hf-sparse-kv run recipes/<name>.yaml [more.yaml]   run recipes (resumes: cells already done are skipped)
     hf-sparse-kv eval <recipe> [--model M] [--lengths 2048 8192] [--budgets 1/8 1/16] [--policies quest ...]
                                [--output DIR] [--set key=value ...]
@@ -103,7 +105,7 @@ def eval_main(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": None, "calibrate": None, "run": run_main, "eval": eval_main}
+    commands = {"demo": None, "calibrate": None, "calibrate-selector": None, "run": run_main, "eval": eval_main}
     if not argv or argv[0] not in commands:
         print(f"usage: hf-sparse-kv {{{','.join(commands)}}} [options]   (add --help after a command)")
         raise SystemExit(2)
@@ -116,6 +118,11 @@ def main(argv: list[str] | None = None) -> None:
         from hf_sparse_kv import calibrate
 
         calibrate.main(argv[1:])
+        return
+    if argv[0] == "calibrate-selector":
+        from . import calibrate_selector
+
+        calibrate_selector.main(argv[1:])
         return
     commands[argv[0]](argv[1:])
 

@@ -3,8 +3,10 @@
 from .base import DecodeState, Policy, Selection, StateSpec
 from .blocks import BlockTopK, OracleBlockTopK, Quest
 from .compress import SnapKV
+from .projected import ProjectedBlockTopK, ProjectedTokenTopK
 from .simple import Dense, SinkWindow
 from .tokens import TokenTopK
+from .two_stage import TwoStageBlockTopK, TwoStageTokenTopK
 
 POLICIES: dict[str, type[Policy]] = {
     "dense": Dense,
@@ -14,6 +16,10 @@ POLICIES: dict[str, type[Policy]] = {
     "oracle_block_topk": OracleBlockTopK,
     "token_topk": TokenTopK,
     "snapkv": SnapKV,
+    "projected_block_topk": ProjectedBlockTopK,
+    "projected_token_topk": ProjectedTokenTopK,
+    "two_stage_block_topk": TwoStageBlockTopK,
+    "two_stage_token_topk": TwoStageTokenTopK,
 }
 
 __all__ = [
@@ -23,10 +29,14 @@ __all__ = [
     "Dense",
     "OracleBlockTopK",
     "Policy",
+    "ProjectedBlockTopK",
+    "ProjectedTokenTopK",
     "Quest",
     "Selection",
     "SinkWindow",
     "SnapKV",
     "StateSpec",
     "TokenTopK",
+    "TwoStageBlockTopK",
+    "TwoStageTokenTopK",
 ]

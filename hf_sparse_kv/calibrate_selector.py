@@ -1,0 +1,98 @@
+"""Calibrate a compressed-key selector (:mod:`hf_sparse_kv.policies.projected`) on a few hundred tokens of text.
+
+:func:`calibrate_selector` runs the model once over ``input_ids`` with an attention function that records every
+layer's queries and keys after RoPE (what the cache stores and a decode query sees), then derives per layer and KV
+head a projection ``P [Hkv, D, R]``:
+
+- ``"channels"`` (Double Sparsity's offline channel calibration, https://arxiv.org/abs/2408.07092): the ``R``
+  channels with the largest ``E[q_d^2] Var(k_d)``, queries pooled over the GQA group. A channel's mean key adds the
+  same ``q_d E[k_d]`` to every key's score, so only its variance moves a ranking;
+- ``"pca"`` (Loki, https://arxiv.org/abs/2406.02542): the top ``R`` principal directions of the centered keys.
+
+The result is a small dict (``torch.save`` it; ``hf-sparse-kv calibrate-selector`` does) that the projected policies
+take as ``calibration=``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .policies.projected import METHODS
+
+ATTENTION_NAME = "hf_sparse_kv_record"
+RECORD_KWARG = "hf_sparse_kv_record"
+
+
+def record_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA, after storing ``(query [Hq, N, D], key [Hkv, N, D])`` float32 (batch rows concatenated along ``N``)
+    under the layer's index in the dict passed as ``hf_sparse_kv_record``."""
+    record = kwargs.pop(RECORD_KWARG, None)
+    if record is not None:
+        q = query.float().transpose(0, 1).flatten(1, 2)  # [B, H, N, D] -> [H, B*N, D]
+        k = key.float().transpose(0, 1).flatten(1, 2)
+        record[module.layer_idx] = (q, k)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def record_qk(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Every attention layer's post-RoPE queries ``[Hq, N, D]`` and keys ``[Hkv, N, D]`` over ``input_ids [B, N]``
+    (scoped: the model's attention is restored after)."""
+    record: dict = {}
+    AttentionInterface.register(ATTENTION_NAME, record_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+    def hook(module, args, kwargs):
+        kwargs[RECORD_KWARG] = record
+        return args, kwargs
+
+    modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "k_proj")]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    original = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        with torch.no_grad():
+            model(input_ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+        model.set_attn_implementation(original)
+    return record
+
+
+def projection(q: torch.Tensor, k: torch.Tensor, rank: int, method: str) -> torch.Tensor:
+    """``[Hkv, D, rank]`` float32 from queries ``[Hq, N, D]`` and keys ``[Hkv, N, D]`` (see the module)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    Hkv, N, D = k.shape
+    if not 0 < rank <= D:
+        raise ValueError(f"rank must lie in [1, {D}], got {rank}")
+    if method == "channels":
+        qg = q.reshape(Hkv, -1, D)  # the group's queries pooled: [Hkv, G * N, D]
+        importance = qg.pow(2).mean(1) * k.var(1, unbiased=False)  # [Hkv, D]
+        idx = importance.topk(rank, dim=-1).indices.sort(-1).values  # [Hkv, R]
+        P = torch.zeros(Hkv, D, rank)
+        P.scatter_(1, idx.unsqueeze(1), 1.0)  # P[h, idx[h, r], r] = 1
+        return P
+    kc = k - k.mean(1, keepdim=True)
+    cov = kc.transpose(1, 2) @ kc / N  # [Hkv, D, D]
+    _, vecs = torch.linalg.eigh(cov.double())  # ascending eigenvalues
+    return vecs[..., -rank:].flip(-1).float().contiguous()
+
+
+def calibrate_selector(
+    model: torch.nn.Module, input_ids: torch.Tensor, method: str = "channels", rank: int | None = None
+) -> dict:
+    """Run ``model`` over ``input_ids [B, N]`` and return the calibration of a projected selector:
+    ``{"method", "rank", "tokens", "model", "proj": {layer index: [Hkv, D, R] float32}}``; ``rank`` defaults to
+    ``D // 8`` (the compressed keys then weigh 1/8 of the keys)."""
+    record = record_qk(model, input_ids)
+    if not record:
+        raise ValueError("no attention layer was recorded: is this a transformers causal LM?")
+    D = next(iter(record.values()))[1].shape[-1]
+    rank = rank or max(1, D // 8)
+    proj = {layer: projection(q.cpu(), k.cpu(), rank, method) for layer, (q, k) in sorted(record.items())}
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return {"method": method, "rank": rank, "tokens": int(input_ids.numel()), "model": name, "proj": proj}
