@@ -10,7 +10,7 @@ from test_patch_sparse import _left_pad
 from tiny_models import DEVICE, greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
-from hf_sparse_kv.calibrate_selector import calibrate_selector
+from hf_sparse_kv.calibrate_selector import calibrate_selector, query_aware
 from hf_sparse_kv.policies import (
     POLICIES,
     ProjectedBlockTopK,
@@ -37,11 +37,12 @@ def _policies(model):
         TwoStageBlockTopK(budget=24, sink=4, window=4, candidates=2),
         TwoStageBlockTopK(budget=24, sink=2, window=4, candidates=1.5, coarse="projected", calibration=pca),
         TwoStageTokenTopK(budget=21, sink=4, window=5, candidates=2),
+        ProjectedBlockTopK(budget=24, sink=4, window=8, calibration=_calibration(model, "svd")),
     ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("which", range(6))
+@pytest.mark.parametrize("which", range(7))
 def test_one_selection_every_mode(arch, which):
     model = tiny_model(arch)
     policy = _policies(model)[which]
@@ -194,3 +195,19 @@ def test_calibration_file_round_trip(tmp_path):
     seqs, _ = greedy(model, prompt(40), new_tokens=3)
     assert seqs.shape == (1, 43)
     unpatch_model(model)
+
+
+def test_query_aware_projection_at_full_rank_is_the_identity_form():
+    """``"svd"`` at rank D: ``B A^T`` is the identity (up to the regularisation), so scores are exact."""
+    g = torch.Generator().manual_seed(0)
+    mix = torch.eye(16) + 0.3 * torch.randn(16, 16, generator=g)  # well conditioned
+    q, k = torch.randn(6, 400, 16, generator=g) @ mix, torch.randn(2, 400, 16, generator=g) @ mix.T + 3.0
+    A, B = query_aware(q, k, 16)
+    torch.testing.assert_close(B @ A.transpose(1, 2), torch.eye(16).expand(2, 16, 16), rtol=0, atol=2e-2)
+    A4, B4 = query_aware(q, k, 4)
+    assert A4.shape == B4.shape == (2, 16, 4)
+    # rank 4 keeps more of the centered scores' variance than any 4 of the channels would on this data
+    kc = k - k.mean(1, keepdim=True)
+    exact = torch.einsum("hnd,hmd->hnm", q.view(2, -1, 16), kc)
+    approx = torch.einsum("hnr,hmr->hnm", q.view(2, -1, 16) @ B4, kc @ A4)
+    assert (exact - approx).pow(2).mean() < 0.9 * exact.pow(2).mean()

@@ -9,9 +9,12 @@ calibration file (:func:`load_calibration`; written by ``hf-sparse-kv calibrate-
   channels that move the ranking of keys for typical queries): Double Sparsity's label cache
   (Yang et al., https://arxiv.org/abs/2408.07092), offline channel calibration.
 - ``method="pca"``: the top ``R`` principal directions of the keys (Loki, Singhania et al.,
-  https://arxiv.org/abs/2406.02542).
+  https://arxiv.org/abs/2406.02542);
+- ``method="svd"``: a query-aware pair, keys by ``A``, queries by ``B`` (``calibration["qproj"]``), the rank-``R``
+  bilinear form closest to ``q . k`` over the calibration's queries and keys.
 
-The query is projected by the same ``P`` (``q @ P`` then ``(q P) . (k P)`` approximates ``q . k``). The compressed
+The query is projected by the same ``P`` (``(q P) . (k P)`` approximates ``q . k``), or by ``B`` where the
+calibration holds query projections. The compressed
 keys are a per-token :class:`StateSpec` (``"ckeys"``, ``[NB, Hkv, BS, R]`` in the keys' dtype) that every write
 refreshes through ``ops.projected_write`` (a Triton kernel on CUDA: vectorized, sized by the host's span, safe in a
 captured step). With ``R = D / 8`` and 16-bit keys the state is 1/16 of the KV bytes and a step reads 1/8 of K's
@@ -33,7 +36,7 @@ from .blocks import _BlockTopK
 from .tokens import TokenTopK
 
 STATE_NAME = "ckeys"
-METHODS = ("channels", "pca")
+METHODS = ("channels", "pca", "svd")
 MISSING = (
     "{cls} needs calibration=: a file written by `hf-sparse-kv calibrate-selector --model M --out sel.pt` (or the "
     "dict hf_sparse_kv.calibrate_selector.calibrate_selector(model, input_ids) returns). It holds the key "
@@ -49,10 +52,13 @@ def load_calibration(calibration: str | Path | dict) -> dict[str, Any]:
     if not isinstance(calibration, dict) or "proj" not in calibration or not calibration["proj"]:
         raise ValueError("a selector calibration is a dict with 'proj': {layer index: [Hkv, D, R] tensor}")
     proj = {int(k): v.float() for k, v in calibration["proj"].items()}
-    ranks = {p.shape[-1] for p in proj.values()}
-    if any(p.dim() != 3 for p in proj.values()) or len(ranks) != 1:
+    qproj = {int(k): v.float() for k, v in calibration.get("qproj", {}).items()}
+    ranks = {p.shape[-1] for p in [*proj.values(), *qproj.values()]}
+    if any(p.dim() != 3 for p in [*proj.values(), *qproj.values()]) or len(ranks) != 1:
         raise ValueError("every projection of a selector calibration must be [Hkv, D, R] with one R")
-    return {**calibration, "proj": proj, "rank": ranks.pop()}
+    if qproj and (set(qproj) != set(proj) or any(qproj[i].shape != proj[i].shape for i in proj)):
+        raise ValueError("a selector calibration's 'qproj' must match its 'proj' layer by layer")
+    return {**calibration, "proj": proj, "qproj": qproj, "rank": ranks.pop()}
 
 
 class CompressedKeys:
@@ -70,13 +76,15 @@ class CompressedKeys:
         rank = self.rank
         self.spec = StateSpec(STATE_NAME, "token", lambda D: (rank,), self.refresh)
 
-    def projection(self, layer: int | None, device, heads: int, dim: int) -> torch.Tensor:
-        """``[Hkv, D, R]`` float32 of ``layer`` on ``device`` (copied once; a captured step finds it there)."""
+    def projection(self, layer: int | None, device, heads: int, dim: int, queries: bool = False) -> torch.Tensor:
+        """``[Hkv, D, R]`` float32 of ``layer`` on ``device`` (copied once; a captured step finds it there): the keys'
+        projection, or with ``queries`` the queries' (the keys' one unless the calibration has its own)."""
         if layer is None:
             raise ValueError("a projected selector needs the layer index (DecodeState.layer)")
-        key = (layer, str(device))
+        which = "qproj" if queries and self.calibration["qproj"] else "proj"
+        key = (layer, str(device), which)
         if key not in self.on_device:
-            proj = self.calibration["proj"].get(layer)
+            proj = self.calibration[which].get(layer)
             if proj is None:
                 raise ValueError(
                     f"the selector calibration has no projection for layer {layer} (it has layers "
@@ -101,10 +109,11 @@ class CompressedKeys:
         ``k_pool`` here, in the keys' dtype as a write stores them."""
         B, Hq, D = state.q.shape
         H = state.num_kv_heads
-        proj = self.projection(state.layer, state.q.device, H, D)
-        qp = torch.einsum("bhgd,hdr->bhgr", state.q.float().view(B, H, Hq // H, D), proj).reshape(B, Hq, -1)
+        qproj = self.projection(state.layer, state.q.device, H, D, queries=True)
+        qp = torch.einsum("bhgd,hdr->bhgr", state.q.float().view(B, H, Hq // H, D), qproj).reshape(B, Hq, -1)
         ckeys = state.state.get(STATE_NAME)
         if ckeys is None:
+            proj = self.projection(state.layer, state.q.device, H, D)
             ckeys = torch.einsum("nhtd,hdr->nhtr", state.k_pool.float(), proj).to(state.k_pool.dtype)
         return qp, ckeys
 
