@@ -144,3 +144,37 @@ def test_candidate_scores_match_reference(shape, evicted, K):
     L = dense.shape[-1]
     picked = dense.gather(2, pos.clamp(0, L - 1).view(B, H, -1)).view(B, H, K, BS)
     torch.testing.assert_close(ref[fin], picked[fin], rtol=1e-5, atol=1e-5)
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels, larger shapes)")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("BS", [16, 64])
+def test_cuda_selector_ops_large(dtype, BS):
+    """Llama-3-8B-like heads (G 4, D 128, R 16) over 5000 and 9001 tokens, bf16/fp16 against the float32 reference."""
+    B, H, G, D, Rk = 2, 8, 4, 128, 16
+    c = make_case(B, H, G, D, BS, [5000, 9001], dtype=dtype, starts=[0, 7])
+    _evict(c, BS)
+    g = torch.Generator().manual_seed(3)
+    proj = torch.randn(H, D, Rk, generator=g).to(DEVICE) / D**0.5
+    NB = c["k_pool"].shape[0]
+    ref_c, out_c = (torch.zeros(NB, H, BS, Rk, dtype=dtype, device=DEVICE) for _ in range(2))
+    lo, hi = torch.zeros(B, dtype=torch.long, device=DEVICE), c["seq_lens"].long()
+    R.projected_write(ref_c, c["k_pool"], proj, c["block_table"], lo, hi, 9001)
+    OPS.projected_write(out_c, c["k_pool"], proj, c["block_table"], lo, hi, 9001)
+    assert ((out_c.float() - ref_c.float()).norm() / ref_c.float().norm()) < 1e-2
+    qp = torch.randn(B, H * G, Rk, generator=g).to(DEVICE)
+    for reduce in ("token", "block"):
+        args = (qp, ref_c, c["block_table"], c["seq_lens"], c["start"], reduce, 4, 32)
+        ref, out = R.projected_scores(*args), OPS.projected_scores(*args)
+        assert torch.equal(out.isinf(), ref.isinf())
+        fin = ref.isfinite()
+        assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-4
+    blocks = random_blocks(c, 200, BS, seed=4)
+    args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
+    ref, out = R.candidate_scores(*args), OPS.candidate_scores(*args)
+    assert torch.equal(out.isneginf(), ref.isneginf())
+    fin = ref.isfinite()
+    assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-2

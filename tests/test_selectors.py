@@ -211,3 +211,19 @@ def test_query_aware_projection_at_full_rank_is_the_identity_form():
     exact = torch.einsum("hnd,hmd->hnm", q.view(2, -1, 16), kc)
     approx = torch.einsum("hnr,hmr->hnm", q.view(2, -1, 16) @ B4, kc @ A4)
     assert (exact - approx).pow(2).mean() < 0.9 * exact.pow(2).mean()
+
+
+@pytest.mark.parametrize("which", [0, 3, 4, 6])
+def test_static_decode_step_equals_eager(which):
+    """The selectors inside DecodeGraphs (captured on CUDA: the compressed keys' refresh and the selection replay
+    from device buffers) compute what the eager step computes."""
+    from test_graphs import _eager_steps, _static_steps
+
+    model = tiny_model("llama")
+    policy = _policies(model)[which]
+    ids = prompt(37, batch=2)
+    patch_model(model, policy=policy, mode="block", block_size=8, dense_layers=(0,))
+    ref = _eager_steps(model, ids, 20)
+    _, _, out = _static_steps(model, ids, 20)
+    unpatch_model(model)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
