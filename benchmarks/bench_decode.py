@@ -15,7 +15,8 @@ Providers, timed in the same run:
 - with ``--selectors`` (issue 13), selection + attention per layer through each policy's own ``select()``:
   ``quest`` (Quest, block), ``proj_blk`` (ProjectedBlockTopK, compressed keys ``R = D/8``, block),
   ``proj_tok`` (ProjectedTokenTopK, token kernel), ``2st_c2`` / ``2st_c4`` (TwoStageBlockTopK, Quest coarse pass
-  to 2x / 4x the budget's blocks, exact scores over them), ``2st_tok`` (TwoStageTokenTopK, c = 4); each also as
+  to 2x / 4x the budget's blocks, exact scores over them), ``2st_tok`` (TwoStageTokenTopK, c = 4), ``topp_c4``
+  (TopPBlockTopK, c = 4, p = 0.9: its bytes are the budget's cap); each also as
   ``<name>:sel`` (the selection alone), and ``proj:write`` (the compressed keys' refresh of one decode token)
 
 Bytes are the KV bytes each provider must read by design (``+sel`` adds the min/max metadata of every block); GB/s
@@ -54,6 +55,7 @@ from hf_sparse_kv.policies import (
     ProjectedBlockTopK,
     ProjectedTokenTopK,
     Quest,
+    TopPBlockTopK,
     TwoStageBlockTopK,
     TwoStageTokenTopK,
 )
@@ -75,7 +77,7 @@ QUICK = [  # (models, batches, contexts, budgets, block sizes): the targets' sha
 SKIPPABLE = ["scores", "topk", "topk_torch"]  # the others feed the table's columns
 TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
-SELECTORS = ("quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_tok")
+SELECTORS = ("quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_tok", "topp_c4")
 
 
 def meta_bytes(B: int, H: int, n_blocks: int, D: int) -> int:
@@ -206,6 +208,7 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "2st_c2": TwoStageBlockTopK(budget=f, candidates=2),
         "2st_c4": TwoStageBlockTopK(budget=f, candidates=4),
         "2st_tok": TwoStageTokenTopK(budget=f, candidates=4),
+        "topp_c4": TopPBlockTopK(budget=f, candidates=4, p=0.9),
     }
 
     def state(i):
@@ -230,8 +233,9 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         sel = policy.select(states[0])
         width = sel.counts[0] * (BS if sel.kind == "block" else 1)
         attn = kv_bytes(B, H, width, D) + (B * H * width * 4 if sel.kind == "token" else 0)
-        score = meta_bytes(B, H, L // BS, D) if name == "quest" or name.startswith("2st") else B * H * L * Rk * 2
-        if name.startswith("2st"):
+        two_stage = name.startswith(("2st", "topp"))
+        score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
+        if two_stage:
             cand = policy._coarse.counts([sel.counts[0] if sel.kind == "block" else cdiv(sel.counts[0], BS)] * B,
                                          [0] * B, states[0])[0]  # fmt: skip
             score += B * H * cand * BS * D * 2

@@ -13,9 +13,11 @@ from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.calibrate_selector import calibrate_selector, query_aware
 from hf_sparse_kv.policies import (
     POLICIES,
+    DecodeState,
     ProjectedBlockTopK,
     ProjectedTokenTopK,
     TokenTopK,
+    TopPBlockTopK,
     TwoStageBlockTopK,
     TwoStageTokenTopK,
 )
@@ -38,11 +40,12 @@ def _policies(model):
         TwoStageBlockTopK(budget=24, sink=2, window=4, candidates=1.5, coarse="projected", calibration=pca),
         TwoStageTokenTopK(budget=21, sink=4, window=5, candidates=2),
         ProjectedBlockTopK(budget=24, sink=4, window=8, calibration=_calibration(model, "svd")),
+        TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=0.8),
     ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("which", range(7))
+@pytest.mark.parametrize("which", range(8))
 def test_one_selection_every_mode(arch, which):
     model = tiny_model(arch)
     policy = _policies(model)[which]
@@ -213,7 +216,7 @@ def test_query_aware_projection_at_full_rank_is_the_identity_form():
     assert (exact - approx).pow(2).mean() < 0.9 * exact.pow(2).mean()
 
 
-@pytest.mark.parametrize("which", [0, 3, 4, 6])
+@pytest.mark.parametrize("which", [0, 3, 4, 6, 7])
 def test_static_decode_step_equals_eager(which):
     """The selectors inside DecodeGraphs (captured on CUDA: the compressed keys' refresh and the selection replay
     from device buffers) compute what the eager step computes."""
@@ -227,3 +230,42 @@ def test_static_decode_step_equals_eager(which):
     _, _, out = _static_steps(model, ids, 20)
     unpatch_model(model)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def _decode_state(length=120, batch=2):
+    """A decode step's state of layer 1 of a tiny Llama after a ``length``-token prefill (a random query)."""
+    model = tiny_model("llama")
+    patch_model(model, policy=TwoStageBlockTopK(budget=16), block_size=BS, dense_layers=())
+    cache = PagedKVCache(model.config, block_size=BS)
+    with torch.no_grad():
+        model(prompt(length, batch=batch), use_cache=True, **{cache_kwarg(model): cache})
+    unpatch_model(model)
+    layer = cache.paged_layers[1]
+    lens = torch.full((batch,), length, dtype=torch.int32, device=DEVICE)
+    return DecodeState(
+        q=torch.randn(batch, 4, 16, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 3, k_pool=layer.k_pool,
+        kmin=layer.kmin, kmax=layer.kmax, kmean=layer.kmean, block_table=cache.table.tensor(DEVICE), seq_lens=lens,
+        start=torch.zeros_like(lens), lens=(length,) * batch, length=length, block_size=BS, scale=0.25,
+        ops=cache.ops(DEVICE), state=layer.state, layer=1,
+    )  # fmt: skip
+
+
+def _sets(selection):
+    return [[set(h.tolist()) - {-1} for h in seq] for seq in selection.indices]
+
+
+def test_top_p_keeps_fewer_blocks_as_p_falls_within_the_budget():
+    state = _decode_state()
+    full = _sets(TopPBlockTopK(budget=48, sink=2, window=4, candidates=2, p=1.0).select(state))
+    assert all(len(s) == 48 // BS for seq in full for s in seq), "p = 1 fills the budget"
+    forced = {0, *range(state.length // BS - 1, -(-state.length // BS))}  # sink block, window and current blocks
+    previous = full
+    for p in (0.9, 0.5, 0.1, 1e-6):
+        sel = TopPBlockTopK(budget=48, sink=2, window=4, candidates=2, p=p).select(state)
+        assert sel.indices.shape[-1] == 48 // BS and sel.counts == (48 // BS,) * 2, "the width is the budget's cap"
+        sets = _sets(sel)
+        for b in range(2):
+            for h in range(2):
+                assert sets[b][h] <= previous[b][h] and forced <= sets[b][h]
+        previous = sets
+    assert all(s == forced for seq in previous for s in seq), "p -> 0 keeps only the forced blocks"

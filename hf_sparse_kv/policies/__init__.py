@@ -6,6 +6,7 @@ from .compress import SnapKV
 from .projected import ProjectedBlockTopK, ProjectedTokenTopK
 from .simple import Dense, SinkWindow
 from .tokens import TokenTopK
+from .top_p import TopPBlockTopK
 from .two_stage import TwoStageBlockTopK, TwoStageTokenTopK
 
 POLICIES: dict[str, type[Policy]] = {
@@ -20,6 +21,7 @@ POLICIES: dict[str, type[Policy]] = {
     "projected_token_topk": ProjectedTokenTopK,
     "two_stage_block_topk": TwoStageBlockTopK,
     "two_stage_token_topk": TwoStageTokenTopK,
+    "top_p_block_topk": TopPBlockTopK,
 }
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "SnapKV",
     "StateSpec",
     "TokenTopK",
+    "TopPBlockTopK",
     "TwoStageBlockTopK",
     "TwoStageTokenTopK",
 ]
