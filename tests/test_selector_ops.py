@@ -64,8 +64,8 @@ def test_projected_scores_reference_is_the_loop():
     c = make_case(B, H, G, D, BS, [29, 12], starts=[2, 0])
     _evict(c, BS)
     Rk = 3
-    ckeys = torch.randn(c["k_pool"].shape[0], H, BS, Rk)
-    qp = torch.randn(B, H * G, Rk)
+    ckeys = torch.randn(c["k_pool"].shape[0], H, BS, Rk).to(DEVICE)
+    qp = torch.randn(B, H * G, Rk).to(DEVICE)
     table, lens, st = c["block_table"], c["seq_lens"], c["start"]
     tok = R.projected_scores(qp, ckeys, table, lens, st, "token", sink=2, window=3)
     blk = R.projected_scores(qp, ckeys, table, lens, st, "block", sink=2, window=3)
