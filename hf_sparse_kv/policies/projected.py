@@ -72,7 +72,7 @@ class CompressedKeys:
             raise ValueError(MISSING.format(cls=owner))
         self.calibration = load_calibration(calibration)
         self.rank = self.calibration["rank"]
-        self.on_device: dict = {}  # (layer, device) -> [Hkv, D, R]
+        self.on_device: dict = {}  # (layer, device, "proj" or "qproj") -> [Hkv, D, R]
         rank = self.rank
         self.spec = StateSpec(STATE_NAME, "token", lambda D: (rank,), self.refresh)
 
