@@ -1,7 +1,7 @@
 """``hf-sparse-kv calibrate-selector``: write the calibration a projected selector takes (``calibration=``).
 
-hf-sparse-kv calibrate-selector [--model smollm2] [--text essays] [--tokens 512] [--offset 0] [--method channels|pca]
-                                [--rank R] [--out selector_calibration.pt]
+hf-sparse-kv calibrate-selector [--model smollm2] [--text essays] [--tokens 512] [--offset 0]
+                                [--method channels|pairs|pca|svd] [--rank R] [--out selector_calibration.pt]
 """
 
 from __future__ import annotations

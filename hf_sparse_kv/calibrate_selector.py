@@ -7,6 +7,10 @@ head a projection ``P [Hkv, D, R]``:
 - ``"channels"`` (Double Sparsity's offline channel calibration, https://arxiv.org/abs/2408.07092): the ``R``
   channels with the largest ``E[q_d^2] Var(k_d)``, queries pooled over the GQA group. A channel's mean key adds the
   same ``q_d E[k_d]`` to every key's score, so only its variance moves a ranking;
+- ``"pairs"``: the same importance summed over RoPE's channel pairs ``(d, d + D/2)`` (transformers' ``rotate_half``
+  layout), the ``R / 2`` best pairs kept whole. RoPE turns each pair by an angle that grows with the position, so a
+  lone channel's share of ``q . k`` depends on where query and key sit, and channels ranked at the calibration's
+  positions can fall away at longer ones; a whole pair contributes the rotation-consistent 2-D product;
 - ``"pca"`` (Loki, https://arxiv.org/abs/2406.02542): the top ``R`` principal directions of the centered keys;
 - ``"svd"`` (query-aware low rank): the rank-``R`` bilinear form ``q^T B A^T k`` closest to ``q^T k`` on average
   over the recorded queries and centered keys, ``E[(q^T (I - B A^T) k)^2] = ||Cq^(1/2) (I - B A^T) Ck^(1/2)||^2``:
@@ -97,10 +101,18 @@ def projection(q: torch.Tensor, k: torch.Tensor, rank: int, method: str) -> torc
     Hkv, N, D = k.shape
     if not 0 < rank <= D:
         raise ValueError(f"rank must lie in [1, {D}], got {rank}")
-    if method == "channels":
+    if method in ("channels", "pairs"):
         qg = q.reshape(Hkv, -1, D)  # the group's queries pooled: [Hkv, G * N, D]
-        importance = qg.pow(2).mean(1) * k.var(1, unbiased=False)  # [Hkv, D]
-        idx = importance.topk(rank, dim=-1).indices.sort(-1).values  # [Hkv, R]
+        q2, kvar = qg.pow(2).mean(1), k.var(1, unbiased=False)  # [Hkv, D] each
+        if method == "channels":
+            idx = (q2 * kvar).topk(rank, dim=-1).indices.sort(-1).values  # [Hkv, R]
+        else:
+            if rank % 2 or D % 2:
+                raise ValueError(f"method 'pairs' keeps whole RoPE pairs: rank and head dim must be even, got {rank}")
+            half = D // 2
+            pair = (q2[:, :half] + q2[:, half:]) * (kvar[:, :half] + kvar[:, half:])  # [Hkv, D / 2]
+            top = pair.topk(rank // 2, dim=-1).indices
+            idx = torch.cat([top, top + half], -1).sort(-1).values
         P = torch.zeros(Hkv, D, rank)
         P.scatter_(1, idx.unsqueeze(1), 1.0)  # P[h, idx[h, r], r] = 1
         return P

@@ -189,6 +189,9 @@ def test_calibration_file_round_trip(tmp_path):
     assert cal["rank"] == 4 and sorted(cal["proj"]) == [0, 1, 2]
     P = cal["proj"][0]
     assert P.shape == (2, 16, 4) and torch.equal(P.sum(1), torch.ones(2, 4)), "one channel per column"
+    pairs = _calibration(model, "pairs")["proj"][2]  # whole rotate_half pairs (d, d + 8) of the 16 channels
+    chosen = pairs.sum(-1) > 0  # [Hkv, D]
+    assert torch.equal(chosen[:, :8], chosen[:, 8:]) and chosen.sum(-1).tolist() == [4, 4]
     pca = _calibration(model, "pca")["proj"][1]
     torch.testing.assert_close(pca.transpose(1, 2) @ pca, torch.eye(4).expand(2, 4, 4), rtol=0, atol=1e-5)
     path = tmp_path / "sel.pt"

@@ -8,6 +8,8 @@ calibration file (:func:`load_calibration`; written by ``hf-sparse-kv calibrate-
 - ``method="channels"``: ``R`` one-hot columns, the channels with the largest ``E[q_d^2] Var(k_d)`` (the
   channels that move the ranking of keys for typical queries): Double Sparsity's label cache
   (Yang et al., https://arxiv.org/abs/2408.07092), offline channel calibration.
+- ``method="pairs"``: whole RoPE channel pairs ranked the same way (a pair's 2-D product stays consistent as RoPE
+  turns it with the position);
 - ``method="pca"``: the top ``R`` principal directions of the keys (Loki, Singhania et al.,
   https://arxiv.org/abs/2406.02542);
 - ``method="svd"``: a query-aware pair, keys by ``A``, queries by ``B`` (``calibration["qproj"]``), the rank-``R``
@@ -36,7 +38,7 @@ from .blocks import _BlockTopK
 from .tokens import TokenTopK
 
 STATE_NAME = "ckeys"
-METHODS = ("channels", "pca", "svd")
+METHODS = ("channels", "pairs", "pca", "svd")
 MISSING = (
     "{cls} needs calibration=: a file written by `hf-sparse-kv calibrate-selector --model M --out sel.pt` (or the "
     "dict hf_sparse_kv.calibrate_selector.calibrate_selector(model, input_ids) returns). It holds the key "
