@@ -12,12 +12,19 @@ Providers, timed in the same run:
 - ``token`` / ``block``: ``decode_tokens`` over the expanded selection / ``decode_blocks`` over the selected pages
 - ``+sel``: the same with the selection included (``block_scores`` quest + ``topk_indices`` + kernel)
 - ``dense_T``: SDPA dense on a contiguous cache of the ``T`` tokens the budget keeps (the paging + selection cost)
+- with ``--selectors`` (issue 13), selection + attention per layer through each policy's own ``select()``:
+  ``quest`` (Quest, block), ``proj_blk`` (ProjectedBlockTopK, compressed keys ``R = D/8``, block),
+  ``proj_tok`` (ProjectedTokenTopK, token kernel), ``2st_c2`` / ``2st_c4`` (TwoStageBlockTopK, Quest coarse pass
+  to 2x / 4x the budget's blocks, exact scores over them), ``2st_tok`` (TwoStageTokenTopK, c = 4), ``topp_c4``
+  (TopPBlockTopK, c = 4, p = 0.9: its bytes are the budget's cap); each also as
+  ``<name>:sel`` (the selection alone), and ``proj:write`` (the compressed keys' refresh of one decode token)
 
 Bytes are the KV bytes each provider must read by design (``+sel`` adds the min/max metadata of every block); GB/s
 and the fraction of the HBM bandwidth measured at the start of the run follow from them.
 
     python benchmarks/bench_decode.py --quick                 # ~3 minutes on an H200
     python benchmarks/bench_decode.py --models llama3-8b --batches 8   # one chunk of the full grid
+    python benchmarks/bench_decode.py --selector-targets      # the selectors at 1 x 128K and 8 x 32K, 1/16, BS 16
 """
 
 from __future__ import annotations
@@ -43,6 +50,15 @@ from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 from hf_sparse_kv.ops.layout import cdiv
 from hf_sparse_kv.ops.triton.block_decode import decode_blocks_fwd
+from hf_sparse_kv.policies import (
+    DecodeState,
+    ProjectedBlockTopK,
+    ProjectedTokenTopK,
+    Quest,
+    TopPBlockTopK,
+    TwoStageBlockTopK,
+    TwoStageTokenTopK,
+)
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (Hq, Hkv, D) of one layer
 KI = 1024
@@ -60,6 +76,8 @@ QUICK = [  # (models, batches, contexts, budgets, block sizes): the targets' sha
 ]
 SKIPPABLE = ["scores", "topk", "topk_torch"]  # the others feed the table's columns
 TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
+SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
+SELECTORS = ("quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_tok", "topp_c4")
 
 
 def meta_bytes(B: int, H: int, n_blocks: int, D: int) -> int:
@@ -169,6 +187,69 @@ def flex_fns(layer: Layer, keep: torch.Tensor):
         return None, 0
 
 
+def selector_fns(layer, caches, bt, BS, budget, ops, pc):
+    """``--selectors``: per selector, selection + attention and the selection alone, one call per layer, each
+    through the policy's own ``select()`` on a :class:`DecodeState` of that layer (compressed keys ``R = D / 8`` of
+    random channels, kept beside the pool as the cache keeps them). Returns (fns, bytes read by design)."""
+    B, H, L, D, q, scale = layer.B, layer.H, layer.L, layer.D, layer.q, layer.scale
+    z, lens = layer.zero, layer.seq_lens
+    Rk = D // 8
+    g = torch.Generator().manual_seed(0)
+    channels = torch.stack([torch.randperm(D, generator=g)[:Rk].sort().values for _ in range(H)])  # [H, R]
+    P = torch.zeros(H, D, Rk).scatter_(1, channels.unsqueeze(1), 1.0)
+    cal = {"method": "channels", "proj": dict.fromkeys(range(len(caches)), P)}
+    ckeys = [c[0][:, :, :, channels.to(DEV)].diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).contiguous() for c in caches]
+    assert ckeys[0].shape == (caches[0][0].shape[0], H, BS, Rk)
+    f = 1 / budget
+    policies = {
+        "quest": Quest(budget=f),
+        "proj_blk": ProjectedBlockTopK(budget=f, calibration=cal),
+        "proj_tok": ProjectedTokenTopK(budget=f, calibration=cal),
+        "2st_c2": TwoStageBlockTopK(budget=f, candidates=2),
+        "2st_c4": TwoStageBlockTopK(budget=f, candidates=4),
+        "2st_tok": TwoStageTokenTopK(budget=f, candidates=4),
+        "topp_c4": TopPBlockTopK(budget=f, candidates=4, p=0.9),
+    }
+
+    def state(i):
+        c = caches[i]
+        return DecodeState(
+            q=q, k_pool=c[0], kmin=c[2], kmax=c[3], kmean=c[4], block_table=bt, seq_lens=lens, start=z,
+            lens=(L,) * B, length=L, block_size=BS, scale=scale, ops=ops, state={"ckeys": ckeys[i]}, layer=i,
+        )  # fmt: skip
+
+    states = [state(i) for i in range(len(caches))]
+
+    def attend(i, sel):
+        if sel.kind == "block":
+            return ops.decode_blocks(*pc(i), sel.indices, sel.ex_lo, sel.ex_hi, scale)
+        return ops.decode_tokens(*pc(i), sel.indices, sel.ex_lo, sel.ex_hi, scale)
+
+    fns, need = {}, {}
+    n_layers = len(caches)
+    for name, policy in policies.items():
+        fns[name] = [lambda i=i, p=policy: attend(i, p.select(states[i])) for i in range(n_layers)]
+        fns[f"{name}:sel"] = [lambda i=i, p=policy: p.select(states[i]) for i in range(n_layers)]
+        sel = policy.select(states[0])
+        width = sel.counts[0] * (BS if sel.kind == "block" else 1)
+        attn = kv_bytes(B, H, width, D) + (B * H * width * 4 if sel.kind == "token" else 0)
+        two_stage = name.startswith(("2st", "topp"))
+        score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
+        if two_stage:
+            cand = policy._coarse.counts([sel.counts[0] if sel.kind == "block" else cdiv(sel.counts[0], BS)] * B,
+                                         [0] * B, states[0])[0]  # fmt: skip
+            score += B * H * cand * BS * D * 2
+        need[f"{name}:sel"], need[name] = score, score + attn
+    lo = lens.long() - 1
+    proj_policy = policies["proj_blk"]
+    fns["proj:write"] = [
+        lambda i=i: proj_policy._keys.refresh(ckeys[i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops)
+        for i in range(n_layers)
+    ]
+    need["proj:write"] = B * H * (D + Rk) * 2
+    return fns, need
+
+
 def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_t_cache, rows, long_rows, check):
     B, H, L, D, G, q, scale = layer.B, layer.H, layer.L, layer.D, layer.G, layer.q, layer.scale
     caches, bt = paged
@@ -241,6 +322,10 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
         "topk_torch": 0,
     }
     need["token+sel"], need["block+sel"] = need["token"] + meta, need["block"] + meta
+    if args.selectors:
+        sfns, sneed = selector_fns(layer, caches, bt, BS, budget, ops, pc)
+        fns.update(sfns)
+        need.update(sneed)
     key = {"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}", "K": Kb, "T": T}
     row = {**key, "dense": dense_us}
     for name, fn in fns.items():
@@ -488,6 +573,8 @@ def main():
     p.add_argument("--out", default="benchmarks/results/bench_decode.csv")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script through Triton's interpreter")
     p.add_argument("--summarize", metavar="CSV", help="print the summary tables of an earlier run's CSV and exit")
+    p.add_argument("--selectors", action="store_true", help="also time the issue-13 selectors (selection + attention)")
+    p.add_argument("--selector-targets", action="store_true", help="--selectors at 1 x 128K and 8 x 32K, 1/16, BS 16")
     args = p.parse_args()
     if args.summarize:
         rows, hbm = rows_from_csv(args.summarize)
@@ -499,7 +586,11 @@ def main():
     torch.manual_seed(0)
     torch._dynamo.config.cache_size_limit = 64
 
-    if args.quick:
+    args.selectors = args.selectors or args.selector_targets
+    if args.selector_targets:
+        grid = list(SELECTOR_TARGETS)
+        args.out = args.out.replace("bench_decode.csv", "bench_decode_selectors.csv")
+    elif args.quick:
         grid = []
         for models, batches, contexts, budgets, bss in QUICK:
             grid += [(m, b, int(c * KI), budgets, bss) for m in models for b in batches for c in contexts]
@@ -553,6 +644,13 @@ def main():
         cols,
         f"decode, bf16, us per layer (median of {args.rep} graph replays of {args.layers} layers); HBM {hbm:.0f} GB/s",
     )
+    if args.selectors:
+        names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write"]
+        print_table(
+            [{**r, "L": f"{r['L'] // KI}K"} for r in rows],
+            ["model", "B", "L", "BS", "budget", "dense", "block+sel", *names],
+            "selectors: selection + attention (name) and selection alone (name:sel), us per layer",
+        )
 
 
 if __name__ == "__main__":

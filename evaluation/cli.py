@@ -2,6 +2,8 @@
 
     hf-sparse-kv demo [options]                        the demo table (evaluation.demo)
     hf-sparse-kv calibrate [--shapes 32,8,128] [--out crossover.json]   measure mode="auto"'s crossover table
+    hf-sparse-kv calibrate-selector [--model M] [--method channels|pca] [--out sel.pt]   a projected selector's
+                               calibration (evaluation.calibrate_selector)
     hf-sparse-kv run recipes/<name>.yaml [more.yaml]   run recipes (resumes: cells already done are skipped)
     hf-sparse-kv stage FILE --name NAME | --model M | --extras   split a file into parts for a remote machine
     hf-sparse-kv suite {smollm2,gemma3,qwen2.5} --out DIR [--time-limit S] [--summarize]   a model's whole suite
@@ -36,6 +38,7 @@ COMMANDS = {
     "eval": "run one recipe (perplexity, fidelity, needle, qa) from flags alone",
     "stage": "split a file into parts for a GPU machine without network (--model M, --extras, or FILE --name N)",
     "suite": "a model's whole quality suite (smollm2, gemma3, qwen2.5), resumable; --summarize writes the tables",
+    "calibrate-selector": "calibrate a compressed-key selector (channels, RoPE pairs, PCA or SVD) on a model's text",
 }
 
 
@@ -189,6 +192,11 @@ def main(argv: list[str] | None = None) -> None:
         from hf_sparse_kv import calibrate
 
         calibrate.main(argv[1:])
+        return
+    if argv[0] == "calibrate-selector":
+        from . import calibrate_selector
+
+        calibrate_selector.main(argv[1:])
         return
     {"run": run_main, "eval": eval_main}[argv[0]](argv[1:])
 

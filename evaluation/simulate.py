@@ -168,6 +168,7 @@ def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> to
             scale=scale,
             mode=ctx.mode,
             ops=ops,
+            layer=layer_idx,
         )
         selection = ctx.policy.select(state) if sparse else Policy.dense_selection(state)
         ex_lo, ex_hi = selection.ex_lo, selection.ex_hi

@@ -278,6 +278,7 @@ def static_attention(
         state=layer.state,
         static=True,
         planned=static.plan.counts,
+        layer=layer_idx,
     )
     selection, mode = choose(config, state, layer_idx, cache, sparse=static.plan.sparse)
     return execute(selection, mode, state, layer.v_pool).unsqueeze(1)
@@ -341,6 +342,7 @@ def sparse_attention_forward(
         ops=ops,
         evicted=plan.evicted,
         state=layer.state,
+        layer=layer_idx,
     )
     selection, mode = choose(config, state, layer_idx, cache)
     out = execute(selection, mode, state, layer.v_pool)  # [B, Hq, D]

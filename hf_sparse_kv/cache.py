@@ -91,9 +91,10 @@ class PagedLayer(DynamicLayer):
 
     is_sliding = False
 
-    def __init__(self, cache: PagedKVCache):
+    def __init__(self, cache: PagedKVCache, index: int):
         super().__init__()
         self.attach(cache)
+        self.index = index  # the model's layer index (a policy calibrated per layer refreshes its state by it)
         self.length = 0
         self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
         self.state: dict[str, torch.Tensor] = {}  # the policy-declared state (see PagedKVCache.declare_state)
@@ -151,12 +152,14 @@ class PagedLayer(DynamicLayer):
         self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean = tensors[:5]
         self.state = dict(zip(self.state, tensors[5:]))
 
-    def refresh_state(self, lo: torch.Tensor, hi: torch.Tensor, table: torch.Tensor | None = None) -> None:
-        """Recompute the declared state of stored positions ``[lo[b], hi[b])`` from the key pool (``[B]`` tensors)."""
+    def refresh_state(self, lo: torch.Tensor, hi: torch.Tensor, span: int, table: torch.Tensor | None = None) -> None:
+        """Recompute the declared state of stored positions ``[lo[b], hi[b])`` from the key pool (``[B]`` tensors;
+        ``span >= max(hi - lo)``, on the host; ``table``: the block table to use, default the cache's)."""
         if self.state:
             table = self.cache.table.tensor(self.device) if table is None else table
+            ops = self.cache.ops(self.device)
             for spec in self.cache.specs:
-                spec.refresh(self.state[spec.name], self.k_pool, table, lo, hi)
+                spec.refresh(self.state[spec.name], self.k_pool, table, lo, hi, layer=self.index, span=span, ops=ops)
 
     def grow(self, capacity: int) -> None:
         """Extend the pools to ``capacity`` blocks (existing block ids keep their slots)."""
@@ -196,7 +199,7 @@ class PagedLayer(DynamicLayer):
             pools = (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean)
             static.ops.paged_write(*pools, static.table, static.pos0, key_states, value_states)
             if self.state:
-                self.refresh_state(static.pos0, static.pos0 + 1, static.table)
+                self.refresh_state(static.pos0, static.pos0 + 1, 1, static.table)
             return key_states, value_states
         frame0 = self.length
         self.cache.reserve(B, frame0 + T, frame0)
@@ -208,7 +211,7 @@ class PagedLayer(DynamicLayer):
             self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos0, key_states, value_states
         )
         if self.state:
-            self.refresh_state(pos0.clamp(min=0), pos0 + T)
+            self.refresh_state(pos0.clamp(min=0), pos0 + T, T)
         self.length = frame0 + T
         if frame0 == 0 or self.cache.pop_deferred(self):
             return key_states, value_states
@@ -308,7 +311,9 @@ class PagedKVCache(DynamicCache):
         self._sliding: dict = {}  # layer index -> transformers' sliding-window layer a WindowRing replaced
         self._evicted_to: list[int] = []  # per sequence, logical blocks below this were already considered
         self.session = DecodeSession()  # the decode side's state of these contents (hf_sparse_kv.runtime)
-        self.layers = [PagedLayer(self) if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.layers = [
+            PagedLayer(self, i) if type(layer) is DynamicLayer else layer for i, layer in enumerate(self.layers)
+        ]
         if not self.layers:
             raise ValueError("PagedKVCache needs a config that names its layers (num_hidden_layers)")
 
@@ -690,6 +695,6 @@ class PagedKVCache(DynamicCache):
                     lo = (hi - 1).clamp(min=0)  # the last (now partial) block of each sequence
                     table = t.tensor(layer.device)
                     reference.refresh_metadata(layer.k_pool, layer.kmin, layer.kmax, layer.kmean, table, lo, hi)
-                    layer.refresh_state(lo, hi)
+                    layer.refresh_state(lo, hi, 1)
             else:
                 layer.crop(keep - length)

@@ -33,10 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_sparse_kv.ops.triton import (
     block_scores,
+    candidate_scores,
     decode_blocks,
     decode_tokens,
     merge_partials,
     paged_write,
+    projected_scores,
+    projected_write,
     topk_indices,
 )
 
@@ -101,6 +104,25 @@ def cases():
             (f"block_scores quest {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest")),
             (f"block_scores mean+forced {tag}", partial(block_scores, q, *meta, table, lens, BS, "mean", zero, 4, 32)),
             (f"paged_write {tag}", partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new)),
+            (f"candidate_scores {tag}", partial(candidate_scores, q, k_pool, table, lens, zero, blocks[..., :5])),
+        ]
+        R = D // 8
+        ckeys = torch.randn(NB, H, BS, R, generator=g).to(dtype)
+        qp = torch.randn(B, H * G, R, generator=g)
+        proj = torch.randn(H, D, R, generator=g)
+        lo, hi = torch.zeros(B, dtype=torch.int64), lens.long()
+        out += [
+            (f"projected_write prefill {tag}", partial(projected_write, ckeys, k_pool, proj, table, lo, hi, 100)),
+            (f"projected_write decode {tag}", partial(projected_write, ckeys, k_pool, proj, table, hi - 1, hi, 1)),
+            (
+                f"projected_scores block+forced {tag}",
+                partial(projected_scores, qp, ckeys, table, lens, zero, "block", 4, 32),
+            ),
+            (
+                f"projected_scores token+forced {tag}",
+                partial(projected_scores, qp, ckeys, table, lens, zero, "token", 4, 32),
+            ),
+            (f"projected_scores token {tag}", partial(projected_scores, qp, ckeys, table, lens, zero, "token")),
         ]
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))

@@ -133,7 +133,7 @@ def test_a_cache_that_disagrees_with_the_patch_is_refused(setting):
 # ---- the lifecycle: a policy with its own per-token and per-block state -----------------------------------------
 
 
-def _norms_refresh(state, k_pool, table, lo, hi):
+def _norms_refresh(state, k_pool, table, lo, hi, **_):
     """Per-token state: each stored key's squared norm (summed over D), recomputed for positions [lo, hi)."""
     BSz = k_pool.shape[2]
     for b in range(table.shape[0]):
@@ -142,7 +142,7 @@ def _norms_refresh(state, k_pool, table, lo, hi):
             state[blk, :, off] = k_pool[blk, :, off].float().pow(2).sum(-1).to(state.dtype)
 
 
-def _block_max_refresh(state, k_pool, table, lo, hi):
+def _block_max_refresh(state, k_pool, table, lo, hi, **_):
     """Per-block state: the largest key entry of each block, over all its stored keys (zero-padded tail included:
     the test compares with the same rule)."""
     BSz = k_pool.shape[2]

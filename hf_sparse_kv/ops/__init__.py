@@ -3,7 +3,8 @@
 Each backend is a namespace exposing the same functions with the signatures of :mod:`.reference`:
 ``paged_write``, ``gather_dense``, ``block_scores``, ``token_scores``, ``oracle_block_scores``, ``topk_indices``,
 ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``, ``decode_masked``,
-``merge_partials``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
+``merge_partials``, and the compressed-key selectors' ``projected_write``, ``projected_scores``,
+``candidate_scores``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
 on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not
 implement.
 """
@@ -31,6 +32,9 @@ _OP_NAMES = (
     "decode_tokens",
     "decode_masked",
     "merge_partials",
+    "projected_write",
+    "projected_scores",
+    "candidate_scores",
 )
 
 

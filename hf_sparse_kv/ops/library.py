@@ -244,4 +244,9 @@ def registered_ops(backend: str) -> SimpleNamespace:
         selection_to_mask=reference.selection_to_mask,
         gather_dense=reference.gather_dense,
         merge_partials=reference.merge_partials,
+        # the compressed-key and two-stage selectors' ops are not custom ops yet: a CUDA graph captures them, a
+        # torch.compile(fullgraph=True) of a step that runs them is not supported
+        projected_write=_impl(backend, "projected_write"),
+        projected_scores=_impl(backend, "projected_scores"),
+        candidate_scores=_impl(backend, "candidate_scores"),
     )

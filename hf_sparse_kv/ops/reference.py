@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layout import cdiv, forced_block_mask, num_blocks
+from .layout import cdiv, forced_block_mask, forced_token_mask, num_blocks
 
 NEG_INF = float("-inf")
 
@@ -406,3 +406,120 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     total = torch.logsumexp(lse, -1)  # [...]
     w = torch.exp(lse - total.unsqueeze(-1).clamp(min=-1e30)).nan_to_num(0.0)  # [..., S]
     return (w.unsqueeze(-1) * o.float()).sum(-2).to(o.dtype), total
+
+
+# ------------------------------------------------------------------------------------------ compressed-key selectors
+
+
+def projected_write(
+    ckeys: torch.Tensor,
+    k_pool: torch.Tensor,
+    proj: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+) -> None:
+    """Store the projected keys ``k @ proj[h]`` of the stored positions ``lo[b] <= p < hi[b]``, in place.
+
+    Args:
+        ckeys: ``[NB, Hkv, BS, R]`` the compressed keys (a projection, or a subset of channels: one-hot columns).
+        k_pool: ``[NB, Hkv, BS, D]``; proj: ``[Hkv, D, R]`` (float32); block_table: ``[B, MB]``.
+        lo, hi: ``[B]`` the positions written; span: a host int ``>= max(hi - lo)``.
+
+    Vectorized over (sequence, position) without reading ``lo``/``hi`` on the host: each sequence computes ``span``
+    positions, those past ``hi - 1`` repeat it (the same value stored twice), and a sequence with nothing to write
+    stores its old entry back.
+    """
+    B, BS = block_table.shape[0], k_pool.shape[2]
+    if span <= 0 or B == 0:
+        return
+    lo, hi = lo.long().view(B, 1), hi.long().view(B, 1)
+    pos = lo + torch.arange(span, device=k_pool.device).view(1, span)  # [B, span]
+    wrote = hi > lo
+    pos = torch.where(wrote, torch.minimum(pos, hi - 1), lo)
+    phys, off = physical_slots(block_table, pos, BS)
+    new = torch.einsum("bthd,hdr->bthr", k_pool[phys, :, off].float(), proj.float())  # [B, span, Hkv, R]
+    ckeys[phys, :, off] = torch.where(wrote.view(B, 1, 1, 1), new.to(ckeys.dtype), ckeys[phys, :, off])
+
+
+def projected_scores(
+    qp: torch.Tensor,
+    ckeys: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    reduce: str,
+    sink: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Approximate ``q . k`` of every token from compressed keys, max over each GQA group.
+
+    Args:
+        qp: ``[B, Hq, R]`` the projected queries; ckeys: ``[NB, Hkv, BS, R]``; block_table ``[B, MB]``;
+            seq_lens, start ``[B]``.
+        reduce: ``"token"`` (a score per position) or ``"block"`` (the max of each block's token scores).
+        sink, window: with ``window`` given, the forced positions (``forced_token_mask``) or blocks
+            (``forced_block_mask``) score ``+inf``.
+
+    Returns:
+        ``[B, Hkv, MB * BS]`` (token) or ``[B, Hkv, MB]`` (block) float32, ``-inf`` where invalid (padding, past the
+        end, evicted; a block with no valid token).
+    """
+    B, Hq, R = qp.shape
+    _, Hkv, BS, _ = ckeys.shape
+    MB = block_table.shape[1]
+    c = ckeys[block_table.long().clamp(min=0)].float()  # [B, MB, Hkv, BS, R]
+    s = torch.einsum("bhgr,bmhtr->bhmtg", qp.float().view(B, Hkv, Hq // Hkv, R), c).amax(-1)  # [B, Hkv, MB, BS]
+    pos = torch.arange(MB * BS, device=qp.device).expand(B, MB * BS)
+    zero = torch.zeros_like(seq_lens)
+    live = (block_table >= 0).repeat_interleave(BS, dim=1)
+    ok = (valid_positions(pos, seq_lens, start, zero, zero) & live).view(B, 1, MB, BS)
+    s = s.masked_fill(~ok, NEG_INF)
+    if reduce == "token":
+        s = s.reshape(B, Hkv, MB * BS)
+        if window is not None:
+            forced = forced_token_mask(seq_lens, start, sink, window, BS, MB * BS)
+            s = s.masked_fill(forced.unsqueeze(1) & (s > NEG_INF), float("inf"))
+        return s.contiguous()
+    if reduce != "block":
+        raise ValueError(f"reduce must be 'token' or 'block', got {reduce!r}")
+    s = s.amax(-1)  # [B, Hkv, MB]
+    alive = live_blocks(block_table, seq_lens, BS)
+    if window is not None:
+        forced = forced_block_mask(seq_lens, start, sink, window, BS, MB) & alive
+        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+    return s.masked_fill(~alive.unsqueeze(1), NEG_INF).contiguous()
+
+
+def candidate_scores(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    blocks: torch.Tensor,
+) -> torch.Tensor:
+    """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group.
+
+    Args:
+        q: ``[B, Hq, D]``; k_pool: ``[NB, Hkv, BS, D]``; block_table ``[B, MB]``; seq_lens, start ``[B]``.
+        blocks: ``[B, Hkv, C]`` logical block numbers, ``-1`` padded.
+
+    Returns:
+        ``[B, Hkv, C, BS]`` float32, ``-inf`` at invalid positions (padding slots, past the end, evicted).
+    """
+    B = q.shape[0]
+    Hkv, BS = k_pool.shape[1], k_pool.shape[2]
+    C = blocks.shape[-1]
+    lb = blocks.long()
+    safe = lb.clamp(min=0, max=block_table.shape[1] - 1)
+    phys_raw = torch.gather(block_table.long(), 1, safe.view(B, -1)).view(B, Hkv, C)
+    head = torch.arange(Hkv, device=q.device).view(1, Hkv, 1)
+    keys = k_pool[phys_raw.clamp(min=0), head].float()  # [B, Hkv, C, BS, D]
+    s = torch.einsum("bhgd,bhctd->bhctg", _group_q(q, Hkv), keys).amax(-1)  # [B, Hkv, C, BS]
+    pos = blocks_to_tokens(blocks, BS).long()  # [B, Hkv, C * BS]
+    zero = torch.zeros_like(seq_lens)
+    ok = valid_positions(pos, seq_lens, start, zero, zero).view(B, Hkv, C, BS)
+    ok = ok & (phys_raw >= 0).unsqueeze(-1) & (lb < block_table.shape[1]).unsqueeze(-1)
+    return s.masked_fill(~ok, NEG_INF).contiguous()

@@ -3,8 +3,11 @@
 from .base import DecodeState, Policy, Selection, StateSpec
 from .blocks import BlockTopK, OracleBlockTopK, Quest
 from .compress import SnapKV
+from .projected import ProjectedBlockTopK, ProjectedTokenTopK
 from .simple import Dense, SinkWindow
 from .tokens import TokenTopK
+from .top_p import TopPBlockTopK
+from .two_stage import TwoStageBlockTopK, TwoStageTokenTopK
 
 POLICIES: dict[str, type[Policy]] = {
     "dense": Dense,
@@ -14,6 +17,11 @@ POLICIES: dict[str, type[Policy]] = {
     "oracle_block_topk": OracleBlockTopK,
     "token_topk": TokenTopK,
     "snapkv": SnapKV,
+    "projected_block_topk": ProjectedBlockTopK,
+    "projected_token_topk": ProjectedTokenTopK,
+    "two_stage_block_topk": TwoStageBlockTopK,
+    "two_stage_token_topk": TwoStageTokenTopK,
+    "top_p_block_topk": TopPBlockTopK,
 }
 
 __all__ = [
@@ -23,10 +31,15 @@ __all__ = [
     "Dense",
     "OracleBlockTopK",
     "Policy",
+    "ProjectedBlockTopK",
+    "ProjectedTokenTopK",
     "Quest",
     "Selection",
     "SinkWindow",
     "SnapKV",
     "StateSpec",
     "TokenTopK",
+    "TopPBlockTopK",
+    "TwoStageBlockTopK",
+    "TwoStageTokenTopK",
 ]

@@ -74,6 +74,8 @@ class DecodeState:
             ``planned`` is what :meth:`Policy.plan` returned for the step's lengths before the step began (the
             step's key); :meth:`Policy.widths` reads it.
         planned: see ``static``.
+        layer: the model's index of the layer (``None`` where unknown): a policy calibrated per layer reads its
+            calibration by it.
     """
 
     q: torch.Tensor
@@ -93,6 +95,7 @@ class DecodeState:
     state: dict = field(default_factory=dict)
     static: bool = False
     planned: tuple[int, ...] | None = None
+    layer: int | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -149,11 +152,14 @@ class StateSpec:
         name: the key of the state in :attr:`DecodeState.state`.
         scope: ``"token"`` (a tensor ``[NB, Hkv, BS, *shape(D)]``) or ``"block"`` (``[NB, Hkv, *shape(D)]``).
         shape: the trailing dims as a function of the head dim ``D``.
-        refresh: ``refresh(state, k_pool, block_table, lo, hi)`` recomputes, in place, the entries of the stored
-            positions ``lo[b] <= p < hi[b]`` (``[B]`` long tensors; for ``"block"`` scope, the blocks holding them,
-            from all their stored keys) from ``k_pool [NB, Hkv, BS, D]`` through ``block_table [B, MB]``. The cache
-            calls it after every write and after a crop; copies, reorders, growth and compaction move the state
-            with its block.
+        refresh: ``refresh(state, k_pool, block_table, lo, hi, *, layer, span, ops)`` recomputes, in place, the
+            entries of the stored positions ``lo[b] <= p < hi[b]`` (``[B]`` long tensors; for ``"block"`` scope, the
+            blocks holding them, from all their stored keys) from ``k_pool [NB, Hkv, BS, D]`` through
+            ``block_table [B, MB]``. ``layer`` is the model's layer index, ``span`` a host int ``>= max(hi - lo)``
+            (the tokens written: a refresh sizes its work by it instead of reading ``lo``/``hi`` on the host) and
+            ``ops`` the cache's op namespace on this device. It runs inside every write, captured CUDA-graph decode
+            steps included: on the device, vectorized, without host syncs. The cache calls it after every write
+            and after a crop; copies, reorders, growth and compaction move the state with its block.
         dtype: the state's dtype (``None``: the keys' dtype).
     """
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from ..ops.layout import forced_token_count, forced_token_mask
 from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
 from .checks import warn_budget_below_forced
@@ -44,16 +46,20 @@ class TokenTopK(Policy):
             counts.append(n if tokens >= n else min(max(tokens, forced), n))
         return None if all(c >= n for c, n in zip(counts, lens)) else counts
 
+    def token_scores(self, state: DecodeState) -> torch.Tensor:
+        """``[B, Hkv, N]`` float32 per position (``N >= max(lens)``): ``-inf`` where invalid, ``+inf`` for the forced
+        positions (sink, window, current block), else the exact ``q . k`` (max over the GQA group)."""
+        s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, state.length)
+        forced = forced_token_mask(state.seq_lens, state.start, self.sink, self.window, state.block_size, s.shape[-1])
+        return s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
+
     def select(self, state: DecodeState) -> Selection:
-        BS = state.block_size
         counts = self.widths(state)
         if counts is None:
             return self.dense_selection(state)
         if state.evicted is not None:  # never more than the tokens still held (freed ones score -inf)
             counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
-        s = state.ops.token_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, state.length)
-        forced = forced_token_mask(state.seq_lens, state.start, self.sink, self.window, BS, s.shape[-1])
-        s = s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
+        s = self.token_scores(state)
         width = max(counts)
         indices = state.ops.topk_indices(s, width, self.counts_tensor(state, counts, width))
         return Selection("token", indices, state.start, state.start, tuple(counts))  # an empty masked interval

@@ -2,18 +2,23 @@
 
 from .block_decode import decode_blocks
 from .block_scores import block_scores
+from .candidates import candidate_scores
 from .masked_decode import decode_masked
 from .merge import merge_partials
 from .paged_write import paged_write
+from .projected import projected_scores, projected_write
 from .token_decode import decode_tokens
 from .topk import topk_indices
 
 __all__ = [
     "block_scores",
+    "candidate_scores",
     "decode_blocks",
     "decode_masked",
     "decode_tokens",
     "merge_partials",
     "paged_write",
+    "projected_scores",
+    "projected_write",
     "topk_indices",
 ]

@@ -1,0 +1,157 @@
+"""Two-stage selectors: a cheap coarse pass keeps ``candidates x budget`` blocks, exact ``q . k`` over only their keys
+picks the budget.
+
+The coarse pass is Quest's bound over the block min/max (``coarse="quest"``, no extra state) or the compressed keys
+of :mod:`.projected` (``coarse="projected"``, with a ``calibration``); the forced blocks (sink, window, current)
+score ``+inf`` there, so they are always candidates. The exact pass (``ops.candidate_scores``) reads the candidates'
+keys, ``candidates x budget x D`` elements per (sequence, KV head), and
+
+- :class:`TwoStageBlockTopK` ranks the candidate blocks by the max of their tokens' exact scores (max over the GQA
+  group) and keeps the budget's blocks;
+- :class:`TwoStageTokenTopK` keeps the budget's best tokens among the candidates' (plus sink and window).
+
+The coarse pass then only has to put the right blocks among ``c x`` as many; the exact pass costs ``c x budget`` of
+the keys' bytes on top of the attention's read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ops.layout import cdiv, forced_block_count, window_positions
+from .base import DecodeState, Selection, StateSpec
+from .blocks import _BlockTopK
+from .projected import CompressedKeys
+from .tokens import TokenTopK
+
+COARSE = ("quest", "projected")
+
+
+class CoarsePass:
+    """The first stage: per (sequence, KV head) the ``cand_counts[b]`` best blocks by the coarse score."""
+
+    def __init__(self, coarse: str, candidates: float, calibration, owner: str):
+        if coarse not in COARSE:
+            raise ValueError(f"coarse must be one of {COARSE}, got {coarse!r}")
+        if isinstance(candidates, bool) or not isinstance(candidates, (int, float)) or candidates < 1:
+            raise ValueError(
+                f"candidates must be a number >= 1 (candidate blocks per budget block), got {candidates!r}"
+            )
+        self.coarse, self.candidates = coarse, candidates
+        self.keys = CompressedKeys(calibration, owner) if coarse == "projected" else None
+
+    def cache_state(self) -> tuple[StateSpec, ...]:
+        return (self.keys.spec,) if self.keys is not None else ()
+
+    def scores(self, state: DecodeState, sink: int, window: int) -> torch.Tensor:
+        """``[B, Hkv, nblk]`` float32, forced blocks ``+inf``, blocks not in use ``-inf``."""
+        if self.keys is None:
+            return state.ops.block_scores(
+                state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
+                "quest", state.start, sink, window,
+            )  # fmt: skip
+        qp, ckeys = self.keys.scoring_inputs(state)
+        return state.ops.projected_scores(
+            qp, ckeys, state.block_table, state.seq_lens, state.start, "block", sink, window
+        )
+
+    def counts(self, blocks: list[int], floor: list[int], state: DecodeState) -> list[int]:
+        """Candidate blocks per sequence: ``candidates x blocks[b]``, at least ``floor[b]``, at most those held."""
+        return [
+            min(live, max(f, math.ceil(self.candidates * k))) for k, f, live in zip(blocks, floor, state.live_blocks())
+        ]
+
+    def select(self, state: DecodeState, cand_counts: list[int], sink: int, window: int) -> torch.Tensor:
+        """``[B, Hkv, C]`` candidate logical blocks, ascending, ``-1`` padded."""
+        width = max(cand_counts)
+        scores = self.scores(state, sink, window)
+        counts = _BlockTopK.counts_tensor(state, cand_counts, width)
+        return state.ops.topk_indices(scores, width, counts)
+
+
+def pick(ops, scores: torch.Tensor, items: torch.Tensor, counts: list[int], state: DecodeState) -> torch.Tensor:
+    """The ``counts[b]`` best ``items [B, Hkv, N]`` by ``scores [B, Hkv, N]``, ascending (items ascend), ``-1``
+    padded: ``[B, Hkv, max(counts)]`` int32."""
+    width = max(counts)
+    slots = ops.topk_indices(scores, width, _BlockTopK.counts_tensor(state, counts, width)).long()
+    picked = items.long().gather(-1, slots.clamp(min=0))
+    return torch.where(slots >= 0, picked, -1).int()
+
+
+@dataclass
+class TwoStageBlockTopK(_BlockTopK):
+    """Coarse pass to ``candidates x`` the budget's blocks, then the blocks with the largest exact token score.
+
+    Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``candidates`` (``c >= 1``),
+    ``coarse`` (``"quest"`` or ``"projected"``), ``calibration`` (for ``coarse="projected"``).
+    """
+
+    candidates: float = 4
+    coarse: str = "quest"
+    calibration: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._coarse = CoarsePass(self.coarse, self.candidates, self.calibration, type(self).__name__)
+
+    def cache_state(self) -> tuple[StateSpec, ...]:
+        return self._coarse.cache_state()
+
+    def select(self, state: DecodeState) -> Selection:
+        counts = self.widths(state)
+        if counts is None:
+            return self.dense_selection(state)
+        if state.evicted is not None:
+            counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
+        cand = self._coarse.select(state, self._coarse.counts(counts, counts, state), self.sink, self.window)
+        exact = state.ops.candidate_scores(
+            state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand
+        ).amax(-1)  # [B, Hkv, C]: a block's best token
+        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
+        B, H, C = cand.shape
+        f = forced.gather(1, cand.long().clamp(min=0).view(B, -1)).view(B, H, C) & (cand >= 0)
+        exact = exact.masked_fill(f, float("inf")).masked_fill(cand < 0, float("-inf"))
+        blocks = pick(state.ops, exact, cand, counts, state)
+        return Selection("block", blocks, state.start, state.start, tuple(counts))
+
+
+@dataclass
+class TwoStageTokenTopK(TokenTopK):
+    """Coarse pass to ``candidates x`` the budget's blocks, then the budget's tokens by exact score among theirs (sink
+    and window kept). Args as :class:`TwoStageBlockTopK`; runs in ``"token"`` and ``"mask"`` modes."""
+
+    candidates: float = 4
+    coarse: str = "quest"
+    calibration: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._coarse = CoarsePass(self.coarse, self.candidates, self.calibration, type(self).__name__)
+
+    def cache_state(self) -> tuple[StateSpec, ...]:
+        return self._coarse.cache_state()
+
+    def select(self, state: DecodeState) -> Selection:
+        BS = state.block_size
+        counts = self.widths(state)
+        if counts is None:
+            return self.dense_selection(state)
+        if state.evicted is not None:
+            counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
+        floor = [forced_block_count(n, self.sink, self.window, BS) for n in state.lens]
+        cand_counts = self._coarse.counts([cdiv(k, BS) for k in counts], floor, state)
+        cand = self._coarse.select(state, cand_counts, self.sink, self.window)  # [B, Hkv, C]
+        exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
+        pos = state.ops.blocks_to_tokens(cand, BS).long()  # [B, Hkv, C * BS]
+        s = exact.flatten(-2)
+        # forced tokens (ops/layout.py): the sink, and [min(window start, current block start), n)
+        sink_end, win_start = window_positions(state.seq_lens, state.start, self.sink, self.window)
+        first = torch.minimum(win_start, (state.seq_lens.long() - 1) // BS * BS)
+        forced = (pos < sink_end.view(-1, 1, 1)) | (pos >= first.view(-1, 1, 1))
+        s = s.masked_fill(forced & (s > float("-inf")), float("inf"))
+        tokens = pick(state.ops, s, pos, counts, state)
+        return Selection("token", tokens, state.start, state.start, tuple(counts))

@@ -1,0 +1,180 @@
+"""The compressed-key selectors' ops (projected keys, candidate scores): Triton against the float32 reference, and
+the reference against a plain loop over positions, on awkward shapes: GQA 1/3/4/8, lengths not multiples of the
+block size, left padding (``start``), evicted blocks (table entry -1), empty and full selections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_sparse_kv.ops import get_ops
+from hf_sparse_kv.ops import reference as R
+from hf_sparse_kv.ops.layout import forced_block_mask, forced_token_mask
+
+triton = pytest.importorskip("triton")
+
+from test_triton_ops import DEVICE, make_case, random_blocks
+
+OPS = get_ops("triton", DEVICE)
+
+SHAPES = [  # (B, H, G, D, BS, lens, starts)
+    (1, 1, 1, 16, 8, [1], None),
+    (2, 2, 3, 32, 16, [37, 70], [0, 5]),
+    (3, 1, 4, 64, 16, [16, 33, 90], [0, 0, 17]),
+    (2, 2, 8, 16, 32, [100, 65], [3, 0]),
+]
+
+
+def _evict(c, BS, seed=0):
+    """Free one middle block of every sequence long enough (its table entry becomes -1)."""
+    table = c["block_table"].clone()
+    for b, n in enumerate(c["seq_lens"].tolist()):
+        if -(-n // BS) >= 3:
+            table[b, 1] = -1
+    c["block_table"] = table
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
+@pytest.mark.parametrize("evicted", [False, True])
+@pytest.mark.parametrize("reduce", ["token", "block"])
+@pytest.mark.parametrize("force", [False, True])
+def test_projected_scores_match_reference(shape, evicted, reduce, force):
+    B, H, G, D, BS, lens, starts = shape
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    if evicted:
+        _evict(c, BS)
+    Rk = max(1, D // 8) + 1  # an awkward rank
+    g = torch.Generator().manual_seed(1)
+    NB = c["k_pool"].shape[0]
+    ckeys = torch.randn(NB, H, BS, Rk, generator=g).to(DEVICE)
+    qp = torch.randn(B, H * G, Rk, generator=g).to(DEVICE)
+    args = (qp, ckeys, c["block_table"], c["seq_lens"], c["start"], reduce)
+    kw = {"sink": 3, "window": 7} if force else {}
+    ref = R.projected_scores(*args, **kw)
+    out = OPS.projected_scores(*args, **kw)
+    assert out.shape == ref.shape
+    assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out == float("inf"), ref == float("inf"))
+    fin = ref.isfinite()
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_projected_scores_reference_is_the_loop():
+    """The reference equals the definition: per position, max over the group of ``qp . ckey``; forced as layout."""
+    B, H, G, D, BS = 2, 2, 3, 16, 8
+    c = make_case(B, H, G, D, BS, [29, 12], starts=[2, 0])
+    _evict(c, BS)
+    Rk = 3
+    ckeys = torch.randn(c["k_pool"].shape[0], H, BS, Rk).to(DEVICE)
+    qp = torch.randn(B, H * G, Rk).to(DEVICE)
+    table, lens, st = c["block_table"], c["seq_lens"], c["start"]
+    tok = R.projected_scores(qp, ckeys, table, lens, st, "token", sink=2, window=3)
+    blk = R.projected_scores(qp, ckeys, table, lens, st, "block", sink=2, window=3)
+    MB = table.shape[1]
+    ftok = forced_token_mask(lens, st, 2, 3, BS, MB * BS)
+    fblk = forced_block_mask(lens, st, 2, 3, BS, MB)
+    for b in range(B):
+        for h in range(H):
+            for lb in range(MB):
+                phys = int(table[b, lb])
+                live = phys >= 0 and lb * BS < int(lens[b])
+                best = float("-inf")
+                for t in range(BS):
+                    p = lb * BS + t
+                    ok = live and int(st[b]) <= p < int(lens[b])
+                    want = float("-inf")
+                    if ok:
+                        want = max(float(qp[b, h * G + g] @ ckeys[phys, h, t]) for g in range(G))
+                        best = max(best, want)
+                        want = float("inf") if ftok[b, p] else want
+                    assert tok[b, h, p].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
+                want = (float("inf") if fblk[b, lb] else best) if live else float("-inf")
+                assert blk[b, h, lb].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("span_kind", ["prefill", "decode", "padded", "empty"])
+def test_projected_write_matches_reference_and_touches_only_its_positions(dtype, span_kind):
+    B, H, D, BS, Rk = 3, 2, 32, 16, 5
+    c = make_case(B, H, 1, D, BS, [70, 41, 16], dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    proj = torch.randn(H, D, Rk, generator=g).to(DEVICE)
+    NB = c["k_pool"].shape[0]
+    before = torch.randn(NB, H, BS, Rk, generator=g).to(DEVICE).to(dtype)
+    if span_kind == "prefill":
+        lo, hi, span = [0, 0, 0], [70, 41, 16], 70
+    elif span_kind == "decode":
+        lo, hi, span = [69, 40, 15], [70, 41, 16], 1
+    elif span_kind == "padded":  # left padding: each sequence wrote fewer than span tokens
+        lo, hi, span = [0, 0, 0], [70, 29, 5], 70
+    else:  # nothing written for one sequence
+        lo, hi, span = [60, 41, 3], [70, 41, 16], 13
+    lo_t, hi_t = torch.tensor(lo, device=DEVICE), torch.tensor(hi, device=DEVICE)
+    ref, out = before.clone(), before.clone()
+    R.projected_write(ref, c["k_pool"], proj, c["block_table"], lo_t, hi_t, span)
+    OPS.projected_write(out, c["k_pool"], proj, c["block_table"], lo_t, hi_t, span)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    want = before.clone()
+    for b in range(B):
+        for p in range(lo[b], hi[b]):
+            phys = int(c["block_table"][b, p // BS])
+            want[phys, :, p % BS] = torch.einsum("hd,hdr->hr", c["k_pool"][phys, :, p % BS].float(), proj).to(dtype)
+    torch.testing.assert_close(ref.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
+@pytest.mark.parametrize("evicted", [False, True])
+@pytest.mark.parametrize("K", [0, 1, 3, 8])
+def test_candidate_scores_match_reference(shape, evicted, K):
+    B, H, G, D, BS, lens, starts = shape
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    if evicted:
+        _evict(c, BS)
+    blocks = random_blocks(c, K, BS, seed=K)
+    args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
+    ref = R.candidate_scores(*args)
+    out = OPS.candidate_scores(*args)
+    assert out.shape == ref.shape == (B, H, K, BS)
+    assert torch.equal(out.isneginf(), ref.isneginf())
+    fin = ref.isfinite()
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    # the reference is the exact score of the token, as token_scores computes it
+    dense = R.token_scores(c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"])
+    pos = R.blocks_to_tokens(blocks, BS).long().view(B, H, K, BS)
+    L = dense.shape[-1]
+    picked = dense.gather(2, pos.clamp(0, L - 1).view(B, H, -1)).view(B, H, K, BS)
+    torch.testing.assert_close(ref[fin], picked[fin], rtol=1e-5, atol=1e-5)
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels, larger shapes)")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("BS", [16, 64])
+def test_cuda_selector_ops_large(dtype, BS):
+    """Llama-3-8B-like heads (G 4, D 128, R 16) over 5000 and 9001 tokens, bf16/fp16 against the float32 reference."""
+    B, H, G, D, Rk = 2, 8, 4, 128, 16
+    c = make_case(B, H, G, D, BS, [5000, 9001], dtype=dtype, starts=[0, 7])
+    _evict(c, BS)
+    g = torch.Generator().manual_seed(3)
+    proj = torch.randn(H, D, Rk, generator=g).to(DEVICE) / D**0.5
+    NB = c["k_pool"].shape[0]
+    ref_c, out_c = (torch.zeros(NB, H, BS, Rk, dtype=dtype, device=DEVICE) for _ in range(2))
+    lo, hi = torch.zeros(B, dtype=torch.long, device=DEVICE), c["seq_lens"].long()
+    R.projected_write(ref_c, c["k_pool"], proj, c["block_table"], lo, hi, 9001)
+    OPS.projected_write(out_c, c["k_pool"], proj, c["block_table"], lo, hi, 9001)
+    assert ((out_c.float() - ref_c.float()).norm() / ref_c.float().norm()) < 1e-2
+    qp = torch.randn(B, H * G, Rk, generator=g).to(DEVICE)
+    for reduce in ("token", "block"):
+        args = (qp, ref_c, c["block_table"], c["seq_lens"], c["start"], reduce, 4, 32)
+        ref, out = R.projected_scores(*args), OPS.projected_scores(*args)
+        assert torch.equal(out.isinf(), ref.isinf())
+        fin = ref.isfinite()
+        assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-4
+    blocks = random_blocks(c, 200, BS, seed=4)
+    args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
+    ref, out = R.candidate_scores(*args), OPS.candidate_scores(*args)
+    assert torch.equal(out.isneginf(), ref.isneginf())
+    fin = ref.isfinite()
+    assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-2
