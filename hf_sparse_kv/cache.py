@@ -76,6 +76,9 @@ class BlockTable:
     def tensor(self, device: torch.device) -> torch.Tensor:
         """``[B, max_blocks]`` int32 on ``device``, -1 past each sequence's blocks (cached per device until the next
         change)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one table
+            device = torch.device("cuda", torch.cuda.current_device())
         key = str(device)
         if key not in self._tensors:
             width = max([len(r) for r in self.rows] + [1])

@@ -261,10 +261,10 @@ class Policy:
         step fills them on the device (a copy from a host tensor could not be captured in a CUDA graph)."""
         if all(c == width for c in counts):
             return None
-        if state.static:
+        if state.static:  # fill_ with a Python number is a kernel argument: no host-to-device copy to capture
             t = torch.empty(len(counts), dtype=torch.long, device=state.q.device)
             for b, c in enumerate(counts):
-                t[b] = c
+                t[b : b + 1].fill_(c)
             return t
         return torch.tensor(counts, dtype=torch.long).to(state.q.device, non_blocking=True)
 
