@@ -40,13 +40,10 @@ class TopPBlockTopK(TwoStageBlockTopK):
             raise ValueError(f"p must lie in (0, 1] (the attention mass to cover), got {self.p!r}")
 
     def select(self, state: DecodeState) -> Selection:
-        counts = self.widths(state)
-        if counts is None:
+        found = self.candidate_pass(state)
+        if found is None:
             return self.dense_selection(state)
-        if state.evicted is not None:
-            counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
-        cand = self._coarse.select(state, self._coarse.counts(counts, counts, state), self.sink, self.window)
-        exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
+        counts, cand, exact = found
         B, H, C, BS = exact.shape
         # each candidate block's share of the candidates' softmax mass: [B, Hkv, C] (0 for padding)
         mass = (exact.view(B, H, C * BS) * state.scale).softmax(-1).nan_to_num(0.0).view(B, H, C, BS).sum(-1)

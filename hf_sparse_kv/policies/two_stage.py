@@ -101,16 +101,24 @@ class TwoStageBlockTopK(_BlockTopK):
     def cache_state(self) -> tuple[StateSpec, ...]:
         return self._coarse.cache_state()
 
-    def select(self, state: DecodeState) -> Selection:
+    def candidate_pass(self, state: DecodeState) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        """The step's widths (``None``: dense), its candidate blocks ``[B, Hkv, C]`` (coarse pass) and their tokens'
+        exact scores ``[B, Hkv, C, BS]`` (``ops.candidate_scores``)."""
         counts = self.widths(state)
         if counts is None:
-            return self.dense_selection(state)
+            return None
         if state.evicted is not None:
             counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
         cand = self._coarse.select(state, self._coarse.counts(counts, counts, state), self.sink, self.window)
-        exact = state.ops.candidate_scores(
-            state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand
-        ).amax(-1)  # [B, Hkv, C]: a block's best token
+        exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
+        return counts, cand, exact
+
+    def select(self, state: DecodeState) -> Selection:
+        found = self.candidate_pass(state)
+        if found is None:
+            return self.dense_selection(state)
+        counts, cand, exact = found
+        exact = exact.amax(-1)  # [B, Hkv, C]: a block's best token
         forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
         B, H, C = cand.shape
         f = forced.gather(1, cand.long().clamp(min=0).view(B, -1)).view(B, H, C) & (cand >= 0)
