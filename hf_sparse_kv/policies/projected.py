@@ -121,12 +121,9 @@ class CompressedKeys:
 
 
 @dataclass
-class ProjectedBlockTopK(_BlockTopK):
-    """Blocks ranked by the max of their tokens' compressed-key scores (max over the GQA group), top ``budget``.
-
-    Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``calibration`` (a path or dict from
-    ``hf-sparse-kv calibrate-selector``; required). State: ``ckeys [NB, Hkv, BS, R]`` (module docstring).
-    """
+class _CompressedKeyScores:
+    """What both projected policies add to their base: the ``calibration`` argument, the :class:`CompressedKeys` it
+    makes, and their state (a mixin: listed before the policy base, whose ``__post_init__`` runs first)."""
 
     calibration: Any = field(default=None, repr=False, compare=False)
 
@@ -136,6 +133,15 @@ class ProjectedBlockTopK(_BlockTopK):
 
     def cache_state(self) -> tuple[StateSpec, ...]:
         return (self._keys.spec,)
+
+
+@dataclass
+class ProjectedBlockTopK(_CompressedKeyScores, _BlockTopK):
+    """Blocks ranked by the max of their tokens' compressed-key scores (max over the GQA group), top ``budget``.
+
+    Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``calibration`` (a path or dict from
+    ``hf-sparse-kv calibrate-selector``; required). State: ``ckeys [NB, Hkv, BS, R]`` (module docstring).
+    """
 
     def scores(self, state: DecodeState) -> torch.Tensor:
         qp, ckeys = self._keys.scoring_inputs(state)
@@ -145,19 +151,10 @@ class ProjectedBlockTopK(_BlockTopK):
 
 
 @dataclass
-class ProjectedTokenTopK(TokenTopK):
+class ProjectedTokenTopK(_CompressedKeyScores, TokenTopK):
     """Tokens ranked by their compressed-key scores (max over the GQA group), top ``budget``, sink and window kept:
     :class:`TokenTopK` with approximate scores (Double Sparsity's token selection). Args as
     :class:`ProjectedBlockTopK`; runs in ``"token"`` and ``"mask"`` modes."""
-
-    calibration: Any = field(default=None, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._keys = CompressedKeys(self.calibration, type(self).__name__)
-
-    def cache_state(self) -> tuple[StateSpec, ...]:
-        return (self._keys.spec,)
 
     def token_scores(self, state: DecodeState) -> torch.Tensor:
         qp, ckeys = self._keys.scoring_inputs(state)

@@ -83,12 +83,9 @@ def pick(ops, scores: torch.Tensor, items: torch.Tensor, counts: list[int], stat
 
 
 @dataclass
-class TwoStageBlockTopK(_BlockTopK):
-    """Coarse pass to ``candidates x`` the budget's blocks, then the blocks with the largest exact token score.
-
-    Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``candidates`` (``c >= 1``),
-    ``coarse`` (``"quest"`` or ``"projected"``), ``calibration`` (for ``coarse="projected"``).
-    """
+class _TwoStage:
+    """What both two-stage policies add to their base: the ``candidates``, ``coarse`` and ``calibration``
+    arguments, the :class:`CoarsePass` they make, and its state (a mixin: listed before the policy base)."""
 
     candidates: float = 4
     coarse: str = "quest"
@@ -100,6 +97,15 @@ class TwoStageBlockTopK(_BlockTopK):
 
     def cache_state(self) -> tuple[StateSpec, ...]:
         return self._coarse.cache_state()
+
+
+@dataclass
+class TwoStageBlockTopK(_TwoStage, _BlockTopK):
+    """Coarse pass to ``candidates x`` the budget's blocks, then the blocks with the largest exact token score.
+
+    Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``candidates`` (``c >= 1``),
+    ``coarse`` (``"quest"`` or ``"projected"``), ``calibration`` (for ``coarse="projected"``).
+    """
 
     def candidate_pass(self, state: DecodeState) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
         """The step's widths (``None``: dense), its candidate blocks ``[B, Hkv, C]`` (coarse pass) and their tokens'
@@ -128,20 +134,9 @@ class TwoStageBlockTopK(_BlockTopK):
 
 
 @dataclass
-class TwoStageTokenTopK(TokenTopK):
+class TwoStageTokenTopK(_TwoStage, TokenTopK):
     """Coarse pass to ``candidates x`` the budget's blocks, then the budget's tokens by exact score among theirs (sink
     and window kept). Args as :class:`TwoStageBlockTopK`; runs in ``"token"`` and ``"mask"`` modes."""
-
-    candidates: float = 4
-    coarse: str = "quest"
-    calibration: Any = field(default=None, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._coarse = CoarsePass(self.coarse, self.candidates, self.calibration, type(self).__name__)
-
-    def cache_state(self) -> tuple[StateSpec, ...]:
-        return self._coarse.cache_state()
 
     def select(self, state: DecodeState) -> Selection:
         BS = state.block_size
