@@ -249,6 +249,42 @@ def static_counters(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan,
     return Counters(nbytes, 1, auto)
 
 
+def layer_state(
+    query: torch.Tensor,
+    layer: PagedLayer,
+    layer_idx: int,
+    cache: PagedKVCache,
+    scale: float,
+    ops,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    lens: tuple[int, ...],
+    **step,
+) -> DecodeState:
+    """What a policy sees of one paged layer in a decode step (query ``[B, Hq, 1, D]``): the layer's pools, metadata
+    and declared state beside the step's table and lengths (``step``: ``evicted``, or a static step's ``static`` and
+    ``planned``). The eager and the static step both build it here."""
+    return DecodeState(
+        q=query[:, :, 0],
+        k_pool=layer.k_pool,
+        kmin=layer.kmin,
+        kmax=layer.kmax,
+        kmean=layer.kmean,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        start=start,
+        lens=lens,
+        length=max(lens),
+        block_size=cache.block_size,
+        scale=scale,
+        ops=ops,
+        state=layer.state,
+        layer=layer_idx,
+        **step,
+    )
+
+
 def static_attention(
     config: SparseConfig, cache: PagedKVCache, module: torch.nn.Module, query: torch.Tensor, scale: float, **kwargs
 ) -> torch.Tensor:
@@ -261,25 +297,10 @@ def static_attention(
     layer = cache.layers[layer_idx]
     B = query.shape[0]
     length = static.table.shape[1] * cache.block_size  # the reserved width stands in for the step's lengths
-    state = DecodeState(
-        q=query[:, :, 0],
-        k_pool=layer.k_pool,
-        kmin=layer.kmin,
-        kmax=layer.kmax,
-        kmean=layer.kmean,
-        block_table=static.table,
-        seq_lens=static.seq_lens,
-        start=static.start,
-        lens=(length,) * B,
-        length=length,
-        block_size=cache.block_size,
-        scale=scale,
-        ops=static.ops,
-        state=layer.state,
-        static=True,
-        planned=static.plan.counts,
-        layer=layer_idx,
-    )
+    state = layer_state(
+        query, layer, layer_idx, cache, scale, static.ops, static.table, static.seq_lens, static.start,
+        (length,) * B, static=True, planned=static.plan.counts,
+    )  # fmt: skip
     selection, mode = choose(config, state, layer_idx, cache, sparse=static.plan.sparse)
     return execute(selection, mode, state, layer.v_pool).unsqueeze(1)
 
@@ -326,23 +347,9 @@ def sparse_attention_forward(
     scale = scaling if scaling is not None else D**-0.5
     ops = cache.ops(query.device)
     plan = plan_step(cache, attention_mask, B, layer.length, query.device, config.policy)
-    state = DecodeState(
-        q=query[:, :, 0],
-        k_pool=layer.k_pool,
-        kmin=layer.kmin,
-        kmax=layer.kmax,
-        kmean=layer.kmean,
-        block_table=cache.table.tensor(query.device),
-        seq_lens=plan.seq_lens,
-        start=plan.start,
-        lens=plan.lens,
-        length=max(plan.lens),
-        block_size=cache.block_size,
-        scale=scale,
-        ops=ops,
-        evicted=plan.evicted,
-        state=layer.state,
-        layer=layer_idx,
+    table = cache.table.tensor(query.device)
+    state = layer_state(
+        query, layer, layer_idx, cache, scale, ops, table, plan.seq_lens, plan.start, plan.lens, evicted=plan.evicted
     )
     selection, mode = choose(config, state, layer_idx, cache)
     out = execute(selection, mode, state, layer.v_pool)  # [B, Hq, D]
