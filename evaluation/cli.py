@@ -22,6 +22,7 @@ with exit code 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -39,6 +40,15 @@ COMMANDS = {
     "stage": "split a file into parts for a GPU machine without network (--model M, --extras, or FILE --name N)",
     "suite": "a model's whole quality suite (smollm2, gemma3, qwen2.5), resumable; --summarize writes the tables",
     "calibrate-selector": "calibrate a compressed-key selector (channels, RoPE pairs, PCA or SVD) on a model's text",
+}
+
+
+LAZY = {  # command -> the module whose main() runs it
+    "demo": ".demo",
+    "stage": ".stage",
+    "suite": ".suite",
+    "calibrate": "hf_sparse_kv.calibrate",
+    "calibrate-selector": ".calibrate_selector",
 }
 
 
@@ -173,30 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr)
         fail(f"unknown command {argv[0]!r}" if argv else "a command is required")
-    if argv[0] == "demo":
-        from . import demo
-
-        demo.main(argv[1:])
-        return
-    if argv[0] == "stage":
-        from . import stage
-
-        stage.main(argv[1:])
-        return
-    if argv[0] == "suite":
-        from . import suite
-
-        suite.main(argv[1:])
-        return
-    if argv[0] == "calibrate":
-        from hf_sparse_kv import calibrate
-
-        calibrate.main(argv[1:])
-        return
-    if argv[0] == "calibrate-selector":
-        from . import calibrate_selector
-
-        calibrate_selector.main(argv[1:])
+    if argv[0] in LAZY:  # their modules are imported only when asked for (models, compilers, plotting)
+        importlib.import_module(LAZY[argv[0]], __package__).main(argv[1:])
         return
     {"run": run_main, "eval": eval_main}[argv[0]](argv[1:])
 
