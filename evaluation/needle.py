@@ -178,6 +178,13 @@ def generate_cells(model, ids: torch.Tensor, todo: list, cfg: dict, new_tokens: 
     return gens, round((time.perf_counter() - t0) / len(todo), 2)
 
 
+def own_prefill(policy: Policy) -> bool:
+    """Whether ``policy`` needs a prefill of its own instead of a copy of the shared dense one: it compresses the
+    prompt while prefilling (SnapKV), or it keeps per-token state in the cache (compressed keys) that a cache
+    filled under :class:`Dense` does not hold."""
+    return policy.compresses or bool(policy.cache_state())
+
+
 def greedy_under_policies(
     model,
     ids: torch.Tensor,
@@ -191,7 +198,7 @@ def greedy_under_policies(
     """Greedy continuations of ``ids [1, L]`` under each policy through the patched model, one prefill shared.
 
     Returns ``{key: generated token ids}``; every generated token comes from a decode step that ran the policy.
-    A compressing policy (SnapKV) prefills on its own: it scores the prompt during the prefill.
+    A policy for which :func:`own_prefill` holds prefills on its own.
     """
     kw = {"use_cache": True}
     patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
@@ -204,7 +211,7 @@ def greedy_under_policies(
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if policy.compresses:  # it scores the prompt during its own prefill
+            if own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 with torch.no_grad():
                     model(ids[:, :-1], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)
@@ -265,7 +272,7 @@ def greedy_batch(
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if policy.compresses:
+            if own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 prefill(cache)
             else:

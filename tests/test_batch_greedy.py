@@ -29,3 +29,31 @@ def test_batched_greedy_equals_one_at_a_time(arch):
         one = greedy_under_policies(model, torch.tensor([prompt]), policies, 6, (0,), 8, mode)
         assert got == one
     assert not is_patched(model)
+
+
+def test_stateful_selector_beside_dense():
+    """A policy keeping per-token state (compressed keys) gets its own prefill: a copy of the shared dense prefill
+    holds no such state. Batched and one at a time agree, and equal the policy run alone."""
+    from tiny_models import prompt
+
+    from hf_sparse_kv.calibrate_selector import calibrate_selector
+    from hf_sparse_kv.policies import ProjectedBlockTopK, ProjectedTokenTopK, TwoStageBlockTopK
+
+    model = tiny_model("llama")
+    cal = calibrate_selector(model, prompt(96, seed=5), "pairs", 4)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (140, 127)]
+    policies = {
+        "dense": Dense(),
+        "proj_blk": ProjectedBlockTopK(budget=0.25, sink=4, window=16, calibration=cal),
+        "proj_tok": ProjectedTokenTopK(budget=0.25, sink=4, window=16, calibration=cal),
+        "two_stage": TwoStageBlockTopK(
+            budget=0.25, sink=4, window=16, candidates=2, coarse="projected", calibration=cal
+        ),
+    }
+    batched = greedy_batch(model, prompts, policies, 5, dense_layers=(0,), block_size=8, mode="block")
+    for prompt_ids, got in zip(prompts, batched):
+        ids = torch.tensor([prompt_ids])
+        assert got == greedy_under_policies(model, ids, policies, 5, (0,), 8, "block")
+        for key in ("proj_blk", "proj_tok"):
+            assert got[key] == greedy_under_policies(model, ids, {key: policies[key]}, 5, (0,), 8, "block")[key]
