@@ -25,6 +25,8 @@ and the fraction of the HBM bandwidth measured at the start of the run follow fr
     python benchmarks/bench_decode.py --quick                 # ~3 minutes on an H200
     python benchmarks/bench_decode.py --models llama3-8b --batches 8   # one chunk of the full grid
     python benchmarks/bench_decode.py --selector-targets      # the selectors at 1 x 128K and 8 x 32K, 1/16, BS 16
+    python benchmarks/bench_decode.py --tune-selectors        # their scoring kernels checked and swept there, then
+                                                              # the selectors with the best knobs (~2-3 minutes)
 """
 
 from __future__ import annotations
@@ -187,19 +189,47 @@ def flex_fns(layer: Layer, keep: torch.Tensor):
         return None, 0
 
 
-def selector_fns(layer, caches, bt, BS, budget, ops, pc):
-    """``--selectors``: per selector, selection + attention and the selection alone, one call per layer, each
-    through the policy's own ``select()`` on a :class:`DecodeState` of that layer (compressed keys ``R = D / 8`` of
-    random channels, kept beside the pool as the cache keeps them). Returns (fns, bytes read by design)."""
-    B, H, L, D, q, scale = layer.B, layer.H, layer.L, layer.D, layer.q, layer.scale
-    z, lens = layer.zero, layer.seq_lens
+def compressed_keys(caches, H: int, D: int) -> tuple[dict, list[torch.Tensor], torch.Tensor]:
+    """Compressed keys ``R = D / 8`` of random channels (a "channels" calibration), kept beside each layer's pool as
+    the cache keeps them: (the calibration, per layer ``[NB, Hkv, BS, R]``, the projection ``[Hkv, D, R]`` on the
+    device)."""
     Rk = D // 8
     g = torch.Generator().manual_seed(0)
     channels = torch.stack([torch.randperm(D, generator=g)[:Rk].sort().values for _ in range(H)])  # [H, R]
     P = torch.zeros(H, D, Rk).scatter_(1, channels.unsqueeze(1), 1.0)
     cal = {"method": "channels", "proj": dict.fromkeys(range(len(caches)), P)}
     ckeys = [c[0][:, :, :, channels.to(DEV)].diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).contiguous() for c in caches]
-    assert ckeys[0].shape == (caches[0][0].shape[0], H, BS, Rk)
+    assert ckeys[0].shape == (*caches[0][0].shape[:3], Rk)
+    return cal, ckeys, P.to(DEV)
+
+
+def layer_states(layer, caches, bt, BS, ops, ckeys) -> list[DecodeState]:
+    """One :class:`DecodeState` per layer (its own pool, metadata and compressed keys; the shared query and table)."""
+    B, L = layer.B, layer.L
+
+    def state(i, c):
+        return DecodeState(
+            q=layer.q, k_pool=c[0], kmin=c[2], kmax=c[3], kmean=c[4], block_table=bt, seq_lens=layer.seq_lens,
+            start=layer.zero, lens=(L,) * B, length=L, block_size=BS, scale=layer.scale, ops=ops,
+            state={"ckeys": ckeys[i]}, layer=i,
+        )  # fmt: skip
+
+    return [state(i, c) for i, c in enumerate(caches)]
+
+
+def paged_args(layer, caches, bt):
+    """``pc(i)``: the paged arguments of layer ``i``'s attention (query, pools, table, lengths, start)."""
+    return lambda i: (layer.q, caches[i][0], caches[i][1], bt, layer.seq_lens, layer.zero)
+
+
+def selector_fns(layer, caches, bt, BS, budget, ops, pc):
+    """``--selectors``: per selector, selection + attention and the selection alone, one call per layer, each
+    through the policy's own ``select()`` on a :class:`DecodeState` of that layer (compressed keys ``R = D / 8`` of
+    random channels, kept beside the pool as the cache keeps them). Returns (fns, bytes read by design)."""
+    B, H, L, D, scale = layer.B, layer.H, layer.L, layer.D, layer.scale
+    lens = layer.seq_lens
+    cal, ckeys, _ = compressed_keys(caches, H, D)
+    Rk = ckeys[0].shape[-1]
     f = 1 / budget
     policies = {
         "quest": Quest(budget=f),
@@ -210,15 +240,7 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "2st_tok": TwoStageTokenTopK(budget=f, candidates=4),
         "topp_c4": TopPBlockTopK(budget=f, candidates=4, p=0.9),
     }
-
-    def state(i):
-        c = caches[i]
-        return DecodeState(
-            q=q, k_pool=c[0], kmin=c[2], kmax=c[3], kmean=c[4], block_table=bt, seq_lens=lens, start=z,
-            lens=(L,) * B, length=L, block_size=BS, scale=scale, ops=ops, state={"ckeys": ckeys[i]}, layer=i,
-        )  # fmt: skip
-
-    states = [state(i) for i in range(len(caches))]
+    states = layer_states(layer, caches, bt, BS, ops, ckeys)
 
     def attend(i, sel):
         if sel.kind == "block":
@@ -422,6 +444,183 @@ def tune(ops, args, hbm):
     write_csv(os.path.join(folder, "bench_decode_tune_scores.csv"), scores)
 
 
+def scores_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMSE of scores over the reference's finite entries; ``inf`` where the ``+-inf`` entries differ."""
+    same = torch.equal(out.isposinf(), ref.isposinf()) and torch.equal(out.isneginf(), ref.isneginf())
+    fin = ref.isfinite()
+    return rel_err(out[fin], ref[fin]) if same and fin.any() else float("inf")
+
+
+def tuned_ops(ops, proj_kw: dict, cand_kw: dict) -> SimpleNamespace:
+    """``ops`` with the scoring ops' knobs bound (the namespace the policies call through ``DecodeState.ops``)."""
+    return SimpleNamespace(
+        **{**vars(ops), "projected_scores": functools.partial(ops.projected_scores, **proj_kw),
+           "candidate_scores": functools.partial(ops.candidate_scores, **cand_kw)}
+    )  # fmt: skip
+
+
+def selector_check_inputs(layer, caches, bt, ckeys, cands):
+    """Fresh random inputs at the layer's shape for the kernels' check: a new query, compressed keys and key pool,
+    lengths that are not multiples of the block size, a left-padded first sequence, an evicted block, candidate sets
+    with padding slots. Returns a namespace (``proj_args``, ``cand_args`` per candidate count)."""
+    B, L = layer.B, layer.L
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn(layer.q.shape, generator=g, device=DEV).to(torch.bfloat16)
+    ck = torch.randn(ckeys[0].shape, generator=g, device=DEV).to(torch.bfloat16)
+    pool = torch.randn(caches[0][0].shape, generator=g, device=DEV).to(torch.bfloat16)
+    table = bt.clone()
+    table[:, 1] = -1
+    lens = torch.tensor([L - 5 - 11 * (b % 2) for b in range(B)], dtype=torch.int32, device=DEV)
+    start = torch.tensor([3] + [0] * (B - 1), dtype=torch.int32, device=DEV)
+    padded = {
+        c: torch.where(torch.rand(cand.shape, generator=g, device=DEV) < 0.1, -1, cand) for c, cand in cands.items()
+    }
+    return SimpleNamespace(
+        proj_args=(q, ck, table, lens, start),
+        cand_args={c: (q, pool, table, lens, start, p) for c, p in padded.items()},
+    )
+
+
+PROJ_KNOBS = {"block_m": (16, 32, 64, 128), "num_warps": (4, 8), "tiles_per_program": (1, 2, 4)}
+CAND_KNOBS = {"block_c": (4, 8, 16), "num_warps": (4, 8), "walk": ((1, 2), (2, 2), (4, 2), (4, 3))}  # (tiles, stages)
+
+
+def tune_selectors(ops, args, hbm) -> None:
+    """``--tune-selectors``: at 1 x 128K and 8 x 32K (Llama-3-8B layer, bf16, BS 16, budget 1/16), check the two
+    scoring kernels of the issue-13 selectors against the float32 reference on fresh random inputs (every config),
+    sweep their knobs (us and GB/s per config against the HBM probe), then time the selectors through their own
+    ``select()`` with each shape's best configs. Prints the tables (a short summary last), writes two CSVs beside
+    ``--out``."""
+    from hf_sparse_kv.ops.triton.candidates import default_block_c
+    from hf_sparse_kv.ops.triton.projected import default_block_m
+
+    BS, budget, sink, window = 16, 16, 4, 32  # the policies' defaults
+    # --device cpu: a dry run through the interpreter (small shapes, two configs per kernel); its bf16 x bf16 tl.dot
+    # is wrong (any kernel's), so candidate_scores' check fails there
+    cpu = DEV != "cuda"
+    shapes = (
+        [("llama3-8b", 1, 2 * KI), ("llama3-8b", 2, KI)] if cpu else [(m, B, L) for m, B, L, *_ in SELECTOR_TARGETS]
+    )
+    proj_grid = list(itertools.product(*PROJ_KNOBS.values()))[: 2 if cpu else None]
+    cand_grid = list(itertools.product(*CAND_KNOBS.values()))[: 2 if cpu else None]
+    t0 = time.monotonic()
+    sweep, sel_rows, summary = [], [], []
+    for model, B, L in shapes:
+        layer = Layer(model, B, L, args.layers)
+        caches, bt = layer.paged(BS)
+        H, D, q, lens, z = layer.H, layer.D, layer.q, layer.seq_lens, layer.zero
+        _, ckeys, P = compressed_keys(caches, H, D)
+        Rk, MB = ckeys[0].shape[-1], bt.shape[1]
+        states = layer_states(layer, caches, bt, BS, ops, ckeys)
+        cands = {c: [TwoStageBlockTopK(budget=1 / budget, candidates=c).candidate_blocks(s)[1] for s in states]
+                 for c in (2, 4)}  # fmt: skip
+        chk = selector_check_inputs(layer, caches, bt, ckeys, {c: v[0] for c, v in cands.items()})
+        proj_ref = R.projected_scores(*chk.proj_args, "block", sink, window, qproj=P)
+        cand_ref = {
+            c: R.candidate_scores(*a, reduce="block", sink=sink, window=window) for c, a in chk.cand_args.items()
+        }
+        tok_ref = R.candidate_scores(*chk.cand_args[4])  # TopPBlockTopK's per-token form, default knobs only
+        tok_err = scores_err(ops.candidate_scores(*chk.cand_args[4]), tok_ref)
+        key = {"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}"}
+        print(f"  {model} B={B} L={L // KI}K: setup + references {time.monotonic() - t0:.0f} s; "
+              f"candidate_scores token form (default knobs) rel err {tok_err:.1e}", flush=True)  # fmt: skip
+
+        proj_bytes = B * H * MB * BS * Rk * 2 + B * H * MB * 4  # every compressed key once, a score per block
+        for bm, nw, tpp in proj_grid:
+            kw = {"block_m": bm, "num_warps": nw, "tiles_per_program": tpp}
+            row = {**key, "kernel": "projected_scores", "config": f"bm={bm} w={nw} tiles={tpp}", "knobs": kw,
+                   "default": (bm, nw, tpp) == (default_block_m(BS, Rk), 4, 1), "bytes": proj_bytes}  # fmt: skip
+            try:
+                row["err"] = scores_err(
+                    ops.projected_scores(*chk.proj_args, "block", sink, window, qproj=P, **kw), proj_ref
+                )
+                fns = [functools.partial(ops.projected_scores, q, ck, bt, lens, z, "block", sink, window, qproj=P, **kw)
+                       for ck in ckeys]  # fmt: skip
+                row["us"] = bench(fns, rep=args.rep)[0]
+            except Exception as e:  # noqa: BLE001 - a config that does not build (registers, shared memory)
+                row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+            sweep.append(row)
+        print(f"  projected_scores: {len(proj_grid)} configs, {time.monotonic() - t0:.0f} s", flush=True)
+
+        for bc, nw, (tpp, ns) in cand_grid:
+            kw = {"block_c": bc, "num_warps": nw, "tiles_per_program": tpp, "num_stages": ns}
+            for c, per_layer in cands.items():
+                n_cand = int((per_layer[0] >= 0).sum())
+                row = {**key, "kernel": f"candidate_scores c={c}", "config": f"bc={bc} w={nw} tiles={tpp} st={ns}",
+                       "knobs": kw, "default": (bc, nw, tpp, ns) == (default_block_c(BS, D), 4, 1, 2),
+                       "bytes": n_cand * BS * D * 2 + per_layer[0].numel() * 8}  # fmt: skip
+                try:
+                    got = ops.candidate_scores(*chk.cand_args[c], reduce="block", sink=sink, window=window, **kw)
+                    row["err"] = scores_err(got, cand_ref[c])
+                    fns = [functools.partial(ops.candidate_scores, q, cc[0], bt, lens, z, cand, reduce="block", sink=sink,
+                                             window=window, **kw) for cc, cand in zip(caches, per_layer)]  # fmt: skip
+                    row["us"] = bench(fns, rep=args.rep)[0]
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+                sweep.append(row)
+        print(f"  candidate_scores: {len(cand_grid)} configs x c = 2, 4, {time.monotonic() - t0:.0f} s", flush=True)
+
+        rows = [r for r in sweep if r["L"] == L and r["B"] == B]
+        for r in rows:
+            if "us" in r:
+                r["GBps"] = r["bytes"] / (r["us"] * 1e-6) / 1e9
+                r["pct_hbm"] = 100 * r["GBps"] / hbm
+        ok = [r for r in rows if r.get("err", float("inf")) < 2e-2 and "us" in r]
+        bad = [f"{r['kernel']} {r['config']}: {r.get('error', r.get('err'))}" for r in rows if r not in ok]
+        if bad:
+            print("  CHECK FAILED or not built:\n    " + "\n    ".join(bad))
+        # the fastest config that passed (for candidate_scores: over c = 2 and 4 together); the defaults if none did
+        fallback = {"config": "default (no config passed)", "knobs": {}, "us": None, "pct_hbm": None}
+        best_proj = min((r for r in ok if r["kernel"] == "projected_scores"), key=lambda r: r["us"], default=fallback)
+        by_cfg: dict[str, list[dict]] = {}
+        for r in ok:
+            if r["kernel"].startswith("candidate"):
+                by_cfg.setdefault(r["config"], []).append(r)
+        best_cand = min(
+            (g for g in by_cfg.values() if len(g) == 2), key=lambda g: sum(r["us"] for r in g), default=[fallback]
+        )
+        best_of = {"projected_scores": best_proj, **{r.get("kernel"): r for r in best_cand}}
+        for kernel in ("projected_scores", "candidate_scores c=2", "candidate_scores c=4"):
+            best = best_of.get(kernel, fallback)
+            same = [r for r in rows if r["kernel"] == kernel]
+            default = next((r for r in same if r["default"]), {})
+            summary.append({**key, "kernel": kernel, "default us": default.get("us"),
+                            "default %HBM": default.get("pct_hbm"), "best us": best["us"], "best %HBM": best["pct_hbm"],
+                            "best config": best["config"], "max err": max(r.get("err", 0) for r in same)})  # fmt: skip
+
+        tops = tuned_ops(ops, best_proj["knobs"], best_cand[0]["knobs"])
+        sfns, need = selector_fns(layer, caches, bt, BS, budget, tops, paged_args(layer, caches, bt))
+        row = {**key, "proj knobs": best_proj["config"], "cand knobs": best_cand[0]["config"]}
+        for name, fn in sfns.items():
+            row[name] = bench(fn, rep=args.rep)[0]
+            row[f"{name} GB/s"] = need[name] / (row[name] * 1e-6) / 1e9
+        sel_rows.append(row)
+        print(f"  selectors with the best knobs: {time.monotonic() - t0:.0f} s", flush=True)
+        del layer, caches, states, cands, chk, sfns
+        if not cpu:
+            torch.cuda.empty_cache()
+
+    cols = ["model", "B", "L", "kernel", "config", "us", "GBps", "pct_hbm", "err", "default"]
+    top = []
+    for _, grp in itertools.groupby(sweep, key=lambda r: (r["B"], r["L"], r["kernel"])):
+        grp = sorted(grp, key=lambda r: r.get("us", float("inf")))
+        top += grp[:4] + [r for r in grp[4:] if r["default"]]
+    print_table(top, cols, f"scoring kernels: the 4 fastest configs and the default per shape (HBM {hbm:.0f} GB/s)")
+    names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write"]
+    print_table(sel_rows, ["model", "B", "L", *names], "selectors with the best knobs: selection + attention (name) "
+                "and selection alone (name:sel), us per layer")  # fmt: skip
+    folder = os.path.dirname(os.path.abspath(args.out))
+    write_csv(os.path.join(folder, "bench_decode_tune_selectors.csv"),
+              [{k: v for k, v in r.items() if k != "knobs"} | {"hbm_GBps": round(hbm)} for r in sweep])  # fmt: skip
+    write_csv(
+        os.path.join(folder, "bench_decode_selectors_tuned.csv"), [r | {"hbm_GBps": round(hbm)} for r in sel_rows]
+    )
+    print(f"\nwrote {folder}/bench_decode_tune_selectors.csv and bench_decode_selectors_tuned.csv "
+          f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
+    print_table(summary, ["B", "L", "kernel", "default us", "default %HBM", "best us", "best %HBM", "best config",
+                          "max err"], "scoring kernels: default and best config per shape (err: worst over the configs)")  # fmt: skip
+
+
 def budget_key(r: dict) -> tuple:
     """Sort key: model, batch, then the budget as a number (1/4 before 1/16)."""
     return r["model"], r["B"], int(r["budget"].split("/")[1])
@@ -575,6 +774,9 @@ def main():
     p.add_argument("--summarize", metavar="CSV", help="print the summary tables of an earlier run's CSV and exit")
     p.add_argument("--selectors", action="store_true", help="also time the issue-13 selectors (selection + attention)")
     p.add_argument("--selector-targets", action="store_true", help="--selectors at 1 x 128K and 8 x 32K, 1/16, BS 16")
+    p.add_argument("--tune-selectors", action="store_true",
+                   help="only: check and sweep the selectors' scoring kernels at the targets' shapes, then time the "
+                   "selectors with the best knobs (~2-3 minutes on an H200)")  # fmt: skip
     args = p.parse_args()
     if args.summarize:
         rows, hbm = rows_from_csv(args.summarize)
@@ -604,6 +806,9 @@ def main():
     hbm = hbm_bandwidth(DEV, 2**31 if DEV == "cuda" else 2**24)
     print(f"env: {info}\nHBM probe (2 GiB device copy, read+write): {hbm:.0f} GB/s", flush=True)
     ops = get_ops("triton", DEV)
+    if args.tune_selectors:
+        tune_selectors(ops, args, hbm)
+        return
     if args.tune:
         tune(ops, args, hbm)
     if args.merge_share:

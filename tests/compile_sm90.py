@@ -98,6 +98,8 @@ def cases():
         new = torch.randn(B, H, 3, D, generator=g).to(dtype)  # [B, H, T, D]
         paged = (q, k_pool, v_pool, table, lens, zero)
         tag = f"{str(dtype).split('.')[-1]} D={D} BS={BS} G={G}"
+        walk = {"reduce": "token", "sink": 4, "window": 32, "tiles_per_program": 2}
+        knobs = {"num_warps": 8, "tiles_per_program": 2}
         out += [
             (f"decode_blocks {tag}", partial(decode_blocks, *paged, blocks, zero, zero, 0.1)),
             (f"decode_tokens {tag}", partial(decode_tokens, *paged, tokens, zero, zero, 0.1)),
@@ -105,6 +107,14 @@ def cases():
             (f"block_scores mean+forced {tag}", partial(block_scores, q, *meta, table, lens, BS, "mean", zero, 4, 32)),
             (f"paged_write {tag}", partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new)),
             (f"candidate_scores {tag}", partial(candidate_scores, q, k_pool, table, lens, zero, blocks[..., :5])),
+            (
+                f"candidate_scores block+forced {tag}",
+                partial(candidate_scores, q, k_pool, table, lens, zero, blocks, reduce="block", sink=4, window=32),
+            ),
+            (
+                f"candidate_scores token+forced, 2 tiles/program, 3 stages {tag}",
+                partial(candidate_scores, q, k_pool, table, lens, zero, blocks, 2, **walk, num_stages=3),
+            ),
         ]
         R = D // 8
         ckeys = torch.randn(NB, H, BS, R, generator=g).to(dtype)
@@ -123,6 +133,14 @@ def cases():
                 partial(projected_scores, qp, ckeys, table, lens, zero, "token", 4, 32),
             ),
             (f"projected_scores token {tag}", partial(projected_scores, qp, ckeys, table, lens, zero, "token")),
+            (
+                f"projected_scores block+forced, queries projected inside {tag}",
+                partial(projected_scores, q, ckeys, table, lens, zero, "block", 4, 32, qproj=proj),
+            ),
+            (
+                f"projected_scores token, 2 tiles/program, 8 warps {tag}",
+                partial(projected_scores, q, ckeys, table, lens, zero, "token", qproj=proj, block_m=2, **knobs),
+            ),
         ]
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))

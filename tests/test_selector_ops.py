@@ -58,6 +58,50 @@ def test_projected_scores_match_reference(shape, evicted, reduce, force):
     torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
+@pytest.mark.parametrize("reduce", ["token", "block"])
+def test_projected_scores_project_the_queries_in_the_kernel(shape, reduce):
+    """``qproj=``: the raw queries ``[B, Hq, D]`` in, projected inside the op; the same as projecting them first."""
+    B, H, G, D, BS, lens, starts = shape
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    _evict(c, BS)
+    Rk = max(1, D // 8) + 1
+    g = torch.Generator().manual_seed(5)
+    ckeys = torch.randn(c["k_pool"].shape[0], H, BS, Rk, generator=g).to(DEVICE)
+    qproj = torch.randn(H, D, Rk, generator=g).to(DEVICE)
+    q = c["q"]
+    qp = torch.einsum("bhgd,hdr->bhgr", q.view(B, H, G, D), qproj).reshape(B, H * G, Rk)
+    args = (ckeys, c["block_table"], c["seq_lens"], c["start"], reduce, 3, 7)
+    want = R.projected_scores(qp, *args)
+    ref = R.projected_scores(q, *args, qproj=qproj)
+    out = OPS.projected_scores(q, *args, qproj=qproj)
+    for got in (ref, out):
+        assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got == float("inf"), want == float("inf"))
+        fin = want.isfinite()
+        torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce", ["token", "block"])
+@pytest.mark.parametrize("knobs", [(1, 1, 4), (2, 3, 2), (4, 2, 8), (16, 1, 4), (2, 100, 4)], ids=str)
+def test_projected_scores_knobs_change_nothing(reduce, knobs):
+    """Blocks per tile, tiles per program (a program walks several, with the next tile's table entries prefetched)
+    and warps give the reference's scores over a long table, at a bf16 and an awkward rank."""
+    block_m, tiles, warps = knobs
+    B, H, G, D, BS = 3, 2, 3, 16, 8
+    c = make_case(B, H, G, D, BS, [203, 61, 130], starts=[0, 9, 0])
+    _evict(c, BS)
+    g = torch.Generator().manual_seed(6)
+    for Rk, dtype in ((5, torch.float32), (4, torch.bfloat16)):
+        ckeys = torch.randn(c["k_pool"].shape[0], H, BS, Rk, generator=g).to(DEVICE).to(dtype)
+        qp = torch.randn(B, H * G, Rk, generator=g).to(DEVICE)
+        args = (qp, ckeys, c["block_table"], c["seq_lens"], c["start"], reduce, 2, 5)
+        ref = R.projected_scores(*args)
+        out = OPS.projected_scores(*args, block_m, tiles_per_program=tiles, num_warps=warps)
+        assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out == float("inf"), ref == float("inf"))
+        fin = ref.isfinite()
+        torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
 def test_projected_scores_reference_is_the_loop():
     """The reference equals the definition: per position, max over the group of ``qp . ckey``; forced as layout."""
     B, H, G, D, BS = 2, 2, 3, 16, 8
@@ -122,28 +166,97 @@ def test_projected_write_matches_reference_and_touches_only_its_positions(dtype,
     torch.testing.assert_close(ref.float(), want.float(), rtol=tol, atol=tol)
 
 
+def _candidates(c, K, BS, seed):
+    """``K`` random candidates per (sequence, head), or ``K = "all"``: every block of the table, ascending (a full
+    selection; a shorter sequence's blocks past its end too), then a slot past the table and a padding slot."""
+    if K != "all":
+        return random_blocks(c, K, BS, seed=seed)
+    B, MB = c["block_table"].shape
+    H = c["k_pool"].shape[1]
+    full = torch.tensor([*range(MB + 1), -1], dtype=torch.int32, device=DEVICE)  # MB: past the table
+    return full.expand(B, H, MB + 2).contiguous()
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
 @pytest.mark.parametrize("evicted", [False, True])
-@pytest.mark.parametrize("K", [0, 1, 3, 8])
-def test_candidate_scores_match_reference(shape, evicted, K):
+@pytest.mark.parametrize("K", [0, 1, 3, 8, "all"])
+@pytest.mark.parametrize("reduce", ["token", "block"])
+@pytest.mark.parametrize("force", [False, True])
+def test_candidate_scores_match_reference(shape, evicted, K, reduce, force):
     B, H, G, D, BS, lens, starts = shape
     c = make_case(B, H, G, D, BS, lens, starts=starts)
     if evicted:
         _evict(c, BS)
-    blocks = random_blocks(c, K, BS, seed=K)
+    blocks = _candidates(c, K, BS, seed=len(str(K)))
+    C = blocks.shape[-1]
     args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
-    ref = R.candidate_scores(*args)
-    out = OPS.candidate_scores(*args)
-    assert out.shape == ref.shape == (B, H, K, BS)
-    assert torch.equal(out.isneginf(), ref.isneginf())
+    kw = {"reduce": reduce, **({"sink": 3, "window": 7} if force else {})}
+    ref = R.candidate_scores(*args, **kw)
+    out = OPS.candidate_scores(*args, **kw)
+    assert out.shape == ref.shape == ((B, H, C, BS) if reduce == "token" else (B, H, C))
+    assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out == float("inf"), ref == float("inf"))
     fin = ref.isfinite()
     torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
-    # the reference is the exact score of the token, as token_scores computes it
-    dense = R.token_scores(c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"])
-    pos = R.blocks_to_tokens(blocks, BS).long().view(B, H, K, BS)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
+@pytest.mark.parametrize("K", [3, "all"])
+def test_candidate_scores_reference_is_the_definition(shape, K):
+    """Token form: each candidate token's exact score, as ``token_scores`` computes it, forced tokens ``+inf``
+    (``forced_token_mask``) where valid. Block form: the max of the token form over the block, forced blocks
+    (``forced_block_mask``, evicted or not) ``+inf``, padding ``-inf``: what TwoStageBlockTopK ranked before."""
+    B, H, G, D, BS, lens, starts = shape
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    _evict(c, BS)
+    blocks = _candidates(c, K, BS, seed=2)
+    C = blocks.shape[-1]
+    args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
+    table, seq_lens, st = c["block_table"], c["seq_lens"], c["start"]
+    MB = table.shape[1]
+    exact = R.candidate_scores(*args)
+    dense = R.token_scores(c["q"], c["k_pool"], table, seq_lens, st)
+    pos = R.blocks_to_tokens(blocks, BS).long().view(B, H, C, BS)
     L = dense.shape[-1]
-    picked = dense.gather(2, pos.clamp(0, L - 1).view(B, H, -1)).view(B, H, K, BS)
-    torch.testing.assert_close(ref[fin], picked[fin], rtol=1e-5, atol=1e-5)
+    picked = dense.gather(2, pos.clamp(0, L - 1).view(B, H, -1)).view(B, H, C, BS)
+    fin = exact.isfinite()
+    assert torch.equal(fin, picked.isfinite() & (pos >= 0) & (pos < L))
+    torch.testing.assert_close(exact[fin], picked[fin], rtol=1e-5, atol=1e-5)
+
+    ftok = forced_token_mask(seq_lens, st, 3, 7, BS, MB * BS)
+    ftok = ftok.gather(1, pos.clamp(0, MB * BS - 1).view(B, -1)).view(B, H, C, BS) & fin
+    tok = R.candidate_scores(*args, sink=3, window=7)
+    assert torch.equal(tok, exact.masked_fill(ftok, float("inf")))
+
+    blk = R.candidate_scores(*args, reduce="block", sink=3, window=7)
+    lb = blocks.long()
+    slot = (lb >= 0) & (lb < MB)
+    fblk = forced_block_mask(seq_lens, st, 3, 7, BS, MB)
+    fblk = fblk.gather(1, lb.clamp(0, MB - 1).view(B, -1)).view(B, H, C) & slot
+    want = exact.amax(-1).masked_fill(fblk, float("inf")).masked_fill(~slot, float("-inf"))
+    assert torch.equal(blk, want)
+    assert torch.equal(R.candidate_scores(*args, reduce="block"), exact.amax(-1).masked_fill(~slot, float("-inf")))
+
+
+@pytest.mark.parametrize("reduce", ["token", "block"])
+@pytest.mark.parametrize("knobs", [(2, 1, 4, 2), (4, 3, 2, 3), (8, 2, 8, 1), (2, 100, 4, 2)], ids=str)
+def test_candidate_scores_knobs_change_nothing(reduce, knobs):
+    """Candidates per tile, tiles per program (the next tile's candidates prefetched), warps and stages give the
+    reference's scores, with float32 and bf16 keys (bf16 queries too on CUDA: the product on the tensor cores)."""
+    block_c, tiles, warps, stages = knobs
+    B, H, G, D, BS = 2, 2, 4, 32, 8
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        c = make_case(B, H, G, D, BS, [190, 77], starts=[5, 0], dtype=dtype)
+        if DEVICE.type != "cuda":  # Triton's interpreter gets bf16 x bf16 tl.dot wrong (any kernel): fp32 queries
+            c["q"] = c["q"].float()
+        _evict(c, BS)
+        blocks = random_blocks(c, 19, BS, seed=7)
+        args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
+        kw = {"reduce": reduce, "sink": 2, "window": 9}
+        ref = R.candidate_scores(*args, **kw)
+        out = OPS.candidate_scores(*args, block_c, tiles_per_program=tiles, num_warps=warps, num_stages=stages, **kw)
+        assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out == float("inf"), ref == float("inf"))
+        fin = ref.isfinite()
+        torch.testing.assert_close(out[fin], ref[fin], rtol=tol, atol=tol)
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels, larger shapes)")
@@ -153,7 +266,8 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("BS", [16, 64])
 def test_cuda_selector_ops_large(dtype, BS):
-    """Llama-3-8B-like heads (G 4, D 128, R 16) over 5000 and 9001 tokens, bf16/fp16 against the float32 reference."""
+    """Llama-3-8B-like heads (G 4, D 128, R 16) over 5000 and 9001 tokens, bf16/fp16 against the float32 reference
+    (the queries projected before the scoring op or inside it; candidates per token and per block)."""
     B, H, G, D, Rk = 2, 8, 4, 128, 16
     c = make_case(B, H, G, D, BS, [5000, 9001], dtype=dtype, starts=[0, 7])
     _evict(c, BS)
@@ -167,14 +281,16 @@ def test_cuda_selector_ops_large(dtype, BS):
     assert ((out_c.float() - ref_c.float()).norm() / ref_c.float().norm()) < 1e-2
     qp = torch.randn(B, H * G, Rk, generator=g).to(DEVICE)
     for reduce in ("token", "block"):
-        args = (qp, ref_c, c["block_table"], c["seq_lens"], c["start"], reduce, 4, 32)
-        ref, out = R.projected_scores(*args), OPS.projected_scores(*args)
-        assert torch.equal(out.isinf(), ref.isinf())
-        fin = ref.isfinite()
-        assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-4
+        args = (ref_c, c["block_table"], c["seq_lens"], c["start"], reduce, 4, 32)
+        for queries, kw in ((qp, {}), (c["q"], {"qproj": proj})):  # projected before, or inside the kernel
+            ref, out = R.projected_scores(queries, *args, **kw), OPS.projected_scores(queries, *args, **kw)
+            assert torch.equal(out.isinf(), ref.isinf())
+            fin = ref.isfinite()
+            assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-4
     blocks = random_blocks(c, 200, BS, seed=4)
     args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
-    ref, out = R.candidate_scores(*args), OPS.candidate_scores(*args)
-    assert torch.equal(out.isneginf(), ref.isneginf())
-    fin = ref.isfinite()
-    assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-2
+    for kw in ({}, {"reduce": "block", "sink": 4, "window": 32}):
+        ref, out = R.candidate_scores(*args, **kw), OPS.candidate_scores(*args, **kw)
+        assert torch.equal(out.isinf(), ref.isinf())
+        fin = ref.isfinite()
+        assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-2

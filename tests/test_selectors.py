@@ -272,3 +272,30 @@ def test_top_p_keeps_fewer_blocks_as_p_falls_within_the_budget():
                 assert sets[b][h] <= previous[b][h] and forced <= sets[b][h]
         previous = sets
     assert all(s == forced for seq in previous for s in seq), "p -> 0 keeps only the forced blocks"
+
+
+@pytest.mark.parametrize("which", range(5))
+def test_triton_ops_select_what_the_reference_selects(which):
+    """Each policy whose scores come from the compressed-key or candidate kernels (the queries projected inside
+    ``projected_scores``; TwoStageBlockTopK ranking ``candidate_scores(reduce="block")``) selects through the Triton
+    ops exactly what it selects through the reference."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from hf_sparse_kv.ops import get_ops
+
+    state = _decode_state(length=150)
+    cal = _calibration(tiny_model("llama"), "svd")
+    ckeys = torch.einsum("nhtd,hdr->nhtr", state.k_pool.float(), cal["proj"][1].to(DEVICE))
+    state.state = {"ckeys": ckeys.to(state.k_pool.dtype).contiguous()}
+    policy = [
+        TwoStageBlockTopK(budget=48, sink=2, window=4, candidates=2),
+        TwoStageBlockTopK(budget=40, sink=3, window=9, candidates=3, coarse="projected", calibration=cal),
+        TopPBlockTopK(budget=48, sink=2, window=4, candidates=2, p=0.7),
+        ProjectedBlockTopK(budget=40, sink=4, window=8, calibration=cal),
+        ProjectedTokenTopK(budget=40, sink=4, window=5, calibration=cal),
+    ][which]
+    ref = policy.select(dataclasses.replace(state, ops=get_ops("reference", DEVICE)))
+    out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
+    assert out.counts == ref.counts and torch.equal(out.indices, ref.indices)
+    assert (ref.indices >= 0).sum() > 0

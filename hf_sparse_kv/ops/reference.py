@@ -452,22 +452,29 @@ def projected_scores(
     reduce: str,
     sink: int = 0,
     window: int | None = None,
+    *,
+    qproj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Approximate ``q . k`` of every token from compressed keys, max over each GQA group.
 
     Args:
-        qp: ``[B, Hq, R]`` the projected queries; ckeys: ``[NB, Hkv, BS, R]``; block_table ``[B, MB]``;
-            seq_lens, start ``[B]``.
+        qp: ``[B, Hq, R]`` the projected queries, or with ``qproj`` the queries ``[B, Hq, D]``; ckeys:
+            ``[NB, Hkv, BS, R]``; block_table ``[B, MB]``; seq_lens, start ``[B]``.
         reduce: ``"token"`` (a score per position) or ``"block"`` (the max of each block's token scores).
         sink, window: with ``window`` given, the forced positions (``forced_token_mask``) or blocks
             (``forced_block_mask``) score ``+inf``.
+        qproj: ``[Hkv, D, R]`` the queries' projection: query head ``h * G + g`` is multiplied by ``qproj[h]``
+            first (the Triton kernel does it in its prologue, without a launch of its own).
 
     Returns:
         ``[B, Hkv, MB * BS]`` (token) or ``[B, Hkv, MB]`` (block) float32, ``-inf`` where invalid (padding, past the
         end, evicted; a block with no valid token).
     """
-    B, Hq, R = qp.shape
-    _, Hkv, BS, _ = ckeys.shape
+    _, Hkv, BS, R = ckeys.shape
+    if qproj is not None:
+        B, Hq, D = qp.shape
+        qp = torch.einsum("bhgd,hdr->bhgr", qp.float().view(B, Hkv, Hq // Hkv, D), qproj.float()).reshape(B, Hq, R)
+    B, Hq, _ = qp.shape
     MB = block_table.shape[1]
     c = ckeys[block_table.long().clamp(min=0)].float()  # [B, MB, Hkv, BS, R]
     s = torch.einsum("bhgr,bmhtr->bhmtg", qp.float().view(B, Hkv, Hq // Hkv, R), c).amax(-1)  # [B, Hkv, MB, BS]
@@ -499,21 +506,34 @@ def candidate_scores(
     seq_lens: torch.Tensor,
     start: torch.Tensor,
     blocks: torch.Tensor,
+    *,
+    reduce: str = "token",
+    sink: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group.
 
     Args:
         q: ``[B, Hq, D]``; k_pool: ``[NB, Hkv, BS, D]``; block_table ``[B, MB]``; seq_lens, start ``[B]``.
         blocks: ``[B, Hkv, C]`` logical block numbers, ``-1`` padded.
+        reduce: ``"token"`` (a score per token) or ``"block"`` (each candidate's best token: what a two-stage block
+            selector ranks).
+        sink, window: with ``window`` given, the valid forced tokens (``forced_token_mask``; token) or the
+            candidates that are forced blocks, evicted or not (``forced_block_mask``; block) score ``+inf``.
 
     Returns:
-        ``[B, Hkv, C, BS]`` float32, ``-inf`` at invalid positions (padding slots, past the end, evicted).
+        ``[B, Hkv, C, BS]`` (token) or ``[B, Hkv, C]`` (block) float32, ``-inf`` at invalid positions (padding
+        slots, past the end, evicted) and for candidates without a valid token (unless forced).
     """
+    if reduce not in ("token", "block"):
+        raise ValueError(f"reduce must be 'token' or 'block', got {reduce!r}")
     B = q.shape[0]
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
     C = blocks.shape[-1]
+    MB = block_table.shape[1]
     lb = blocks.long()
-    safe = lb.clamp(min=0, max=block_table.shape[1] - 1)
+    slot = (lb >= 0) & (lb < MB)  # [B, Hkv, C]
+    safe = lb.clamp(min=0, max=MB - 1)
     phys_raw = torch.gather(block_table.long(), 1, safe.view(B, -1)).view(B, Hkv, C)
     head = torch.arange(Hkv, device=q.device).view(1, Hkv, 1)
     keys = k_pool[phys_raw.clamp(min=0), head].float()  # [B, Hkv, C, BS, D]
@@ -521,5 +541,16 @@ def candidate_scores(
     pos = blocks_to_tokens(blocks, BS).long()  # [B, Hkv, C * BS]
     zero = torch.zeros_like(seq_lens)
     ok = valid_positions(pos, seq_lens, start, zero, zero).view(B, Hkv, C, BS)
-    ok = ok & (phys_raw >= 0).unsqueeze(-1) & (lb < block_table.shape[1]).unsqueeze(-1)
-    return s.masked_fill(~ok, NEG_INF).contiguous()
+    ok = ok & (phys_raw >= 0).unsqueeze(-1) & slot.unsqueeze(-1)
+    s = s.masked_fill(~ok, NEG_INF)
+    if reduce == "token":
+        if window is not None:
+            forced = forced_token_mask(seq_lens, start, sink, window, BS, MB * BS)  # [B, MB * BS]
+            forced = forced.gather(1, pos.clamp(0, MB * BS - 1).view(B, -1)).view(B, Hkv, C, BS)
+            s = s.masked_fill(forced & ok, float("inf"))
+        return s.contiguous()
+    s = s.amax(-1)  # [B, Hkv, C]
+    if window is not None:
+        forced = forced_block_mask(seq_lens, start, sink, window, BS, MB)  # [B, MB]
+        s = s.masked_fill(forced.gather(1, safe.view(B, -1)).view(B, Hkv, C) & slot, float("inf"))
+    return s.masked_fill(~slot, NEG_INF).contiguous()

@@ -105,19 +105,20 @@ class CompressedKeys:
         proj = self.projection(layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         ops.projected_write(state, k_pool, proj, block_table, lo, hi, span)
 
-    def scoring_inputs(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``qp [B, Hq, R]`` float32, ``ckeys [NB, Hkv, BS, R]``). A state without the cache's compressed keys (a
-        :class:`DecodeState` built outside a patched model, e.g. evaluation's simulate way) gets them projected from
-        ``k_pool`` here, in the keys' dtype as a write stores them."""
-        B, Hq, D = state.q.shape
+    def scoring_inputs(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(``q [B, Hq, D]``, ``qproj [Hkv, D, R]`` float32, ``ckeys [NB, Hkv, BS, R]``): the queries and their
+        projection go to ``ops.projected_scores(q, ..., qproj=qproj)``, which projects them (inside the Triton
+        kernel: no launch before it). A state without the cache's compressed keys (a :class:`DecodeState` built
+        outside a patched model, e.g. evaluation's simulate way) gets them projected from ``k_pool`` here, in the
+        keys' dtype as a write stores them."""
+        D = state.q.shape[-1]
         H = state.num_kv_heads
         qproj = self.projection(state.layer, state.q.device, H, D, queries=True)
-        qp = torch.einsum("bhgd,hdr->bhgr", state.q.float().view(B, H, Hq // H, D), qproj).reshape(B, Hq, -1)
         ckeys = state.state.get(STATE_NAME)
         if ckeys is None:
             proj = self.projection(state.layer, state.q.device, H, D)
             ckeys = torch.einsum("nhtd,hdr->nhtr", state.k_pool.float(), proj).to(state.k_pool.dtype)
-        return qp, ckeys
+        return state.q, qproj, ckeys
 
 
 @dataclass
@@ -144,9 +145,9 @@ class ProjectedBlockTopK(_CompressedKeyScores, _BlockTopK):
     """
 
     def scores(self, state: DecodeState) -> torch.Tensor:
-        qp, ckeys = self._keys.scoring_inputs(state)
+        q, qproj, ckeys = self._keys.scoring_inputs(state)
         return state.ops.projected_scores(
-            qp, ckeys, state.block_table, state.seq_lens, state.start, "block", self.sink, self.window
+            q, ckeys, state.block_table, state.seq_lens, state.start, "block", self.sink, self.window, qproj=qproj
         )
 
 
@@ -157,7 +158,7 @@ class ProjectedTokenTopK(_CompressedKeyScores, TokenTopK):
     :class:`ProjectedBlockTopK`; runs in ``"token"`` and ``"mask"`` modes."""
 
     def token_scores(self, state: DecodeState) -> torch.Tensor:
-        qp, ckeys = self._keys.scoring_inputs(state)
+        q, qproj, ckeys = self._keys.scoring_inputs(state)
         return state.ops.projected_scores(
-            qp, ckeys, state.block_table, state.seq_lens, state.start, "token", self.sink, self.window
+            q, ckeys, state.block_table, state.seq_lens, state.start, "token", self.sink, self.window, qproj=qproj
         )

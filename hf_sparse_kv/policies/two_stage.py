@@ -54,9 +54,9 @@ class CoarsePass:
                 state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
                 "quest", state.start, sink, window,
             )  # fmt: skip
-        qp, ckeys = self.keys.scoring_inputs(state)
+        q, qproj, ckeys = self.keys.scoring_inputs(state)
         return state.ops.projected_scores(
-            qp, ckeys, state.block_table, state.seq_lens, state.start, "block", sink, window
+            q, ckeys, state.block_table, state.seq_lens, state.start, "block", sink, window, qproj=qproj
         )
 
     def counts(self, blocks: list[int], floor: list[int], state: DecodeState) -> list[int]:
@@ -107,29 +107,36 @@ class TwoStageBlockTopK(_TwoStage, _BlockTopK):
     ``coarse`` (``"quest"`` or ``"projected"``), ``calibration`` (for ``coarse="projected"``).
     """
 
-    def candidate_pass(self, state: DecodeState) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
-        """The step's widths (``None``: dense), its candidate blocks ``[B, Hkv, C]`` (coarse pass) and their tokens'
-        exact scores ``[B, Hkv, C, BS]`` (``ops.candidate_scores``)."""
+    def candidate_blocks(self, state: DecodeState) -> tuple[list[int], torch.Tensor] | None:
+        """The step's widths (``None``: dense) and its candidate blocks ``[B, Hkv, C]`` (coarse pass)."""
         counts = self.widths(state)
         if counts is None:
             return None
         if state.evicted is not None:
             counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
         cand = self._coarse.select(state, self._coarse.counts(counts, counts, state), self.sink, self.window)
+        return counts, cand
+
+    def candidate_pass(self, state: DecodeState) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        """:meth:`candidate_blocks` and their tokens' exact scores ``[B, Hkv, C, BS]`` (``ops.candidate_scores``)."""
+        found = self.candidate_blocks(state)
+        if found is None:
+            return None
+        counts, cand = found
         exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
         return counts, cand, exact
 
     def select(self, state: DecodeState) -> Selection:
-        found = self.candidate_pass(state)
+        found = self.candidate_blocks(state)
         if found is None:
             return self.dense_selection(state)
-        counts, cand, exact = found
-        exact = exact.amax(-1)  # [B, Hkv, C]: a block's best token
-        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
-        B, H, C = cand.shape
-        f = forced.gather(1, cand.long().clamp(min=0).view(B, -1)).view(B, H, C) & (cand >= 0)
-        exact = exact.masked_fill(f, float("inf")).masked_fill(cand < 0, float("-inf"))
-        blocks = pick(state.ops, exact, cand, counts, state)
+        counts, cand = found
+        # [B, Hkv, C] a candidate's best token, forced blocks +inf, padding slots -inf: one op
+        best = state.ops.candidate_scores(
+            state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand,
+            reduce="block", sink=self.sink, window=self.window,
+        )  # fmt: skip
+        blocks = pick(state.ops, best, cand, counts, state)
         return Selection("block", blocks, state.start, state.start, tuple(counts))
 
 

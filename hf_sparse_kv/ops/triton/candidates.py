@@ -1,11 +1,20 @@
 """Exact scores of the candidate blocks' tokens (a two-stage selector's second pass): the Triton twin of
 ``reference.candidate_scores``.
 
-One program per (tile of ``BC`` candidate blocks, sequence, KV head): it maps each candidate's logical block through
-the block table, loads its ``[BS, D]`` key rows (``BC * BS`` rows, each ``D`` contiguous elements), multiplies them
-by the group's queries ``[G, D]`` (one ``tl.dot``) and stores the max over the group per token, ``-inf`` where the
-position is not valid (padding slot ``-1``, past the end, before ``start``, evicted). It reads only the candidates'
-keys: ``C * BS * D`` elements per (sequence, KV head).
+One program per (``tiles_per_program`` tiles of ``BC`` candidates, sequence, KV head). Per tile it maps each
+candidate's logical block through the block table, loads the ``BC`` contiguous ``[BS, D]`` key runs whole
+(``[BC, BS * D]``, a warp reads whole runs; viewed as ``[BC * BS, D]``), multiplies them by the group's queries
+``[G, D]`` (one ``tl.dot``), takes the max over the group per token, and stores
+
+- ``reduce="token"``: every token's score, ``[B, Hkv, C, BS]``, ``-inf`` where the position is not valid (padding
+  slot ``-1``, past the end, before ``start``, evicted);
+- ``reduce="block"``: each candidate block's max over its tokens, ``[B, Hkv, C]``: what a block top-k ranks, in
+  one launch instead of the per-token scores, their max and the masks of the forced and padding slots;
+
+with ``window`` given, the forced positions (``ops/layout.py``: tokens in token form, blocks in block form) at
+``+inf``, as ``projected_scores`` forces them. While a tile is scored, the next tile's candidate numbers and
+block-table entries load (two dependent round trips that would otherwise come before each tile's keys). It reads
+only the candidates' keys: ``C * BS * D`` elements per (sequence, KV head).
 """
 
 from __future__ import annotations
@@ -16,6 +25,16 @@ import triton.language as tl
 
 
 @triton.jit
+def candidate_rows(blocks, block_table, i_bh, i_b, o_c, C, MB):
+    """``[BC]`` logical blocks of the candidate slots ``o_c`` (``-1`` for padding and slots past ``C``), and their
+    physical blocks (``-1`` where the logical block is not in the table or was evicted)."""
+    b_lb = tl.load(blocks + i_bh.to(tl.int64) * C + o_c, mask=o_c < C, other=-1)
+    m_lb = (b_lb >= 0) & (b_lb < MB)
+    b_phys = tl.load(block_table + i_b * MB + b_lb, mask=m_lb, other=-1)
+    return tl.where(m_lb, b_lb, -1), b_phys
+
+
+@triton.jit
 def candidate_scores_kernel(
     q,  # [B, HQ, D]
     k_pool,  # [NB, H, BS, D]
@@ -23,10 +42,13 @@ def candidate_scores_kernel(
     seq_lens,  # [B]
     start,  # [B]
     blocks,  # [B, H, C] logical blocks, -1 padded
-    out,  # [B, H, C, BS] float32
-    s_pn,
+    out,  # [B, H, C, BS] (TOKENS) or [B, H, C], float32
+    s_pn,  # key pool stride between blocks
     C,
     MB,
+    SINK,
+    WINDOW,
+    TPP,  # tiles per program
     H: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -35,38 +57,71 @@ def candidate_scores_kernel(
     BD: tl.constexpr,
     BC: tl.constexpr,
     F32: tl.constexpr,
+    TOKENS: tl.constexpr,
+    FORCE: tl.constexpr,
 ):
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_s, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     HQ = H * G
+    o_c = i_s * TPP * BC + tl.arange(0, BC)  # [BC] candidate slots of the first tile
+    b_lb, b_phys = candidate_rows(blocks, block_table, i_bh, i_b, o_c, C, MB)
     n = tl.load(seq_lens + i_b)
     st = tl.load(start + i_b)
+    n_blk = tl.cdiv(n, BS)
+    if FORCE:  # ops/layout.py: the sink, the window, the current block
+        sink_end = tl.minimum(st + SINK, n)
+        win_start = tl.maximum(n - tl.maximum(WINDOW, 1), sink_end)
+        first = tl.minimum(win_start, (n - 1) // BS * BS)  # token form: [min(window start, current block), n)
 
-    o_n = tl.arange(0, BC * BS)  # rows: candidate o_n // BS of the tile, offset o_n % BS
-    o_c = i_c * BC + o_n // BS
-    m_c = o_c < C
-    b_lb = tl.load(blocks + i_bh.to(tl.int64) * C + o_c, mask=m_c, other=-1)
-    m_lb = m_c & (b_lb >= 0) & (b_lb < MB)
-    b_phys = tl.load(block_table + i_b * MB + b_lb, mask=m_lb, other=-1)
-    o_pos = b_lb * BS + o_n % BS
-    m_tok = m_lb & (b_phys >= 0) & (o_pos >= st) & (o_pos < n)
-
-    o_g, o_d = tl.arange(0, BG), tl.arange(0, BD)
-    m_g, m_d = o_g < G, o_d < D
+    o_g, o_t, o_d = tl.arange(0, BG), tl.arange(0, BS), tl.arange(0, BD)
+    o_col = tl.arange(0, BS * BD)
+    m_g = o_g < G
     # [BG, BD]
     b_q = tl.load(
-        q + (i_b * HQ + i_h * G + o_g)[:, None] * D + o_d[None, :], mask=m_g[:, None] & m_d[None, :], other=0.0
+        q + (i_b * HQ + i_h * G + o_g)[:, None] * D + o_d[None, :], mask=m_g[:, None] & (o_d < D)[None, :], other=0.0
     )
-    o_k = tl.maximum(b_phys, 0).to(tl.int64) * s_pn + (i_h * BS + o_n % BS) * D
-    # [BC * BS, BD]
-    b_k = tl.load(k_pool + o_k[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
-    if F32:
-        b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")  # [BG, BC * BS]
-    else:
-        b_s = tl.dot(b_q, tl.trans(b_k))
-    b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # pooled over the group
-    b_s = tl.where(m_tok, b_s, float("-inf"))
-    tl.store(out + (i_bh.to(tl.int64) * C + i_c * BC) * BS + o_n, b_s, mask=m_c)
+    for _ in range(TPP):
+        m_blk = b_phys >= 0  # [BC]
+        # a (block, head)'s [BS, D] keys are contiguous: BC runs of BS * D elements, loaded whole
+        o_k = tl.maximum(b_phys, 0).to(tl.int64) * s_pn + i_h * BS * D  # [BC]
+        if BD == D:
+            p_k = k_pool + o_k[:, None] + o_col[None, :]
+            m_k = m_blk[:, None]
+        else:
+            p_k = k_pool + o_k[:, None] + ((o_col // BD) * D + o_col % BD)[None, :]
+            m_k = m_blk[:, None] & (o_col % BD < D)[None, :]
+        # [BC, BS * BD] -> [BC * BS, BD]
+        b_k = tl.reshape(tl.load(p_k, mask=m_k, other=0.0), (BC * BS, BD))
+        # the next tile's candidates and block-table entries, in flight while this tile is scored
+        o_c_nx = o_c + BC
+        b_lb_nx, b_phys_nx = candidate_rows(blocks, block_table, i_bh, i_b, o_c_nx, C, MB)
+        if F32:
+            b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")  # [BG, BC * BS]
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+        b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # pooled over the group: [BC * BS]
+        b_s = tl.reshape(b_s, (BC, BS))
+        o_pos = b_lb[:, None] * BS + o_t[None, :]  # [BC, BS]
+        m_tok = m_blk[:, None] & (o_pos >= st) & (o_pos < n)
+        b_s = tl.where(m_tok, b_s, float("-inf"))
+        if TOKENS:
+            if FORCE:
+                b_s = tl.where(m_tok & ((o_pos < sink_end) | (o_pos >= first)), float("inf"), b_s)
+            tl.store(out + (i_bh.to(tl.int64) * C + o_c[:, None]) * BS + o_t[None, :], b_s, mask=(o_c < C)[:, None])
+        else:
+            b_blk = tl.max(b_s, 1)  # [BC] a candidate's best token
+            if FORCE:  # forced_block_mask at the candidate's block (evicted or not, as the policies gather it)
+                forced = (b_lb * BS < sink_end) | ((b_lb + 1) * BS > win_start) | (b_lb == n_blk - 1)
+                b_blk = tl.where((b_lb >= 0) & (b_lb < n_blk) & forced, float("inf"), b_blk)
+            tl.store(out + i_bh.to(tl.int64) * C + o_c, b_blk, mask=o_c < C)
+        o_c, b_lb, b_phys = o_c_nx, b_lb_nx, b_phys_nx
+
+
+def default_block_c(BS: int, D: int) -> int:
+    """Candidates per tile: 128 key rows (32 KB at ``D = 128`` in bf16), at least one block. Not measured yet:
+    ``benchmarks/bench_decode.py --tune-selectors`` sweeps it."""
+    rows = max(16, min(128, 16384 // triton.next_power_of_2(D)))
+    return max(1, rows // BS)
 
 
 def candidate_scores(
@@ -77,32 +132,50 @@ def candidate_scores(
     start: torch.Tensor,
     blocks: torch.Tensor,
     block_c: int | None = None,
+    *,
+    reduce: str = "token",
+    sink: int = 0,
+    window: int | None = None,
+    tiles_per_program: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group.
+    """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group (see the reference).
 
     Args:
         q: ``[B, Hq, D]``; k_pool: ``[NB, Hkv, BS, D]`` (inner dims contiguous); block_table ``[B, MB]``;
-            seq_lens, start ``[B]``; blocks: ``[B, Hkv, C]`` logical block numbers, ``-1`` padded;
-            block_c: candidates per program (a power of two; default: 64 rows per program).
+            seq_lens, start ``[B]``; blocks: ``[B, Hkv, C]`` logical block numbers, ``-1`` padded.
+        reduce: ``"token"`` (every token's score) or ``"block"`` (each candidate's best token).
+        sink, window: with ``window`` given, the forced tokens (token) or blocks (block) score ``+inf``.
+        block_c, tiles_per_program, num_warps, num_stages: tuning knobs: candidates per tile (a power of two,
+            ``block_c * BS >= 16``; default :func:`default_block_c`), tiles each program scores one after the other,
+            warps, pipeline stages.
 
     Returns:
-        ``[B, Hkv, C, BS]`` float32, ``-inf`` at invalid positions.
+        ``[B, Hkv, C, BS]`` (token) or ``[B, Hkv, C]`` (block) float32, ``-inf`` where invalid.
     """
+    if reduce not in ("token", "block"):
+        raise ValueError(f"reduce must be 'token' or 'block', got {reduce!r}")
     B, HQ, D = q.shape
     _, H, BS, Dk = k_pool.shape
     assert Dk == D and HQ % H == 0 and k_pool.stride()[1:] == (BS * D, D, 1), f"{q.shape} {k_pool.shape}"
+    assert BS & (BS - 1) == 0, f"block size must be a power of two, got {BS}"
     assert blocks.dim() == 3 and blocks.shape[:2] == (B, H), f"blocks {blocks.shape}"
+    assert block_table.shape[0] == B and seq_lens.shape == (B,) and start.shape == (B,)
     C = blocks.shape[-1]
-    out = torch.empty(B, H, C, BS, dtype=torch.float32, device=q.device)
+    tokens = reduce == "token"
+    out = torch.empty(B, H, C, *((BS,) if tokens else ()), dtype=torch.float32, device=q.device)
     if C == 0 or B == 0:
         return out
-    BC = block_c or max(1, 64 // BS)
+    BC = block_c or default_block_c(BS, D)
     assert BC & (BC - 1) == 0 and BC * BS >= 16, f"block_c must be a power of two with block_c * BS >= 16, got {BC}"
-    G = HQ // H
-    candidate_scores_kernel[(triton.cdiv(C, BC), B * H)](
+    n_tiles = triton.cdiv(C, BC)
+    TPP = max(1, min(tiles_per_program, n_tiles))
+    candidate_scores_kernel[(triton.cdiv(n_tiles, TPP), B * H)](
         q.contiguous(), k_pool, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(),
-        blocks.contiguous(), out, k_pool.stride(0), C, block_table.shape[1],
-        H=H, G=G, D=D, BS=BS, BG=max(16, triton.next_power_of_2(G)), BD=max(16, triton.next_power_of_2(D)), BC=BC,
-        F32=q.dtype == torch.float32 or q.dtype != k_pool.dtype, num_warps=4,
+        blocks.contiguous(), out, k_pool.stride(0), C, block_table.shape[1], sink, window if window is not None else 0,
+        TPP, H=H, G=HQ // H, D=D, BS=BS, BG=max(16, triton.next_power_of_2(HQ // H)),
+        BD=max(16, triton.next_power_of_2(D)), BC=BC, F32=q.dtype == torch.float32 or q.dtype != k_pool.dtype,
+        TOKENS=tokens, FORCE=window is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -8,11 +8,15 @@ per token, ``[NB, Hkv, BS, R]``, beside the pages, and every write refreshes the
   the positions ``[lo, hi)`` from the key pool through the block table, multiplies them by ``P[h]`` in float32 and
   stores the ``R`` values. The grid is sized by ``span`` (the tokens written, known on the host), never by reading
   ``lo``/``hi``: a captured decode step replays it.
-- :func:`projected_scores`: one program per (tile of ``BM`` logical blocks, sequence, KV head) loads the
-  ``[BM * BS, R]`` compressed keys of its blocks and the group's projected queries ``[G, R]``, takes their
-  products (one ``tl.dot``), the max over the group, and stores either every token's score or each block's max,
-  with the forced positions (``ops/layout.py``, the rule ``block_scores`` transcribes) at ``+inf``. It reads
-  ``R / D`` of the keys' bytes.
+- :func:`projected_scores`: one program per (``tiles_per_program`` tiles of ``BM`` logical blocks, sequence, KV
+  head). A (block, head)'s ``[BS, R]`` compressed keys are one contiguous run, so a tile is ``BM`` runs loaded
+  whole as ``[BM, BS * R]`` (a warp reads whole runs) and viewed as ``[BM, BS, R]``; each of the group's ``G``
+  projected queries is multiplied in and summed over ``R`` in registers (no ``tl.dot``: ``G`` and ``R`` are too
+  small for one, its operands would be padded to 16 and pass through shared memory), and the max over the group
+  is stored per token, or its max over each block's tokens per block, with the forced positions
+  (``ops/layout.py``, the rule ``block_scores`` transcribes) at ``+inf``. It reads ``R / D`` of the keys' bytes,
+  once. Given ``qproj``, the kernel projects the raw queries itself (``G x D x R`` multiply-adds per program), so
+  the selector launches nothing before it.
 """
 
 from __future__ import annotations
@@ -97,8 +101,41 @@ def projected_write(
 
 
 @triton.jit
+def group_queries(
+    q, qproj, i_b, i_h,
+    HQ: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr, PROJ: tl.constexpr,
+):  # fmt: skip
+    """The projected queries of KV head ``i_h``'s group: a tuple of ``G`` float32 ``[BR]`` vectors.
+
+    ``PROJ``: ``q`` holds the queries ``[B, HQ, D]`` and each is multiplied by ``qproj[i_h] [D, R]`` here (loaded
+    transposed, ``[BR, BD]``, so that the sum over ``D`` stays within a warp); otherwise ``q`` holds them
+    projected, ``[B, HQ, R]``. Every load is issued before the first product.
+    """
+    o_r = tl.arange(0, BR)
+    m_r = o_r < R
+    rows = ()
+    if PROJ:
+        o_d = tl.arange(0, BD)
+        m_d = o_d < D
+        # [BR, BD]
+        b_pt = tl.load(qproj + i_h * D * R + o_d[None, :] * R + o_r[:, None], mask=m_r[:, None] & m_d[None, :])
+        for g in tl.static_range(G):
+            rows = rows + (tl.load(q + (i_b * HQ + i_h * G + g) * D + o_d, mask=m_d, other=0.0),)  # [BD]
+        qs = ()
+        for g in tl.static_range(G):
+            qs = qs + (tl.sum(rows[g].to(tl.float32)[None, :] * b_pt, 1),)
+    else:
+        for g in tl.static_range(G):
+            rows = rows + (tl.load(q + (i_b * HQ + i_h * G + g) * R + o_r, mask=m_r, other=0.0).to(tl.float32),)
+        qs = rows
+    return qs
+
+
+@triton.jit
 def projected_scores_kernel(
-    qp,  # [B, HQ, R] float32
+    q,  # [B, HQ, R] projected queries, or [B, HQ, D] queries (PROJ)
+    qproj,  # [H, D, R] float32 (PROJ only)
     ckeys,  # [NB, H, BS, R]
     block_table,  # [B, MB]
     seq_lens,  # [B]
@@ -108,60 +145,80 @@ def projected_scores_kernel(
     MB,
     SINK,
     WINDOW,
+    TPP,  # tiles per program
     H: tl.constexpr,
     G: tl.constexpr,
     R: tl.constexpr,
+    D: tl.constexpr,
     BS: tl.constexpr,
-    BG: tl.constexpr,
     BR: tl.constexpr,
+    BD: tl.constexpr,
     BM: tl.constexpr,
     TOKENS: tl.constexpr,
     FORCE: tl.constexpr,
+    PROJ: tl.constexpr,
 ):
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_s, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    HQ = H * G
     n = tl.load(seq_lens + i_b)
     st = tl.load(start + i_b)
     n_blk = tl.cdiv(n, BS)
-
-    o_g, o_r = tl.arange(0, BG), tl.arange(0, BR)
-    m_g, m_r = o_g < G, o_r < R
-    o_n = tl.arange(0, BM * BS)  # rows: block o_n // BS of the tile, offset o_n % BS
-    o_rm = i_m * BM + o_n // BS
-    o_pos = o_rm * BS + o_n % BS
-    m_rm = (o_rm < n_blk) & (o_rm < MB)
-    b_phys = tl.load(block_table + i_b * MB + o_rm, mask=m_rm, other=-1)
-    m_tok = m_rm & (b_phys >= 0) & (o_pos >= st) & (o_pos < n)
-
-    # [BG, BR]
-    b_q = tl.load(
-        qp + (i_b * HQ + i_h * G + o_g)[:, None] * R + o_r[None, :], mask=m_g[:, None] & m_r[None, :], other=0.0
-    )
-    o_c = tl.maximum(b_phys, 0).to(tl.int64) * s_cn + (i_h * BS + o_n % BS) * R
-    # [BM * BS, BR]
-    b_c = tl.load(ckeys + o_c[:, None] + o_r[None, :], mask=m_tok[:, None] & m_r[None, :], other=0.0)
-    b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_c.to(tl.float32)), input_precision="ieee")  # [BG, BM * BS]
-    b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # pooled over the group: [BM * BS]
-    b_s = tl.where(m_tok, b_s, float("-inf"))
-    if FORCE:
+    if FORCE:  # ops/layout.py: the sink, the window, the current block
         sink_end = tl.minimum(st + SINK, n)
         win_start = tl.maximum(n - tl.maximum(WINDOW, 1), sink_end)
-    if TOKENS:
-        if FORCE:  # forced_token_mask: the sink, and [min(window start, current block start), n)
-            first = tl.minimum(win_start, (n - 1) // BS * BS)
-            b_s = tl.where(m_tok & ((o_pos < sink_end) | (o_pos >= first)), float("inf"), b_s)
-        tl.store(out + i_bh.to(tl.int64) * MB * BS + o_pos, b_s, mask=o_rm < MB)
-    else:
-        b_blk = tl.max(tl.reshape(b_s, (BM, BS)), 1)  # [BM] the max of each block's tokens
-        o_m = i_m * BM + tl.arange(0, BM)
+        first = tl.minimum(win_start, (n - 1) // BS * BS)  # token form: [min(window start, current block), n)
+
+    # the block table of the first tile, read without waiting for seq_lens (entries past the end are masked below)
+    # and before the queries' prologue, so that both round trips overlap
+    o_m = i_s * TPP * BM + tl.arange(0, BM)
+    b_phys = tl.load(block_table + i_b * MB + o_m, mask=o_m < MB, other=-1)
+    o_t, o_col = tl.arange(0, BS), tl.arange(0, BS * BR)
+    for _ in range(TPP):
         m_m = (o_m < n_blk) & (o_m < MB)
-        m_live = m_m & (tl.load(block_table + i_b * MB + o_m, mask=m_m, other=-1) >= 0)
-        if FORCE:  # forced_block_mask: sink, window, current block
-            forced = (o_m * BS < sink_end) | ((o_m + 1) * BS > win_start) | (o_m == n_blk - 1)
-            b_blk = tl.where(forced, float("inf"), b_blk)
-        b_blk = tl.where(m_live, b_blk, float("-inf"))
-        tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_blk, mask=o_m < MB)
+        m_live = m_m & (b_phys >= 0)
+        # a (block, head)'s [BS, R] compressed keys are contiguous: the tile is BM rows of BS * R elements, each
+        # loaded whole (positions before start or past the end inside a live block are read, then masked)
+        o_c = tl.maximum(b_phys, 0).to(tl.int64) * s_cn + i_h * BS * R  # [BM]
+        if BR == R:
+            p_c = ckeys + o_c[:, None] + o_col[None, :]
+            m_c = m_live[:, None]
+        else:
+            p_c = ckeys + o_c[:, None] + ((o_col // BR) * R + o_col % BR)[None, :]
+            m_c = m_live[:, None] & (o_col % BR < R)[None, :]
+        # [BM, BS * BR] -> [BM, BS, BR]
+        b_c = tl.reshape(tl.load(p_c, mask=m_c, other=0.0).to(tl.float32), (BM, BS, BR))
+        # the queries after the tile's load is issued, so that their round trip (and the projection) overlap it
+        qs = group_queries(q, qproj, i_b, i_h, H * G, G, R, D, BR, BD, PROJ)  # G x [BR]
+        # the next tile's block table, in flight while this tile is scored
+        o_m_nx = o_m + BM
+        b_phys_nx = tl.load(block_table + i_b * MB + o_m_nx, mask=o_m_nx < MB, other=-1)
+        # q . k of each query head of the group (a multiply and a sum over R: no tl.dot, whose operands would be
+        # padded to 16 heads and pass through shared memory), max over the group: [BM, BS]
+        b_s = tl.full([BM, BS], float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(G):
+            b_s = tl.maximum(b_s, tl.sum(b_c * qs[g][None, None, :], 2))
+        o_pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
+        m_tok = m_live[:, None] & (o_pos >= st) & (o_pos < n)
+        b_s = tl.where(m_tok, b_s, float("-inf"))
+        if TOKENS:
+            if FORCE:
+                b_s = tl.where(m_tok & ((o_pos < sink_end) | (o_pos >= first)), float("inf"), b_s)
+            tl.store(out + i_bh.to(tl.int64) * MB * BS + o_pos, b_s, mask=(o_m < MB)[:, None])
+        else:
+            b_blk = tl.max(b_s, 1)  # [BM] the max of each block's tokens
+            if FORCE:
+                forced = (o_m * BS < sink_end) | ((o_m + 1) * BS > win_start) | (o_m == n_blk - 1)
+                b_blk = tl.where(forced, float("inf"), b_blk)
+            b_blk = tl.where(m_live, b_blk, float("-inf"))
+            tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_blk, mask=o_m < MB)
+        o_m, b_phys = o_m_nx, b_phys_nx
+
+
+def default_block_m(BS: int, R: int) -> int:
+    """Blocks per tile: 512 compressed-key rows (16 KB at ``R = 16`` in bf16, about 100 registers with 4 warps on
+    sm_90), fewer for a wider ``R``. Not measured yet: ``benchmarks/bench_decode.py --tune-selectors`` sweeps it."""
+    rows = min(512, 8192 // triton.next_power_of_2(R))
+    return max(1, rows // BS)
 
 
 def projected_scores(
@@ -174,35 +231,52 @@ def projected_scores(
     sink: int = 0,
     window: int | None = None,
     block_m: int | None = None,
+    *,
+    qproj: torch.Tensor | None = None,
+    tiles_per_program: int = 1,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Approximate ``q . k`` of every token from compressed keys, max over each GQA group (see the reference).
 
     Args:
-        qp: ``[B, Hq, R]`` projected queries; ckeys: ``[NB, Hkv, BS, R]`` (inner dims contiguous); block_table
-            ``[B, MB]``; seq_lens, start ``[B]``; reduce: ``"token"`` or ``"block"``; sink, window: forcing as
-            the reference; block_m: blocks per program (a power of two; default: 256 rows per program).
+        qp: ``[B, Hq, R]`` projected queries, or with ``qproj`` the queries ``[B, Hq, D]`` (projected in the
+            kernel's prologue: no launch before it); ckeys: ``[NB, Hkv, BS, R]`` (inner dims contiguous);
+            block_table ``[B, MB]``; seq_lens, start ``[B]``; reduce: ``"token"`` or ``"block"``; sink, window:
+            forcing as the reference.
+        qproj: ``[Hkv, D, R]`` the queries' projection (float32), or ``None``.
+        block_m, tiles_per_program, num_warps: tuning knobs: blocks per tile (a power of two; default
+            :func:`default_block_m`), tiles each program scores one after the other (the next tile's block-table
+            entries load while a tile is scored; the query projection is made once per program), warps.
 
     Returns:
         ``[B, Hkv, MB * BS]`` (token) or ``[B, Hkv, MB]`` (block) float32.
     """
     if reduce not in ("token", "block"):
         raise ValueError(f"reduce must be 'token' or 'block', got {reduce!r}")
-    B, HQ, R = qp.shape
-    _, H, BS, Rc = ckeys.shape
-    assert Rc == R and HQ % H == 0 and ckeys.stride()[1:] == (BS * R, R, 1), f"{qp.shape} {ckeys.shape}"
+    B, HQ, DQ = qp.shape
+    _, H, BS, R = ckeys.shape
+    assert HQ % H == 0 and ckeys.stride()[1:] == (BS * R, R, 1), f"{qp.shape} {ckeys.shape}"
     assert block_table.shape[0] == B and seq_lens.shape == (B,) and start.shape == (B,)
+    assert BS & (BS - 1) == 0, f"block size must be a power of two, got {BS}"
+    project = qproj is not None
+    if project:
+        assert qproj.shape == (H, DQ, R), f"qproj {tuple(qproj.shape)} vs queries {tuple(qp.shape)}, R={R}"
+        qproj = qproj.float().contiguous()
+    else:
+        assert DQ == R, f"projected queries {tuple(qp.shape)} vs compressed keys {tuple(ckeys.shape)}"
     MB = block_table.shape[1]
     tokens = reduce == "token"
     out = torch.empty(B, H, MB * BS if tokens else MB, dtype=torch.float32, device=qp.device)
     if MB == 0 or B == 0:
         return out
-    BM = block_m or max(1, 256 // BS)
-    assert BM & (BM - 1) == 0 and BM * BS >= 16, f"block_m must be a power of two with block_m * BS >= 16, got {BM}"
-    G = HQ // H
-    projected_scores_kernel[(triton.cdiv(MB, BM), B * H)](
-        qp.float().contiguous(), ckeys, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
-        ckeys.stride(0), MB, sink, window if window is not None else 0,
-        H=H, G=G, R=R, BS=BS, BG=max(16, triton.next_power_of_2(G)), BR=max(16, triton.next_power_of_2(R)), BM=BM,
-        TOKENS=tokens, FORCE=window is not None, num_warps=4,
+    BM = block_m or default_block_m(BS, R)
+    assert BM >= 1 and BM & (BM - 1) == 0, f"block_m must be a power of two, got {BM}"
+    n_tiles = triton.cdiv(MB, BM)
+    TPP = max(1, min(tiles_per_program, n_tiles))
+    projected_scores_kernel[(triton.cdiv(n_tiles, TPP), B * H)](
+        qp.contiguous(), qproj if project else qp, ckeys, block_table.contiguous(), seq_lens.contiguous(),
+        start.contiguous(), out, ckeys.stride(0), MB, sink, window if window is not None else 0, TPP,
+        H=H, G=HQ // H, R=R, D=DQ, BS=BS, BR=triton.next_power_of_2(R), BD=triton.next_power_of_2(DQ), BM=BM,
+        TOKENS=tokens, FORCE=window is not None, PROJ=project, num_warps=num_warps,
     )  # fmt: skip
     return out
