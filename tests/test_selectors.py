@@ -299,3 +299,23 @@ def test_triton_ops_select_what_the_reference_selects(which):
     out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
     assert out.counts == ref.counts and torch.equal(out.indices, ref.indices)
     assert (ref.indices >= 0).sum() > 0
+
+
+def test_compressed_keys_projected_on_the_fly_reach_the_triton_kernel():
+    """A state without the cache's compressed keys (evaluation's simulate way) gets them projected from the pool;
+    the projected copy must satisfy the Triton launcher's layout checks and select what the reference selects."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from hf_sparse_kv.ops import get_ops
+
+    state = _decode_state(length=150)
+    state.state = {}
+    cal = _calibration(tiny_model("llama"), "pairs")
+    for policy in (
+        ProjectedBlockTopK(budget=40, sink=4, window=8, calibration=cal),
+        TwoStageBlockTopK(budget=40, sink=3, window=9, candidates=2, coarse="projected", calibration=cal),
+    ):
+        ref = policy.select(dataclasses.replace(state, ops=get_ops("reference", DEVICE)))
+        out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
+        assert out.counts == ref.counts and torch.equal(out.indices, ref.indices)

@@ -117,7 +117,7 @@ class CompressedKeys:
         ckeys = state.state.get(STATE_NAME)
         if ckeys is None:
             proj = self.projection(state.layer, state.q.device, H, D)
-            ckeys = torch.einsum("nhtd,hdr->nhtr", state.k_pool.float(), proj).to(state.k_pool.dtype)
+            ckeys = torch.einsum("nhtd,hdr->nhtr", state.k_pool.float(), proj).to(state.k_pool.dtype).contiguous()
         return state.q, qproj, ckeys
 
 
