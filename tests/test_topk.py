@@ -117,3 +117,21 @@ def test_bad_arguments():
         topk_indices(s, 2, method="heap")
     with pytest.raises(ValueError, match="counts"):
         topk_indices(s, 2, torch.tensor([1, 2, 3], device=DEVICE))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels, full-size rows)")
+@pytest.mark.parametrize("rows,N,k", [(8, 8193, 512), (8, 8209, 512), (64, 32769, 2048), (8, 131073, 8192)])
+def test_cuda_full_size(rows, N, k):
+    """The benchmark's shapes, compiled: both methods (and the lanes-per-chunk extremes) on random and tied rows,
+    with per-sequence counts (0, below k, k, above k)."""
+    methods = [("chunks", None), ("chunks", -(-N // 256)), ("chunks", -(-N // 2048))]
+    methods += [("row", None)] if N <= TOPK_MAX_N else []
+    s = scores((rows // 2, 2, N), rows + N, pos_inf=0.0005, neg_inf=0.05)
+    ties = scores((rows // 2, 2, N), rows + N, ties=True, pos_inf=0.0005, neg_inf=0.05)
+    counts = torch.tensor([(0, k // 3, k, k + 5)[b % 4] for b in range(rows // 2)], device=DEVICE)
+    want, want_ties = R.topk_indices(s, k), R.topk_indices(by_index(ties), k)
+    want_counts = R.topk_indices(by_index(ties), k, counts)
+    for method, chunks in methods:
+        assert torch.equal(topk_indices(s, k, method=method, chunks=chunks), want), (method, chunks)
+        assert torch.equal(topk_indices(ties, k, method=method, chunks=chunks), want_ties), (method, chunks)
+        assert torch.equal(topk_indices(ties, k, counts, method=method, chunks=chunks), want_counts), (method, chunks)
