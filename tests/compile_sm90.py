@@ -146,7 +146,14 @@ def cases():
     out.append(("merge_partials", partial(merge_partials, o, lse)))
     for n in (100, 2048, 8200, 20000):  # one tile; one tile; 8192 + 16 lanes; 16384 + 4096 lanes
         scores = torch.randn(2, n, generator=g)
-        out.append((f"topk_indices N={n}", partial(topk_indices, scores, n // 16)))
+        out.append((f"topk_indices N={n}", partial(topk_indices, scores, n // 16, method="row")))
+    counts = torch.tensor([3, 0])
+    out.append(("topk_indices row counts", partial(topk_indices, torch.randn(2, 2, 500, generator=g), 40, counts)))
+    for n, k, chunks in ((8193, 512, None), (131073, 8192, None), (3000, 100, 4)):  # 256, 4096, 1024 lanes a chunk
+        scores = torch.randn(2, n, generator=g)
+        out.append((f"topk_indices chunks N={n}", partial(topk_indices, scores, k, method="chunks", chunks=chunks)))
+    scores = torch.randn(2, 3, 9000, generator=g)
+    out.append(("topk_indices chunks counts", partial(topk_indices, scores, 600, counts, method="chunks")))
     return out
 
 

@@ -126,9 +126,9 @@ def _(q, k_pool, block_table, seq_lens, start, scale, length, backend):
 
 @torch.library.custom_op(f"{NAMESPACE}::topk_indices", mutates_args=())
 def topk_indices_op(scores: torch.Tensor, k: int, counts: torch.Tensor | None, backend: str) -> torch.Tensor:
-    """``reference.topk_indices``: ``[..., N]`` -> ``[..., k]`` int32. Per-sequence ``counts`` go to the reference
-    (the Triton launcher would read them on the host to choose; the reference needs no read)."""
-    return _impl(backend if counts is None else "reference", "topk_indices")(scores, k, counts)
+    """``reference.topk_indices``: ``[..., N]`` -> ``[..., k]`` int32. Per-sequence ``counts`` are read on the
+    device by either backend (no host sync)."""
+    return _impl(backend, "topk_indices")(scores, k, counts)
 
 
 @topk_indices_op.register_fake
