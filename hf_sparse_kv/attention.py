@@ -154,6 +154,8 @@ def execute(selection: Selection, mode: str, state: DecodeState, v_pool: torch.T
         if selection.kind != "block":
             raise ValueError("a token selection cannot run in block mode")
         return ops.decode_blocks(*args, selection.indices, selection.ex_lo, selection.ex_hi, scale)
+    if mode == "token" and selection.dense:  # every block: the token kernel would read the same rows, in order
+        return ops.decode_blocks(*args, selection.indices, selection.ex_lo, selection.ex_hi, scale)
     if mode == "token":
         tokens = ops.blocks_to_tokens(selection.indices, BS) if selection.kind == "block" else selection.indices
         return ops.decode_tokens(*args, tokens, selection.ex_lo, selection.ex_hi, scale)
@@ -299,7 +301,7 @@ def static_attention(
     length = static.table.shape[1] * cache.block_size  # the reserved width stands in for the step's lengths
     state = layer_state(
         query, layer, layer_idx, cache, scale, static.ops, static.table, static.seq_lens, static.start,
-        (length,) * B, static=True, planned=static.plan.counts,
+        (length,) * B, static=True, planned=static.plan.counts, keep=static.keep,
     )  # fmt: skip
     selection, mode = choose(config, state, layer_idx, cache, sparse=static.plan.sparse)
     return execute(selection, mode, state, layer.v_pool).unsqueeze(1)
