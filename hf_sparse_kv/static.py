@@ -57,7 +57,7 @@ class StaticBuffers:
 
     def keep(self, key, make: Callable[[], object]) -> object:
         """``make()``, made once per ``key`` and kept for the reservation: what is the same at every step that asks
-        with this key (a device tensor of per-sequence counts, the table's block numbers).
+        with this key (a plan's counting rates, a device tensor of per-sequence counts, the table's block numbers).
 
         A static step asks from inside: the first step that asks makes it (a captured step's warm-up forward, so
         its kernels stay out of the CUDA graph); the graph then reads the kept tensor at every replay instead of

@@ -1,5 +1,5 @@
 """What a static decode step runs per layer (the step a CUDA graph captures, run on the CPU without a graph): its
-attention launches the sparse ops and nothing else.
+attention launches the sparse ops and nothing else, and its host part counts what the eager step counts.
 
 Index tensors that are the same for every layer (a dense layer's selection, a padded batch's per-sequence counts) are
 made once and kept with the reservation; a captured graph replays every kernel of every layer, so anything computed
@@ -11,6 +11,7 @@ from tiny_models import prompt, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_sparse_kv import PagedKVCache, attention, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Quest
 
@@ -98,3 +99,46 @@ def test_static_attention_launches_only_the_sparse_ops(monkeypatch, policy, mode
     assert all(ops.values()), f"a layer ran no op: {ops}"
     other = {layer: [n for n in names if not n.startswith("hf_sparse_kv.")] for layer, names in ops.items()}
     assert not any(other.values()), f"ops other than the sparse ops, by layer: {other}"
+
+
+def _eager_counters(model, ids, mask, steps):
+    cache = PagedKVCache(model.config, block_size=8)
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            pos = mask.sum(-1, keepdim=True) - 1
+            logits = model(logits.argmax(-1), attention_mask=mask, position_ids=pos, **kw).logits
+    return cache.session.counters
+
+
+TABLE = CrossoverTable(  # mode="auto": dense below 70 tokens, sparse from there (the steps cross it)
+    [{"budget": 0.25, "batch": 1, "num_kv_heads": 2, "head_dim": 16, "crossover": 70}], max_context=1 << 20
+)
+
+
+@pytest.mark.parametrize("mode", ["mask", "token", "block", "auto"])
+def test_static_counters_equal_the_eager_ones_and_are_planned_once_per_plan(monkeypatch, mode):
+    """A left-padded batch decodes 20 static steps across block boundaries and plan changes (and, in
+    ``mode="auto"``, the crossover): the counters (steps, K/V bytes, auto choices) are the eager step's, and the
+    per-layer byte count (:func:`hf_sparse_kv.attention.kv_bytes`) runs once per layer and plan, not per step."""
+    model = tiny_model("llama")
+    ids, mask = _left_padded([60, 41, 53], 60)
+    table = {"crossover": TABLE} if mode == "auto" else {}
+    patch_model(model, policy=Quest(budget=0.25, sink=4, window=8), mode=mode, block_size=8, dense_layers=(0,), **table)
+    ref = _eager_counters(model, ids, mask, 20)
+    cache, runner, token = _runner(model, ids, mask, 20)
+    calls, inner = [], attention.kv_bytes
+    monkeypatch.setattr(attention, "kv_bytes", lambda *a: calls.append(1) or inner(*a))
+    plans = set()
+    with torch.no_grad():
+        for _ in range(20):
+            token = runner.step(token).argmax(-1)
+            plans.add(cache.static.plan)
+    unpatch_model(model)
+    assert cache.session.counters == ref
+    assert ref.kv_bytes_read > 0 and (mode != "auto" or ref.auto_steps["dense"] and ref.auto_steps["sparse"])
+    assert len(plans) > 1
+    assert len(calls) <= len(plans) * len(cache.paged_layers)
