@@ -46,13 +46,14 @@ class StaticBuffers:
     plan: object = None
     kept: dict = field(default_factory=dict)
 
-    def begin_step(self, frame: int, plan) -> None:
+    def begin_step(self, frame: int, plan, positions: torch.Tensor | None = None) -> None:
         """Fill the buffers for the token at position ``frame`` (transformers' frame) and keep the step's plan; runs
-        before the step (outside a traced or captured region)."""
+        before the step (outside a traced or captured region). ``positions`` ``[B, 1]``: the step's position ids
+        when the caller has its own (default: ``frame - pads``, as ``generate()`` makes them)."""
         self.frame.fill_(frame)
         torch.sub(frame, self.pads, out=self.pos0)
         torch.add(self.pos0, 1, out=self.seq_lens)
-        self.positions.copy_(self.pos0.view(-1, 1))
+        self.positions.copy_(self.pos0.view(-1, 1) if positions is None else positions)
         self.plan = plan
 
     def keep(self, key, make: Callable[[], object]) -> object:

@@ -142,3 +142,32 @@ def test_static_counters_equal_the_eager_ones_and_are_planned_once_per_plan(monk
     assert ref.kv_bytes_read > 0 and (mode != "auto" or ref.auto_steps["dense"] and ref.auto_steps["sparse"])
     assert len(plans) > 1
     assert len(calls) <= len(plans) * len(cache.paged_layers)
+
+
+class _OutputShapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if isinstance(t, torch.Tensor)]  # fmt: skip
+        return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_captured_step_builds_no_mask_of_the_reserved_length(arch):
+    """No layer of a reserved cache reads the forward's mask (paged layers read the buffers, sliding rings mask
+    themselves), so a :class:`DecodeGraphs` step does not let transformers build one (a reserved cache is
+    "compileable", and transformers then builds the mask at every single-token step: ``[B, 1, 1, max_length]``)."""
+    model = tiny_model(arch)
+    ids, mask = _left_padded([37, 30], 37)
+    patch_model(model, policy=Quest(budget=16, sink=4, window=8), mode="block", block_size=8, dense_layers=())
+    cache, runner, token = _runner(model, ids, mask, 24)  # reserves 61 tokens per sequence
+    rec = _OutputShapes()
+    with torch.no_grad(), rec:
+        runner.step(token)
+    unpatch_model(model)
+    assert cache.static.max_length == 61 and rec.shapes
+    assert not [s for s in rec.shapes if s and s[-1] == 61], "a tensor of the reserved length was built"
