@@ -16,7 +16,9 @@ Regions: ``host`` (before the forward: the step's buffers and ids, outside the g
 rotary and mask, before layer 0), ``L<i> attn`` (the attention module: projections, rotary, the write, selection,
 decode, output projection), ``L<i> rest`` (the norm after the attention, the MLP, the next layer's input norm),
 ``post`` (final norm, head, the logits' clone). Views count as ops here (they launch no kernel); each count also
-gives the ops that are not views.
+gives the ops that are not views. Last, per policy, the host time of ``DecodeGraphs.step`` with the replay stubbed
+(a ``--host-layers`` model, 32 by default as the 8B shape): what the GPU waits for before each replay when steps are
+synchronised (``bench_e2e``'s ``time_decode`` and ``generate()`` do).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import collections
 import dataclasses
 import difflib
 import importlib
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -128,6 +132,57 @@ def trace(version, policy, batch: int, length: int, layers: int, block_size: int
     return rec.log
 
 
+class _Replay:
+    """Stands in for a captured graph: ``step()`` does all its host work and replays nothing."""
+
+    def replay(self) -> None:
+        pass
+
+
+class _EveryPlan(dict):
+    """A runner's graphs as if every plan had been captured (the same stand-in for each)."""
+
+    def __init__(self, entry: tuple):
+        super().__init__()
+        self.entry = entry
+
+    def __contains__(self, key) -> bool:
+        return True
+
+    def __getitem__(self, key) -> tuple:
+        return self.entry
+
+
+def host_time(version, policy, batch: int, layers: int, block_size: int, reps: int = 200) -> float:
+    """Median µs of ``DecodeGraphs.step`` on the host with the graph replay stubbed (plan, buffers, counters, ids,
+    the logits' clone): what the GPU waits for before each replay when steps are synchronised, at ``layers``."""
+    model = tiny_llama(layers)
+    policies = importlib.import_module(f"{version.__name__}.policies")
+    policy = getattr(policies, type(policy).__name__)(
+        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    )
+    version.patch_model(model, policy=policy, mode="block", block_size=block_size, cuda_graph=True)
+    cache = version.PagedKVCache(model.config, block_size=block_size)
+    graphs = importlib.import_module(f"{version.__name__}.graphs")
+    ids = torch.randint(3, 96, (batch, 600), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        runner = graphs.DecodeGraphs(model, cache, 600 + 20 * reps, capture=False)
+        runner.step(token)
+    logits = torch.zeros(batch, 1, model.config.vocab_size)
+    entry = (_Replay(), logits) if hasattr(graphs, "begin_static_step") else (_Replay(), logits, (0, {}))
+    runner.capture, runner.graphs = True, _EveryPlan(entry)
+    pos = torch.zeros(batch, 1, dtype=torch.long)
+    times = []
+    for i in range(reps + 10):
+        t0 = time.perf_counter()
+        runner.step(token, pos)
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    version.unpatch_model(model)
+    return statistics.median(times) * 1e6
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", type=Path, default=None, help="folder holding another version's hf_sparse_kv/")
@@ -136,6 +191,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--full", action="store_true", help="print every region's op list, not only the differences")
+    p.add_argument("--host-layers", type=int, default=32, help="layers of the model whose host time is measured")
     p.add_argument("--out", default=None, help="also write the report to this file")
     args = p.parse_args()
     versions = {"new": hf_sparse_kv}
@@ -161,6 +217,9 @@ def main() -> None:
             elif len(ops) == 2 and ops["old"] != ops["new"]:
                 diff = difflib.unified_diff(ops["old"], ops["new"], "old", "new", lineterm="", n=0)
                 lines += [f"    {d}" for d in diff if not d.startswith(("---", "+++"))]
+        host = {n: host_time(v, policy, args.batch, args.host_layers, args.block_size) for n, v in versions.items()}
+        lines.append(f"--- host time of DecodeGraphs.step, replay stubbed, {args.host_layers} layers (median, µs): "
+                     + ", ".join(f"{n} {us:.1f}" for n, us in host.items()))  # fmt: skip
     report = "\n".join(lines)
     print(report)
     if args.out:
