@@ -31,16 +31,38 @@ metadata its selection scores (Quest: min and max, BlockTopK: mean, of every blo
 ``floor: dense`` is the floor of reading the whole context; every row prints ``of_floor`` = ms / its own floor.
 
 ``--generate BxL`` also times real ``generate()`` calls: a real prefill of ``L`` random tokens, then
-``--new-tokens`` (128) greedy tokens, for the unpatched model (dynamic and static cache), patched Dense and Quest
-1/16 captured; reported as TTFT (``max_new_tokens=1``), the whole call, and the decode ms/token
-(``(whole - TTFT) / (new - 1)``). With ``B > 1`` the prompts are also run left-padded (lengths spread over
-``[3L/4, L]``), the serving-style batch.
+``--new-tokens`` (128) greedy tokens, for the unpatched model (dynamic cache; static cache, which transformers
+compiles), patched Dense and Quest 1/16 captured (on a ``PagedKVCache`` the script passes in, so that the row can
+report its ``captured_steps``: decode steps replayed from a graph). One call per row: a logits processor takes a
+device-synchronised timestamp at every new token, so TTFT is the time to the first token and ``ms_per_token`` the
+median time between two tokens (a forward, argmax and generate's own work; the capture of a new plan's graph, or a
+compile, is one slow step the median ignores and ``mean_step_ms`` includes). With ``B > 1`` the prompts are also run
+left-padded to lengths spread over ``[3L/4, L]`` (the serving-style batch of different lengths; sequence 0 keeps
+``L``), and each padded row gives ``vs_unpadded`` = its ms/token over the same row's on the unpadded batch. Floors
+of the generate rows: the weights, the K/V of each sequence's real context halfway through the call (the unpatched
+rows; ``generate: floor: dense``) or what the row's cache counted, and the selection's metadata.
+
+Order and progress. A run goes by phases (``--phases``): ``decode`` (per shape: the floor, the unpatched model,
+the eager and captured patched rows), ``generate``, then ``compiled``: every row that compiles (the StaticCache rows,
+``graph+compile:``, ``reduce-overhead:``; minutes each on the 8B shape), last, so that a run stopped by a time limit
+has measured the rest. Every row prints as it is measured, after a ``[HH:MM:SS +elapsed s]`` stamp, and the CSV is
+rewritten after each row. ``--rows`` keeps the named rows (names as in the tables, without `` (left-padded)``;
+``TTFT`` for the prefill rows); an unknown name is an error.
+
+The target rows of issue 14 at the 8B shape (the StaticCache row compiles once per shape, which takes minutes: leave
+it out of ``--rows`` for a quick run; ``timeout`` keeps what was measured before it)::
+
+    timeout 470 python benchmarks/bench_e2e.py --shapes 1x131072,8x32768 --ttft "" --generate 8x32768 --steps 12 \
+        --rows "floor: dense,unpatched sdpa,unpatched StaticCache + compile,graph: patched Dense,\
+graph: Quest 1/16 block,generate: floor: dense,generate: unpatched sdpa,generate: graph: patched Dense,\
+generate: graph: Quest 1/16 block" --out benchmarks/results/bench_e2e_targets.csv
 
 Columns: ms/token (median), tokens/s (batch / median), KV MB read per step (all layers, from the cache's counter),
 KV GB held, peak GPU GB during the row, speedup over unpatched, floor ms and ms / floor. Selection cost ~ Quest row
 - SinkWindow row at the same budget (same bytes read, no scoring).
 
-A dry run on the CPU (a tiny model of the same ratios, seconds)::
+A dry run on the CPU (a tiny model of the same ratios; every row, about a minute; ``graph:`` rows run their steps
+eagerly there, and the compiled rows use the ``aot_eager`` backend)::
 
     python benchmarks/bench_e2e.py --device cpu --tiny --shapes 1x256,2x128 --ttft 1x128 --generate 2x128 \
         --new-tokens 8 --steps 3 --warmup 1 --out /tmp/bench_e2e.csv
@@ -55,7 +77,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -195,33 +217,22 @@ def weight_bytes(model, batch: int) -> int:
     return total - embed.numel() * embed.element_size() + batch * embed.shape[1] * embed.element_size()
 
 
-def metadata_bytes(model, policy, batch: int, length: int, block_size: int, sparse_layers: float) -> int:
-    """Block metadata a step's selection reads: ``sparse_layers`` layers (an average under ``mode="auto"``) of
-    min and max (Quest) or mean (BlockTopK) of every block, ``[B, Hkv, nblk, D]`` bf16 each."""
+def metadata_bytes(model, policy, blocks: int, sparse_layers: float) -> int:
+    """Block metadata a step's selection reads: ``sparse_layers`` layers (an average under ``mode="auto"``) of min
+    and max (Quest) or mean (BlockTopK) of the ``blocks`` blocks held (all sequences), ``[Hkv, D]`` bf16 each."""
     per = 2 if isinstance(policy, Quest) else 1 if isinstance(policy, BlockTopK) else 0
     cfg = model.config
-    nblk = -(-length // block_size)
-    return int(per * sparse_layers * batch * nblk * cfg.num_key_value_heads * cfg.head_dim * 2)
+    return int(per * sparse_layers * blocks * cfg.num_key_value_heads * cfg.head_dim * 2)
+
+
+def kv_token_bytes(model) -> int:
+    """K and V bytes of one token in every layer (bf16)."""
+    cfg = model.config
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
 
 
 def dense_kv_bytes(model, batch: int, length: int) -> int:
-    cfg = model.config
-    return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * length * cfg.head_dim * 2
-
-
-def time_generate(model, ids, mask, new_tokens: int, **kw) -> tuple[float, float]:
-    """Seconds of ``generate()`` with ``max_new_tokens=1`` (TTFT) and ``new_tokens`` (greedy, every token made),
-    after a warm-up call of two tokens (kernels built, compiled steps compiled)."""
-    out = []
-    kw = {"pad_token_id": 0, **kw}
-    with torch.no_grad():
-        for n in (2, 1, new_tokens):
-            sync(model.device)
-            t0 = time.perf_counter()
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
-            sync(model.device)
-            out.append(time.perf_counter() - t0)
-    return out[1], out[2]
+    return kv_token_bytes(model) * batch * length
 
 
 ROWS = [  # (name, policy, mode, cuda_graph)
@@ -256,43 +267,244 @@ GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() argumen
 ]
 
 
+PHASES = ("decode", "generate", "compiled")  # the order of a run: cheap rows first, the compiles last
+
+
 def floor_fields(ms: float, nbytes: int, bandwidth: float) -> dict:
     floor = 1000 * nbytes / (bandwidth * 1e9)
     return {"floor_ms": floor, "of_floor": ms / floor if ms else None}
 
 
-def run_generate(model, args, results, bandwidth) -> None:
-    """The ``--generate`` rows: real prefill, then ``--new-tokens`` tokens, per shape (padded too when ``B > 1``)."""
-    for shape in args.generate.split(",") if args.generate else []:
+class Report:
+    """The rows measured so far: each one printed with a timestamp as it is measured and the CSV rewritten, so a run
+    stopped by a time limit leaves what it measured."""
+
+    def __init__(self, out: str):
+        self.out, self.rows, self.t0 = out, [], time.perf_counter()
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - self.t0:6.0f} s] {msg}", flush=True)
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.say(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        write_csv(self.out, self.rows)
+
+
+def patch_row(model, policy, mode: str, args, graph: bool, compiled: str | None = None) -> None:
+    table = {"crossover": args.crossover} if mode == "auto" else {}
+    backend = ("inductor" if args.device == "cuda" else "aot_eager") if compiled == "graph" else None
+    patch_model(model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph, compile=backend, **table)
+
+
+def compile_options(device: str) -> dict:
+    """``mode="reduce-overhead"`` on CUDA; ``aot_eager`` on the CPU (a dry run: no CUDA graphs there)."""
+    return {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager"}
+
+
+def patched_decode_row(model, paged, row, args, shape, weights, bandwidth, compiled=None) -> dict:
+    """Time one patched row ``(name, policy, mode, cuda_graph)`` on the filled cache ``paged`` (cropped back after);
+    ``compiled``: ``"graph"`` (the captured step compiled) or ``"reduce-overhead"`` (the user's compiled forward)."""
+    name, policy, mode, graph = row
+    batch, length, base_ms, kv_held = shape
+    patch_row(model, policy, mode, args, graph, compiled)
+    if compiled == "reduce-overhead":  # the user's way: a reserved cache, the model's forward compiled
+        paged.reserve_static(length + args.steps + args.warmup + 1)
+        model.forward = torch.compile(model.forward, fullgraph=True, **compile_options(args.device))
+    reset_peak()
+    read0, steps0, auto0 = int(paged.kv_bytes_read), paged.decode_steps, paged.auto_steps
+    try:
+        t = time_decode(model, paged, batch, length, args.steps, args.warmup)
+        ms = 1000 * statistics.median(t)
+    finally:
+        if compiled == "reduce-overhead":
+            del model.forward
+        unpatch_model(model)
+        if compiled:
+            torch._dynamo.reset()
+    steps = max(paged.decode_steps - steps0, 1)
+    read = (int(paged.kv_bytes_read) - read0) / steps
+    sparse_layers = model.config.num_hidden_layers - 2  # the default dense layers (0, 1)
+    if mode == "auto":
+        sparse_layers = (paged.auto_steps["sparse"] - auto0["sparse"]) / steps
+    meta = metadata_bytes(model, policy, batch * -(-length // args.block_size), sparse_layers)
+    return {"batch": batch, "context": length, "row": name, "ms_per_token": ms, "tokens_per_s": batch / (ms / 1000),
+            "kv_mb_per_step": read / 1e6, "kv_gb_held": kv_held / 1e9, "peak_gb": peak_gb(),
+            "speedup": base_ms / ms if base_ms else None, **floor_fields(ms, weights + int(read) + meta, bandwidth)}  # fmt: skip
+
+
+def decode_phase(model, batch, length, args, report, bandwidth, keep) -> float | None:
+    """The floor, the unpatched model and the eager and captured patched rows at one shape; returns the unpatched
+    ms/token (``None`` when that row is not wanted)."""
+    weights, dense_kv = weight_bytes(model, batch), dense_kv_bytes(model, batch, length)
+    if keep("floor: dense"):
+        report.add({"batch": batch, "context": length, "row": "floor: dense", "kv_mb_per_step": dense_kv / 1e6,
+                    **floor_fields(0.0, weights + dense_kv, bandwidth), "hbm_gb_s": bandwidth})  # fmt: skip
+    rows = [r for r in ROWS if keep(r[0])]
+    if not keep("unpatched sdpa") and not rows:
+        return None
+    report.say(f"{batch}x{length}: filling the caches")
+    dense_cache, paged = fill_caches(model, batch, length, args.block_size, args.device)
+    base_ms = None
+    if keep("unpatched sdpa"):
+        held = sum(t.numel() * t.element_size() for k, v, *_ in dense_cache for t in (k, v))
+        reset_peak()
+        base_ms = 1000 * statistics.median(time_decode(model, dense_cache, batch, length, args.steps, args.warmup))
+        report.add({"batch": batch, "context": length, "row": "unpatched sdpa", "ms_per_token": base_ms,
+                    "tokens_per_s": batch / (base_ms / 1000), "kv_mb_per_step": dense_kv / 1e6,
+                    "kv_gb_held": held / 1e9, "peak_gb": peak_gb(), "speedup": 1.0,
+                    **floor_fields(base_ms, weights + dense_kv, bandwidth)})  # fmt: skip
+    del dense_cache
+    empty_cache(args.device)
+    shape = (batch, length, base_ms, paged.memory_bytes())
+    for row in rows:
+        report.say(f"{batch}x{length}: {row[0]}")
+        report.add(patched_decode_row(model, paged, row, args, shape, weights, bandwidth))
+    del paged
+    empty_cache(args.device)
+    return base_ms
+
+
+def compiled_phase(model, batch, length, args, report, bandwidth, keep, base_ms) -> None:
+    """The rows that compile (minutes each on the 8B shape): transformers' ``StaticCache`` with
+    ``torch.compile(mode="reduce-overhead")``, the compiled captured step and the user's compiled forward."""
+    weights, dense_kv = weight_bytes(model, batch), dense_kv_bytes(model, batch, length)
+    if keep(STATIC_ROW) and not args.no_static:  # the unpatched model as the transformers docs recommend
+        report.say(f"{batch}x{length}: {STATIC_ROW} (fill, compile, steps)")
+        static = static_cache(model, batch, length, length + args.steps + args.warmup + 1, args.device)
+        model.forward = torch.compile(model.forward, fullgraph=True, **compile_options(args.device))
+        reset_peak()
+        try:
+            ms = 1000 * statistics.median(time_decode(model, static, batch, length, args.steps, args.warmup))
+        except Exception as e:  # noqa: BLE001 - the row says why it could not run; the others go on
+            report.say(f"{STATIC_ROW}: {type(e).__name__}: {e}")
+            ms = float("nan")
+        del model.forward
+        report.add({"batch": batch, "context": length, "row": STATIC_ROW, "ms_per_token": ms,
+                    "tokens_per_s": batch / (ms / 1000), "kv_mb_per_step": dense_kv / 1e6, "peak_gb": peak_gb(),
+                    "speedup": base_ms / ms if base_ms else None,
+                    **floor_fields(ms, weights + dense_kv, bandwidth)})  # fmt: skip
+        del static
+        torch._dynamo.reset()
+        empty_cache(args.device)
+    rows = [r for r in COMPILED_ROWS if keep(r[0])]
+    if not rows:
+        return
+    report.say(f"{batch}x{length}: filling the paged cache")
+    _, paged = fill_caches(model, batch, length, args.block_size, args.device)
+    shape = (batch, length, base_ms, paged.memory_bytes())
+    for name, policy, mode, how in rows:
+        report.say(f"{batch}x{length}: {name} (compile, steps)")
+        row = (name, policy, mode, how == "graph")
+        report.add(patched_decode_row(model, paged, row, args, shape, weights, bandwidth, how))
+    del paged
+    empty_cache(args.device)
+
+
+class StepClock(LogitsProcessor):
+    """Called by ``generate()`` once per new token, after that token's forward: device-synchronised timestamps (the
+    first one closes the prefill, each next one a decode step)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def time_generate(model, ids, mask, new_tokens: int, **kw) -> dict:
+    """One greedy ``generate()`` of ``new_tokens`` tokens (every one made): TTFT (the prefill and the first token),
+    the median decode step (the time between two tokens: forward, argmax and generate's own work) and its mean over
+    the call (capture or compile of the first steps included), and the whole call, in seconds."""
+    clock = StepClock(model.device)
+    kw = {"pad_token_id": 0, "logits_processor": LogitsProcessorList([clock]), **kw}
+    with torch.no_grad():
+        sync(model.device)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, **kw)  # fmt: skip
+        sync(model.device)
+        whole = time.perf_counter() - t0
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])] or [float("nan")]
+    return {"ttft_s": clock.times[0] - t0, "step_s": statistics.median(steps), "mean_step_s": statistics.fmean(steps),
+            "generate_s": whole}  # fmt: skip
+
+
+def generate_prompts(model, batch: int, length: int) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """Random prompts ``[B, L]``: unpadded, and with ``B > 1`` left-padded to lengths spread over ``[3L/4, L]`` (the
+    serving-style batch; sequence 0 keeps ``L``)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=g).to(model.device)
+    variants = [("", ids, None)]
+    if batch > 1:
+        mask = torch.ones_like(ids)
+        for b in range(batch):
+            mask[b, : (length // 4) * b // (batch - 1)] = 0
+        variants.append((" (left-padded)", ids.masked_fill(mask == 0, 0), mask))
+    return variants
+
+
+def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None:
+    """The ``--generate`` rows: a real prefill, then ``--new-tokens`` greedy tokens, per shape (left-padded too when
+    ``B > 1``, with its ms/token over the unpadded batch's). ``compiled``: the rows that compile (StaticCache)."""
+    rows = [r for r in GENERATE_ROWS if keep(r[0]) and (r[2].get("cache_implementation") == "static") == compiled]
+    if compiled and args.no_static:
+        rows = []
+    for shape in args.generate.split(",") if args.generate and rows else []:
         batch, length = map(int, shape.split("x"))
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=g).to(model.device)
-        variants = [("", None)]
-        if batch > 1:  # left-padded prompts of lengths spread over [3L/4, L]
-            mask = torch.ones_like(ids)
-            for b in range(batch):
-                mask[b, : (length // 4) * b // (batch - 1)] = 0
-            variants.append((" (left-padded)", mask))
-        for suffix, mask in variants:
-            for name, policy, extra in GENERATE_ROWS:
+        unpadded = {}
+        for suffix, ids, mask in generate_prompts(model, batch, length):
+            real = [length] * batch if mask is None else mask.sum(-1).tolist()
+            mid = [n + args.new_tokens // 2 for n in real]  # the context halfway through the generation
+            weights, dense_kv = weight_bytes(model, batch), kv_token_bytes(model) * sum(mid)
+            if keep("generate: floor: dense") and not compiled:
+                report.add({"batch": batch, "context": length, "row": "generate: floor: dense" + suffix,
+                            "kv_mb_per_step": dense_kv / 1e6, **floor_fields(0.0, weights + dense_kv, bandwidth)})  # fmt: skip
+            for name, policy, extra in rows:
+                report.say(f"{batch}x{length}{suffix}: {name}")
+                cache, extra = None, dict(extra)
                 if policy is not None:
                     patch_model(model, policy=policy, mode="block", block_size=args.block_size, cuda_graph=True)
+                    cache = PagedKVCache(model.config, block_size=args.block_size, max_length=length + args.new_tokens)
+                    extra[cache_kwarg(model)] = cache
                 reset_peak()
                 try:
-                    ttft, whole = time_generate(model, ids, mask, args.new_tokens, **extra)
+                    t = time_generate(model, ids, mask, args.new_tokens, **extra)
                 except Exception as e:  # noqa: BLE001 - a row that cannot run says why, the others go on
-                    print(f"{name}{suffix}: {type(e).__name__}: {e}", flush=True)
-                    ttft = whole = float("nan")
-                if policy is not None:
-                    unpatch_model(model)
-                ms = 1000 * (whole - ttft) / max(args.new_tokens - 1, 1)
-                results.append(
-                    {"batch": batch, "context": length, "row": name + suffix, "ms_per_token": ms,
-                     "tokens_per_s": batch / (ms / 1000), "ttft_s": ttft, "generate_s": whole, "peak_gb": peak_gb()}
-                )  # fmt: skip
-                print(results[-1], flush=True)
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
+                    report.say(f"{name}{suffix}: {type(e).__name__}: {e}")
+                    t = dict.fromkeys(("ttft_s", "step_s", "mean_step_s", "generate_s"), float("nan"))
+                finally:
+                    if policy is not None:
+                        unpatch_model(model)
+                    if compiled:
+                        torch._dynamo.reset()
+                ms = 1000 * t["step_s"]
+                nbytes, captured = weights + dense_kv, None
+                if cache is not None:  # what the cache counted, the selection's metadata on top
+                    nbytes = weights + cache.kv_bytes_read // max(cache.decode_steps, 1)
+                    nblk = sum(-(-n // args.block_size) for n in mid)
+                    nbytes += metadata_bytes(model, policy, nblk, model.config.num_hidden_layers - 2)
+                    runner = cache.session.graphs
+                    captured = runner.replays if runner else 0
+                row = {"batch": batch, "context": length, "row": name + suffix, "ms_per_token": ms,
+                       "tokens_per_s": batch / (ms / 1000), "kv_mb_per_step": (nbytes - weights) / 1e6,
+                       "peak_gb": peak_gb(), **floor_fields(ms, nbytes, bandwidth), "ttft_s": t["ttft_s"],
+                       "mean_step_ms": 1000 * t["mean_step_s"], "generate_s": t["generate_s"],
+                       "captured_steps": captured}  # fmt: skip
+                if suffix:
+                    row["vs_unpadded"] = ms / unpadded[name] if name in unpadded else None
+                else:
+                    unpadded[name] = ms
+                report.add(row)
+                del cache
+                empty_cache(args.device)
+
+
+def empty_cache(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -303,176 +515,64 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same ratios (a dry run, e.g. on the CPU)")
     p.add_argument("--generate", default="1x32768,8x32768", help="BxL shapes of the timed generate() calls ('' none)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens each timed generate() makes")
-    p.add_argument("--no-static", action="store_true", help="skip the StaticCache + torch.compile row")
+    p.add_argument("--no-static", action="store_true", help="skip the StaticCache + torch.compile rows")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all)")
+    p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all; see ROWS)")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"which of {PHASES} to run, in that order")
     p.add_argument("--out", default="benchmarks/results/bench_e2e.csv")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--crossover", default=None, help="crossover table for the auto rows (default: the shipped one)")
     args = p.parse_args()
-    device = args.device
-    print(env_info(), flush=True)
-    model = build_model(args.layers, device, tiny_config() if args.tiny else None)
-    print(f"model built: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters", flush=True)
-    keep = args.rows.split(",") if args.rows else None
-    rows_wanted = [r for r in ROWS if not keep or r[0] in keep]
-    compiled_wanted = [r for r in COMPILED_ROWS if not keep or r[0] in keep]
-    static_wanted = not args.no_static and (not keep or STATIC_ROW in keep)
-    bandwidth = hbm_bandwidth(device, 2**31 if device == "cuda" else 2**24)
-    print(f"HBM bandwidth (device copy): {bandwidth:.0f} GB/s", flush=True)
-    results = []
+    wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
+    known = {r[0] for r in ROWS + COMPILED_ROWS + GENERATE_ROWS} | {"floor: dense", "unpatched sdpa", STATIC_ROW}
+    known |= {"generate: floor: dense", "TTFT"}
+    if wanted - known:
+        raise SystemExit(f"--rows: unknown {sorted(wanted - known)}; rows are {sorted(known)}")
+    phases = args.phases.split(",")
 
-    for shape in args.ttft.split(",") if args.ttft else []:
+    def keep(name: str) -> bool:
+        return not wanted or name in wanted
+
+    report = Report(args.out)
+    report.say(str(env_info()))
+    model = build_model(args.layers, args.device, tiny_config() if args.tiny else None)
+    report.say(f"model built: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+    bandwidth = hbm_bandwidth(args.device, 2**31 if args.device == "cuda" else 2**24)
+    report.say(f"HBM bandwidth (device copy): {bandwidth:.0f} GB/s")
+
+    for shape in args.ttft.split(",") if args.ttft and keep("TTFT") else []:
         batch, length = map(int, shape.split("x"))
+        report.say(f"{batch}x{length}: TTFT")
         base = time_prefill(model, batch, length)
         patch_model(model, policy=Quest(budget=0.0625), mode="block", block_size=args.block_size)
         patched = time_prefill(model, batch, length)
         unpatch_model(model)
-        results.append(
-            {
-                "batch": batch,
-                "context": length,
-                "row": "TTFT (s): unpatched / patched",
-                "ttft_s": base,
-                "ttft_patched_s": patched,
-                "ttft_ratio": patched / base,
-            }
-        )
-        print(results[-1], flush=True)
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        report.add({"batch": batch, "context": length, "row": "TTFT (s): unpatched / patched", "ttft_s": base,
+                    "ttft_patched_s": patched, "ttft_ratio": patched / base})  # fmt: skip
+        empty_cache(args.device)
 
-    for shape in args.shapes.split(",") if args.shapes else []:
-        batch, length = map(int, shape.split("x"))
-        dense_cache, paged = fill_caches(model, batch, length, args.block_size, device)
-        kv_held = {
-            "unpatched": sum(t.numel() * t.element_size() for k, v, *_ in dense_cache for t in (k, v)),
-            "paged": paged.memory_bytes(),
-        }
-        weights, dense_kv = weight_bytes(model, batch), dense_kv_bytes(model, batch, length)
-        results.append(
-            {"batch": batch, "context": length, "row": "floor: dense", "kv_mb_per_step": dense_kv / 1e6,
-             **floor_fields(0.0, weights + dense_kv, bandwidth), "hbm_gb_s": bandwidth}
-        )  # fmt: skip
-        reset_peak()
-        t = time_decode(model, dense_cache, batch, length, args.steps, args.warmup)
-        base_ms = 1000 * statistics.median(t)
-        results.append(
-            {
-                "batch": batch,
-                "context": length,
-                "row": "unpatched sdpa",
-                "ms_per_token": base_ms,
-                "tokens_per_s": batch / (base_ms / 1000),
-                "kv_mb_per_step": dense_kv / 1e6,
-                "kv_gb_held": kv_held["unpatched"] / 1e9,
-                "peak_gb": peak_gb(),
-                "speedup": 1.0,
-                **floor_fields(base_ms, weights + dense_kv, bandwidth),
-            }
-        )
-        print(results[-1], flush=True)
-        del dense_cache
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        if static_wanted:  # the unpatched model as the transformers docs recommend for fast decoding
-            static = static_cache(model, batch, length, length + args.steps + args.warmup + 1, device)
-            forward = model.forward
-            options = {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager"}
-            model.forward = torch.compile(forward, fullgraph=True, **options)
-            reset_peak()
-            try:
-                t = time_decode(model, static, batch, length, args.steps, args.warmup)
-                ms = 1000 * statistics.median(t)
-            except Exception as e:  # noqa: BLE001 - the row says why it could not run; the others go on
-                print(f"{STATIC_ROW}: {type(e).__name__}: {e}", flush=True)
-                ms = float("nan")
-            del model.forward
-            results.append(
-                {"batch": batch, "context": length, "row": STATIC_ROW, "ms_per_token": ms,
-                 "tokens_per_s": batch / (ms / 1000), "kv_mb_per_step": dense_kv / 1e6, "peak_gb": peak_gb(),
-                 "speedup": base_ms / ms, **floor_fields(ms, weights + dense_kv, bandwidth)}
-            )  # fmt: skip
-            print(results[-1], flush=True)
-            del static
-            torch._dynamo.reset()
-            if device == "cuda":
-                torch.cuda.empty_cache()
-        backend = "inductor" if device == "cuda" else "aot_eager"
-        patched_rows = [(n, p, m, g, None) for n, p, m, g in rows_wanted]
-        patched_rows += [(n, p, m, how == "graph", how) for n, p, m, how in compiled_wanted]
-        for name, policy, mode, graph, compiled in patched_rows:
-            table = {"crossover": args.crossover} if mode == "auto" else {}
-            backend_if_graph = backend if compiled == "graph" else None
-            patch_model(
-                model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph,
-                compile=backend_if_graph, **table,
-            )  # fmt: skip
-            if compiled == "reduce-overhead":  # the user's way: a reserved cache, the model's forward compiled
-                paged.reserve_static(length + args.steps + args.warmup + 1)
-                options = {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager"}
-                model.forward = torch.compile(model.forward, fullgraph=True, **options)
-            reset_peak()
-            read0, steps0 = int(paged.kv_bytes_read), paged.decode_steps
-            auto0 = paged.auto_steps
-            t = time_decode(model, paged, batch, length, args.steps, args.warmup)
-            ms = 1000 * statistics.median(t)
-            steps = max(paged.decode_steps - steps0, 1)
-            read = (int(paged.kv_bytes_read) - read0) / steps
-            sparse_layers = model.config.num_hidden_layers - 2  # the default dense layers (0, 1)
-            if mode == "auto":
-                sparse_layers = (paged.auto_steps["sparse"] - auto0["sparse"]) / steps
-            meta = metadata_bytes(model, policy, batch, length, args.block_size, sparse_layers)
-            results.append(
-                {
-                    "batch": batch,
-                    "context": length,
-                    "row": name,
-                    "ms_per_token": ms,
-                    "tokens_per_s": batch / (ms / 1000),
-                    "kv_mb_per_step": read / 1e6,
-                    "kv_gb_held": kv_held["paged"] / 1e9,
-                    "peak_gb": peak_gb(),
-                    "speedup": base_ms / ms,
-                    **floor_fields(ms, weights + int(read) + meta, bandwidth),
-                }
-            )
-            print(results[-1], flush=True)
-            if compiled == "reduce-overhead":
-                del model.forward
-            unpatch_model(model)
-            if compiled:
-                torch._dynamo.reset()
-        del paged
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else []
+    base = {}
+    if "decode" in phases:
+        for batch, length in shapes:
+            base[(batch, length)] = decode_phase(model, batch, length, args, report, bandwidth, keep)
+    if "generate" in phases:
+        generate_phase(model, args, report, bandwidth, keep, compiled=False)
+    if "compiled" in phases:
+        for batch, length in shapes:
+            compiled_phase(model, batch, length, args, report, bandwidth, keep, base.get((batch, length)))
+        generate_phase(model, args, report, bandwidth, keep, compiled=True)
 
-    run_generate(model, args, results, bandwidth)
-
-    write_csv(args.out, results)
-    cols = [
-        "batch",
-        "context",
-        "row",
-        "ms_per_token",
-        "tokens_per_s",
-        "kv_mb_per_step",
-        "kv_gb_held",
-        "peak_gb",
-        "speedup",
-        "floor_ms",
-        "of_floor",
-        "generate_s",
-        "ttft_s",
-        "ttft_patched_s",
-        "ttft_ratio",
-    ]
+    report.say(f"done; CSV: {args.out}")
+    cols = ["batch", "context", "row", "ms_per_token", "tokens_per_s", "kv_mb_per_step", "kv_gb_held", "peak_gb",
+            "speedup", "floor_ms", "of_floor", "vs_unpadded", "captured_steps", "mean_step_ms", "generate_s", "ttft_s",
+            "ttft_patched_s", "ttft_ratio"]  # fmt: skip
     shape = (
         "tiny Llama (4 layers, 8/2 heads, head dim 32)" if args.tiny else f"Llama-3.1-8B shape, {args.layers} layers"
     )
-    print_table(results, cols, title=f"{shape}, bf16, block_size {args.block_size}, HBM {bandwidth:.0f} GB/s")
+    print_table(report.rows, cols, title=f"{shape}, bf16, block_size {args.block_size}, HBM {bandwidth:.0f} GB/s")
 
 
 if __name__ == "__main__":

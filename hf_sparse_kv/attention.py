@@ -154,6 +154,8 @@ def execute(selection: Selection, mode: str, state: DecodeState, v_pool: torch.T
         if selection.kind != "block":
             raise ValueError("a token selection cannot run in block mode")
         return ops.decode_blocks(*args, selection.indices, selection.ex_lo, selection.ex_hi, scale)
+    if mode == "token" and selection.dense:  # every block: the token kernel would read the same rows, in order
+        return ops.decode_blocks(*args, selection.indices, selection.ex_lo, selection.ex_hi, scale)
     if mode == "token":
         tokens = ops.blocks_to_tokens(selection.indices, BS) if selection.kind == "block" else selection.indices
         return ops.decode_tokens(*args, tokens, selection.ex_lo, selection.ex_hi, scale)
@@ -227,12 +229,32 @@ def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]
     return StaticPlan(sparse, None if counts is None else tuple(counts))
 
 
-def static_counters(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan, lens: tuple[int, ...]) -> Counters:
-    """What the eager step at ``lens`` would add to the session's counters (one step, its K/V bytes, its auto
-    choices): a static step counts on the host before it runs."""
-    nbytes, auto = 0, {"dense": 0, "sparse": 0}
-    BS, policy = cache.block_size, config.policy
-    everything = tuple(cdiv(n, BS) for n in lens)
+@dataclass(frozen=True)
+class CountingRates:
+    """What a static step at one plan adds to the counters, as rates over its lengths (``lens``, stored tokens per
+    sequence): K/V bytes ``= per_block * sum(cdiv(n, BS)) + per_planned * sum(plan.counts) + per_token * B *
+    max(lens)`` (dense layers read every block, sparse layers the plan's widths, ``mode="mask"`` layers the longest
+    context in every sequence), and the layers ``mode="auto"`` ran dense or sparse. The eager step's per-layer rule
+    (:func:`kv_bytes`), summed over the layers once per plan (:func:`counting_rates`) instead of at every step."""
+
+    per_block: int
+    per_planned: int
+    per_token: int
+    auto: tuple[tuple[str, int], ...]
+
+    def counters(self, plan: StaticPlan, lens: tuple[int, ...], block_size: int) -> Counters:
+        """The counters of one step at ``lens`` (the current token included)."""
+        blocks = sum(cdiv(n, block_size) for n in lens)
+        planned = sum(plan.counts) if plan.counts is not None else 0
+        nbytes = self.per_block * blocks + self.per_planned * planned + self.per_token * len(lens) * max(lens)
+        return Counters(nbytes, 1, dict(self.auto))
+
+
+def counting_rates(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan) -> CountingRates:
+    """The :class:`CountingRates` of static steps at ``plan``: per paged layer, the mode and selection kind the eager
+    step would use (:func:`choose`), and :func:`kv_bytes` of one unit of what that layer reads."""
+    rates, auto = {"block": 0, "planned": 0, "token": 0}, {"dense": 0, "sparse": 0}
+    policy = config.policy
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, PagedLayer):
             continue
@@ -244,9 +266,21 @@ def static_counters(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan,
             sparse = not dense and plan.sparse
             mode = "token" if sparse and policy.granularity == "token" else "block"
         kind = "token" if not dense and policy.granularity == "token" else "block"
-        counts = everything if dense else plan.counts
-        nbytes += kv_bytes(Selection(kind, None, None, None, counts), mode, layer, max(lens))
-    return Counters(nbytes, 1, auto)
+        if mode == "mask":  # every sequence reads the longest context: per sequence and token
+            rates["token"] += kv_bytes(Selection(kind, None, None, None, (0,)), mode, layer, 1)
+        else:  # one entry of the selection (a block, or a token of a token selection)
+            rates["block" if dense else "planned"] += kv_bytes(Selection(kind, None, None, None, (1,)), mode, layer, 0)
+    return CountingRates(rates["block"], rates["planned"], rates["token"], tuple(auto.items()))
+
+
+def static_counters(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan, lens: tuple[int, ...]) -> Counters:
+    """What the eager step at ``lens`` would add to the session's counters (one step, its K/V bytes, its auto
+    choices): a static step counts on the host before it runs. The rates of a plan are worked out once per
+    reservation (:meth:`~hf_sparse_kv.cache.StaticBuffers.keep`, keyed by the plan and the settings they depend on);
+    a step then costs a few additions, whatever the number of layers."""
+    key = ("counting rates", plan, config.mode, tuple(config.dense_layers), config.policy.granularity)
+    rates = cache.static.keep(key, lambda: counting_rates(config, cache, plan))
+    return rates.counters(plan, lens, cache.block_size)
 
 
 def layer_state(
@@ -299,7 +333,7 @@ def static_attention(
     length = static.table.shape[1] * cache.block_size  # the reserved width stands in for the step's lengths
     state = layer_state(
         query, layer, layer_idx, cache, scale, static.ops, static.table, static.seq_lens, static.start,
-        (length,) * B, static=True, planned=static.plan.counts,
+        (length,) * B, static=True, planned=static.plan.counts, keep=static.keep,
     )  # fmt: skip
     selection, mode = choose(config, state, layer_idx, cache, sparse=static.plan.sparse)
     return execute(selection, mode, state, layer.v_pool).unsqueeze(1)

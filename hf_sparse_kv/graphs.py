@@ -45,14 +45,15 @@ from collections.abc import Callable
 import torch
 
 from .attention import StaticPlan, padding_starts, static_counters, static_plan
-from .cache import PagedKVCache
+from .cache import PagedKVCache, PagedLayer, WindowRing
 from .patched import cache_kwarg, patch_state
 
 
-def begin_static_step(config, cache: PagedKVCache) -> StaticPlan:
+def begin_static_step(config, cache: PagedKVCache, positions: torch.Tensor | None = None) -> StaticPlan:
     """The host part of a static decode step on a reserved ``cache``, before the step runs: plan it at its lengths,
-    fill the device buffers, move the layers' lengths on by the new token and count the step (as the eager step
-    would). Returns the step's plan (the key of its graph)."""
+    fill the device buffers (``positions`` ``[B, 1]``: the step's position ids, default ``generate()``'s), move the
+    layers' lengths on by the new token and count the step (as the eager step would). Returns the step's plan (the
+    key of its graph)."""
     static = cache.static
     frame = cache.get_seq_length()  # tokens before this one, in transformers' frame
     if frame + 1 > static.max_length:
@@ -62,7 +63,7 @@ def begin_static_step(config, cache: PagedKVCache) -> StaticPlan:
         )
     lens = tuple(frame + 1 - p for p in cache.pads)
     plan = static_plan(config, cache, lens)
-    static.begin_step(frame, plan)
+    static.begin_step(frame, plan, positions)
     cache.advance(1)
     cache.session.add_counters(static_counters(config, cache, plan, lens))
     return plan
@@ -109,7 +110,11 @@ class DecodeGraphs:
         B = self.static.pads.shape[0]
         device = self.static.pads.device
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)
+        # every layer takes its lengths from the reservation (paged layers) or masks its own ring: a 4-D mask given
+        # to the forward, which no layer reads, keeps transformers from building one of the reserved length at every
+        # step (a reserved cache is "compileable", so transformers builds it even for one token: a few kernels)
+        ignored = all(isinstance(layer, (PagedLayer, WindowRing)) for layer in cache.layers)
+        self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device) if ignored else None
         self.graphs: dict = {}  # StaticPlan -> (graph, logits)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
@@ -132,7 +137,9 @@ class DecodeGraphs:
 
     def _forward(self):
         kw = {self.cache_name: self.cache, "use_cache": True}
-        return self.forward_fn(input_ids=self.ids, position_ids=self.positions, **kw).logits
+        if self.mask is not None:
+            kw["attention_mask"] = self.mask
+        return self.forward_fn(input_ids=self.ids, position_ids=self.static.positions, **kw).logits
 
     def _capture(self) -> tuple:
         # warm-up (compiles the kernels of this plan, allocates workspaces): it writes this step's token, which the
@@ -146,9 +153,8 @@ class DecodeGraphs:
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per sequence: ``input_ids [B, 1]`` -> logits ``[B, 1, V]`` (a fresh tensor)."""
-        plan = begin_static_step(self.config, self.cache)
+        plan = begin_static_step(self.config, self.cache, position_ids)
         self.ids.copy_(input_ids)
-        self.positions.copy_(self.static.positions if position_ids is None else position_ids)
         if not self.capture:
             return self._forward().clone()
         if plan not in self.graphs:

@@ -6,7 +6,8 @@ here imports the package.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -30,6 +31,7 @@ class StaticBuffers:
         ops: the backend's registered ops (:func:`hf_sparse_kv.ops.library.registered_ops`).
         plan: the host plan the current step was keyed on (set by :meth:`begin_step`; see
             :func:`hf_sparse_kv.attention.static_plan`).
+        kept: what :meth:`keep` made, by key, for as long as the reservation lives.
     """
 
     max_length: int
@@ -42,15 +44,31 @@ class StaticBuffers:
     table: torch.Tensor
     ops: SimpleNamespace
     plan: object = None
+    kept: dict = field(default_factory=dict)
 
-    def begin_step(self, frame: int, plan) -> None:
+    def begin_step(self, frame: int, plan, positions: torch.Tensor | None = None) -> None:
         """Fill the buffers for the token at position ``frame`` (transformers' frame) and keep the step's plan; runs
-        before the step (outside a traced or captured region)."""
+        before the step (outside a traced or captured region). ``positions`` ``[B, 1]``: the step's position ids
+        when the caller has its own (default: ``frame - pads``, as ``generate()`` makes them)."""
         self.frame.fill_(frame)
         torch.sub(frame, self.pads, out=self.pos0)
         torch.add(self.pos0, 1, out=self.seq_lens)
-        self.positions.copy_(self.pos0.view(-1, 1))
+        self.positions.copy_(self.pos0.view(-1, 1) if positions is None else positions)
         self.plan = plan
+
+    def keep(self, key, make: Callable[[], object]) -> object:
+        """``make()``, made once per ``key`` and kept for the reservation: what is the same at every step that asks
+        with this key (a plan's counting rates, a device tensor of per-sequence counts, the table's block numbers).
+
+        A static step asks from inside: the first step that asks makes it (a captured step's warm-up forward, so
+        its kernels stay out of the CUDA graph); the graph then reads the kept tensor at every replay instead of
+        remaking it in every layer. ``make`` must depend on ``key`` alone. Under ``torch.compile`` tracing nothing
+        is kept: the traced step computes it (inductor fuses it) and the reservation holds no traced values."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self.kept:
+            self.kept[key] = make()
+        return self.kept[key]
 
 
 class WindowRing(CacheLayerMixin):

@@ -76,6 +76,10 @@ class DecodeState:
         planned: see ``static``.
         layer: the model's index of the layer (``None`` where unknown): a policy calibrated per layer reads its
             calibration by it.
+        keep: a static step's ``keep(key, make)`` (:meth:`hf_sparse_kv.cache.StaticBuffers.keep`): ``make()`` once
+            per reservation for what depends on ``key`` alone (``None`` outside static steps). Index tensors that are
+            the same in every layer and at every step of a plan go through it (:meth:`Policy.counts_tensor`,
+            :meth:`Policy.dense_selection`), so that a captured step does not rebuild them in every layer.
     """
 
     q: torch.Tensor
@@ -96,6 +100,7 @@ class DecodeState:
     static: bool = False
     planned: tuple[int, ...] | None = None
     layer: int | None = None
+    keep: Callable | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -258,22 +263,41 @@ class Policy:
     @staticmethod
     def counts_tensor(state: DecodeState, counts: list[int], width: int) -> torch.Tensor | None:
         """Per-sequence counts for ``topk_indices``: ``None`` when every sequence keeps ``width`` (no copy). A static
-        step fills them on the device (a copy from a host tensor could not be captured in a CUDA graph)."""
+        step fills them on the device (a copy from a host tensor could not be captured in a CUDA graph), once per
+        reservation and counts (``state.keep``)."""
         if all(c == width for c in counts):
             return None
         if state.static:  # fill_ with a Python number is a kernel argument: no host-to-device copy to capture
-            t = torch.empty(len(counts), dtype=torch.long, device=state.q.device)
-            for b, c in enumerate(counts):
-                t[b : b + 1].fill_(c)
-            return t
+            device = state.q.device
+
+            def make() -> torch.Tensor:
+                t = torch.empty(len(counts), dtype=torch.long, device=device)
+                for b, c in enumerate(counts):
+                    t[b : b + 1].fill_(c)
+                return t
+
+            if state.keep is None:
+                return make()
+            return state.keep(("counts", str(device), tuple(counts)), make)  # once per plan, not per layer
         return torch.tensor(counts, dtype=torch.long).to(state.q.device, non_blocking=True)
 
     @staticmethod
     def dense_selection(state: DecodeState) -> Selection:
         """Every block of every sequence (``-1`` past a shorter sequence's last block); after an eviction, every block
-        still held. Nothing is masked inside the blocks (``state.start`` as both bounds: an empty interval)."""
+        still held. Nothing is masked inside the blocks (``state.start`` as both bounds: an empty interval).
+
+        A static step selects every block of the table's width, ``[B, Hkv, nblk]``, made once per reservation
+        (``state.keep``): the blocks past a sequence's length hold no position below its ``seq_lens``, which every
+        mode masks (no kernel reads their keys), and the same tensor serves every layer and step."""
         B, H = state.q.shape[0], state.num_kv_heads
         counts = state.live_blocks()
+        if state.keep is not None and not (state.evicted is not None and any(state.evicted)):
+            nblk, device = state.num_blocks, state.q.device
+            indices = state.keep(
+                ("every block", str(device), B, H, nblk),
+                lambda: torch.arange(nblk, dtype=torch.int32, device=device).expand(B, H, nblk).contiguous(),
+            )
+            return Selection("block", indices, state.start, state.start, counts, dense=True)
         if state.evicted is not None and any(state.evicted):
             live = reference.live_blocks(state.block_table, state.seq_lens, state.block_size)  # [B, nblk]
             scores = torch.zeros(live.shape, device=live.device).masked_fill(~live, float("-inf"))

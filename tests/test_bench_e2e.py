@@ -1,0 +1,53 @@
+"""benchmarks/bench_e2e.py runs on the CPU at a tiny shape (a dry run of the GPU command): the floor rows, the
+generate() rows with the left-padded batch against the unpadded one, the timestamped progress and the CSV written
+row by row. No speed is checked here (a benchmark measures speed, a test that it runs)."""
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_e2e
+
+ROWS = (
+    "floor: dense,unpatched sdpa,graph: Quest 1/16 block,generate: floor: dense,generate: unpatched sdpa,"
+    "generate: graph: Quest 1/16 block"
+)
+
+
+def _run(monkeypatch, tmp_path, *extra) -> None:
+    argv = ["bench_e2e.py", "--device", "cpu", "--tiny", "--ttft", "", "--shapes", "2x64", "--generate", "2x64",
+            "--new-tokens", "4", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "e2e.csv"), *extra]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_e2e.main()
+
+
+def test_bench_e2e_dry_run_writes_floors_generate_and_padded_rows(monkeypatch, tmp_path, capsys):
+    _run(monkeypatch, tmp_path, "--rows", ROWS)
+    out = capsys.readouterr().out
+    with open(tmp_path / "e2e.csv") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    generate = ["generate: floor: dense", "generate: unpatched sdpa", "generate: graph: Quest 1/16 block"]
+    expected = ["floor: dense", "unpatched sdpa", "graph: Quest 1/16 block", *generate]
+    expected += [f"{name} (left-padded)" for name in generate]
+    assert list(rows) == expected  # cheap rows first, in this order; nothing not asked for
+    for name in ("unpatched sdpa", "graph: Quest 1/16 block", "generate: graph: Quest 1/16 block"):
+        assert float(rows[name]["of_floor"]) > 0 and float(rows[name]["floor_ms"]) > 0
+    padded = rows["generate: graph: Quest 1/16 block (left-padded)"]
+    ratio = float(padded["ms_per_token"]) / float(rows["generate: graph: Quest 1/16 block"]["ms_per_token"])
+    assert float(padded["vs_unpadded"]) == pytest.approx(ratio)
+    assert padded["captured_steps"] == "0"  # counted (no CUDA graph on the CPU)
+    # the padded batch holds fewer real tokens: its floor reads less K/V than the unpadded batch's
+    floors = [float(rows[f"generate: floor: dense{s}"]["kv_mb_per_step"]) for s in ("", " (left-padded)")]
+    assert floors[1] < floors[0]
+    progress = [line for line in out.splitlines() if line.startswith("[")]
+    assert any("generate: graph: Quest 1/16 block (left-padded)" in line for line in progress)
+    assert all(line[1:9].count(":") == 2 and " s] " in line for line in progress)  # [HH:MM:SS +elapsed s]
+
+
+def test_bench_e2e_refuses_an_unknown_row(monkeypatch, tmp_path):
+    with pytest.raises(SystemExit, match="unknown"):
+        _run(monkeypatch, tmp_path, "--rows", "graph: Quest 1/16 blocks")
