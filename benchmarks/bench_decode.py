@@ -15,8 +15,9 @@ Providers, timed in the same run:
 - with ``--selectors`` (issue 13), selection + attention per layer through each policy's own ``select()``:
   ``quest`` (Quest, block), ``proj_blk`` (ProjectedBlockTopK, compressed keys ``R = D/8``, block),
   ``proj_tok`` (ProjectedTokenTopK, token kernel), ``2st_c2`` / ``2st_c4`` (TwoStageBlockTopK, Quest coarse pass
-  to 2x / 4x the budget's blocks, exact scores over them), ``2st_tok`` (TwoStageTokenTopK, c = 4), ``topp_c4``
-  (TopPBlockTopK, c = 4, p = 0.9: its bytes are the budget's cap); each also as
+  to 2x / 4x / 8x the budget's blocks, exact scores over them), ``2st_tok`` (TwoStageTokenTopK, c = 4), ``topp_c4``
+  (TopPBlockTopK, c = 4, p = 0.9: its bytes are the budget's cap), ``mass_c8`` (TopPBlockTopK, c = 8, p = 1: the
+  candidates ranked by their softmax mass, ``candidate_scores(reduce="mass")``); each also as
   ``<name>:sel`` (the selection alone), and ``proj:write`` (the compressed keys' refresh of one decode token)
 
 Bytes are the KV bytes each provider must read by design (``+sel`` adds the min/max metadata of every block); GB/s
@@ -79,7 +80,7 @@ QUICK = [  # (models, batches, contexts, budgets, block sizes): the targets' sha
 SKIPPABLE = ["scores", "topk", "topk_torch"]  # the others feed the table's columns
 TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
-SELECTORS = ("quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_tok", "topp_c4")
+SELECTORS = ("quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8")
 
 
 def meta_bytes(B: int, H: int, n_blocks: int, D: int) -> int:
@@ -237,8 +238,10 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "proj_tok": ProjectedTokenTopK(budget=f, calibration=cal),
         "2st_c2": TwoStageBlockTopK(budget=f, candidates=2),
         "2st_c4": TwoStageBlockTopK(budget=f, candidates=4),
+        "2st_c8": TwoStageBlockTopK(budget=f, candidates=8),
         "2st_tok": TwoStageTokenTopK(budget=f, candidates=4),
         "topp_c4": TopPBlockTopK(budget=f, candidates=4, p=0.9),
+        "mass_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0),
     }
     states = layer_states(layer, caches, bt, BS, ops, ckeys)
 
@@ -255,7 +258,7 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         sel = policy.select(states[0])
         width = sel.counts[0] * (BS if sel.kind == "block" else 1)
         attn = kv_bytes(B, H, width, D) + (B * H * width * 4 if sel.kind == "token" else 0)
-        two_stage = name.startswith(("2st", "topp"))
+        two_stage = name.startswith(("2st", "topp", "mass"))
         score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
         if two_stage:
             cand = policy._coarse.counts([sel.counts[0] if sel.kind == "block" else cdiv(sel.counts[0], BS)] * B,
@@ -519,11 +522,16 @@ def tune_selectors(ops, args, hbm) -> None:
         cand_ref = {
             c: R.candidate_scores(*a, reduce="block", sink=sink, window=window) for c, a in chk.cand_args.items()
         }
-        tok_ref = R.candidate_scores(*chk.cand_args[4])  # TopPBlockTopK's per-token form, default knobs only
+        tok_ref = R.candidate_scores(*chk.cand_args[4])  # TwoStageTokenTopK's per-token form, default knobs only
         tok_err = scores_err(ops.candidate_scores(*chk.cand_args[4]), tok_ref)
+        mass_kw = {"reduce": "mass", "scale": layer.scale}  # TopPBlockTopK's mass form, default knobs only
+        mass_err = scores_err(
+            ops.candidate_scores(*chk.cand_args[4], **mass_kw), R.candidate_scores(*chk.cand_args[4], **mass_kw)
+        )
         key = {"model": model, "B": B, "L": L, "BS": BS, "budget": f"1/{budget}"}
         print(f"  {model} B={B} L={L // KI}K: setup + references {time.monotonic() - t0:.0f} s; "
-              f"candidate_scores token form (default knobs) rel err {tok_err:.1e}", flush=True)  # fmt: skip
+              f"candidate_scores token / mass form (default knobs) rel err {tok_err:.1e} / {mass_err:.1e}",
+              flush=True)  # fmt: skip
 
         proj_bytes = B * H * MB * BS * Rk * 2 + B * H * MB * 4  # every compressed key once, a score per block
         for bm, nw, tpp in proj_grid:

@@ -100,6 +100,7 @@ def cases():
         tag = f"{str(dtype).split('.')[-1]} D={D} BS={BS} G={G}"
         walk = {"reduce": "token", "sink": 4, "window": 32, "tiles_per_program": 2}
         knobs = {"num_warps": 8, "tiles_per_program": 2}
+        mass_walk = {"tiles_per_program": 2, "num_stages": 3}
         out += [
             (f"decode_blocks {tag}", partial(decode_blocks, *paged, blocks, zero, zero, 0.1)),
             (f"decode_tokens {tag}", partial(decode_tokens, *paged, tokens, zero, zero, 0.1)),
@@ -110,6 +111,16 @@ def cases():
             (
                 f"candidate_scores block+forced {tag}",
                 partial(candidate_scores, q, k_pool, table, lens, zero, blocks, reduce="block", sink=4, window=32),
+            ),
+            (
+                f"candidate_scores mass {tag}",
+                partial(candidate_scores, q, k_pool, table, lens, zero, blocks, reduce="mass", scale=D**-0.5),
+            ),
+            (
+                f"candidate_scores mass, 2 tiles/program, 3 stages {tag}",
+                partial(
+                    candidate_scores, q, k_pool, table, lens, zero, blocks, 2, reduce="mass", scale=0.1, **mass_walk
+                ),
             ),
             (
                 f"candidate_scores token+forced, 2 tiles/program, 3 stages {tag}",

@@ -237,7 +237,7 @@ def test_candidate_scores_reference_is_the_definition(shape, K):
     assert torch.equal(R.candidate_scores(*args, reduce="block"), exact.amax(-1).masked_fill(~slot, float("-inf")))
 
 
-@pytest.mark.parametrize("reduce", ["token", "block"])
+@pytest.mark.parametrize("reduce", ["token", "block", "mass"])
 @pytest.mark.parametrize("knobs", [(2, 1, 4, 2), (4, 3, 2, 3), (8, 2, 8, 1), (2, 100, 4, 2)], ids=str)
 def test_candidate_scores_knobs_change_nothing(reduce, knobs):
     """Candidates per tile, tiles per program (the next tile's candidates prefetched), warps and stages give the
@@ -251,12 +251,62 @@ def test_candidate_scores_knobs_change_nothing(reduce, knobs):
         _evict(c, BS)
         blocks = random_blocks(c, 19, BS, seed=7)
         args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
-        kw = {"reduce": reduce, "sink": 2, "window": 9}
+        kw = {"reduce": reduce, "sink": 2, "window": 9} if reduce != "mass" else {"reduce": reduce, "scale": 0.2}
         ref = R.candidate_scores(*args, **kw)
         out = OPS.candidate_scores(*args, block_c, tiles_per_program=tiles, num_warps=warps, num_stages=stages, **kw)
         assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out == float("inf"), ref == float("inf"))
         fin = ref.isfinite()
         torch.testing.assert_close(out[fin], ref[fin], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
+@pytest.mark.parametrize("evicted", [False, True])
+@pytest.mark.parametrize("K", [0, 1, 3, 8, "all"])
+def test_candidate_mass_matches_reference(shape, evicted, K):
+    """Mass form: each candidate's log-sum-exp of its tokens' scaled scores, ``-inf`` for padding slots and for
+    candidates without a valid token (past the end, before ``start``, evicted)."""
+    B, H, G, D, BS, lens, starts = shape
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    if evicted:
+        _evict(c, BS)
+    blocks = _candidates(c, K, BS, seed=len(str(K)))
+    args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
+    ref = R.candidate_scores(*args, reduce="mass", scale=0.37)
+    out = OPS.candidate_scores(*args, reduce="mass", scale=0.37)
+    assert out.shape == ref.shape == blocks.shape
+    assert torch.equal(out.isinf(), ref.isinf()) and not (ref == float("inf")).any() and not out.isnan().any()
+    fin = ref.isfinite()
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    if K == "all":
+        assert fin.any() and (~fin).any()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
+def test_candidate_mass_is_the_softmax_mass_of_the_token_form(shape):
+    """``softmax`` over the candidates of the mass form is each block's share of the softmax of the token form's
+    scaled scores over all the candidates' tokens (what TopPBlockTopK ranked before), ``0`` where a row has none."""
+    B, H, G, D, BS, lens, starts = shape
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    _evict(c, BS)
+    for K in (0, 3, "all"):
+        blocks = _candidates(c, K, BS, seed=5)
+        C = blocks.shape[-1]
+        args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
+        exact = R.candidate_scores(*args)
+        want = (exact.view(B, H, C * BS) * 0.37).softmax(-1).nan_to_num(0.0).view(B, H, C, BS).sum(-1)
+        lse = R.candidate_scores(*args, reduce="mass", scale=0.37)
+        torch.testing.assert_close(lse.softmax(-1).nan_to_num(0.0), want, rtol=1e-5, atol=1e-6)
+
+
+def test_candidate_mass_refuses_a_window_or_no_scale():
+    c = make_case(1, 1, 2, 16, 8, [20])
+    args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], random_blocks(c, 2, 8, seed=0))
+    for ops in (R, OPS):
+        for kw in ({}, {"scale": 0.0}, {"scale": 0.5, "window": 4}):
+            with pytest.raises(ValueError, match="mass"):
+                ops.candidate_scores(*args, reduce="mass", **kw)
+        with pytest.raises(ValueError, match="reduce"):
+            ops.candidate_scores(*args, reduce="sum")
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels, larger shapes)")
@@ -289,7 +339,7 @@ def test_cuda_selector_ops_large(dtype, BS):
             assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-4
     blocks = random_blocks(c, 200, BS, seed=4)
     args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
-    for kw in ({}, {"reduce": "block", "sink": 4, "window": 32}):
+    for kw in ({}, {"reduce": "block", "sink": 4, "window": 32}, {"reduce": "mass", "scale": D**-0.5}):
         ref, out = R.candidate_scores(*args, **kw), OPS.candidate_scores(*args, **kw)
         assert torch.equal(out.isinf(), ref.isinf())
         fin = ref.isfinite()

@@ -510,23 +510,27 @@ def candidate_scores(
     reduce: str = "token",
     sink: int = 0,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group.
 
     Args:
         q: ``[B, Hq, D]``; k_pool: ``[NB, Hkv, BS, D]``; block_table ``[B, MB]``; seq_lens, start ``[B]``.
         blocks: ``[B, Hkv, C]`` logical block numbers, ``-1`` padded.
-        reduce: ``"token"`` (a score per token) or ``"block"`` (each candidate's best token: what a two-stage block
-            selector ranks).
+        reduce: ``"token"`` (a score per token), ``"block"`` (each candidate's best token: what a two-stage block
+            selector ranks) or ``"mass"`` (each candidate's log-sum-exp over its tokens of ``scale`` times the
+            token score: ``softmax`` of it over the candidates is each block's share of the softmax mass of the
+            candidates' tokens, what a top-p selector ranks, without the per-token scores).
         sink, window: with ``window`` given, the valid forced tokens (``forced_token_mask``; token) or the
-            candidates that are forced blocks, evicted or not (``forced_block_mask``; block) score ``+inf``.
+            candidates that are forced blocks, evicted or not (``forced_block_mask``; block) score ``+inf``. The
+            mass form takes no ``window``: a forced block's mass counts towards top-p's ``p``.
+        scale: the softmax scale (``"mass"`` only, required there).
 
     Returns:
-        ``[B, Hkv, C, BS]`` (token) or ``[B, Hkv, C]`` (block) float32, ``-inf`` at invalid positions (padding
+        ``[B, Hkv, C, BS]`` (token) or ``[B, Hkv, C]`` (block, mass) float32, ``-inf`` at invalid positions (padding
         slots, past the end, evicted) and for candidates without a valid token (unless forced).
     """
-    if reduce not in ("token", "block"):
-        raise ValueError(f"reduce must be 'token' or 'block', got {reduce!r}")
+    check_candidate_reduce(reduce, window, scale)
     B = q.shape[0]
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
     C = blocks.shape[-1]
@@ -549,8 +553,21 @@ def candidate_scores(
             forced = forced.gather(1, pos.clamp(0, MB * BS - 1).view(B, -1)).view(B, Hkv, C, BS)
             s = s.masked_fill(forced & ok, float("inf"))
         return s.contiguous()
+    if reduce == "mass":  # logsumexp of a row of -inf is -inf
+        return torch.logsumexp(s * scale, -1).masked_fill(~slot, NEG_INF).contiguous()
     s = s.amax(-1)  # [B, Hkv, C]
     if window is not None:
         forced = forced_block_mask(seq_lens, start, sink, window, BS, MB)  # [B, MB]
         s = s.masked_fill(forced.gather(1, safe.view(B, -1)).view(B, Hkv, C) & slot, float("inf"))
     return s.masked_fill(~slot, NEG_INF).contiguous()
+
+
+def check_candidate_reduce(reduce: str, window: int | None, scale: float | None) -> None:
+    """``candidate_scores``' argument rule, shared by the reference and the Triton launcher."""
+    if reduce not in ("token", "block", "mass"):
+        raise ValueError(f"reduce must be 'token', 'block' or 'mass', got {reduce!r}")
+    if reduce == "mass" and (scale is None or not scale > 0 or window is not None):
+        raise ValueError(
+            "reduce='mass' needs a softmax scale > 0 and takes no window (a forced block's mass counts towards p), "
+            f"got scale={scale!r}, window={window!r}"
+        )

@@ -117,15 +117,6 @@ class TwoStageBlockTopK(_TwoStage, _BlockTopK):
         cand = self._coarse.select(state, self._coarse.counts(counts, counts, state), self.sink, self.window)
         return counts, cand
 
-    def candidate_pass(self, state: DecodeState) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
-        """:meth:`candidate_blocks` and their tokens' exact scores ``[B, Hkv, C, BS]`` (``ops.candidate_scores``)."""
-        found = self.candidate_blocks(state)
-        if found is None:
-            return None
-        counts, cand = found
-        exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
-        return counts, cand, exact
-
     def select(self, state: DecodeState) -> Selection:
         found = self.candidate_blocks(state)
         if found is None:

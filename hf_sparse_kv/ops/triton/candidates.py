@@ -10,6 +10,9 @@ candidate's logical block through the block table, loads the ``BC`` contiguous `
   slot ``-1``, past the end, before ``start``, evicted);
 - ``reduce="block"``: each candidate block's max over its tokens, ``[B, Hkv, C]``: what a block top-k ranks, in
   one launch instead of the per-token scores, their max and the masks of the forced and padding slots;
+- ``reduce="mass"``: each candidate block's log-sum-exp over its tokens of ``scale`` times their score,
+  ``[B, Hkv, C]``: the softmax of these over the candidates is each block's share of the candidates' softmax mass
+  (what top-p ranks), so the per-token scores are never written (``BS`` times fewer bytes out);
 
 with ``window`` given, the forced positions (``ops/layout.py``: tokens in token form, blocks in block form) at
 ``+inf``, as ``projected_scores`` forces them. While a tile is scored, the next tile's candidate numbers and
@@ -19,9 +22,13 @@ only the candidates' keys: ``C * BS * D`` elements per (sequence, KV head).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
+
+from ..reference import check_candidate_reduce
 
 
 @triton.jit
@@ -44,6 +51,7 @@ def candidate_scores_kernel(
     blocks,  # [B, H, C] logical blocks, -1 padded
     out,  # [B, H, C, BS] (TOKENS) or [B, H, C], float32
     s_pn,  # key pool stride between blocks
+    SCALE2,  # MASS: the softmax scale times log2(e)
     C,
     MB,
     SINK,
@@ -58,6 +66,7 @@ def candidate_scores_kernel(
     BC: tl.constexpr,
     F32: tl.constexpr,
     TOKENS: tl.constexpr,
+    MASS: tl.constexpr,
     FORCE: tl.constexpr,
 ):
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
@@ -108,6 +117,17 @@ def candidate_scores_kernel(
             if FORCE:
                 b_s = tl.where(m_tok & ((o_pos < sink_end) | (o_pos >= first)), float("inf"), b_s)
             tl.store(out + (i_bh.to(tl.int64) * C + o_c[:, None]) * BS + o_t[None, :], b_s, mask=(o_c < C)[:, None])
+        elif MASS:
+            # a candidate's log-sum-exp over its tokens (base 2 inside, natural out). The sum is >= 1 when the block
+            # has a valid token (its max contributes exp2(0)); without one the max is -inf: shifted by 0 instead, the
+            # sum is 0 and the block -inf, with no NaN or log2(0) on the way
+            b_x = b_s * SCALE2  # [BC, BS]
+            b_m = tl.max(b_x, 1)  # [BC]
+            b_m = tl.where(b_m > float("-inf"), b_m, 0.0)
+            b_l = tl.sum(tl.exp2(b_x - b_m[:, None]), 1)
+            b_lse = (b_m + tl.log2(tl.maximum(b_l, 1.0))) * 0.6931471805599453  # ln(2)
+            b_lse = tl.where(b_l > 0, b_lse, float("-inf"))
+            tl.store(out + i_bh.to(tl.int64) * C + o_c, b_lse, mask=o_c < C)
         else:
             b_blk = tl.max(b_s, 1)  # [BC] a candidate's best token
             if FORCE:  # forced_block_mask at the candidate's block (evicted or not, as the policies gather it)
@@ -137,6 +157,7 @@ def candidate_scores(
     reduce: str = "token",
     sink: int = 0,
     window: int | None = None,
+    scale: float | None = None,
     tiles_per_program: int = 1,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -146,17 +167,19 @@ def candidate_scores(
     Args:
         q: ``[B, Hq, D]``; k_pool: ``[NB, Hkv, BS, D]`` (inner dims contiguous); block_table ``[B, MB]``;
             seq_lens, start ``[B]``; blocks: ``[B, Hkv, C]`` logical block numbers, ``-1`` padded.
-        reduce: ``"token"`` (every token's score) or ``"block"`` (each candidate's best token).
-        sink, window: with ``window`` given, the forced tokens (token) or blocks (block) score ``+inf``.
+        reduce: ``"token"`` (every token's score), ``"block"`` (each candidate's best token) or ``"mass"`` (each
+            candidate's log-sum-exp over its tokens of ``scale * score``).
+        sink, window: with ``window`` given, the forced tokens (token) or blocks (block) score ``+inf`` (not with
+            ``"mass"``).
+        scale: the softmax scale (``"mass"`` only, required there).
         block_c, tiles_per_program, num_warps, num_stages: tuning knobs: candidates per tile (a power of two,
             ``block_c * BS >= 16``; default :func:`default_block_c`), tiles each program scores one after the other,
             warps, pipeline stages.
 
     Returns:
-        ``[B, Hkv, C, BS]`` (token) or ``[B, Hkv, C]`` (block) float32, ``-inf`` where invalid.
+        ``[B, Hkv, C, BS]`` (token) or ``[B, Hkv, C]`` (block, mass) float32, ``-inf`` where invalid.
     """
-    if reduce not in ("token", "block"):
-        raise ValueError(f"reduce must be 'token' or 'block', got {reduce!r}")
+    check_candidate_reduce(reduce, window, scale)
     B, HQ, D = q.shape
     _, H, BS, Dk = k_pool.shape
     assert Dk == D and HQ % H == 0 and k_pool.stride()[1:] == (BS * D, D, 1), f"{q.shape} {k_pool.shape}"
@@ -174,9 +197,9 @@ def candidate_scores(
     TPP = max(1, min(tiles_per_program, n_tiles))
     candidate_scores_kernel[(triton.cdiv(n_tiles, TPP), B * H)](
         q.contiguous(), k_pool, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(),
-        blocks.contiguous(), out, k_pool.stride(0), C, block_table.shape[1], sink, window if window is not None else 0,
+        blocks.contiguous(), out, k_pool.stride(0), (scale or 0.0) * math.log2(math.e), C, block_table.shape[1], sink, window if window is not None else 0,
         TPP, H=H, G=HQ // H, D=D, BS=BS, BG=max(16, triton.next_power_of_2(HQ // H)),
         BD=max(16, triton.next_power_of_2(D)), BC=BC, F32=q.dtype == torch.float32 or q.dtype != k_pool.dtype,
-        TOKENS=tokens, FORCE=window is not None, num_warps=num_warps, num_stages=num_stages,
+        TOKENS=tokens, MASS=reduce == "mass", FORCE=window is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
