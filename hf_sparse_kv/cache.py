@@ -155,12 +155,20 @@ class PagedLayer(DynamicLayer):
         self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean = tensors[:5]
         self.state = dict(zip(self.state, tensors[5:]))
 
-    def refresh_state(self, lo: torch.Tensor, hi: torch.Tensor, span: int, table: torch.Tensor | None = None) -> None:
+    def refresh_state(
+        self,
+        lo: torch.Tensor,
+        hi: torch.Tensor,
+        span: int,
+        table: torch.Tensor | None = None,
+        ops: SimpleNamespace | None = None,
+    ) -> None:
         """Recompute the declared state of stored positions ``[lo[b], hi[b])`` from the key pool (``[B]`` tensors;
-        ``span >= max(hi - lo)``, on the host; ``table``: the block table to use, default the cache's)."""
+        ``span >= max(hi - lo)``, on the host; ``table``: the block table to use, default the cache's; ``ops``: the
+        op namespace, default the cache's backend on this device; a static step passes its registered ops)."""
         if self.state:
             table = self.cache.table.tensor(self.device) if table is None else table
-            ops = self.cache.ops(self.device)
+            ops = self.cache.ops(self.device) if ops is None else ops
             for spec in self.cache.specs:
                 spec.refresh(self.state[spec.name], self.k_pool, table, lo, hi, layer=self.index, span=span, ops=ops)
 
@@ -202,7 +210,7 @@ class PagedLayer(DynamicLayer):
             pools = (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean)
             static.ops.paged_write(*pools, static.table, static.pos0, key_states, value_states)
             if self.state:
-                self.refresh_state(static.pos0, static.pos0 + 1, 1, static.table)
+                self.refresh_state(static.pos0, static.pos0 + 1, 1, static.table, static.ops)
             return key_states, value_states
         frame0 = self.length
         self.cache.reserve(B, frame0 + T, frame0)

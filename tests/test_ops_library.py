@@ -10,7 +10,7 @@ from hf_sparse_kv.ops.reference import NEG_INF
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["reference"] + (["triton"] if DEVICE == "cuda" else [])
-B, HQ, HKV, D, BS, NB, MB = 2, 4, 2, 16, 8, 8, 3
+B, HQ, HKV, D, BS, NB, MB, R = 2, 4, 2, 16, 8, 8, 3, 4
 
 
 def _inputs():
@@ -25,7 +25,9 @@ def _inputs():
     k_pool, v_pool = rnd(NB, HKV, BS, D), rnd(NB, HKV, BS, D)
     kmin, kmax, kmean = rnd(NB, HKV, D), rnd(NB, HKV, D), rnd(NB, HKV, D)
     names = ("q", "k_pool", "v_pool", "kmin", "kmax", "kmean", "table", "seq_lens", "start", "zeros")
-    return dict(zip(names, (rnd(B, HQ, D), k_pool, v_pool, kmin, kmax, kmean, table, seq_lens, zeros, zeros)))
+    c = dict(zip(names, (rnd(B, HQ, D), k_pool, v_pool, kmin, kmax, kmean, table, seq_lens, zeros, zeros)))
+    # the compressed-key selectors' inputs: compressed keys [NB, Hkv, BS, R], projection [Hkv, D, R], queries
+    return {**c, "ckeys": rnd(NB, HKV, BS, R), "proj": rnd(HKV, D, R), "qp": rnd(B, HQ, R)}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -33,6 +35,7 @@ def test_registered_ops_pass_opcheck_and_equal_the_backend(backend):
     c = _inputs()
     raw = get_ops(backend, DEVICE)
     q, kp, vp, t, n, st, z = c["q"], c["k_pool"], c["v_pool"], c["table"], c["seq_lens"], c["start"], c["zeros"]
+    qp, ck = c["qp"], c["ckeys"]
     blocks = torch.tensor([[[0, 2], [1, -1]], [[0, 1], [-1, -1]]], dtype=torch.int32, device=DEVICE)
     tokens = reference.blocks_to_tokens(blocks, BS)
     mask = reference.selection_to_mask(blocks, "block", BS, 20, n, st, z, z)
@@ -52,6 +55,20 @@ def test_registered_ops_pass_opcheck_and_equal_the_backend(backend):
         (lib.topk_indices_op, (scores, 2, None, backend), raw.topk_indices(scores, 2)),
         (lib.topk_indices_op, (scores, 2, torch.tensor([2, 1], device=DEVICE), backend),
          reference.topk_indices(scores, 2, torch.tensor([2, 1], device=DEVICE))),
+        (lib.projected_scores_op, (qp, ck, t, n, st, "token", 4, 8, None, backend),
+         raw.projected_scores(qp, ck, t, n, st, "token", 4, 8)),
+        (lib.projected_scores_op, (qp, ck, t, n, st, "block", 4, 8, None, backend),
+         raw.projected_scores(qp, ck, t, n, st, "block", 4, 8)),
+        (lib.projected_scores_op, (qp, ck, t, n, st, "block", 0, None, None, backend),
+         raw.projected_scores(qp, ck, t, n, st, "block")),
+        (lib.projected_scores_op, (q, ck, t, n, st, "token", 4, 8, c["proj"], backend),  # raw queries, projected
+         raw.projected_scores(q, ck, t, n, st, "token", 4, 8, qproj=c["proj"])),
+        (lib.candidate_scores_op, (q, kp, t, n, st, blocks, "token", 0, None, None, backend),
+         raw.candidate_scores(q, kp, t, n, st, blocks)),
+        (lib.candidate_scores_op, (q, kp, t, n, st, blocks, "block", 4, 8, None, backend),
+         raw.candidate_scores(q, kp, t, n, st, blocks, reduce="block", sink=4, window=8)),
+        (lib.candidate_scores_op, (q, kp, t, n, st, blocks, "mass", 0, None, 0.25, backend),
+         raw.candidate_scores(q, kp, t, n, st, blocks, reduce="mass", scale=0.25)),
     ]  # fmt: skip
     for op, args, want in cases:
         torch.library.opcheck(op, args)
@@ -76,3 +93,21 @@ def test_registered_paged_write_writes_in_place_like_the_backend(backend):
     lib.registered_ops(backend).paged_write(*tensors, table, pos0, *new)
     for got, ref in zip(tensors, want):
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_registered_projected_write_writes_in_place_like_the_backend(backend):
+    """The compressed keys of positions ``[lo, hi)`` (a prefill's span, a decode token, nothing) in place, as the
+    backend's function writes them; every other entry untouched."""
+    c = _inputs()
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=DEVICE)
+    lo = torch.tensor([3, 13], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([20, 13], dtype=torch.int32, device=DEVICE)  # sequence 1 writes nothing
+    args = (c["k_pool"], c["proj"], table, lo, hi, 17)
+    torch.library.opcheck(lib.projected_write_op, (c["ckeys"].clone(), *args, backend))
+    want, got = c["ckeys"].clone(), c["ckeys"].clone()
+    get_ops(backend, DEVICE).projected_write(want, *args)
+    lib.registered_ops(backend).projected_write(got, *args)
+    torch.testing.assert_close(got, want)
+    changed = (got != c["ckeys"]).any(-1)  # [NB, Hkv, BS]
+    assert changed.any(-1).any(-1).nonzero().flatten().tolist() == [0, 1, 2], "only sequence 0's blocks"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_sparse_kv.ops import get_ops
+from hf_sparse_kv.ops import get_ops, library
 from hf_sparse_kv.ops import reference as R
 from hf_sparse_kv.ops.layout import forced_block_mask, forced_token_mask
 
@@ -307,6 +307,39 @@ def test_candidate_mass_refuses_a_window_or_no_scale():
                 ops.candidate_scores(*args, reduce="mass", **kw)
         with pytest.raises(ValueError, match="reduce"):
             ops.candidate_scores(*args, reduce="sum")
+
+
+def test_registered_selector_ops_compile_fullgraph_around_the_kernels():
+    """What a static step calls (``hf_sparse_kv.ops.library.registered_ops``): the compressed keys' write of a
+    decode token, the scores from them and the candidates' exact scores (every form) under ``torch.compile(fullgraph=True)``
+    (the Triton launchers stay outside the traced graph, as custom ops) give what the launchers give eagerly."""
+    B, H, G, D, BS, lens, starts = SHAPES[1]
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    Rk = 3
+    g = torch.Generator().manual_seed(5)
+    proj = torch.randn(H, D, Rk, generator=g).to(DEVICE)
+    ckeys = torch.randn(c["k_pool"].shape[0], H, BS, Rk, generator=g).to(DEVICE)
+    blocks = random_blocks(c, 3, BS, seed=6)
+    lo = c["seq_lens"].long() - 1
+    table, lens_t, st = c["block_table"], c["seq_lens"], c["start"]
+
+    def step(ops, ckeys):
+        ops.projected_write(ckeys, c["k_pool"], proj, table, lo, lo + 1, 1)
+        qp = torch.einsum("bhgd,hdr->bhgr", c["q"].float().view(B, H, G, D), proj).reshape(B, H * G, Rk)
+        token = ops.projected_scores(qp, ckeys, table, lens_t, st, "token", 3, 7)
+        block = ops.projected_scores(c["q"], ckeys, table, lens_t, st, "block", 3, 7, qproj=proj)
+        exact = ops.candidate_scores(c["q"], c["k_pool"], table, lens_t, st, blocks)
+        best = ops.candidate_scores(c["q"], c["k_pool"], table, lens_t, st, blocks, reduce="block", sink=3, window=7)
+        mass = ops.candidate_scores(c["q"], c["k_pool"], table, lens_t, st, blocks, reduce="mass", scale=0.37)
+        return token, block, exact, best, mass
+
+    want_c, got_c = ckeys.clone(), ckeys.clone()
+    want = step(OPS, want_c)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(library.registered_ops("triton"), got_c)
+    torch.testing.assert_close(got_c, want_c, rtol=0, atol=0)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels, larger shapes)")

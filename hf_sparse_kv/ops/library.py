@@ -13,6 +13,10 @@ inductor see the kernels but traces the launcher's Python, which would have to b
 still fuses everything around the ops (norms, rotary, MLP); the ops hold no host sync, so a CUDA graph captures
 them.
 
+The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form: the compressed-key,
+two-stage and top-p policies) are registered the same way; ``projected_write`` runs inside a static step's write (the
+compressed keys' :class:`~hf_sparse_kv.policies.StateSpec` refresh) and mutates its ``ckeys``.
+
 The ops whose reference is plain tensor code with static shapes (``blocks_to_tokens``, ``selection_to_mask``,
 ``gather_dense``, ``merge_partials``) are not registered: dynamo traces them as they are.
 """
@@ -184,6 +188,88 @@ def _(q, k_pool, v_pool, block_table, seq_lens, mask, scale, backend):
     return torch.empty_like(q)
 
 
+# ---- the selectors' ops (policies/projected.py, two_stage.py, top_p.py) ------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::projected_write", mutates_args=("ckeys",))
+def projected_write_op(
+    ckeys: torch.Tensor,
+    k_pool: torch.Tensor,
+    proj: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    backend: str,
+) -> None:
+    """``reference.projected_write``: the compressed keys ``ckeys [NB, Hkv, BS, R]`` of the stored positions
+    ``lo[b] <= p < hi[b]`` from ``k_pool [NB, Hkv, BS, D]`` and ``proj [Hkv, D, R]``, in place (``span``: a host
+    int ``>= max(hi - lo)``)."""
+    _impl(backend, "projected_write")(ckeys, k_pool, proj, block_table, lo, hi, span)
+
+
+@projected_write_op.register_fake
+def _(ckeys, k_pool, proj, block_table, lo, hi, span, backend):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::projected_scores", mutates_args=())
+def projected_scores_op(
+    qp: torch.Tensor,
+    ckeys: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    reduce: str,
+    sink: int,
+    window: int | None,
+    qproj: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.projected_scores``: ``qp [B, Hq, R]`` (or, with ``qproj [Hkv, D, R]``, the queries ``[B, Hq, D]``)
+    against ``ckeys [NB, Hkv, BS, R]`` -> ``[B, Hkv, MB * BS]`` (``reduce="token"``) or ``[B, Hkv, MB]``
+    (``"block"``) float32."""
+    fn = _impl(backend, "projected_scores")
+    return fn(qp, ckeys, block_table, seq_lens, start, reduce, sink, window, qproj=qproj)
+
+
+@projected_scores_op.register_fake
+def _(qp, ckeys, block_table, seq_lens, start, reduce, sink, window, qproj, backend):
+    if reduce not in ("token", "block"):
+        raise ValueError(f"reduce must be 'token' or 'block', got {reduce!r}")
+    MB = block_table.shape[1]
+    width = MB * ckeys.shape[2] if reduce == "token" else MB
+    return qp.new_empty(qp.shape[0], ckeys.shape[1], width, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::candidate_scores", mutates_args=())
+def candidate_scores_op(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    blocks: torch.Tensor,
+    reduce: str,
+    sink: int,
+    window: int | None,
+    scale: float | None,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.candidate_scores``: exact ``q . k`` of the tokens of the candidate ``blocks [B, Hkv, C]`` ->
+    ``[B, Hkv, C, BS]`` (``reduce="token"``), or per candidate ``[B, Hkv, C]``: its best token (``"block"``) or the
+    log-sum-exp of its tokens' ``scale``-d scores (``"mass"``), float32."""
+    fn = _impl(backend, "candidate_scores")
+    return fn(q, k_pool, block_table, seq_lens, start, blocks, reduce=reduce, sink=sink, window=window, scale=scale)
+
+
+@candidate_scores_op.register_fake
+def _(q, k_pool, block_table, seq_lens, start, blocks, reduce, sink, window, scale, backend):
+    reference.check_candidate_reduce(reduce, window, scale)
+    per_token = (k_pool.shape[2],) if reduce == "token" else ()
+    return q.new_empty(*blocks.shape, *per_token, dtype=torch.float32)
+
+
 REGISTERED = (
     "paged_write",
     "block_scores",
@@ -193,6 +279,9 @@ REGISTERED = (
     "decode_blocks",
     "decode_tokens",
     "decode_masked",
+    "projected_write",
+    "projected_scores",
+    "candidate_scores",
 )
 
 
@@ -202,7 +291,8 @@ REGISTERED = (
 def registered_ops(backend: str) -> SimpleNamespace:
     """The op namespace of a resolved ``backend`` (``"reference"`` or ``"triton"``) whose ops go through the
     registered custom ops: the signatures of :mod:`.reference` (``token_scores`` and ``oracle_block_scores`` take
-    their ``length`` as an int, required here: a static step never reads it off the device)."""
+    their ``length`` as an int, required here: a static step never reads it off the device; the Triton launchers'
+    tuning knobs are not arguments here, a static step runs their defaults)."""
 
     def paged_write(k_pool, v_pool, kmin, kmax, kmean, block_table, pos0, k_new, v_new):
         paged_write_op(k_pool, v_pool, kmin, kmax, kmean, block_table, pos0, k_new, v_new, backend)
@@ -230,6 +320,19 @@ def registered_ops(backend: str) -> SimpleNamespace:
     def decode_masked(q, k_pool, v_pool, block_table, seq_lens, mask, scale):
         return decode_masked_op(q, k_pool, v_pool, block_table, seq_lens, mask, scale, backend)
 
+    def projected_write(ckeys, k_pool, proj, block_table, lo, hi, span):
+        projected_write_op(ckeys, k_pool, proj, block_table, lo, hi, span, backend)
+
+    def projected_scores(qp, ckeys, block_table, seq_lens, start, reduce, sink=0, window=None, *, qproj=None):
+        return projected_scores_op(qp, ckeys, block_table, seq_lens, start, reduce, sink, window, qproj, backend)
+
+    def candidate_scores(
+        q, k_pool, block_table, seq_lens, start, blocks, *, reduce="token", sink=0, window=None, scale=None
+    ):
+        return candidate_scores_op(
+            q, k_pool, block_table, seq_lens, start, blocks, reduce, sink, window, scale, backend
+        )
+
     return SimpleNamespace(
         name=backend,
         paged_write=paged_write,
@@ -244,9 +347,7 @@ def registered_ops(backend: str) -> SimpleNamespace:
         selection_to_mask=reference.selection_to_mask,
         gather_dense=reference.gather_dense,
         merge_partials=reference.merge_partials,
-        # the compressed-key and two-stage selectors' ops are not custom ops yet: a CUDA graph captures them, a
-        # torch.compile(fullgraph=True) of a step that runs them is not supported
-        projected_write=_impl(backend, "projected_write"),
-        projected_scores=_impl(backend, "projected_scores"),
-        candidate_scores=_impl(backend, "candidate_scores"),
+        projected_write=projected_write,
+        projected_scores=projected_scores,
+        candidate_scores=candidate_scores,
     )
