@@ -163,6 +163,14 @@ def test_forced_rule_host_and_device_agree(block_size):
         assert bool(tokens[n - 1]) and bool(mask[L.cdiv(n, BS) - 1])  # the current token and block always
 
 
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_forced_block_bound_is_the_most_forced_blocks_at_any_length(block_size):
+    """What a static step sizes its candidates by: never below the forced blocks of a length, reached by one."""
+    for sink, window in itertools.product((0, 1, 4, 9, 20), (0, 1, 2, 5, 16, 33, 80)):
+        most = max(L.forced_block_count(n, sink, window, block_size) for n in range(1, 300))
+        assert L.forced_block_bound(sink, window, block_size) == most, (sink, window)
+
+
 def test_cdiv():
     assert [L.cdiv(a, 4) for a in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
     assert torch.equal(L.cdiv(torch.tensor([0, 1, 4, 5]), 4), torch.tensor([0, 1, 1, 2]))

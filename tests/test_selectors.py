@@ -235,6 +235,23 @@ def test_static_decode_step_equals_eager(which):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("which", [2, 5, "floor"])
+def test_static_token_step_equals_eager(which):
+    """The token selectors in a static step (mode="token"). ``"floor"``: at some lengths (41 tokens) the forced
+    blocks (the sink's, a 12-token window over two blocks, the current one) outnumber the 3 candidate blocks the
+    budget wants; a static step knows the lengths on the device only, and must count its candidates there."""
+    from test_graphs import _eager_steps, _static_steps
+
+    model = tiny_model("llama")
+    policy = _policies(model)[which] if which != "floor" else TwoStageTokenTopK(24, 4, 12, candidates=1)
+    ids = prompt(37, batch=2)
+    patch_model(model, policy=policy, mode="token", block_size=8, dense_layers=(0,))
+    ref = _eager_steps(model, ids, 12)
+    _, _, out = _static_steps(model, ids, 12)
+    unpatch_model(model)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
 def _decode_state(length=120, batch=2):
     """A decode step's state of layer 1 of a tiny Llama after a ``length``-token prefill (a random query)."""
     model = tiny_model("llama")

@@ -48,6 +48,13 @@ def forced_block_count(length: int, sink: int, window: int, block_size: int) -> 
     return in_sink + (nblk - first_window) - max(0, in_sink - first_window)
 
 
+def forced_block_bound(sink: int, window: int, block_size: int) -> int:
+    """The most blocks :func:`forced_block_count` gives at any length (a context stored from position 0, as the
+    cache stores each sequence): the sink's blocks and the blocks that ``max(window, 1)`` consecutive tokens can
+    touch (the current block is one of them). A static step sizes by it what it cannot size by each length."""
+    return cdiv(sink, block_size) + cdiv(max(window, 1) - 1, block_size) + 1
+
+
 def forced_block_set(length: int, sink: int, window: int, block_size: int) -> set[int]:
     """The forced blocks of a context of ``length`` tokens, as a set of logical block numbers."""
     in_sink, first_window, nblk = forced_block_range(length, sink, window, block_size)

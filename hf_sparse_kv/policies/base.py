@@ -267,19 +267,26 @@ class Policy:
         reservation and counts (``state.keep``)."""
         if all(c == width for c in counts):
             return None
+        return Policy.device_ints(state, counts)
+
+    @staticmethod
+    def device_ints(state: DecodeState, values: list[int]) -> torch.Tensor:
+        """Host ints per sequence as a ``[B]`` long tensor on the query's device. A static step fills it on the
+        device (a copy from a host tensor could not be captured in a CUDA graph), once per reservation and values
+        (``state.keep``)."""
         if state.static:  # fill_ with a Python number is a kernel argument: no host-to-device copy to capture
             device = state.q.device
 
             def make() -> torch.Tensor:
-                t = torch.empty(len(counts), dtype=torch.long, device=device)
-                for b, c in enumerate(counts):
-                    t[b : b + 1].fill_(c)
+                t = torch.empty(len(values), dtype=torch.long, device=device)
+                for b, v in enumerate(values):
+                    t[b : b + 1].fill_(v)
                 return t
 
             if state.keep is None:
                 return make()
-            return state.keep(("counts", str(device), tuple(counts)), make)  # once per plan, not per layer
-        return torch.tensor(counts, dtype=torch.long).to(state.q.device, non_blocking=True)
+            return state.keep(("counts", str(device), tuple(values)), make)  # once per plan, not per layer
+        return torch.tensor(values, dtype=torch.long).to(state.q.device, non_blocking=True)
 
     @staticmethod
     def dense_selection(state: DecodeState) -> Selection:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..ops.layout import cdiv, forced_block_count, window_positions
+from ..ops.layout import cdiv, forced_block_bound, forced_block_count, forced_block_mask, window_positions
 from .base import DecodeState, Selection, StateSpec
 from .blocks import _BlockTopK
 from .projected import CompressedKeys
@@ -59,17 +59,34 @@ class CoarsePass:
             q, ckeys, state.block_table, state.seq_lens, state.start, "block", sink, window, qproj=qproj
         )
 
-    def counts(self, blocks: list[int], floor: list[int], state: DecodeState) -> list[int]:
-        """Candidate blocks per sequence: ``candidates x blocks[b]``, at least ``floor[b]``, at most those held."""
-        return [
-            min(live, max(f, math.ceil(self.candidates * k))) for k, f, live in zip(blocks, floor, state.live_blocks())
-        ]
+    def counts(self, state: DecodeState, blocks: list[int], sink: int, window: int) -> tuple[int, torch.Tensor | None]:
+        """Candidate blocks per sequence: ``candidates x blocks[b]``, at least its forced blocks (which the coarse
+        scores hold at ``+inf``: all of them must be candidates), at most those it holds. Returns the width ``C`` of
+        the candidates and the counts for ``topk_indices`` (``None``: ``C`` each).
 
-    def select(self, state: DecodeState, cand_counts: list[int], sink: int, window: int) -> torch.Tensor:
-        """``[B, Hkv, C]`` candidate logical blocks, ascending, ``-1`` padded."""
-        width = max(cand_counts)
+        The eager step counts on the host from its lengths. A static step has only the reserved bounds on the host
+        (``state.lens``), so where the forced blocks may exceed what a sequence wants, it counts them on the device
+        (``[B]`` long) and takes as width a bound of the counts (``forced_block_bound``; what topk adds past a
+        sequence's blocks is ``-1``, since scores past them are ``-inf``)."""
+        BS = state.block_size
+        want = [math.ceil(self.candidates * k) for k in blocks]
+        if not state.static:
+            floor = [forced_block_count(n, sink, window, BS) for n in state.lens]
+            counts = [min(live, max(f, w)) for w, f, live in zip(want, floor, state.live_blocks())]
+            width = max(counts)
+            return width, _BlockTopK.counts_tensor(state, counts, width)
+        bound = forced_block_bound(sink, window, BS)
+        width = min(state.num_blocks, max(*want, bound))
+        if min(want) >= bound:  # every sequence's forced blocks fit in what it wants
+            return width, _BlockTopK.counts_tensor(state, want, width)
+        forced = forced_block_mask(state.seq_lens, state.start, sink, window, BS, state.num_blocks).sum(-1)  # [B]
+        return width, torch.maximum(forced, _BlockTopK.device_ints(state, want))
+
+    def select(self, state: DecodeState, blocks: list[int], sink: int, window: int) -> torch.Tensor:
+        """``[B, Hkv, C]`` candidate logical blocks for a selection of ``blocks[b]`` blocks (:meth:`counts`),
+        ascending, ``-1`` padded."""
         scores = self.scores(state, sink, window)
-        counts = _BlockTopK.counts_tensor(state, cand_counts, width)
+        width, counts = self.counts(state, blocks, sink, window)
         return state.ops.topk_indices(scores, width, counts)
 
 
@@ -114,7 +131,7 @@ class TwoStageBlockTopK(_TwoStage, _BlockTopK):
             return None
         if state.evicted is not None:
             counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
-        cand = self._coarse.select(state, self._coarse.counts(counts, counts, state), self.sink, self.window)
+        cand = self._coarse.select(state, counts, self.sink, self.window)
         return counts, cand
 
     def select(self, state: DecodeState) -> Selection:
@@ -143,9 +160,7 @@ class TwoStageTokenTopK(_TwoStage, TokenTopK):
             return self.dense_selection(state)
         if state.evicted is not None:
             counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
-        floor = [forced_block_count(n, self.sink, self.window, BS) for n in state.lens]
-        cand_counts = self._coarse.counts([cdiv(k, BS) for k in counts], floor, state)
-        cand = self._coarse.select(state, cand_counts, self.sink, self.window)  # [B, Hkv, C]
+        cand = self._coarse.select(state, [cdiv(k, BS) for k in counts], self.sink, self.window)  # [B, Hkv, C]
         exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
         pos = state.ops.blocks_to_tokens(cand, BS).long()  # [B, Hkv, C * BS]
         s = exact.flatten(-2)
