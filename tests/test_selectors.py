@@ -252,6 +252,25 @@ def test_static_token_step_equals_eager(which):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
+def test_projections_reach_the_device_at_the_prefill():
+    """The keys' and the queries' projections (``"svd"``: two per layer) are on the device after the prefill's
+    writes: a decode step (a captured one included) copies nothing from the host and adds nothing to the policy."""
+    model = tiny_model("llama")
+    policy = ProjectedBlockTopK(budget=16, sink=4, window=8, calibration=_calibration(model, "svd"))
+    assert policy._keys.calibration["qproj"], "svd calibrates its own query projection"
+    patch_model(model, policy=policy, mode="block", block_size=BS, dense_layers=())
+    cache = PagedKVCache(model.config, block_size=BS)
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        logits = model(prompt(40), use_cache=True, **kw).logits[:, -1:]
+        after_prefill = {k: [t.data_ptr() for t in v] for k, v in policy._keys.on_device.items()}
+        for _ in range(3):
+            logits = model(logits.argmax(-1), use_cache=True, **kw).logits
+    unpatch_model(model)
+    assert sorted(k[0] for k in after_prefill) == [0, 1, 2]
+    assert {k: [t.data_ptr() for t in v] for k, v in policy._keys.on_device.items()} == after_prefill
+
+
 def _decode_state(length=120, batch=2):
     """A decode step's state of layer 1 of a tiny Llama after a ``length``-token prefill (a random query)."""
     model = tiny_model("llama")

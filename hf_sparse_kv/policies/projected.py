@@ -74,19 +74,19 @@ class CompressedKeys:
             raise ValueError(MISSING.format(cls=owner))
         self.calibration = load_calibration(calibration)
         self.rank = self.calibration["rank"]
-        self.on_device: dict = {}  # (layer, device, "proj" or "qproj") -> [Hkv, D, R]
+        self.on_device: dict = {}  # (layer, device) -> the keys' and the queries' [Hkv, D, R]
         rank = self.rank
         self.spec = StateSpec(STATE_NAME, "token", lambda D: (rank,), self.refresh)
 
     def projection(self, layer: int | None, device, heads: int, dim: int, queries: bool = False) -> torch.Tensor:
-        """``[Hkv, D, R]`` float32 of ``layer`` on ``device`` (copied once; a captured step finds it there): the keys'
-        projection, or with ``queries`` the queries' (the keys' one unless the calibration has its own)."""
+        """``[Hkv, D, R]`` float32 of ``layer`` on ``device``: the keys' projection, or with ``queries`` the queries'
+        (the keys' one unless the calibration has its own). Both are copied at the first call (the prefill's
+        refresh), so a decode step, static or captured, copies nothing from the host."""
         if layer is None:
             raise ValueError("a projected selector needs the layer index (DecodeState.layer)")
-        which = "qproj" if queries and self.calibration["qproj"] else "proj"
-        key = (layer, str(device), which)
+        key = (layer, str(device))
         if key not in self.on_device:
-            proj = self.calibration[which].get(layer)
+            proj = self.calibration["proj"].get(layer)
             if proj is None:
                 raise ValueError(
                     f"the selector calibration has no projection for layer {layer} (it has layers "
@@ -97,8 +97,10 @@ class CompressedKeys:
                     f"the selector calibration of layer {layer} is for {tuple(proj.shape[:2])} (KV heads, head dim), "
                     f"the model has ({heads}, {dim}): calibrate this model with `hf-sparse-kv calibrate-selector`"
                 )
-            self.on_device[key] = proj.to(device)
-        return self.on_device[key]
+            qproj = self.calibration["qproj"].get(layer)  # same shape (load_calibration checks)
+            proj = proj.to(device)
+            self.on_device[key] = (proj, proj if qproj is None else qproj.to(device))
+        return self.on_device[key][1 if queries else 0]
 
     def refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
         """The StateSpec refresh: ``ops.projected_write`` of the positions ``[lo, hi)``."""
