@@ -1,15 +1,29 @@
 """torch.compile on a patched model: the static decode step (hf_sparse_kv.graphs) traces under ``fullgraph=True``
 (backend ``aot_eager`` here; the sparse ops are custom ops, hf_sparse_kv.ops.library) and gives the eager outputs,
-for every policy and mode, through :class:`DecodeGraphs` and through a user's own ``torch.compile(model.forward)``."""
+for every policy and mode, the selectors of policies/projected.py, two_stage.py and top_p.py included, through
+:class:`DecodeGraphs` and through a user's own ``torch.compile(model.forward)``."""
 
 import pytest
 import torch
+from test_selectors import _calibration
 from tiny_models import prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
-from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, Quest, SinkWindow, TokenTopK
+from hf_sparse_kv.policies import (
+    BlockTopK,
+    Dense,
+    OracleBlockTopK,
+    ProjectedBlockTopK,
+    ProjectedTokenTopK,
+    Quest,
+    SinkWindow,
+    TokenTopK,
+    TopPBlockTopK,
+    TwoStageBlockTopK,
+    TwoStageTokenTopK,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,6 +82,75 @@ def test_compiled_static_step_equals_eager(policy, mode):
         ref_cache.kv_bytes_read,
         ref_cache.auto_steps,
     )
+
+
+# the selectors, built on the model they run on (a calibration where they need one), and the custom ops their step
+# calls besides the decode ops (hf_sparse_kv.ops.library)
+SELECTORS = {
+    "ProjectedBlockTopK": (
+        lambda m: ProjectedBlockTopK(24, 4, 8, calibration=_calibration(m, "svd")),
+        {"projected_write", "projected_scores", "topk_indices"},
+    ),
+    "ProjectedTokenTopK": (
+        lambda m: ProjectedTokenTopK(21, 4, 5, calibration=_calibration(m)),
+        {"projected_write", "projected_scores", "topk_indices"},
+    ),
+    "TwoStageBlockTopK": (
+        lambda m: TwoStageBlockTopK(24, 2, 4, candidates=1.5, coarse="projected", calibration=_calibration(m, "pca")),
+        {"projected_write", "projected_scores", "candidate_scores", "topk_indices"},
+    ),
+    # candidates=1 and a 12-token window: at some lengths the forced blocks outnumber the candidates the budget
+    # wants, which the static step counts on the device
+    "TwoStageTokenTopK": (
+        lambda m: TwoStageTokenTopK(24, 4, 12, candidates=1),
+        {"block_scores", "candidate_scores", "topk_indices"},
+    ),
+    "TopPBlockTopK": (
+        lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=0.8),
+        {"block_scores", "candidate_scores", "topk_indices"},
+    ),
+}
+SELECTOR_CASES = [
+    (name, mode)
+    for name in SELECTORS
+    for mode in (("mask", "token") if name.endswith("TokenTopK") else ("mask", "token", "block"))
+]
+
+
+def _recording(seen: set):
+    """A ``torch.compile`` backend: ``aot_eager``, after adding the names of the graph's hf_sparse_kv ops to ``seen``."""
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        targets = (str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        seen.update(t.split(".")[1] for t in targets if t.startswith("hf_sparse_kv."))
+        return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+@pytest.mark.parametrize("name,mode", SELECTOR_CASES)
+def test_compiled_selector_step_equals_eager(name, mode):
+    """A selector's static step (its compressed keys' refresh inside the write, its scores, its candidates) traces
+    under ``fullgraph=True`` with its ops as custom ops, never their Python, and gives the eager logits."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", num_hidden_layers=2)  # a dense and a sparse layer: a quarter less to trace
+    build, selector_ops = SELECTORS[name]
+    policy = build(model)
+    ids = prompt(PROMPT, batch=2)
+    _patch(model, policy, mode)
+    _, ref = _eager(model, ids, STEPS)
+    cache, out, seen = PagedKVCache(model.config, block_size=8), [], set()
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, PROMPT + STEPS, capture=False, compile={"backend": _recording(seen)})
+        for _ in range(STEPS):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert runner.static.plan.counts is not None, "the last step ran the selector (not dense)"
+    assert selector_ops <= seen, f"ops traced as Python instead of custom ops: {sorted(selector_ops - seen)}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
