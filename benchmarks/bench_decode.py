@@ -261,8 +261,8 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         two_stage = name.startswith(("2st", "topp", "mass"))
         score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
         if two_stage:
-            cand = policy._coarse.counts([sel.counts[0] if sel.kind == "block" else cdiv(sel.counts[0], BS)] * B,
-                                         [0] * B, states[0])[0]  # fmt: skip
+            blocks = [sel.counts[0] if sel.kind == "block" else cdiv(sel.counts[0], BS)] * B
+            cand = policy._coarse.counts(states[0], blocks, policy.sink, policy.window)[0]  # the candidates' width
             score += B * H * cand * BS * D * 2
         need[f"{name}:sel"], need[name] = score, score + attn
     lo = lens.long() - 1
