@@ -252,6 +252,24 @@ def test_static_token_step_equals_eager(which):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("which", [0, "floor"])
+def test_static_step_of_a_left_padded_batch_equals_eager(which):
+    """Sequences of different lengths in one static step: the compressed keys written at each sequence's own
+    position, the forced blocks counted per sequence on the device."""
+    from test_graphs import _eager_padded, _padded_prompt, _static_padded
+
+    model = tiny_model("llama")
+    policy = _policies(model)[which] if which != "floor" else TwoStageTokenTopK(24, 4, 12, candidates=1)
+    mode = "token" if policy.granularity == "token" else "block"
+    ids, mask = _padded_prompt([37, 29, 34], 37)
+    patch_model(model, policy=policy, mode=mode, block_size=BS, dense_layers=(0,))
+    ref = _eager_padded(model, ids, mask, 12)
+    cache, out = _static_padded(model, ids, mask, 12)
+    unpatch_model(model)
+    assert cache.pads == [0, 8, 3]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
 def test_projections_reach_the_device_at_the_prefill():
     """The keys' and the queries' projections (``"svd"``: two per layer) are on the device after the prefill's
     writes: a decode step (a captured one included) copies nothing from the host and adds nothing to the policy."""
