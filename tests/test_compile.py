@@ -134,7 +134,7 @@ def test_compiled_selector_step_equals_eager(name, mode):
     """A selector's static step (its compressed keys' refresh inside the write, its scores, its candidates) traces
     under ``fullgraph=True`` with its ops as custom ops, never their Python, and gives the eager logits."""
     torch._dynamo.reset()
-    model = tiny_model("llama", num_hidden_layers=2)  # a dense and a sparse layer: a quarter less to trace
+    model = tiny_model("llama")
     build, selector_ops = SELECTORS[name]
     policy = build(model)
     ids = prompt(PROMPT, batch=2)
