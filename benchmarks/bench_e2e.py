@@ -86,6 +86,7 @@ from common import env_info, hbm_bandwidth, print_table, write_csv
 from transformers import StaticCache
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.ops.layout import cdiv
 from hf_sparse_kv.policies import BlockTopK, Dense, Quest, SinkWindow
 
 
@@ -327,7 +328,7 @@ def patched_decode_row(model, paged, row, args, shape, weights, bandwidth, compi
     sparse_layers = model.config.num_hidden_layers - 2  # the default dense layers (0, 1)
     if mode == "auto":
         sparse_layers = (paged.auto_steps["sparse"] - auto0["sparse"]) / steps
-    meta = metadata_bytes(model, policy, batch * -(-length // args.block_size), sparse_layers)
+    meta = metadata_bytes(model, policy, batch * cdiv(length, args.block_size), sparse_layers)
     return {"batch": batch, "context": length, "row": name, "ms_per_token": ms, "tokens_per_s": batch / (ms / 1000),
             "kv_mb_per_step": read / 1e6, "kv_gb_held": kv_held / 1e9, "peak_gb": peak_gb(),
             "speedup": base_ms / ms if base_ms else None, **floor_fields(ms, weights + int(read) + meta, bandwidth)}  # fmt: skip
@@ -484,7 +485,7 @@ def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None
                 nbytes, captured = weights + dense_kv, None
                 if cache is not None:  # what the cache counted, the selection's metadata on top
                     nbytes = weights + cache.kv_bytes_read // max(cache.decode_steps, 1)
-                    nblk = sum(-(-n // args.block_size) for n in mid)
+                    nblk = sum(cdiv(n, args.block_size) for n in mid)
                     nbytes += metadata_bytes(model, policy, nblk, model.config.num_hidden_layers - 2)
                     runner = cache.session.graphs
                     captured = runner.replays if runner else 0

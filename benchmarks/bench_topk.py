@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench, env_info, print_table, write_csv
 
 from hf_sparse_kv.ops import reference
+from hf_sparse_kv.ops.layout import cdiv
 from hf_sparse_kv.ops.triton.topk import TOPK_MAX_N, chunk_tiles, num_sms, topk_indices, topk_method
 
 SHAPES = "8x8193x512,8x8209x512,64x8193x512,8x2048x128,8x131073x8192,64x32769x2048,32x8193x512"
@@ -60,7 +61,7 @@ def providers(N: int, knobs: bool, sweep: bool) -> dict:
         ops["row"] = partial(topk_indices, method="row")
     ops["chunks"] = partial(topk_indices, method="chunks")
     for lanes in LANES if sweep else ():
-        ops[f"b{lanes}"] = partial(topk_indices, method="chunks", chunks=-(-N // lanes))
+        ops[f"b{lanes}"] = partial(topk_indices, method="chunks", chunks=cdiv(N, lanes))
     ops["auto"] = topk_indices
     if knobs and N <= TOPK_MAX_N:
         ops["one_tile"] = partial(topk_indices, method="row", split=False)
@@ -106,7 +107,7 @@ def main() -> None:
             s[:, :4] = float("inf")  # forced blocks (sink)
             s[:, -3:] = float("-inf")  # past the end
         block, C = chunk_tiles(R, N, sms)
-        row = {"R": R, "N": N, "k": k, "auto is": topk_method(R, N, sms), "chunks of": f"{C}x{block}"}
+        row = {"R": R, "N": N, "k": k, "auto is": topk_method(N), "chunks of": f"{C}x{block}"}
         for name, op in ops.items():
             row[name] = bench([partial(op, s, k) for s in scores], rep=args.rep, flush=False)[0]
         row["old"] = row.get("row", row["torch"])

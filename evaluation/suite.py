@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from hf_sparse_kv.ops.layout import cdiv
+
 from .environment import environment
 from .needle import greedy_batch, needle_trial, score_trial
 from .perplexity import kl_dense_sparse, nll_of
@@ -156,7 +158,7 @@ def _windows(tok, texts: dict[str, str], length: int, n: int, cache: dict) -> li
     out = []
     for w in range(n):
         name = names[w % len(names)]
-        per_text = -(-n // len(names))
+        per_text = cdiv(n, len(names))
         if (name, length, per_text) not in cache:
             chars = min(len(texts[name]), 6 * per_text * length + 10_000)
             cache[(name, length, per_text)] = tok.encode(texts[name][:chars], add_special_tokens=False)
@@ -479,7 +481,7 @@ def estimate(cfg: dict[str, Any], step_ms_per_layer: float = 1.6, tflops: float 
         if job.task == "perplexity":
             p = {"windows": 16, "scored": 256, "batch": 1, "fidelity": True, **cfg.get("perplexity", {})}
             if any(c.policy.compresses for c in mine):
-                batches = -(-p["windows"] // batch_size(p["batch"], job.length))
+                batches = cdiv(p["windows"], batch_size(p["batch"], job.length))
                 b = batch_size(p["batch"], job.length)
                 sec = batches * (1 + len(mine)) * (prefill(b * job.length) + p["scored"] * step)
             else:
@@ -502,7 +504,7 @@ def estimate(cfg: dict[str, Any], step_ms_per_layer: float = 1.6, tflops: float 
             compress = sum(c.policy.compresses for c in mine)
             dense_here = "dense" in job.labels and job.labels[0] == "dense" and len(job.budgets) == 1
             per_batch = prefill(b * job.length) * (1 + compress) + (len(mine) + dense_here) * new * step
-            sec = -(-units // b) * per_batch
+            sec = cdiv(units, b) * per_batch
         out.append((job, sec))
     return out
 

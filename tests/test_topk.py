@@ -103,8 +103,8 @@ def test_long_rows(N, k):
 
 
 def test_the_choice_depends_on_the_shape_only():
-    assert topk_method(8, 8193) == "row" and topk_method(64, 8193) == "row" and topk_method(8, 131073) == "chunks"
-    assert topk_method(8, 2048) == "row" and topk_method(8, 24576) == "row" and topk_method(512, 24577) == "chunks"
+    assert topk_method(8193) == "row" and topk_method(131073) == "chunks"
+    assert topk_method(2048) == "row" and topk_method(24576) == "row" and topk_method(24577) == "chunks"
     assert chunk_tiles(8, 8193) == (256, 33)  # 264 programs on 132 SMs
     assert chunk_tiles(64, 8193) == (2048, 5) and chunk_tiles(8, 131073) == (2048, 65)
     assert chunk_tiles(1, 100, chunks=8) == (16, 7) and chunk_tiles(1, 5, chunks=8) == (16, 1)

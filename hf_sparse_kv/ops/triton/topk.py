@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import cdiv
+
 TOPK_MAX_N = 24576  # the longest row "row" holds in registers (16384 + 8192 lanes); longer rows go to "chunks"
 DEFAULT_SMS = 132  # an H100 / H200, for the heuristic off CUDA
 
@@ -284,14 +286,12 @@ def num_sms(device: torch.device) -> int:
     return DEFAULT_SMS
 
 
-def topk_method(R: int, N: int, sms: int = DEFAULT_SMS) -> str:
+def topk_method(N: int) -> str:
     """``"chunks"`` for rows too long to hold in registers (``N > TOPK_MAX_N``), ``"row"`` otherwise. Shapes only:
     a captured step replays the same choice. (Measured on an H200, benchmarks/RESULTS.md: at 8 rows x 8193 blocks
     "chunks" took 22.4-23.0 us in isolation against 24.6 for "row", and a Quest selection in the per-layer graph
     with the L2 flushed took 49.7 us against 38.4 with "row"; at 32 and 64 rows "row" is 1.4-1.8x faster. Past
-    24576 lanes "chunks" is 1.2-3.9x faster than ``torch.topk``, which those rows used before.) ``R`` and ``sms``
-    are kept for a future rule."""
-    del R, sms
+    24576 lanes "chunks" is 1.2-3.9x faster than ``torch.topk``, which those rows used before.)"""
     return "chunks" if N > TOPK_MAX_N else "row"
 
 
@@ -299,9 +299,9 @@ def chunk_tiles(R: int, N: int, sms: int = DEFAULT_SMS, chunks: int | None = Non
     """Lanes per chunk and chunks per row ``(BLOCK, C)`` of ``"chunks"``: about ``chunks`` per row (default: enough
     for two programs per SM), each a power-of-two tile of 256 to 2048 lanes (16 to 8192 when ``chunks`` is given)."""
     lo, hi = (256, 2048) if chunks is None else (16, 8192)
-    chunks = chunks or -(-2 * sms // R)
-    block = min(hi, max(lo, triton.next_power_of_2(-(-N // max(1, chunks)))))
-    return block, -(-N // block)
+    chunks = chunks or cdiv(2 * sms, R)
+    block = min(hi, max(lo, triton.next_power_of_2(cdiv(N, max(1, chunks)))))
+    return block, cdiv(N, block)
 
 
 def _topk_chunks(x, out, k, counts, rows_per_seq, chunks, sms, num_warps):
@@ -319,7 +319,7 @@ def _topk_chunks(x, out, k, counts, rows_per_seq, chunks, sms, num_warps):
             x, counts if has else x, hist, state, above, suffix, N, C, min(k, N), rows_per_seq,
             PASS=p, HAS_COUNTS=has, BLOCK=BLOCK, num_warps=warps,
         )  # fmt: skip
-    span = -(-k // C)
+    span = cdiv(k, C)
     topk_radix_write_kernel[(R * C,)](
         x, hist, state, above, suffix, out, N, C, k, span, BLOCK=BLOCK, BC=max(2, triton.next_power_of_2(C)),
         BK=max(16, min(1024, triton.next_power_of_2(span))), num_warps=warps,
@@ -359,11 +359,10 @@ def topk_indices(
             raise ValueError(f"counts must be [{lead[0] if lead else ''}] for scores {tuple(scores.shape)}")
         counts, rows_per_seq = counts.to(scores.device), R // lead[0]
     x = scores.reshape(R, N).float().contiguous()
-    sms = num_sms(scores.device)
     if method == "auto":
-        method = topk_method(R, N, sms)
+        method = topk_method(N)
     if method == "chunks":
-        _topk_chunks(x, out.view(R, k), k, counts, rows_per_seq, chunks, sms, num_warps)
+        _topk_chunks(x, out.view(R, k), k, counts, rows_per_seq, chunks, num_sms(scores.device), num_warps)
         return out
     if method != "row":
         raise ValueError(f"method must be 'auto', 'row' or 'chunks', not {method!r}")
