@@ -102,8 +102,9 @@ def tiny_llama(layers: int) -> LlamaForCausalLM:
     return model
 
 
-def trace(version, policy, batch: int, length: int, layers: int, block_size: int) -> dict:
-    """The op log of the second static step after a prefill of ``length`` random tokens per sequence."""
+def patched(version, policy, layers: int, block_size: int):
+    """A tiny Llama of ``layers`` patched by ``version`` (a package: the current one or an old copy) with its own
+    class of ``policy`` (same fields), a fresh cache of that version, and the version's ``graphs`` module."""
     model = tiny_llama(layers)
     policies = importlib.import_module(f"{version.__name__}.policies")
     policy = getattr(policies, type(policy).__name__)(
@@ -111,7 +112,12 @@ def trace(version, policy, batch: int, length: int, layers: int, block_size: int
     )
     version.patch_model(model, policy=policy, mode="block", block_size=block_size, cuda_graph=True)
     cache = version.PagedKVCache(model.config, block_size=block_size)
-    graphs = importlib.import_module(f"{version.__name__}.graphs")
+    return model, cache, importlib.import_module(f"{version.__name__}.graphs")
+
+
+def trace(version, policy, batch: int, length: int, layers: int, block_size: int) -> dict:
+    """The op log of the second static step after a prefill of ``length`` random tokens per sequence."""
+    model, cache, graphs = patched(version, policy, layers, block_size)
     ids = torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(1))
     rec = Recorder()
     with torch.no_grad():
@@ -156,14 +162,7 @@ class _EveryPlan(dict):
 def host_time(version, policy, batch: int, layers: int, block_size: int, reps: int = 200) -> float:
     """Median µs of ``DecodeGraphs.step`` on the host with the graph replay stubbed (plan, buffers, counters, ids,
     the logits' clone): what the GPU waits for before each replay when steps are synchronised, at ``layers``."""
-    model = tiny_llama(layers)
-    policies = importlib.import_module(f"{version.__name__}.policies")
-    policy = getattr(policies, type(policy).__name__)(
-        **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-    )
-    version.patch_model(model, policy=policy, mode="block", block_size=block_size, cuda_graph=True)
-    cache = version.PagedKVCache(model.config, block_size=block_size)
-    graphs = importlib.import_module(f"{version.__name__}.graphs")
+    model, cache, graphs = patched(version, policy, layers, block_size)
     ids = torch.randint(3, 96, (batch, 600), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
