@@ -370,6 +370,17 @@ def compiled_phase(model, batch, length, args, report, bandwidth, keep, base_ms)
     """The rows that compile (minutes each on the 8B shape): transformers' ``StaticCache`` with
     ``torch.compile(mode="reduce-overhead")``, the compiled captured step and the user's compiled forward."""
     weights, dense_kv = weight_bytes(model, batch), dense_kv_bytes(model, batch, length)
+    rows = [r for r in COMPILED_ROWS if keep(r[0])]
+    if rows:  # the patched compiled rows first: a time limit stops the StaticCache row, not them
+        report.say(f"{batch}x{length}: filling the paged cache")
+        _, paged = fill_caches(model, batch, length, args.block_size, args.device)
+        shape = (batch, length, base_ms, paged.memory_bytes())
+        for name, policy, mode, how in rows:
+            report.say(f"{batch}x{length}: {name} (compile, steps)")
+            row = (name, policy, mode, how == "graph")
+            report.add(patched_decode_row(model, paged, row, args, shape, weights, bandwidth, how))
+        del paged
+        empty_cache(args.device)
     if keep(STATIC_ROW) and not args.no_static:  # the unpatched model as the transformers docs recommend
         report.say(f"{batch}x{length}: {STATIC_ROW} (fill, compile, steps)")
         static = static_cache(model, batch, length, length + args.steps + args.warmup + 1, args.device)
@@ -388,18 +399,6 @@ def compiled_phase(model, batch, length, args, report, bandwidth, keep, base_ms)
         del static
         torch._dynamo.reset()
         empty_cache(args.device)
-    rows = [r for r in COMPILED_ROWS if keep(r[0])]
-    if not rows:
-        return
-    report.say(f"{batch}x{length}: filling the paged cache")
-    _, paged = fill_caches(model, batch, length, args.block_size, args.device)
-    shape = (batch, length, base_ms, paged.memory_bytes())
-    for name, policy, mode, how in rows:
-        report.say(f"{batch}x{length}: {name} (compile, steps)")
-        row = (name, policy, mode, how == "graph")
-        report.add(patched_decode_row(model, paged, row, args, shape, weights, bandwidth, how))
-    del paged
-    empty_cache(args.device)
 
 
 class StepClock(LogitsProcessor):
