@@ -157,8 +157,9 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def time_decode(model, cache, batch: int, length: int, steps: int, warmup: int) -> list[float]:
-    """Seconds per decode step (device-synchronised) for ``steps`` steps after ``warmup``; crops back after."""
+def time_decode(model, cache, batch: int, length: int, steps: int, warmup: int, crop: bool = True) -> list[float]:
+    """Seconds per decode step (device-synchronised) for ``steps`` steps after ``warmup``; crops back after (with
+    ``crop``: a ``StaticCache``, used once, has no ``crop`` on transformers 5.17)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=model.device)
     times = []
     kw = {cache_kwarg(model): cache, "use_cache": True}
@@ -172,7 +173,8 @@ def time_decode(model, cache, batch: int, length: int, steps: int, warmup: int) 
             sync(model.device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-    cache.crop(length - cache.get_seq_length())  # negative: tokens to drop (every 5.x)
+    if crop:
+        cache.crop(length - cache.get_seq_length())  # negative: tokens to drop (every 5.x)
     return times
 
 
@@ -387,7 +389,7 @@ def compiled_phase(model, batch, length, args, report, bandwidth, keep, base_ms)
         model.forward = torch.compile(model.forward, fullgraph=True, **compile_options(args.device))
         reset_peak()
         try:
-            ms = 1000 * statistics.median(time_decode(model, static, batch, length, args.steps, args.warmup))
+            ms = 1000 * statistics.median(time_decode(model, static, batch, length, args.steps, args.warmup, False))
         except Exception as e:  # noqa: BLE001 - the row says why it could not run; the others go on
             report.say(f"{STATIC_ROW}: {type(e).__name__}: {e}")
             ms = float("nan")
