@@ -205,6 +205,31 @@ def test_generate_with_a_compile_config_compiles_static_steps(padded):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "the decode steps were compiled"
 
 
+def test_a_growing_plan_compiles_twice_not_per_plan():
+    """A long generation moves through many plans (Quest's budget grows with the context: a new width every few
+    blocks): the compiled step recompiles once, with the widths dynamic (dynamo's automatic dynamic shapes), and not
+    at every plan (each compile of an 8B model takes ~25 s on an H200), and every step equals eager."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny_model("llama")
+    ids = prompt(30, batch=2)
+    _patch(model, Quest(budget=0.5, sink=4, window=8), "block")
+    steps = 80
+    _, ref = _eager(model, ids, steps)
+    cache, out, plans = PagedKVCache(model.config, block_size=8), [], set()
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, 30 + steps, capture=False, compile="aot_eager")
+        for _ in range(steps):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+            plans.add(runner.static.plan)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert len(plans) >= 5, f"the steps crossed too few plans to tell: {plans}"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2, dict(torch._dynamo.utils.counters["stats"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor + CUDA-graph capture of the compiled step: CUDA")
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_captured_inductor_step_equals_eager_on_cuda(arch):
