@@ -262,12 +262,20 @@ COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compi
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
 ]
 STATIC_ROW = "unpatched StaticCache + compile"
-GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments)
-    ("generate: unpatched sdpa", None, {}),
-    ("generate: unpatched StaticCache + compile", None, {"cache_implementation": "static"}),
-    ("generate: graph: patched Dense", Dense(), {}),
-    ("generate: graph: Quest 1/16 block", Quest(budget=0.0625), {}),
+GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments, extra patch_model arguments)
+    ("generate: unpatched sdpa", None, {}, {}),
+    ("generate: unpatched StaticCache + compile", None, {"cache_implementation": "static"}, {}),
+    ("generate: graph: patched Dense", Dense(), {}, {}),
+    ("generate: graph: Quest 1/16 block", Quest(budget=0.0625), {}, {}),
+    ("generate: graph+compile: patched Dense", Dense(), {}, {"compile": "inductor"}),
+    ("generate: graph+compile: Quest 1/16 block", Quest(budget=0.0625), {}, {"compile": "inductor"}),
 ]
+
+
+def compiles(row) -> bool:
+    """Whether a ``GENERATE_ROWS`` row compiles (it runs in the ``compiled`` phase)."""
+    _, _, extra, patch_kw = row
+    return extra.get("cache_implementation") == "static" or "compile" in patch_kw
 
 
 PHASES = ("decode", "generate", "compiled")  # the order of a run: cheap rows first, the compiles last
@@ -450,8 +458,9 @@ def generate_prompts(model, batch: int, length: int) -> list[tuple[str, torch.Te
 
 def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None:
     """The ``--generate`` rows: a real prefill, then ``--new-tokens`` greedy tokens, per shape (left-padded too when
-    ``B > 1``, with its ms/token over the unpadded batch's). ``compiled``: the rows that compile (StaticCache)."""
-    rows = [r for r in GENERATE_ROWS if keep(r[0]) and (r[2].get("cache_implementation") == "static") == compiled]
+    ``B > 1``, with its ms/token over the unpadded batch's). ``compiled``: the rows that compile (StaticCache,
+    graph+compile)."""
+    rows = [r for r in GENERATE_ROWS if keep(r[0]) and compiles(r) == compiled]
     if compiled and args.no_static:
         rows = []
     for shape in args.generate.split(",") if args.generate and rows else []:
@@ -464,11 +473,15 @@ def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None
             if keep("generate: floor: dense") and not compiled:
                 report.add({"batch": batch, "context": length, "row": "generate: floor: dense" + suffix,
                             "kv_mb_per_step": dense_kv / 1e6, **floor_fields(0.0, weights + dense_kv, bandwidth)})  # fmt: skip
-            for name, policy, extra in rows:
+            for name, policy, extra, patch_kw in rows:
                 report.say(f"{batch}x{length}{suffix}: {name}")
                 cache, extra = None, dict(extra)
                 if policy is not None:
-                    patch_model(model, policy=policy, mode="block", block_size=args.block_size, cuda_graph=True)
+                    if "compile" in patch_kw and args.device != "cuda":
+                        patch_kw = {**patch_kw, "compile": "aot_eager"}  # a dry run: inductor is for CUDA here
+                    patch_model(
+                        model, policy=policy, mode="block", block_size=args.block_size, cuda_graph=True, **patch_kw
+                    )
                     cache = PagedKVCache(model.config, block_size=args.block_size, max_length=length + args.new_tokens)
                     extra[cache_kwarg(model)] = cache
                 reset_peak()

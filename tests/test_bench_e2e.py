@@ -51,3 +51,16 @@ def test_bench_e2e_dry_run_writes_floors_generate_and_padded_rows(monkeypatch, t
 def test_bench_e2e_refuses_an_unknown_row(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="unknown"):
         _run(monkeypatch, tmp_path, "--rows", "graph: Quest 1/16 blocks")
+
+
+def test_bench_e2e_compiled_generate_rows_run_in_the_compiled_phase(monkeypatch, tmp_path):
+    """The ``generate: graph+compile:`` rows compile, so they run in the ``compiled`` phase (last), not with the cheap
+    ``generate`` rows; unpadded and left-padded."""
+    row = "generate: graph+compile: Quest 1/16 block"
+    _run(monkeypatch, tmp_path, "--shapes", "", "--rows", row, "--phases", "decode,generate")
+    assert not (tmp_path / "e2e.csv").exists()  # no row ran (the CSV is written row by row)
+    _run(monkeypatch, tmp_path, "--shapes", "", "--rows", row, "--phases", "compiled")
+    with open(tmp_path / "e2e.csv") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    assert list(rows) == [row, f"{row} (left-padded)"]
+    assert float(rows[row]["ms_per_token"]) > 0
