@@ -123,6 +123,26 @@ def cases():
                 ),
             ),
             (
+                f"candidate_scores head_mass {tag}",
+                partial(candidate_scores, q, k_pool, table, lens, zero, blocks, reduce="head_mass", scale=D**-0.5),
+            ),
+            (
+                f"candidate_scores head_mass, 2 tiles/program, 3 stages {tag}",
+                partial(
+                    candidate_scores,
+                    q,
+                    k_pool,
+                    table,
+                    lens,
+                    zero,
+                    blocks,
+                    2,
+                    reduce="head_mass",
+                    scale=0.1,
+                    **mass_walk,
+                ),
+            ),
+            (
                 f"candidate_scores token+forced, 2 tiles/program, 3 stages {tag}",
                 partial(candidate_scores, q, k_pool, table, lens, zero, blocks, 2, **walk, num_stages=3),
             ),

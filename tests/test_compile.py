@@ -109,6 +109,10 @@ SELECTORS = {
         lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=0.8),
         {"block_scores", "candidate_scores", "topk_indices"},
     ),
+    "TopPBlockTopK(pool=heads)": (
+        lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=0.8, pool="heads"),
+        {"block_scores", "candidate_scores", "topk_indices"},
+    ),
 }
 SELECTOR_CASES = [
     (name, mode)

@@ -69,6 +69,8 @@ def test_registered_ops_pass_opcheck_and_equal_the_backend(backend):
          raw.candidate_scores(q, kp, t, n, st, blocks, reduce="block", sink=4, window=8)),
         (lib.candidate_scores_op, (q, kp, t, n, st, blocks, "mass", 0, None, 0.25, backend),
          raw.candidate_scores(q, kp, t, n, st, blocks, reduce="mass", scale=0.25)),
+        (lib.candidate_scores_op, (q, kp, t, n, st, blocks, "head_mass", 0, None, 0.25, backend),  # [B, Hq, C]
+         raw.candidate_scores(q, kp, t, n, st, blocks, reduce="head_mass", scale=0.25)),
     ]  # fmt: skip
     for op, args, want in cases:
         torch.library.opcheck(op, args)

@@ -237,7 +237,7 @@ def test_candidate_scores_reference_is_the_definition(shape, K):
     assert torch.equal(R.candidate_scores(*args, reduce="block"), exact.amax(-1).masked_fill(~slot, float("-inf")))
 
 
-@pytest.mark.parametrize("reduce", ["token", "block", "mass"])
+@pytest.mark.parametrize("reduce", ["token", "block", "mass", "head_mass"])
 @pytest.mark.parametrize("knobs", [(2, 1, 4, 2), (4, 3, 2, 3), (8, 2, 8, 1), (2, 100, 4, 2)], ids=str)
 def test_candidate_scores_knobs_change_nothing(reduce, knobs):
     """Candidates per tile, tiles per program (the next tile's candidates prefetched), warps and stages give the
@@ -251,7 +251,7 @@ def test_candidate_scores_knobs_change_nothing(reduce, knobs):
         _evict(c, BS)
         blocks = random_blocks(c, 19, BS, seed=7)
         args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
-        kw = {"reduce": reduce, "sink": 2, "window": 9} if reduce != "mass" else {"reduce": reduce, "scale": 0.2}
+        kw = {"reduce": reduce, "sink": 2, "window": 9} if "mass" not in reduce else {"reduce": reduce, "scale": 0.2}
         ref = R.candidate_scores(*args, **kw)
         out = OPS.candidate_scores(*args, block_c, tiles_per_program=tiles, num_warps=warps, num_stages=stages, **kw)
         assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out == float("inf"), ref == float("inf"))
@@ -298,20 +298,80 @@ def test_candidate_mass_is_the_softmax_mass_of_the_token_form(shape):
         torch.testing.assert_close(lse.softmax(-1).nan_to_num(0.0), want, rtol=1e-5, atol=1e-6)
 
 
-def test_candidate_mass_refuses_a_window_or_no_scale():
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
+@pytest.mark.parametrize("evicted", [False, True])
+@pytest.mark.parametrize("K", [0, 1, 3, 8, "all"])
+def test_candidate_head_mass_matches_reference(shape, evicted, K):
+    """Per-head mass form: each (query head, candidate)'s log-sum-exp of its tokens' scaled scores, ``[B, Hq, C]``,
+    ``-inf`` for padding slots and for candidates without a valid token (past the end, before ``start``, evicted),
+    never NaN (empty rows included)."""
+    B, H, G, D, BS, lens, starts = shape
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    if evicted:
+        _evict(c, BS)
+    blocks = _candidates(c, K, BS, seed=len(str(K)))
+    args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
+    ref = R.candidate_scores(*args, reduce="head_mass", scale=0.37)
+    out = OPS.candidate_scores(*args, reduce="head_mass", scale=0.37)
+    assert out.shape == ref.shape == (B, H * G, blocks.shape[-1])
+    assert torch.equal(out.isinf(), ref.isinf()) and not (ref == float("inf")).any() and not out.isnan().any()
+    fin = ref.isfinite()
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    # a candidate with no valid token has no mass for any head of its group
+    mass = R.candidate_scores(*args, reduce="mass", scale=0.37)
+    C = blocks.shape[-1]
+    assert torch.equal(fin.view(B, H, G, C), mass.isfinite().unsqueeze(2).expand(B, H, G, C))
+    if K == "all":
+        assert fin.any() and (~fin).any()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
+def test_candidate_head_mass_is_each_heads_softmax_mass(shape):
+    """``softmax`` over the candidates of the per-head mass form is each query head's share of the softmax of its
+    own scaled scores (``scale * q_h . k``, computed here from the dense keys, no max over the group) over all the
+    candidates' tokens, ``0`` where a row has none; with every block a candidate, the shares summed over each group
+    are the oracle's block mass (``oracle_block_scores``)."""
+    B, H, G, D, BS, lens, starts = shape
+    c = make_case(B, H, G, D, BS, lens, starts=starts)
+    _evict(c, BS)
+    table, seq_lens, st = c["block_table"], c["seq_lens"], c["start"]
+    MB = table.shape[1]
+    L = MB * BS
+    keys = R.gather_dense(c["k_pool"], table, L).float()  # [B, H, L, D]
+    logits = torch.einsum("bhgd,bhld->bhgl", c["q"].float().view(B, H, G, D), keys) * 0.37  # [B, H, G, L]
+    for K in (0, 3, "all"):
+        blocks = _candidates(c, K, BS, seed=5)
+        C = blocks.shape[-1]
+        args = (c["q"], c["k_pool"], table, seq_lens, st, blocks)
+        valid = R.candidate_scores(*args).isfinite()  # [B, H, C, BS] the token form's valid positions
+        pos = R.blocks_to_tokens(blocks, BS).long().clamp(0, L - 1).view(B, H, 1, C * BS).expand(B, H, G, C * BS)
+        x = logits.gather(-1, pos).masked_fill(~valid.view(B, H, 1, C * BS), float("-inf"))
+        want = x.softmax(-1).nan_to_num(0.0).view(B, H, G, C, BS).sum(-1).reshape(B, H * G, C)
+        share = R.candidate_scores(*args, reduce="head_mass", scale=0.37).softmax(-1).nan_to_num(0.0)
+        torch.testing.assert_close(share, want, rtol=1e-5, atol=1e-6)
+        if K == "all":  # blocks 0..MB-1 in order, then a slot past the table and a padding slot
+            oracle = R.oracle_block_scores(c["q"], c["k_pool"], table, seq_lens, st, 0.37, L)  # [B, H, MB]
+            summed = share.view(B, H, G, C).sum(2)[..., :MB]
+            live = oracle.isfinite()
+            torch.testing.assert_close(summed[live], oracle[live], rtol=1e-5, atol=1e-6)
+            assert (summed[~live] == 0).all() and (share[..., MB:] == 0).all()
+
+
+@pytest.mark.parametrize("reduce", ["mass", "head_mass"])
+def test_candidate_mass_refuses_a_window_or_no_scale(reduce):
     c = make_case(1, 1, 2, 16, 8, [20])
     args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], random_blocks(c, 2, 8, seed=0))
     for ops in (R, OPS):
         for kw in ({}, {"scale": 0.0}, {"scale": 0.5, "window": 4}):
-            with pytest.raises(ValueError, match="mass"):
-                ops.candidate_scores(*args, reduce="mass", **kw)
+            with pytest.raises(ValueError, match=reduce):
+                ops.candidate_scores(*args, reduce=reduce, **kw)
         with pytest.raises(ValueError, match="reduce"):
             ops.candidate_scores(*args, reduce="sum")
 
 
 def test_registered_selector_ops_compile_fullgraph_around_the_kernels():
     """What a static step calls (``hf_sparse_kv.ops.library.registered_ops``): the compressed keys' write of a
-    decode token, the scores from them and the candidates' exact scores (every form) under ``torch.compile(fullgraph=True)``
+    decode token, the scores from them and the candidates' exact scores (every form, per-head mass included) under ``torch.compile(fullgraph=True)``
     (the Triton launchers stay outside the traced graph, as custom ops) give what the launchers give eagerly."""
     B, H, G, D, BS, lens, starts = SHAPES[1]
     c = make_case(B, H, G, D, BS, lens, starts=starts)
@@ -331,7 +391,8 @@ def test_registered_selector_ops_compile_fullgraph_around_the_kernels():
         exact = ops.candidate_scores(c["q"], c["k_pool"], table, lens_t, st, blocks)
         best = ops.candidate_scores(c["q"], c["k_pool"], table, lens_t, st, blocks, reduce="block", sink=3, window=7)
         mass = ops.candidate_scores(c["q"], c["k_pool"], table, lens_t, st, blocks, reduce="mass", scale=0.37)
-        return token, block, exact, best, mass
+        heads = ops.candidate_scores(c["q"], c["k_pool"], table, lens_t, st, blocks, reduce="head_mass", scale=0.37)
+        return token, block, exact, best, mass, heads
 
     want_c, got_c = ckeys.clone(), ckeys.clone()
     want = step(OPS, want_c)
@@ -372,7 +433,12 @@ def test_cuda_selector_ops_large(dtype, BS):
             assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-4
     blocks = random_blocks(c, 200, BS, seed=4)
     args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
-    for kw in ({}, {"reduce": "block", "sink": 4, "window": 32}, {"reduce": "mass", "scale": D**-0.5}):
+    for kw in (
+        {},
+        {"reduce": "block", "sink": 4, "window": 32},
+        {"reduce": "mass", "scale": D**-0.5},
+        {"reduce": "head_mass", "scale": D**-0.5},
+    ):
         ref, out = R.candidate_scores(*args, **kw), OPS.candidate_scores(*args, **kw)
         assert torch.equal(out.isinf(), ref.isinf())
         fin = ref.isfinite()

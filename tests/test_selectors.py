@@ -41,11 +41,12 @@ def _policies(model):
         TwoStageTokenTopK(budget=21, sink=4, window=5, candidates=2),
         ProjectedBlockTopK(budget=24, sink=4, window=8, calibration=_calibration(model, "svd")),
         TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=0.8),
+        TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=0.8, pool="heads"),
     ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("which", range(8))
+@pytest.mark.parametrize("which", range(9))
 def test_one_selection_every_mode(arch, which):
     model = tiny_model(arch)
     policy = _policies(model)[which]
@@ -219,7 +220,7 @@ def test_query_aware_projection_at_full_rank_is_the_identity_form():
     assert (exact - approx).pow(2).mean() < 0.9 * exact.pow(2).mean()
 
 
-@pytest.mark.parametrize("which", [0, 3, 4, 6, 7])
+@pytest.mark.parametrize("which", [0, 3, 4, 6, 7, 8])
 def test_static_decode_step_equals_eager(which):
     """The selectors inside DecodeGraphs (captured on CUDA: the compressed keys' refresh and the selection replay
     from device buffers) compute what the eager step computes."""
@@ -328,7 +329,7 @@ def test_top_p_keeps_fewer_blocks_as_p_falls_within_the_budget():
     assert all(s == forced for seq in previous for s in seq), "p -> 0 keeps only the forced blocks"
 
 
-@pytest.mark.parametrize("which", range(5))
+@pytest.mark.parametrize("which", range(6))
 def test_triton_ops_select_what_the_reference_selects(which):
     """Each policy whose scores come from the compressed-key or candidate kernels (the queries projected inside
     ``projected_scores``; TwoStageBlockTopK ranking ``candidate_scores(reduce="block")``) selects through the Triton
@@ -348,6 +349,7 @@ def test_triton_ops_select_what_the_reference_selects(which):
         TopPBlockTopK(budget=48, sink=2, window=4, candidates=2, p=0.7),
         ProjectedBlockTopK(budget=40, sink=4, window=8, calibration=cal),
         ProjectedTokenTopK(budget=40, sink=4, window=5, calibration=cal),
+        TopPBlockTopK(budget=48, sink=2, window=4, candidates=2, p=0.7, pool="heads"),
     ][which]
     ref = policy.select(dataclasses.replace(state, ops=get_ops("reference", DEVICE)))
     out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))

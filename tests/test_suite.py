@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_assets_text import make_essays
 from tiny_models import tiny_model
 
-from evaluation.suite import load_suite, plan, run_suite
+from evaluation.suite import SUITES, cells_of, load_suite, plan, run_suite
 from evaluation.suite_summary import summarize
 from evaluation.toy import CharTokenizer
 
@@ -36,6 +37,16 @@ def _tiny_cfg(name: str) -> dict:
     }  # fmt: skip
     cfg["qa"] = {"tasks": ["fact", "variable_tracking"], "items": 1, "new_tokens": 3, "max_offset": 200, "batch": 2}
     return cfg
+
+
+@pytest.mark.parametrize("name", sorted(SUITES))
+def test_every_suite_recipe_builds_its_policies(name):
+    """Each shipped suite's policy specs build (unknown keys or bad values raise in the policies' checks) and its
+    decisive policies are among its labels."""
+    cfg = load_suite(name)
+    labels = {c.label for c in cells_of(cfg)}
+    assert set(cfg.get("decisive", {}).get("policies", [])) <= labels
+    assert plan(cfg)
 
 
 def test_plan_runs_the_decisive_cells_first():

@@ -2,7 +2,8 @@
 selects exactly what it selected from the token form (``[B, Hkv, C, BS]`` scores, softmax over all the candidates'
 tokens, summed per block), on random states: GQA 1/3/4/8, lengths not multiples of the block size, left padding
 (``start``), evicted blocks, padded candidates (a sequence shorter than the batch's widths), p = 1 and p < 1; and the
-Triton ops select what the reference selects."""
+Triton ops select what the reference selects. ``pool="heads"`` (``reduce="head_mass"``, each query head's mass) over
+every block at p = 1 selects what OracleBlockTopK selects."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from hf_sparse_kv.ops import get_ops
-from hf_sparse_kv.policies import DecodeState, TopPBlockTopK
+from hf_sparse_kv.policies import DecodeState, OracleBlockTopK, TopPBlockTopK
 from hf_sparse_kv.policies.base import Selection
 from hf_sparse_kv.policies.two_stage import pick
 
@@ -105,3 +106,62 @@ def test_mass_form_triton_selects_what_the_reference_selects(shape):
         out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
         assert out.counts == ref.counts and torch.equal(out.indices, ref.indices), policy
         assert (ref.indices >= 0).sum() > 0
+
+
+@pytest.mark.parametrize("shape", STATES, ids=lambda s: f"H{s[0]}G{s[1]}BS{s[3]}{'ev' if s[6] else ''}")
+def test_heads_pool_over_every_block_selects_what_the_oracle_selects(shape):
+    """``pool="heads"`` is the oracle's criterion on the candidates: with every live block a candidate and ``p = 1``
+    it selects what :class:`OracleBlockTopK` (true softmax mass per query head, summed over the group) selects with
+    the same budget, sink and window; ``pool="max"`` does not (the comparison sees the pooling)."""
+    ref = get_ops("reference", DEVICE)
+    differs = 0
+    for seed in range(3):
+        state = _random_state(*shape, seed=seed, ops=ref)
+        for budget, sink, window in ((64, 4, 8), (0.25, 0, 1), (48, 2, 20)):
+            oracle = OracleBlockTopK(budget=budget, sink=sink, window=window).select(state)
+            kw = {"budget": budget, "sink": sink, "window": window, "candidates": 1000, "p": 1.0}
+            heads = TopPBlockTopK(**kw, pool="heads").select(state)
+            assert heads.counts == oracle.counts and torch.equal(heads.indices, oracle.indices), (budget, seed)
+            pooled = TopPBlockTopK(**kw).select(state)
+            differs += int(not torch.equal(pooled.indices, oracle.indices))
+    assert differs > 0 or shape[1] == 1, "max pooling selected the oracle's blocks everywhere: the test shows nothing"
+
+
+@pytest.mark.parametrize("shape", STATES, ids=lambda s: f"H{s[0]}G{s[1]}BS{s[3]}{'ev' if s[6] else ''}")
+def test_heads_pool_mass_is_a_fraction_per_kv_head(shape):
+    """Each KV head's candidate mass sums to 1 in both pools (so ``p`` is the same fraction); with one query head
+    per KV head the pools are the same criterion and select the same blocks at every ``p``."""
+    ref = get_ops("reference", DEVICE)
+    state = _random_state(*shape, seed=3, ops=ref)
+    dropped = 0
+    for policy in _policies():
+        heads = dataclasses.replace(policy, pool="heads")
+        _, cand = heads.candidate_blocks(state)
+        for pol in (policy, heads):
+            total = pol.mass(state, cand).sum(-1)
+            torch.testing.assert_close(total, torch.ones_like(total))
+        sel, base = heads.select(state), policy.select(state)
+        if shape[1] == 1:
+            assert torch.equal(sel.indices, base.indices), policy
+        dropped += int((sel.indices < 0).sum()) if policy.p < 1 else 0
+    assert dropped > 0, "p < 1 left no block out with pool='heads'"
+
+
+@pytest.mark.parametrize("shape", STATES, ids=lambda s: f"H{s[0]}G{s[1]}BS{s[3]}{'ev' if s[6] else ''}")
+def test_heads_pool_triton_selects_what_the_reference_selects(shape):
+    pytest.importorskip("triton")
+    state = _random_state(*shape, seed=12, ops=get_ops("reference", DEVICE))
+    for policy in (
+        TopPBlockTopK(64, 4, 8, candidates=8, p=1.0, pool="heads"),
+        TopPBlockTopK(64, 4, 8, candidates=2, p=0.6, pool="heads"),
+    ):
+        ref = policy.select(state)
+        out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
+        assert out.counts == ref.counts and torch.equal(out.indices, ref.indices), policy
+        assert (ref.indices >= 0).sum() > 0
+
+
+def test_a_bad_pool_is_refused():
+    for pool in ("mean", "", None, "Heads"):
+        with pytest.raises(ValueError, match="pool"):
+            TopPBlockTopK(64, 4, 8, candidates=2, pool=pool)

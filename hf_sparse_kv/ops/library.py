@@ -258,7 +258,8 @@ def candidate_scores_op(
 ) -> torch.Tensor:
     """``reference.candidate_scores``: exact ``q . k`` of the tokens of the candidate ``blocks [B, Hkv, C]`` ->
     ``[B, Hkv, C, BS]`` (``reduce="token"``), or per candidate ``[B, Hkv, C]``: its best token (``"block"``) or the
-    log-sum-exp of its tokens' ``scale``-d scores (``"mass"``), float32."""
+    log-sum-exp of its tokens' ``scale``-d scores (``"mass"``), or that log-sum-exp per query head ``[B, Hq, C]``
+    (``"head_mass"``), float32."""
     fn = _impl(backend, "candidate_scores")
     return fn(q, k_pool, block_table, seq_lens, start, blocks, reduce=reduce, sink=sink, window=window, scale=scale)
 
@@ -266,6 +267,8 @@ def candidate_scores_op(
 @candidate_scores_op.register_fake
 def _(q, k_pool, block_table, seq_lens, start, blocks, reduce, sink, window, scale, backend):
     reference.check_candidate_reduce(reduce, window, scale)
+    if reduce == "head_mass":  # per query head
+        return q.new_empty(q.shape[0], q.shape[1], blocks.shape[-1], dtype=torch.float32)
     per_token = (k_pool.shape[2],) if reduce == "token" else ()
     return q.new_empty(*blocks.shape, *per_token, dtype=torch.float32)
 

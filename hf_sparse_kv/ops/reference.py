@@ -512,23 +512,28 @@ def candidate_scores(
     window: int | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group.
+    """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group (but
+    ``"head_mass"``).
 
     Args:
         q: ``[B, Hq, D]``; k_pool: ``[NB, Hkv, BS, D]``; block_table ``[B, MB]``; seq_lens, start ``[B]``.
         blocks: ``[B, Hkv, C]`` logical block numbers, ``-1`` padded.
         reduce: ``"token"`` (a score per token), ``"block"`` (each candidate's best token: what a two-stage block
-            selector ranks) or ``"mass"`` (each candidate's log-sum-exp over its tokens of ``scale`` times the
+            selector ranks), ``"mass"`` (each candidate's log-sum-exp over its tokens of ``scale`` times the
             token score: ``softmax`` of it over the candidates is each block's share of the softmax mass of the
-            candidates' tokens, what a top-p selector ranks, without the per-token scores).
+            candidates' tokens, what a top-p selector ranks, without the per-token scores) or ``"head_mass"``
+            (the same per query head, no max over the group: ``[B, Hq, C]``, query head ``h`` scoring the
+            candidates of KV head ``h // G``; its softmax over the candidates summed over a group's heads is the
+            oracle's criterion, ``oracle_block_scores``, restricted to the candidates).
         sink, window: with ``window`` given, the valid forced tokens (``forced_token_mask``; token) or the
             candidates that are forced blocks, evicted or not (``forced_block_mask``; block) score ``+inf``. The
-            mass form takes no ``window``: a forced block's mass counts towards top-p's ``p``.
-        scale: the softmax scale (``"mass"`` only, required there).
+            mass forms take no ``window``: a forced block's mass counts towards top-p's ``p``.
+        scale: the softmax scale (``"mass"`` and ``"head_mass"`` only, required there).
 
     Returns:
-        ``[B, Hkv, C, BS]`` (token) or ``[B, Hkv, C]`` (block, mass) float32, ``-inf`` at invalid positions (padding
-        slots, past the end, evicted) and for candidates without a valid token (unless forced).
+        ``[B, Hkv, C, BS]`` (token), ``[B, Hkv, C]`` (block, mass) or ``[B, Hq, C]`` (head_mass) float32, ``-inf``
+        at invalid positions (padding slots, past the end, before ``start``, evicted) and for candidates without a
+        valid token (unless forced).
     """
     check_candidate_reduce(reduce, window, scale)
     B = q.shape[0]
@@ -541,12 +546,15 @@ def candidate_scores(
     phys_raw = torch.gather(block_table.long(), 1, safe.view(B, -1)).view(B, Hkv, C)
     head = torch.arange(Hkv, device=q.device).view(1, Hkv, 1)
     keys = k_pool[phys_raw.clamp(min=0), head].float()  # [B, Hkv, C, BS, D]
-    s = torch.einsum("bhgd,bhctd->bhctg", _group_q(q, Hkv), keys).amax(-1)  # [B, Hkv, C, BS]
+    per_head = torch.einsum("bhgd,bhctd->bhgct", _group_q(q, Hkv), keys)  # [B, Hkv, G, C, BS]
     pos = blocks_to_tokens(blocks, BS).long()  # [B, Hkv, C * BS]
     zero = torch.zeros_like(seq_lens)
     ok = valid_positions(pos, seq_lens, start, zero, zero).view(B, Hkv, C, BS)
     ok = ok & (phys_raw >= 0).unsqueeze(-1) & slot.unsqueeze(-1)
-    s = s.masked_fill(~ok, NEG_INF)
+    if reduce == "head_mass":  # logsumexp of a row of -inf is -inf; query head h = kv * G + g
+        lse = torch.logsumexp(per_head.masked_fill(~ok.unsqueeze(2), NEG_INF) * scale, -1)  # [B, Hkv, G, C]
+        return lse.masked_fill(~slot.unsqueeze(2), NEG_INF).reshape(B, q.shape[1], C).contiguous()
+    s = per_head.amax(2).masked_fill(~ok, NEG_INF)  # [B, Hkv, C, BS]
     if reduce == "token":
         if window is not None:
             forced = forced_token_mask(seq_lens, start, sink, window, BS, MB * BS)  # [B, MB * BS]
@@ -564,10 +572,10 @@ def candidate_scores(
 
 def check_candidate_reduce(reduce: str, window: int | None, scale: float | None) -> None:
     """``candidate_scores``' argument rule, shared by the reference and the Triton launcher."""
-    if reduce not in ("token", "block", "mass"):
-        raise ValueError(f"reduce must be 'token', 'block' or 'mass', got {reduce!r}")
-    if reduce == "mass" and (scale is None or not scale > 0 or window is not None):
+    if reduce not in ("token", "block", "mass", "head_mass"):
+        raise ValueError(f"reduce must be 'token', 'block', 'mass' or 'head_mass', got {reduce!r}")
+    if reduce in ("mass", "head_mass") and (scale is None or not scale > 0 or window is not None):
         raise ValueError(
-            "reduce='mass' needs a softmax scale > 0 and takes no window (a forced block's mass counts towards p), "
-            f"got scale={scale!r}, window={window!r}"
+            f"reduce={reduce!r} needs a softmax scale > 0 and takes no window (a forced block's mass counts towards "
+            f"p), got scale={scale!r}, window={window!r}"
         )

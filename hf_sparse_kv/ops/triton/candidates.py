@@ -13,6 +13,8 @@ candidate's logical block through the block table, loads the ``BC`` contiguous `
 - ``reduce="mass"``: each candidate block's log-sum-exp over its tokens of ``scale`` times their score,
   ``[B, Hkv, C]``: the softmax of these over the candidates is each block's share of the candidates' softmax mass
   (what top-p ranks), so the per-token scores are never written (``BS`` times fewer bytes out);
+- ``reduce="head_mass"``: the same per query head, without the max over the group: the ``[BG, BC * BS]`` product
+  viewed as ``[BG, BC, BS]`` and reduced over ``BS``, the group's ``G`` real heads stored, ``[B, Hq, C]``;
 
 with ``window`` given, the forced positions (``ops/layout.py``: tokens in token form, blocks in block form) at
 ``+inf``, as ``projected_scores`` forces them. While a tile is scored, the next tile's candidate numbers and
@@ -42,6 +44,18 @@ def candidate_rows(blocks, block_table, i_bh, i_b, o_c, C, MB):
 
 
 @triton.jit
+def block_lse(b_x, AXIS: tl.constexpr):
+    """Natural log-sum-exp of ``b_x`` along ``AXIS``, its scores in base 2 (``scale * log2(e) * q . k``), ``-inf``
+    at invalid positions. The sum is >= 1 where a row has a valid token (its max contributes exp2(0)); without one
+    the max is -inf: shifted by 0 instead, the sum is 0 and the row -inf, with no NaN or log2(0) on the way."""
+    b_m = tl.max(b_x, AXIS)
+    b_m = tl.where(b_m > float("-inf"), b_m, 0.0)
+    b_l = tl.sum(tl.exp2(b_x - tl.expand_dims(b_m, AXIS)), AXIS)
+    b_lse = (b_m + tl.log2(tl.maximum(b_l, 1.0))) * 0.6931471805599453  # ln(2)
+    return tl.where(b_l > 0, b_lse, float("-inf"))
+
+
+@triton.jit
 def candidate_scores_kernel(
     q,  # [B, HQ, D]
     k_pool,  # [NB, H, BS, D]
@@ -49,9 +63,9 @@ def candidate_scores_kernel(
     seq_lens,  # [B]
     start,  # [B]
     blocks,  # [B, H, C] logical blocks, -1 padded
-    out,  # [B, H, C, BS] (TOKENS) or [B, H, C], float32
+    out,  # [B, H, C, BS] (TOKENS), [B, HQ, C] (HEADS) or [B, H, C], float32
     s_pn,  # key pool stride between blocks
-    SCALE2,  # MASS: the softmax scale times log2(e)
+    SCALE2,  # MASS, HEADS: the softmax scale times log2(e)
     C,
     MB,
     SINK,
@@ -67,6 +81,7 @@ def candidate_scores_kernel(
     F32: tl.constexpr,
     TOKENS: tl.constexpr,
     MASS: tl.constexpr,
+    HEADS: tl.constexpr,
     FORCE: tl.constexpr,
 ):
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
@@ -108,32 +123,28 @@ def candidate_scores_kernel(
             b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")  # [BG, BC * BS]
         else:
             b_s = tl.dot(b_q, tl.trans(b_k))
-        b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # pooled over the group: [BC * BS]
-        b_s = tl.reshape(b_s, (BC, BS))
         o_pos = b_lb[:, None] * BS + o_t[None, :]  # [BC, BS]
         m_tok = m_blk[:, None] & (o_pos >= st) & (o_pos < n)
-        b_s = tl.where(m_tok, b_s, float("-inf"))
-        if TOKENS:
-            if FORCE:
-                b_s = tl.where(m_tok & ((o_pos < sink_end) | (o_pos >= first)), float("inf"), b_s)
-            tl.store(out + (i_bh.to(tl.int64) * C + o_c[:, None]) * BS + o_t[None, :], b_s, mask=(o_c < C)[:, None])
-        elif MASS:
-            # a candidate's log-sum-exp over its tokens (base 2 inside, natural out). The sum is >= 1 when the block
-            # has a valid token (its max contributes exp2(0)); without one the max is -inf: shifted by 0 instead, the
-            # sum is 0 and the block -inf, with no NaN or log2(0) on the way
-            b_x = b_s * SCALE2  # [BC, BS]
-            b_m = tl.max(b_x, 1)  # [BC]
-            b_m = tl.where(b_m > float("-inf"), b_m, 0.0)
-            b_l = tl.sum(tl.exp2(b_x - b_m[:, None]), 1)
-            b_lse = (b_m + tl.log2(tl.maximum(b_l, 1.0))) * 0.6931471805599453  # ln(2)
-            b_lse = tl.where(b_l > 0, b_lse, float("-inf"))
-            tl.store(out + i_bh.to(tl.int64) * C + o_c, b_lse, mask=o_c < C)
+        if HEADS:  # per query head: [BG, BC, BS] -> each (head, candidate)'s log-sum-exp, G heads stored
+            b_x = tl.where(m_tok[None, :, :], tl.reshape(b_s, (BG, BC, BS)) * SCALE2, float("-inf"))
+            b_lse = block_lse(b_x, 2)  # [BG, BC]
+            o_out = (i_b * HQ + i_h * G + o_g).to(tl.int64)[:, None] * C + o_c[None, :]
+            tl.store(out + o_out, b_lse, mask=m_g[:, None] & (o_c < C)[None, :])
         else:
-            b_blk = tl.max(b_s, 1)  # [BC] a candidate's best token
-            if FORCE:  # forced_block_mask at the candidate's block (evicted or not, as the policies gather it)
-                forced = (b_lb * BS < sink_end) | ((b_lb + 1) * BS > win_start) | (b_lb == n_blk - 1)
-                b_blk = tl.where((b_lb >= 0) & (b_lb < n_blk) & forced, float("inf"), b_blk)
-            tl.store(out + i_bh.to(tl.int64) * C + o_c, b_blk, mask=o_c < C)
+            b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # pooled over the group: [BC * BS]
+            b_s = tl.where(m_tok, tl.reshape(b_s, (BC, BS)), float("-inf"))
+            if TOKENS:
+                if FORCE:
+                    b_s = tl.where(m_tok & ((o_pos < sink_end) | (o_pos >= first)), float("inf"), b_s)
+                tl.store(out + (i_bh.to(tl.int64) * C + o_c[:, None]) * BS + o_t[None, :], b_s, mask=(o_c < C)[:, None])
+            elif MASS:  # a candidate's log-sum-exp over its tokens (base 2 inside, natural out): [BC]
+                tl.store(out + i_bh.to(tl.int64) * C + o_c, block_lse(b_s * SCALE2, 1), mask=o_c < C)
+            else:
+                b_blk = tl.max(b_s, 1)  # [BC] a candidate's best token
+                if FORCE:  # forced_block_mask at the candidate's block (evicted or not, as the policies gather it)
+                    forced = (b_lb * BS < sink_end) | ((b_lb + 1) * BS > win_start) | (b_lb == n_blk - 1)
+                    b_blk = tl.where((b_lb >= 0) & (b_lb < n_blk) & forced, float("inf"), b_blk)
+                tl.store(out + i_bh.to(tl.int64) * C + o_c, b_blk, mask=o_c < C)
         o_c, b_lb, b_phys = o_c_nx, b_lb_nx, b_phys_nx
 
 
@@ -162,22 +173,25 @@ def candidate_scores(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group (see the reference).
+    """Exact ``q . k`` (unscaled) of every token of the candidate blocks, max over each GQA group but in
+    ``"head_mass"`` (see the reference).
 
     Args:
         q: ``[B, Hq, D]``; k_pool: ``[NB, Hkv, BS, D]`` (inner dims contiguous); block_table ``[B, MB]``;
             seq_lens, start ``[B]``; blocks: ``[B, Hkv, C]`` logical block numbers, ``-1`` padded.
-        reduce: ``"token"`` (every token's score), ``"block"`` (each candidate's best token) or ``"mass"`` (each
-            candidate's log-sum-exp over its tokens of ``scale * score``).
+        reduce: ``"token"`` (every token's score), ``"block"`` (each candidate's best token), ``"mass"`` (each
+            candidate's log-sum-exp over its tokens of ``scale * score``) or ``"head_mass"`` (the same per query
+            head, no max over the group).
         sink, window: with ``window`` given, the forced tokens (token) or blocks (block) score ``+inf`` (not with
-            ``"mass"``).
-        scale: the softmax scale (``"mass"`` only, required there).
+            the mass forms).
+        scale: the softmax scale (the mass forms only, required there).
         block_c, tiles_per_program, num_warps, num_stages: tuning knobs: candidates per tile (a power of two,
             ``block_c * BS >= 16``; default :func:`default_block_c`), tiles each program scores one after the other,
             warps, pipeline stages.
 
     Returns:
-        ``[B, Hkv, C, BS]`` (token) or ``[B, Hkv, C]`` (block, mass) float32, ``-inf`` where invalid.
+        ``[B, Hkv, C, BS]`` (token), ``[B, Hkv, C]`` (block, mass) or ``[B, Hq, C]`` (head_mass) float32, ``-inf``
+        where invalid.
     """
     check_candidate_reduce(reduce, window, scale)
     B, HQ, D = q.shape
@@ -188,7 +202,8 @@ def candidate_scores(
     assert block_table.shape[0] == B and seq_lens.shape == (B,) and start.shape == (B,)
     C = blocks.shape[-1]
     tokens = reduce == "token"
-    out = torch.empty(B, H, C, *((BS,) if tokens else ()), dtype=torch.float32, device=q.device)
+    rows = HQ if reduce == "head_mass" else H
+    out = torch.empty(B, rows, C, *((BS,) if tokens else ()), dtype=torch.float32, device=q.device)
     if C == 0 or B == 0:
         return out
     BC = block_c or default_block_c(BS, D)
@@ -200,6 +215,6 @@ def candidate_scores(
         blocks.contiguous(), out, k_pool.stride(0), (scale or 0.0) * math.log2(math.e), C, block_table.shape[1], sink, window if window is not None else 0,
         TPP, H=H, G=HQ // H, D=D, BS=BS, BG=max(16, triton.next_power_of_2(HQ // H)),
         BD=max(16, triton.next_power_of_2(D)), BC=BC, F32=q.dtype == torch.float32 or q.dtype != k_pool.dtype,
-        TOKENS=tokens, MASS=reduce == "mass", FORCE=window is not None, num_warps=num_warps, num_stages=num_stages,
+        TOKENS=tokens, MASS=reduce == "mass", HEADS=reduce == "head_mass", FORCE=window is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
