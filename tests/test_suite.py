@@ -26,9 +26,13 @@ def _tiny_cfg(name: str) -> dict:
         perplexity={"windows": 3, "scored": 16, "chunk": 8, "fidelity": True, "batch": 2},
         decisive={"policies": ["dense", "oracle", "quest"], "budgets": ["1/8"]},
     )
+    selectors = ("two_stage_block_topk", "top_p_block_topk")  # issue 13's: tested in test_selectors / test_compile
     cfg["policies"] = [
-        dict(p, sink=2, window=8) if p["name"] not in ("dense", "sink_window") else p for p in cfg["policies"]
+        dict(p, sink=2, window=8) if p["name"] not in ("dense", "sink_window") else p
+        for p in cfg["policies"]
+        if p["name"] not in selectors
     ]
+    assert cfg["policies"][-1]["label"] == "snapkv1/4+quest"
     cfg["policies"][-1]["then"] = {"name": "quest", "sink": 2, "window": 8}
     cfg["needle"] = {
         "trials": 3, "depths": [0.1, 0.6], "new_tokens": 3, "max_offset": 200, "batch": {640: 2},
@@ -50,8 +54,9 @@ def test_every_suite_recipe_builds_its_policies(name):
 
 
 def test_plan_runs_the_decisive_cells_first():
-    jobs = plan(load_suite("qwen2.5"))
-    first = [j for j in jobs if j.labels == ("dense", "oracle", "quest")]
+    cfg = load_suite("qwen2.5")
+    jobs = plan(cfg)
+    first = [j for j in jobs if j.labels == tuple(cfg["decisive"]["policies"])]
     assert jobs[: len(first)] == first and all(j.budgets == ("1/16",) for j in first)
     assert {j.task for j in first} == {"perplexity", "needle", "qa"} and jobs[-1].labels[1:] == (
         "snapkv",
