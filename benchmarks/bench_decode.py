@@ -17,7 +17,8 @@ Providers, timed in the same run:
   ``proj_tok`` (ProjectedTokenTopK, token kernel), ``2st_c2`` / ``2st_c4`` (TwoStageBlockTopK, Quest coarse pass
   to 2x / 4x / 8x the budget's blocks, exact scores over them), ``2st_tok`` (TwoStageTokenTopK, c = 4), ``topp_c4``
   (TopPBlockTopK, c = 4, p = 0.9: its bytes are the budget's cap), ``mass_c8`` (TopPBlockTopK, c = 8, p = 1: the
-  candidates ranked by their softmax mass, ``candidate_scores(reduce="mass")``); each also as
+  candidates ranked by their softmax mass, ``candidate_scores(reduce="mass")``), ``massh_c8`` (the same ranked by
+  each query head's mass, ``pool="heads"``: ``candidate_scores(reduce="head_mass")``); each also as
   ``<name>:sel`` (the selection alone), and ``proj:write`` (the compressed keys' refresh of one decode token)
 
 Bytes are the KV bytes each provider must read by design (``+sel`` adds the min/max metadata of every block); GB/s
@@ -80,7 +81,9 @@ QUICK = [  # (models, batches, contexts, budgets, block sizes): the targets' sha
 SKIPPABLE = ["scores", "topk", "topk_torch"]  # the others feed the table's columns
 TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
-SELECTORS = ("quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8")
+SELECTORS = (
+    "quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8", "massh_c8"
+)  # fmt: skip
 
 
 def meta_bytes(B: int, H: int, n_blocks: int, D: int) -> int:
@@ -242,6 +245,7 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "2st_tok": TwoStageTokenTopK(budget=f, candidates=4),
         "topp_c4": TopPBlockTopK(budget=f, candidates=4, p=0.9),
         "mass_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0),
+        "massh_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0, pool="heads"),
     }
     states = layer_states(layer, caches, bt, BS, ops, ckeys)
 
