@@ -29,8 +29,11 @@ def _order(key: tuple, value_of: dict) -> tuple:
     return (*head, policy != "dense", policy, -(value_of.get(key) or 2))
 
 
-def perplexity_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Summary rows of the perplexity cells (only windows that dense also scored)."""
+def perplexity_rows(rows: list[dict[str, Any]], oracle: str = "oracle") -> list[dict[str, Any]]:
+    """Summary rows of the perplexity cells (only windows that dense also scored). Each sparse row also holds its
+    perplexity against the ``oracle`` label's at the same length and budget (``vs_oracle_*``: paired over the windows
+    both scored, in % of the oracle's perplexity; ``None`` without oracle cells): how far a selector is from the
+    ceiling of its budget, with its interval, which two intervals against dense cannot tell."""
     cells = [r for r in rows if r.get("task") == "perplexity"]
     dense = {(r["length"], r["window"]): r for r in cells if r["budget"] == "-"}
     groups, bv = defaultdict(dict), {}
@@ -46,6 +49,14 @@ def perplexity_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [groups[key][w] for w in ws]
         base = [dense[(length, w)] for w in ws]
         d = delta_ppl([r["nll_sum"] / r["n"] for r in mine], [r["nll_sum"] / r["n"] for r in base])
+        ceiling = groups.get((length, oracle, key[2]), {}) if key[1] not in ("dense", oracle) else {}
+        both = [w for w in ws if w in ceiling]
+        vs = None
+        if len(both) >= 2:
+            vs = delta_ppl(
+                [groups[key][w]["nll_sum"] / groups[key][w]["n"] for w in both],
+                [ceiling[w]["nll_sum"] / ceiling[w]["n"] for w in both],
+            )
 
         def mean(k: str, rs=mine):
             vals = [r.get(k) for r in rs]
@@ -63,6 +74,9 @@ def perplexity_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "dppl_pct": d.pct,
                 "dppl_low": d.low,
                 "dppl_high": d.high,
+                "vs_oracle_pct": vs.pct if vs else None,
+                "vs_oracle_low": vs.low if vs else None,
+                "vs_oracle_high": vs.high if vs else None,
                 "kl_mean": mean("kl_mean"),
                 "recall": mean("recall"),
                 "hit_rate": mean("hit_rate"),
@@ -188,7 +202,10 @@ def summarize(out: str | Path, title: str = "") -> str:
     qa = accuracy_rows(rows, "qa")
     md = [f"# Suite summary: {title}\n", f"{len(rows)} cells from `{Path(out) / 'cells.jsonl'}`.\n"]
     if ppl:
-        md.append("\n## Perplexity (Δ against dense: paired 95% t interval over windows)\n\n")
+        md.append(
+            "\n## Perplexity (Δ against dense, and against the oracle at the same budget: paired 95% t intervals "
+            "over windows)\n\n"
+        )
         md.append(
             _table(
                 ppl,
@@ -199,6 +216,7 @@ def summarize(out: str | Path, title: str = "") -> str:
                     ("windows", lambda r: str(r["windows"])),
                     ("ppl", lambda r: f"{r['ppl']:.4g}"),
                     ("Δppl % [95% CI]", _interval("dppl_pct", "dppl_low", "dppl_high")),
+                    ("vs oracle % [95% CI]", _interval("vs_oracle_pct", "vs_oracle_low", "vs_oracle_high")),
                     ("KL", lambda r: _fmt(r["kl_mean"])),
                     ("recall", lambda r: _fmt(r["recall"])),
                     ("hit rate vs oracle", lambda r: _fmt(r["hit_rate"])),

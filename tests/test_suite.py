@@ -4,13 +4,14 @@ limit stops it cleanly, a rerun resumes without redoing cells, and the summary h
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from test_assets_text import make_essays
 from tiny_models import tiny_model
 
 from evaluation.suite import SUITES, cells_of, load_suite, plan, run_suite
-from evaluation.suite_summary import summarize
+from evaluation.suite_summary import perplexity_rows, summarize
 from evaluation.toy import CharTokenizer
 
 
@@ -105,3 +106,27 @@ def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path):
     assert quest["windows"] == 3 and quest["dppl_low"] <= quest["dppl_pct"] <= quest["dppl_high"]
     assert list(tmp_path.glob("dppl_vs_budget_640.png")) and list(tmp_path.glob("needle_single_640_vs_budget.png"))
     assert list(tmp_path.glob("needle_depth_quest_1over8.png"))
+
+
+def test_summary_compares_each_selector_with_the_oracle_on_the_same_windows():
+    """``vs_oracle_*``: the policy's perplexity against the oracle's at the same length and budget, paired over the
+    windows both scored (here the policy's NLL is the oracle's + 0.01 nats on every window but one, so the ratio is
+    known and its interval narrow); dense and the oracle have none, nor a budget the oracle did not run."""
+    rows = []
+    for w in range(5):
+        for policy, budget, nll in (
+            ("dense", "-", 2.0),
+            ("oracle", "1/16", 2.1),
+            ("mass", "1/16", 2.11 + (w == 4) * 1e-3),
+        ):
+            rows.append({"task": "perplexity", "length": 64, "window": w, "policy": policy, "budget": budget,
+                         "budget_value": None if budget == "-" else 1 / 16, "nll_sum": nll * 10, "n": 10})  # fmt: skip
+    rows.append({"task": "perplexity", "length": 64, "window": 0, "policy": "mass", "budget": "1/8",
+                 "budget_value": 1 / 8, "nll_sum": 20.5, "n": 10})  # fmt: skip
+    out = {(r["policy"], r["budget"]): r for r in perplexity_rows(rows)}
+    mass = out[("mass", "1/16")]
+    expected = 100 * math.expm1(0.01 + 1e-3 / 5)
+    assert mass["vs_oracle_pct"] == pytest.approx(expected, rel=1e-6)
+    assert mass["vs_oracle_low"] < mass["vs_oracle_pct"] < mass["vs_oracle_high"] < expected + 0.1
+    for key in (("dense", "-"), ("oracle", "1/16"), ("mass", "1/8")):
+        assert out[key]["vs_oracle_pct"] is None
