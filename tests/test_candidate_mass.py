@@ -3,16 +3,23 @@
 The Triton kernel against the reference over awkward shapes (GQA 1/3/4/8 through the rows of ``lse``, ``C`` not a
 power of two and larger than a tile, fully padded rows, rows of ``-inf``, ``start > 0``, several sinks and windows,
 forced blocks among the candidates); the reference against its definition (softmax, ``nan_to_num``, mean over the
-group; ``forced_block_mask`` gathered at the candidates)."""
+group; ``forced_block_mask`` gathered at the candidates); and :class:`TopPBlockTopK` selecting exactly what it selected
+before the op (the torch chain it ran, kept below), pools ``"max"`` and ``"heads"``, ``p = 1`` and ``p < 1``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from test_top_p_mass import STATES, _random_state
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 from hf_sparse_kv.ops.layout import cdiv, forced_block_mask
+from hf_sparse_kv.policies import TopPBlockTopK
+from hf_sparse_kv.policies.base import Selection
+from hf_sparse_kv.policies.two_stage import pick
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INF = float("inf")
@@ -124,3 +131,70 @@ def test_candidate_mass_refuses_bad_shapes(backend):
     for lse in (torch.zeros(2, 3, 5), torch.zeros(2, 4, 6), torch.zeros(1, 2, 5), torch.zeros(2, 2)):
         with pytest.raises(ValueError, match="candidate_mass"):
             ops.candidate_mass(lse.to(DEVICE), blocks, n, n, 8, 0, 1)
+
+
+# ---- the policy selects what it selected before the op ----------------------------------------------------------
+
+
+def _select_before_candidate_mass(policy: TopPBlockTopK, state) -> Selection:
+    """``TopPBlockTopK.select`` (with its ``mass``) as it was before ``candidate_mass`` (branch masskeys' base,
+    abc3a87), verbatim: softmax, ``nan_to_num``, mean over the group, the forced mask, its gather, two fills."""
+    found = policy.candidate_blocks(state)
+    if found is None:
+        return policy.dense_selection(state)
+    counts, cand = found
+    B, H, C = cand.shape
+    args = (state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
+    if policy.pool == "max":
+        lse = state.ops.candidate_scores(*args, reduce="mass", scale=state.scale)
+        mass = lse.softmax(-1).nan_to_num(0.0)
+    else:
+        lse = state.ops.candidate_scores(*args, reduce="head_mass", scale=state.scale)
+        mass = lse.softmax(-1).nan_to_num(0.0).view(B, H, lse.shape[1] // H, C).mean(2)
+    forced = policy.forced_blocks(state, policy.sink, policy.window)  # [B, nblk]
+    f = forced.gather(1, cand.long().clamp(min=0).view(B, -1)).view(B, H, C) & (cand >= 0)
+    key = mass.masked_fill(f, float("inf")).masked_fill(cand < 0, float("-inf"))
+    if policy.p < 1:
+        order = key.argsort(-1, descending=True)
+        ranked = mass.gather(-1, order)
+        above = ranked.cumsum(-1) - ranked
+        keep = (above < policy.p) | f.gather(-1, order)
+        keep = torch.zeros_like(keep).scatter(-1, order, keep)
+        key = key.masked_fill(~keep, float("-inf"))
+    blocks = pick(state.ops, key, cand, counts, state)
+    return Selection("block", blocks, state.start, state.start, tuple(counts))
+
+
+def _policies():
+    for pool in ("max", "heads"):
+        for p in (1.0, 0.7):
+            yield TopPBlockTopK(budget=64, sink=4, window=8, candidates=8, p=p, pool=pool)
+            yield TopPBlockTopK(budget=0.25, sink=0, window=1, candidates=3, p=p, pool=pool)
+        yield TopPBlockTopK(budget=48, sink=2, window=20, candidates=2, p=0.4, pool=pool)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("shape", STATES, ids=lambda s: f"H{s[0]}G{s[1]}BS{s[3]}{'ev' if s[6] else ''}")
+def test_top_p_selects_what_it_selected_before_candidate_mass(shape, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    ops = get_ops(backend, DEVICE)
+    dropped = 0
+    for seed in range(2 if backend == "reference" else 1):
+        state = _random_state(*shape, seed=seed, ops=ops)
+        for policy in _policies():
+            new, old = policy.select(state), _select_before_candidate_mass(policy, state)
+            assert new.counts == old.counts and torch.equal(new.indices, old.indices), (policy, seed)
+            dropped += int((new.indices < 0).sum()) if policy.p < 1 else 0
+    assert dropped > 0, "p < 1 left no block out: the comparison would not see the cumulative mass"
+
+
+def test_top_p_static_ops_select_what_the_eager_ops_select():
+    """Through the registered custom op (what a static step calls) the policy selects what it selects eagerly."""
+    from hf_sparse_kv.ops.library import registered_ops
+
+    state = _random_state(*STATES[2], seed=4, ops=get_ops("reference", DEVICE))
+    for policy in _policies():
+        want = policy.select(state)
+        got = policy.select(dataclasses.replace(state, ops=registered_ops("reference")))
+        assert torch.equal(got.indices, want.indices), policy
