@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_sparse_kv.ops.triton import (
     block_scores,
+    candidate_mass,
     candidate_scores,
     decode_blocks,
     decode_tokens,
@@ -173,6 +174,13 @@ def cases():
                 partial(projected_scores, q, ckeys, table, lens, zero, "token", qproj=proj, block_m=2, **knobs),
             ),
         ]
+    for G, C, block_c in ((1, 37, None), (3, 300, None), (4, 8200, None), (8, 8200, None), (8, 100, 16)):
+        B, H, BS = 2, 2, 16
+        lse = torch.randn(B, H * G, C, generator=g)
+        cand = torch.arange(C, dtype=torch.int32).expand(B, H, C).contiguous()
+        lens = torch.full((B,), C * BS - 5, dtype=torch.int32)
+        args = (lse, cand, lens, torch.zeros_like(lens), BS, 4, 32, block_c)
+        out.append((f"candidate_mass G={G} C={C} block_c={block_c}", partial(candidate_mass, *args)))
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
     for n in (100, 2048, 8200, 20000):  # one tile; one tile; 8192 + 16 lanes; 16384 + 4096 lanes

@@ -107,11 +107,11 @@ SELECTORS = {
     ),
     "TopPBlockTopK": (
         lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=0.8),
-        {"block_scores", "candidate_scores", "topk_indices"},
+        {"block_scores", "candidate_scores", "candidate_mass", "topk_indices"},
     ),
     "TopPBlockTopK(pool=heads)": (
         lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=0.8, pool="heads"),
-        {"block_scores", "candidate_scores", "topk_indices"},
+        {"block_scores", "candidate_scores", "candidate_mass", "topk_indices"},
     ),
 }
 SELECTOR_CASES = [

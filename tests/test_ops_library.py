@@ -80,6 +80,13 @@ def test_registered_ops_pass_opcheck_and_equal_the_backend(backend):
             torch.testing.assert_close(got.masked_fill(got == NEG_INF, 0), want.masked_fill(want == NEG_INF, 0))
         else:
             assert torch.equal(got, want), op
+    # candidate_mass from either mass form (G = 2 and G = 1): (mass, key), key +inf at forced and -inf at padding
+    for lse in (cases[-1][2], cases[-2][2]):
+        args = (lse, blocks, n, st, BS, 4, 8, backend)
+        torch.library.opcheck(lib.candidate_mass_op, args)
+        for got, want in zip(lib.candidate_mass_op(*args), raw.candidate_mass(*args[:-1])):
+            assert got.shape == want.shape == blocks.shape and got.dtype == want.dtype == torch.float32
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -3,8 +3,8 @@
 Each backend is a namespace exposing the same functions with the signatures of :mod:`.reference`:
 ``paged_write``, ``gather_dense``, ``block_scores``, ``token_scores``, ``oracle_block_scores``, ``topk_indices``,
 ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``, ``decode_masked``,
-``merge_partials``, and the compressed-key selectors' ``projected_write``, ``projected_scores``,
-``candidate_scores``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
+``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``, ``candidate_scores``,
+``candidate_mass``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
 on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not
 implement.
 """
@@ -35,6 +35,7 @@ _OP_NAMES = (
     "projected_write",
     "projected_scores",
     "candidate_scores",
+    "candidate_mass",
 )
 
 

@@ -11,8 +11,9 @@ context of ``n`` stored tokens starting at ``s`` (``s = 0`` unless positions bef
 
 This module states the rule twice, once on the host (Python ints, for the widths a policy plans without reading
 the device) and once on the device (``[B]`` tensors, so a captured step stays right as lengths move); the tests
-check the two agree. The Triton scoring kernel (``ops/triton/block_scores.py``) transcribes the block form; its
-tests compare it with :func:`forced_block_mask`. Nothing here imports a model, a cache or a policy.
+check the two agree. The Triton kernels that force blocks (``block_scores``, ``projected_scores``,
+``candidate_scores``, ``candidate_mass``) transcribe the block form; their tests compare them with
+:func:`forced_block_mask` / :func:`forced_blocks_at`. Nothing here imports a model, a cache or a policy.
 """
 
 from __future__ import annotations
@@ -91,12 +92,28 @@ def forced_block_mask(
     seq_lens: torch.Tensor, start: torch.Tensor, sink: int, window: int | torch.Tensor, block_size: int, width: int
 ) -> torch.Tensor:
     """``[B, width]`` bool: the blocks holding the sink, the window and the current (partial) block."""
-    sink_end, win_start = window_positions(seq_lens, start, sink, window)
     blk = torch.arange(width, device=seq_lens.device).view(1, -1)
-    nblk = num_blocks(seq_lens, block_size).view(-1, 1)
-    in_sink = blk * block_size < sink_end.view(-1, 1)
-    in_window = (blk + 1) * block_size > win_start.view(-1, 1)
-    return (in_sink | in_window | (blk == nblk - 1)) & (blk < nblk)
+    return forced_blocks_at(blk, seq_lens, start, sink, window, block_size)
+
+
+def forced_blocks_at(
+    blocks: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    sink: int,
+    window: int | torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Whether each of ``blocks [B, ...]`` (logical block numbers, ``-1`` padded; a leading dim of 1 broadcasts
+    over the batch) is a forced block of its sequence: bool, ``blocks``' shape broadcast with ``[B]``. Padding and
+    blocks past a sequence's end are not forced. :func:`forced_block_mask` is this rule at blocks ``0 .. width-1``."""
+    sink_end, win_start = window_positions(seq_lens, start, sink, window)
+    per_seq = (-1,) + (1,) * (blocks.dim() - 1)
+    blk = blocks.long()
+    nblk = num_blocks(seq_lens, block_size).view(per_seq)
+    in_sink = blk * block_size < sink_end.view(per_seq)
+    in_window = (blk + 1) * block_size > win_start.view(per_seq)
+    return (in_sink | in_window | (blk == nblk - 1)) & (blk >= 0) & (blk < nblk)
 
 
 def forced_token_mask(

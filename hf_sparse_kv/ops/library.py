@@ -13,8 +13,8 @@ inductor see the kernels but traces the launcher's Python, which would have to b
 still fuses everything around the ops (norms, rotary, MLP); the ops hold no host sync, so a CUDA graph captures
 them.
 
-The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form: the compressed-key,
-two-stage and top-p policies) are registered the same way; ``projected_write`` runs inside a static step's write (the
+The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form, ``candidate_mass``:
+the compressed-key, two-stage and top-p policies) are registered the same way; ``projected_write`` runs inside a static step's write (the
 compressed keys' :class:`~hf_sparse_kv.policies.StateSpec` refresh) and mutates its ``ckeys``.
 
 The ops whose reference is plain tensor code with static shapes (``blocks_to_tokens``, ``selection_to_mask``,
@@ -273,6 +273,30 @@ def _(q, k_pool, block_table, seq_lens, start, blocks, reduce, sink, window, sca
     return q.new_empty(*blocks.shape, *per_token, dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::candidate_mass", mutates_args=())
+def candidate_mass_op(
+    lse: torch.Tensor,
+    blocks: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    block_size: int,
+    sink: int,
+    window: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.candidate_mass``: the log-sum-exps ``lse [B, Hq or Hkv, C]`` of the candidate ``blocks
+    [B, Hkv, C]`` -> ``(mass, key)``, each ``[B, Hkv, C]`` float32 (each candidate's share of the candidates'
+    softmax mass averaged over the group; ``+inf`` at forced candidates, ``-inf`` at padding, the mass elsewhere)."""
+    mass, key = _impl(backend, "candidate_mass")(lse, blocks, seq_lens, start, block_size, sink, window)
+    return mass, key
+
+
+@candidate_mass_op.register_fake
+def _(lse, blocks, seq_lens, start, block_size, sink, window, backend):
+    reference.check_candidate_mass(lse, blocks)
+    return (lse.new_empty(blocks.shape, dtype=torch.float32), lse.new_empty(blocks.shape, dtype=torch.float32))
+
+
 REGISTERED = (
     "paged_write",
     "block_scores",
@@ -285,6 +309,7 @@ REGISTERED = (
     "projected_write",
     "projected_scores",
     "candidate_scores",
+    "candidate_mass",
 )
 
 
@@ -336,6 +361,9 @@ def registered_ops(backend: str) -> SimpleNamespace:
             q, k_pool, block_table, seq_lens, start, blocks, reduce, sink, window, scale, backend
         )
 
+    def candidate_mass(lse, blocks, seq_lens, start, block_size, sink, window):
+        return candidate_mass_op(lse, blocks, seq_lens, start, block_size, sink, window, backend)
+
     return SimpleNamespace(
         name=backend,
         paged_write=paged_write,
@@ -353,4 +381,5 @@ def registered_ops(backend: str) -> SimpleNamespace:
         projected_write=projected_write,
         projected_scores=projected_scores,
         candidate_scores=candidate_scores,
+        candidate_mass=candidate_mass,
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layout import cdiv, forced_block_mask, forced_token_mask, num_blocks
+from .layout import cdiv, forced_block_mask, forced_blocks_at, forced_token_mask, num_blocks
 
 NEG_INF = float("-inf")
 
@@ -578,4 +578,54 @@ def check_candidate_reduce(reduce: str, window: int | None, scale: float | None)
         raise ValueError(
             f"reduce={reduce!r} needs a softmax scale > 0 and takes no window (a forced block's mass counts towards "
             f"p), got scale={scale!r}, window={window!r}"
+        )
+
+
+def candidate_mass(
+    lse: torch.Tensor,
+    blocks: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    block_size: int,
+    sink: int,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each candidate block's share of the candidates' softmax mass, and the key a top-p selector ranks by.
+
+    Args:
+        lse: ``[B, Hq, C]`` (``candidate_scores(reduce="head_mass")``, query head ``h`` scoring KV head ``h // G``'s
+            candidates) or ``[B, Hkv, C]`` (``reduce="mass"``: ``G = 1``) float32 log-sum-exps, ``-inf`` where a
+            candidate has no valid token.
+        blocks: ``[B, Hkv, C]`` the candidates' logical block numbers, ``-1`` padded; seq_lens, start ``[B]``.
+        block_size, sink, window: the forced-block rule's arguments (``ops/layout.py``, :func:`forced_blocks_at`).
+
+    Returns:
+        ``mass``: ``[B, Hkv, C]`` float32: per row of ``lse`` the softmax over its candidates (padding slots left
+        out; a row without a finite value gives 0, never NaN), averaged over the ``G`` rows of each KV head's group,
+        so each KV head's row sums to 1 where it has mass; 0 at padding.
+        ``key``: ``[B, Hkv, C]`` float32: ``+inf`` at the candidates that are forced blocks (sink, window, current
+        block: whether evicted or not), ``-inf`` at padding slots, ``mass`` elsewhere.
+    """
+    check_candidate_mass(lse, blocks)
+    B, H, C = blocks.shape
+    pad = blocks < 0  # [B, Hkv, C]
+    G = lse.shape[1] // H
+    x = lse.float().view(B, H, G, C).masked_fill(pad.unsqueeze(2), NEG_INF)
+    mass = x.softmax(-1).nan_to_num(0.0).mean(2)  # a row of -inf: softmax NaN -> 0
+    forced = forced_blocks_at(blocks, seq_lens, start, sink, window, block_size)
+    return mass, mass.masked_fill(forced, float("inf")).masked_fill(pad, NEG_INF)
+
+
+def check_candidate_mass(lse: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``candidate_mass``' shape rule, shared by the reference, the Triton launcher and the fake implementation."""
+    if blocks.dim() != 3 or lse.dim() != 3:
+        raise ValueError(
+            f"candidate_mass takes lse [B, Hq or Hkv, C] and blocks [B, Hkv, C], got {tuple(lse.shape)}, "
+            f"{tuple(blocks.shape)}"
+        )
+    B, H, C = blocks.shape
+    if lse.shape[0] != B or lse.shape[2] != C or H == 0 or lse.shape[1] % H:
+        raise ValueError(
+            f"candidate_mass: lse {tuple(lse.shape)} must be [B, G * Hkv, C] for blocks {tuple(blocks.shape)} "
+            "= [B, Hkv, C] (one row per query head, or per KV head)"
         )

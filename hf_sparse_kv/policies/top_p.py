@@ -19,6 +19,13 @@ Per (sequence, KV head) the forced blocks come first, then the blocks by decreas
 ranked above stays below ``p``; at most the budget's blocks. Heads whose attention is concentrated read a few
 blocks, flat heads read up to the budget.
 
+What runs per layer and step: the coarse pass (``block_scores`` or ``projected_scores``, ``topk_indices``: the
+candidates), ``candidate_scores`` (the candidates' log-sum-exps), ``candidate_mass`` (one launch: the softmax over
+the candidates per row, averaged over the group, and the ranking key, ``+inf`` at the forced blocks by
+``ops/layout.py``'s rule and ``-inf`` at padding), then ``topk_indices`` on the key and a gather of the picked
+blocks (:func:`~.two_stage.pick`). With ``p < 1``, between the last two, a sort of the key, the cumulative mass in
+that order and a mask (a handful of torch ops).
+
 The selection's width is the budget's (planned on the host, as every policy's); the blocks top-p leaves out are
 ``-1`` entries, which the kernels skip, so ``Selection.counts`` (and the bytes the attention counts from it) is an
 upper bound.
@@ -60,36 +67,41 @@ class TopPBlockTopK(TwoStageBlockTopK):
                 f"over the group), got {self.pool!r}"
             )
 
+    def lse(self, state: DecodeState, cand: torch.Tensor) -> torch.Tensor:
+        """The candidates' log-sum-exps, one launch: ``cand [B, Hkv, C]`` -> ``[B, Hkv, C]`` (``pool="max"``: of
+        the tokens' scores maxed over the group) or ``[B, Hq, C]`` (``"heads"``: per query head) float32, ``-inf``
+        for padding slots and blocks without a valid token."""
+        reduce = "mass" if self.pool == "max" else "head_mass"
+        args = (state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
+        return state.ops.candidate_scores(*args, reduce=reduce, scale=state.scale)
+
+    def mass_and_key(self, state: DecodeState, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cand [B, Hkv, C]`` -> ``(mass, key)``, each ``[B, Hkv, C]`` float32 (``ops.candidate_mass``): each
+        candidate block's share of the candidates' softmax mass, summing to 1 per (sequence, KV head) (0 for
+        padding slots and blocks without a valid token; a row without any valid token is all 0), and the ranking
+        key: ``+inf`` for the forced blocks, ``-inf`` for padding slots, the mass elsewhere."""
+        lse = self.lse(state, cand)
+        return state.ops.candidate_mass(
+            lse, cand, state.seq_lens, state.start, state.block_size, self.sink, self.window
+        )
+
     def mass(self, state: DecodeState, cand: torch.Tensor) -> torch.Tensor:
         """Each candidate block's share of the candidates' softmax mass: ``cand [B, Hkv, C]`` -> ``[B, Hkv, C]``
-        float32, summing to 1 per (sequence, KV head) (0 for padding slots and blocks without a valid token; a row
-        without any valid token is all 0)."""
-        B, H, C = cand.shape
-        args = (state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
-        if self.pool == "max":
-            # [B, Hkv, C] each candidate's log-sum-exp of its tokens' scaled scores (-inf: padding, no valid token)
-            lse = state.ops.candidate_scores(*args, reduce="mass", scale=state.scale)
-            return lse.softmax(-1).nan_to_num(0.0)
-        # [B, Hq, C] the same per query head; each head's shares, averaged over the group's G heads
-        lse = state.ops.candidate_scores(*args, reduce="head_mass", scale=state.scale)
-        return lse.softmax(-1).nan_to_num(0.0).view(B, H, lse.shape[1] // H, C).mean(2)
+        float32 (see :meth:`mass_and_key`)."""
+        return self.mass_and_key(state, cand)[0]
 
     def select(self, state: DecodeState) -> Selection:
         found = self.candidate_blocks(state)
         if found is None:
             return self.dense_selection(state)
         counts, cand = found
-        B, H, C = cand.shape
-        mass = self.mass(state, cand)  # [B, Hkv, C]
-        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
-        f = forced.gather(1, cand.long().clamp(min=0).view(B, -1)).view(B, H, C) & (cand >= 0)
-        key = mass.masked_fill(f, float("inf")).masked_fill(cand < 0, float("-inf"))
+        mass, key = self.mass_and_key(state, cand)  # [B, Hkv, C] each
         if self.p < 1:
+            forced = key == float("inf")
             order = key.argsort(-1, descending=True)
             ranked = mass.gather(-1, order)
             above = ranked.cumsum(-1) - ranked  # the mass of the blocks ranked above each one
-            keep = (above < self.p) | f.gather(-1, order)
-            keep = torch.zeros_like(keep).scatter(-1, order, keep)
+            keep = torch.zeros_like(forced).scatter(-1, order, above < self.p) | forced
             key = key.masked_fill(~keep, float("-inf"))
         blocks = pick(state.ops, key, cand, counts, state)
         return Selection("block", blocks, state.start, state.start, tuple(counts))

@@ -2,6 +2,7 @@
 
 from .block_decode import decode_blocks
 from .block_scores import block_scores
+from .candidate_mass import candidate_mass
 from .candidates import candidate_scores
 from .masked_decode import decode_masked
 from .merge import merge_partials
@@ -12,6 +13,7 @@ from .topk import topk_indices
 
 __all__ = [
     "block_scores",
+    "candidate_mass",
     "candidate_scores",
     "decode_blocks",
     "decode_masked",
