@@ -234,6 +234,39 @@ def test_a_growing_plan_compiles_twice_not_per_plan():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2, dict(torch._dynamo.utils.counters["stats"])
 
 
+def test_a_padded_batch_recompiles_once_per_sequence_at_most():
+    """A left-padded batch: its sequences cross selection widths at different steps, so the planned counts change
+    one sequence at a time, in every order. Each count is specialised until it first changes (one recompile per
+    sequence at most, then it is dynamic); nothing in the step branches on which sequence holds the widest selection
+    or on whether they all hold the same (those guards recompiled at each new combination: 8 graphs here before),
+    and every step equals eager."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny_model("llama")
+    B, steps = 4, 90
+    ids = prompt(40, batch=B)
+    mask = torch.ones_like(ids)
+    for b in range(B):
+        mask[b, : 9 * b] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    _patch(model, Quest(budget=0.5, sink=4, window=8), "block")
+    gen = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    ref = torch.stack(gen.logits[1:], 1)  # the decode steps' logits (the first came from the prefill)
+    cache, out, plans = PagedKVCache(model.config, block_size=8), [], set()
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(model): cache}).logits
+        runner = DecodeGraphs(model, cache, 40 + steps, capture=False, compile="aot_eager")
+        for i in range(steps - 1):  # generate()'s own tokens (min_new_tokens masks EOS where the argmax may be it)
+            logits = runner.step(gen.sequences[:, 40 + i : 41 + i])
+            out.append(logits[:, -1])
+            plans.add(runner.static.plan)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.stack(out, 1), ref, rtol=0, atol=1e-5)
+    assert len(plans) >= 12, f"the steps crossed too few plans to tell: {len(plans)}"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= B + 1, dict(torch._dynamo.utils.counters["stats"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor + CUDA-graph capture of the compiled step: CUDA")
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_captured_inductor_step_equals_eager_on_cuda(arch):

@@ -16,6 +16,7 @@ prompt during the prefill), :meth:`~Policy.release` (free blocks it will never r
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -261,11 +262,19 @@ class Policy:
         return self.plan(state.lens, state.block_size)
 
     @staticmethod
+    def width_of(counts: list[int]) -> int:
+        """``max(counts)``, the selection's width, without a branch per count: under ``torch.compile`` a static
+        step's planned counts become symbolic after the second plan, and ``max()`` would guard on which sequence holds
+        the maximum (a left-padded batch, whose sequences cross widths at different steps, recompiled at each)."""
+        return functools.reduce(torch.sym_max, counts)
+
+    @staticmethod
     def counts_tensor(state: DecodeState, counts: list[int], width: int) -> torch.Tensor | None:
         """Per-sequence counts for ``topk_indices``: ``None`` when every sequence keeps ``width`` (no copy). A static
         step fills them on the device (a copy from a host tensor could not be captured in a CUDA graph), once per
-        reservation and counts (``state.keep``)."""
-        if all(c == width for c in counts):
+        reservation and counts (``state.keep``), for every batch of more than one sequence: whether they all keep
+        ``width`` is a branch on the planned counts, which would recompile a compiled step when it flips."""
+        if len(counts) == 1 or (not state.static and all(c == width for c in counts)):
             return None
         return Policy.device_ints(state, counts)
 

@@ -60,7 +60,7 @@ class _BlockTopK(Policy):
             return self.dense_selection(state)
         if state.evicted is not None:  # never more than the blocks still held (freed ones score -inf)
             counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
-        width = max(counts)
+        width = self.width_of(counts)
         indices = state.ops.topk_indices(self.scores(state), width, self.counts_tensor(state, counts, width))
         # nothing masked inside the blocks: an empty interval (any equal bounds), without allocating one
         return Selection("block", indices, state.start, state.start, tuple(counts))

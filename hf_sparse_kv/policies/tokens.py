@@ -60,6 +60,6 @@ class TokenTopK(Policy):
         if state.evicted is not None:  # never more than the tokens still held (freed ones score -inf)
             counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
         s = self.token_scores(state)
-        width = max(counts)
+        width = self.width_of(counts)
         indices = state.ops.topk_indices(s, width, self.counts_tensor(state, counts, width))
         return Selection("token", indices, state.start, state.start, tuple(counts))  # an empty masked interval

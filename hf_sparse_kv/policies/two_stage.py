@@ -76,7 +76,7 @@ class CoarsePass:
             width = max(counts)
             return width, _BlockTopK.counts_tensor(state, counts, width)
         bound = forced_block_bound(sink, window, BS)
-        width = min(state.num_blocks, max(*want, bound))
+        width = torch.sym_min(state.num_blocks, _BlockTopK.width_of([*want, bound]))  # no guard per count
         if min(want) >= bound:  # every sequence's forced blocks fit in what it wants
             return width, _BlockTopK.counts_tensor(state, want, width)
         forced = forced_block_mask(state.seq_lens, state.start, sink, window, BS, state.num_blocks).sum(-1)  # [B]
@@ -93,7 +93,7 @@ class CoarsePass:
 def pick(ops, scores: torch.Tensor, items: torch.Tensor, counts: list[int], state: DecodeState) -> torch.Tensor:
     """The ``counts[b]`` best ``items [B, Hkv, N]`` by ``scores [B, Hkv, N]``, ascending (items ascend), ``-1``
     padded: ``[B, Hkv, max(counts)]`` int32."""
-    width = max(counts)
+    width = _BlockTopK.width_of(counts)
     slots = ops.topk_indices(scores, width, _BlockTopK.counts_tensor(state, counts, width)).long()
     picked = items.long().gather(-1, slots.clamp(min=0))
     return torch.where(slots >= 0, picked, -1).int()
