@@ -243,8 +243,8 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "2st_c4": TwoStageBlockTopK(budget=f, candidates=4),
         "2st_c8": TwoStageBlockTopK(budget=f, candidates=8),
         "2st_tok": TwoStageTokenTopK(budget=f, candidates=4),
-        "topp_c4": TopPBlockTopK(budget=f, candidates=4, p=0.9),
-        "mass_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0),
+        "topp_c4": TopPBlockTopK(budget=f, candidates=4, p=0.9, pool="max"),
+        "mass_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0, pool="max"),
         "massh_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0, pool="heads"),
     }
     states = layer_states(layer, caches, bt, BS, ops, ckeys)

@@ -80,8 +80,8 @@ def _top_p_by_token_scores(policy: TopPBlockTopK, state: DecodeState) -> Selecti
 def _policies():
     for candidates in (2, 8):
         for p in (1.0, 0.9, 0.5, 0.2):
-            yield TopPBlockTopK(budget=64, sink=4, window=8, candidates=candidates, p=p)
-    yield TopPBlockTopK(budget=0.25, sink=0, window=1, candidates=3, p=0.7)
+            yield TopPBlockTopK(budget=64, sink=4, window=8, candidates=candidates, p=p, pool="max")
+    yield TopPBlockTopK(budget=0.25, sink=0, window=1, candidates=3, p=0.7, pool="max")
 
 
 @pytest.mark.parametrize("shape", STATES, ids=lambda s: f"H{s[0]}G{s[1]}BS{s[3]}{'ev' if s[6] else ''}")
@@ -101,7 +101,10 @@ def test_mass_form_selects_what_the_token_form_selected(shape):
 def test_mass_form_triton_selects_what_the_reference_selects(shape):
     pytest.importorskip("triton")
     state = _random_state(*shape, seed=11, ops=get_ops("reference", DEVICE))
-    for policy in (TopPBlockTopK(64, 4, 8, candidates=8, p=1.0), TopPBlockTopK(64, 4, 8, candidates=2, p=0.6)):
+    for policy in (
+        TopPBlockTopK(64, 4, 8, candidates=8, p=1.0),
+        TopPBlockTopK(64, 4, 8, candidates=2, p=0.6, pool="max"),
+    ):
         ref = policy.select(state)
         out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
         assert out.counts == ref.counts and torch.equal(out.indices, ref.indices), policy
@@ -122,7 +125,7 @@ def test_heads_pool_over_every_block_selects_what_the_oracle_selects(shape):
             kw = {"budget": budget, "sink": sink, "window": window, "candidates": 1000, "p": 1.0}
             heads = TopPBlockTopK(**kw, pool="heads").select(state)
             assert heads.counts == oracle.counts and torch.equal(heads.indices, oracle.indices), (budget, seed)
-            pooled = TopPBlockTopK(**kw).select(state)
+            pooled = TopPBlockTopK(**kw, pool="max").select(state)
             differs += int(not torch.equal(pooled.indices, oracle.indices))
     assert differs > 0 or shape[1] == 1, "max pooling selected the oracle's blocks everywhere: the test shows nothing"
 

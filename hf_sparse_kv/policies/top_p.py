@@ -13,7 +13,10 @@ heads share one KV head's selection is ``pool``:
   candidates: ``candidate_scores(reduce="head_mass")`` gives the log-sum-exp per query head (``[B, Hq, C]``), the
   softmax over the candidates per query head is that head's share, and a block's mass is the mean of its shares over
   the group's ``G`` heads (the oracle's sum over the group, divided by ``G`` so that ``p`` is the same fraction in
-  both pools). With candidates covering every block and ``p = 1`` it selects what the oracle selects.
+  both pools). With candidates covering every block and ``p = 1`` it selects what the oracle selects. The default:
+  on an H200 (evaluation/RESULTS.md, 2026-11-30) ``candidates=8, p=1`` with it is within 0.1 % of the oracle's
+  perplexity on SmolLM2 4K and Qwen2.5-1.5B 32K and within 1 % on Gemma-3 32K, where ``"max"`` is 0.4 %, 0.7 % and
+  27 % from it, for ~4 % more selection time.
 
 Per (sequence, KV head) the forced blocks come first, then the blocks by decreasing mass while the mass of those
 ranked above stays below ``p``; at most the budget's blocks. Heads whose attention is concentrated read a few
@@ -50,12 +53,12 @@ class TopPBlockTopK(TwoStageBlockTopK):
 
     Args: as :class:`TwoStageBlockTopK`, ``p`` in (0, 1] (``p = 1``: the budget's blocks, ranked by their mass
     where :class:`TwoStageBlockTopK` ranks by their best token) and ``pool``: ``"max"`` (the mass of the tokens'
-    scores maxed over the GQA group) or ``"heads"`` (each query head's mass, averaged over the group: the oracle's
-    criterion on the candidates).
+    scores maxed over the GQA group) or ``"heads"`` (the default: each query head's mass, averaged over the group, the
+    oracle's criterion on the candidates).
     """
 
     p: float = 0.9
-    pool: str = "max"
+    pool: str = "heads"
 
     def __post_init__(self) -> None:
         super().__post_init__()
