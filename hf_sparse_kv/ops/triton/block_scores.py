@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .forced import forced_block, forced_bounds
+
 METHODS = ("quest", "mean")
 
 
@@ -92,9 +94,8 @@ def block_scores_kernel(
     m_live = m_m & (b_phys >= 0)  # evicted blocks (table entry -1) are not
     if FORCE:  # sink, window and current block: +inf, so that a top-k keeps them
         n = tl.load(seq_lens + i_b)
-        sink_end = tl.minimum(tl.load(start + i_b) + SINK, n)
-        win_start = tl.maximum(n - tl.maximum(WINDOW, 1), sink_end)
-        forced = (o_m * BS < sink_end) | ((o_m + 1) * BS > win_start) | (o_m == n_blk - 1)
+        sink_end, win_start, _ = forced_bounds(n, tl.load(start + i_b), SINK, WINDOW, BS)
+        forced = forced_block(o_m, n_blk, sink_end, win_start, BS)
         b_s = tl.where(forced, float("inf"), b_s)
     b_s = tl.where(m_live, b_s, float("-inf"))
     tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_s, mask=o_m < MB)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..reference import check_candidate_mass
+from .forced import forced_block, forced_bounds
 
 
 @triton.jit
@@ -70,8 +71,7 @@ def candidate_mass_kernel(
     n = tl.load(seq_lens + i_b)
     st = tl.load(start + i_b)
     n_blk = tl.cdiv(n, BS)
-    sink_end = tl.minimum(st + SINK, n)
-    win_start = tl.maximum(n - tl.maximum(WINDOW, 1), sink_end)
+    sink_end, win_start, _ = forced_bounds(n, st, SINK, WINDOW, BS)
 
     # pass 2: each candidate's mass (its shares averaged over the group) and key
     for c0 in range(0, C, BC):
@@ -83,7 +83,7 @@ def candidate_mass_kernel(
             lse + o_row[:, None] + o_c[None, :], mask=m_g[:, None] & (b_lb >= 0)[None, :], other=float("-inf")
         )
         b_mass = tl.sum(tl.exp(b_x - b_ms[:, None]) * b_r[:, None], 0)  # [BC]
-        forced = (b_lb * BS < sink_end) | ((b_lb + 1) * BS > win_start) | (b_lb == n_blk - 1)
+        forced = forced_block(b_lb, n_blk, sink_end, win_start, BS)
         forced = forced & (b_lb >= 0) & (b_lb < n_blk)
         b_key = tl.where(forced, float("inf"), tl.where(b_lb >= 0, b_mass, float("-inf")))
         tl.store(mass + o_blk + o_c, b_mass, mask=m_c)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..reference import check_candidate_reduce
+from .forced import forced_block, forced_bounds
 
 
 @triton.jit
@@ -93,9 +94,7 @@ def candidate_scores_kernel(
     st = tl.load(start + i_b)
     n_blk = tl.cdiv(n, BS)
     if FORCE:  # ops/layout.py: the sink, the window, the current block
-        sink_end = tl.minimum(st + SINK, n)
-        win_start = tl.maximum(n - tl.maximum(WINDOW, 1), sink_end)
-        first = tl.minimum(win_start, (n - 1) // BS * BS)  # token form: [min(window start, current block), n)
+        sink_end, win_start, first = forced_bounds(n, st, SINK, WINDOW, BS)  # token form: [first, n)
 
     o_g, o_t, o_d = tl.arange(0, BG), tl.arange(0, BS), tl.arange(0, BD)
     o_col = tl.arange(0, BS * BD)
@@ -142,7 +141,7 @@ def candidate_scores_kernel(
             else:
                 b_blk = tl.max(b_s, 1)  # [BC] a candidate's best token
                 if FORCE:  # forced_block_mask at the candidate's block (evicted or not, as the policies gather it)
-                    forced = (b_lb * BS < sink_end) | ((b_lb + 1) * BS > win_start) | (b_lb == n_blk - 1)
+                    forced = forced_block(b_lb, n_blk, sink_end, win_start, BS)
                     b_blk = tl.where((b_lb >= 0) & (b_lb < n_blk) & forced, float("inf"), b_blk)
                 tl.store(out + i_bh.to(tl.int64) * C + o_c, b_blk, mask=o_c < C)
         o_c, b_lb, b_phys = o_c_nx, b_lb_nx, b_phys_nx

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .forced import forced_block, forced_bounds
+
 
 @triton.jit
 def projected_write_kernel(
@@ -164,9 +166,7 @@ def projected_scores_kernel(
     st = tl.load(start + i_b)
     n_blk = tl.cdiv(n, BS)
     if FORCE:  # ops/layout.py: the sink, the window, the current block
-        sink_end = tl.minimum(st + SINK, n)
-        win_start = tl.maximum(n - tl.maximum(WINDOW, 1), sink_end)
-        first = tl.minimum(win_start, (n - 1) // BS * BS)  # token form: [min(window start, current block), n)
+        sink_end, win_start, first = forced_bounds(n, st, SINK, WINDOW, BS)  # token form: [first, n)
 
     # the block table of the first tile, read without waiting for seq_lens (entries past the end are masked below)
     # and before the queries' prologue, so that both round trips overlap
@@ -207,7 +207,7 @@ def projected_scores_kernel(
         else:
             b_blk = tl.max(b_s, 1)  # [BM] the max of each block's tokens
             if FORCE:
-                forced = (o_m * BS < sink_end) | ((o_m + 1) * BS > win_start) | (o_m == n_blk - 1)
+                forced = forced_block(o_m, n_blk, sink_end, win_start, BS)
                 b_blk = tl.where(forced, float("inf"), b_blk)
             b_blk = tl.where(m_live, b_blk, float("-inf"))
             tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_blk, mask=o_m < MB)
