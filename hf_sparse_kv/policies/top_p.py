@@ -14,9 +14,9 @@ heads share one KV head's selection is ``pool``:
   softmax over the candidates per query head is that head's share, and a block's mass is the mean of its shares over
   the group's ``G`` heads (the oracle's sum over the group, divided by ``G`` so that ``p`` is the same fraction in
   both pools). With candidates covering every block and ``p = 1`` it selects what the oracle selects. The default:
-  on an H200 (evaluation/RESULTS.md, 2026-11-30) ``candidates=8, p=1`` with it is within 0.1 % of the oracle's
-  perplexity on SmolLM2 4K and Qwen2.5-1.5B 32K and within 1 % on Gemma-3 32K, where ``"max"`` is 0.4 %, 0.7 % and
-  27 % from it, for ~4 % more selection time.
+  measured (evaluation/RESULTS.md, 2026-11-30) ``candidates=8, p=1`` with it is within 0.15 % of the oracle's
+  perplexity on SmolLM2 4K / 8K and Qwen2.5-1.5B 32K and within 1 % on Gemma-3 32K, where ``"max"`` is 0.4 / 0.05 /
+  0.7 % and 27 % from it, for ~4 % more selection time.
 
 Per (sequence, KV head) the forced blocks come first, then the blocks by decreasing mass while the mass of those
 ranked above stays below ``p``; at most the budget's blocks. Heads whose attention is concentrated read a few
