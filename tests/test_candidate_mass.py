@@ -12,14 +12,13 @@ import dataclasses
 
 import pytest
 import torch
-from test_top_p_mass import STATES, _random_state
+from test_top_p_mass import STATES, _random_state, rank_by_mass
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 from hf_sparse_kv.ops.layout import cdiv, forced_block_mask
 from hf_sparse_kv.policies import TopPBlockTopK
 from hf_sparse_kv.policies.base import Selection
-from hf_sparse_kv.policies.two_stage import pick
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INF = float("inf")
@@ -151,18 +150,7 @@ def _select_before_candidate_mass(policy: TopPBlockTopK, state) -> Selection:
     else:
         lse = state.ops.candidate_scores(*args, reduce="head_mass", scale=state.scale)
         mass = lse.softmax(-1).nan_to_num(0.0).view(B, H, lse.shape[1] // H, C).mean(2)
-    forced = policy.forced_blocks(state, policy.sink, policy.window)  # [B, nblk]
-    f = forced.gather(1, cand.long().clamp(min=0).view(B, -1)).view(B, H, C) & (cand >= 0)
-    key = mass.masked_fill(f, float("inf")).masked_fill(cand < 0, float("-inf"))
-    if policy.p < 1:
-        order = key.argsort(-1, descending=True)
-        ranked = mass.gather(-1, order)
-        above = ranked.cumsum(-1) - ranked
-        keep = (above < policy.p) | f.gather(-1, order)
-        keep = torch.zeros_like(keep).scatter(-1, order, keep)
-        key = key.masked_fill(~keep, float("-inf"))
-    blocks = pick(state.ops, key, cand, counts, state)
-    return Selection("block", blocks, state.start, state.start, tuple(counts))
+    return rank_by_mass(policy, state, mass, cand, counts)
 
 
 def _policies():

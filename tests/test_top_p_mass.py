@@ -63,6 +63,14 @@ def _top_p_by_token_scores(policy: TopPBlockTopK, state: DecodeState) -> Selecti
     exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
     B, H, C, BS = exact.shape
     mass = (exact.view(B, H, C * BS) * state.scale).softmax(-1).nan_to_num(0.0).view(B, H, C, BS).sum(-1)
+    return rank_by_mass(policy, state, mass, cand, counts)
+
+
+def rank_by_mass(policy, state: DecodeState, mass: torch.Tensor, cand: torch.Tensor, counts) -> Selection:
+    """The selection from the candidates' ``mass [B, Hkv, C]`` as the torch code before ``candidate_mass`` made it
+    (verbatim: the forced mask, its gather at the candidates, two fills, top-p's cut, ``pick``); shared by the
+    comparisons here and in test_candidate_mass.py."""
+    B, H, C = cand.shape
     forced = policy.forced_blocks(state, policy.sink, policy.window)  # [B, nblk]
     f = forced.gather(1, cand.long().clamp(min=0).view(B, -1)).view(B, H, C) & (cand >= 0)
     key = mass.masked_fill(f, float("inf")).masked_fill(cand < 0, float("-inf"))
