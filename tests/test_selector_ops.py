@@ -262,21 +262,27 @@ def test_candidate_scores_knobs_change_nothing(reduce, knobs):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
 @pytest.mark.parametrize("evicted", [False, True])
 @pytest.mark.parametrize("K", [0, 1, 3, 8, "all"])
-def test_candidate_mass_matches_reference(shape, evicted, K):
-    """Mass form: each candidate's log-sum-exp of its tokens' scaled scores, ``-inf`` for padding slots and for
-    candidates without a valid token (past the end, before ``start``, evicted)."""
+@pytest.mark.parametrize("reduce", ["mass", "head_mass"])
+def test_candidate_mass_forms_match_reference(shape, evicted, K, reduce):
+    """Mass forms: each candidate's log-sum-exp of its tokens' scaled scores (``"mass"``: ``[B, Hkv, C]``, scores
+    maxed over the group; ``"head_mass"``: ``[B, Hq, C]``, per query head), ``-inf`` for padding slots and for
+    candidates without a valid token (past the end, before ``start``, evicted), never NaN (empty rows included)."""
     B, H, G, D, BS, lens, starts = shape
     c = make_case(B, H, G, D, BS, lens, starts=starts)
     if evicted:
         _evict(c, BS)
     blocks = _candidates(c, K, BS, seed=len(str(K)))
+    C = blocks.shape[-1]
     args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
-    ref = R.candidate_scores(*args, reduce="mass", scale=0.37)
-    out = OPS.candidate_scores(*args, reduce="mass", scale=0.37)
-    assert out.shape == ref.shape == blocks.shape
+    ref = R.candidate_scores(*args, reduce=reduce, scale=0.37)
+    out = OPS.candidate_scores(*args, reduce=reduce, scale=0.37)
+    assert out.shape == ref.shape == ((B, H, C) if reduce == "mass" else (B, H * G, C))
     assert torch.equal(out.isinf(), ref.isinf()) and not (ref == float("inf")).any() and not out.isnan().any()
     fin = ref.isfinite()
     torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    if reduce == "head_mass":  # a candidate with no valid token has no mass for any head of its group
+        mass = R.candidate_scores(*args, reduce="mass", scale=0.37)
+        assert torch.equal(fin.view(B, H, G, C), mass.isfinite().unsqueeze(2).expand(B, H, G, C))
     if K == "all":
         assert fin.any() and (~fin).any()
 
@@ -296,33 +302,6 @@ def test_candidate_mass_is_the_softmax_mass_of_the_token_form(shape):
         want = (exact.view(B, H, C * BS) * 0.37).softmax(-1).nan_to_num(0.0).view(B, H, C, BS).sum(-1)
         lse = R.candidate_scores(*args, reduce="mass", scale=0.37)
         torch.testing.assert_close(lse.softmax(-1).nan_to_num(0.0), want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
-@pytest.mark.parametrize("evicted", [False, True])
-@pytest.mark.parametrize("K", [0, 1, 3, 8, "all"])
-def test_candidate_head_mass_matches_reference(shape, evicted, K):
-    """Per-head mass form: each (query head, candidate)'s log-sum-exp of its tokens' scaled scores, ``[B, Hq, C]``,
-    ``-inf`` for padding slots and for candidates without a valid token (past the end, before ``start``, evicted),
-    never NaN (empty rows included)."""
-    B, H, G, D, BS, lens, starts = shape
-    c = make_case(B, H, G, D, BS, lens, starts=starts)
-    if evicted:
-        _evict(c, BS)
-    blocks = _candidates(c, K, BS, seed=len(str(K)))
-    args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"], blocks)
-    ref = R.candidate_scores(*args, reduce="head_mass", scale=0.37)
-    out = OPS.candidate_scores(*args, reduce="head_mass", scale=0.37)
-    assert out.shape == ref.shape == (B, H * G, blocks.shape[-1])
-    assert torch.equal(out.isinf(), ref.isinf()) and not (ref == float("inf")).any() and not out.isnan().any()
-    fin = ref.isfinite()
-    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
-    # a candidate with no valid token has no mass for any head of its group
-    mass = R.candidate_scores(*args, reduce="mass", scale=0.37)
-    C = blocks.shape[-1]
-    assert torch.equal(fin.view(B, H, G, C), mass.isfinite().unsqueeze(2).expand(B, H, G, C))
-    if K == "all":
-        assert fin.any() and (~fin).any()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}H{s[1]}G{s[2]}D{s[3]}BS{s[4]}")
