@@ -106,17 +106,19 @@ def test_mass_form_selects_what_the_token_form_selected(shape):
 
 
 @pytest.mark.parametrize("shape", STATES, ids=lambda s: f"H{s[0]}G{s[1]}BS{s[3]}{'ev' if s[6] else ''}")
-def test_mass_form_triton_selects_what_the_reference_selects(shape):
+def test_triton_selects_what_the_reference_selects(shape):
+    """Both pools, p = 1 and p < 1: the Triton ops select what the reference ops select."""
     pytest.importorskip("triton")
     state = _random_state(*shape, seed=11, ops=get_ops("reference", DEVICE))
-    for policy in (
-        TopPBlockTopK(64, 4, 8, candidates=8, p=1.0),
-        TopPBlockTopK(64, 4, 8, candidates=2, p=0.6, pool="max"),
-    ):
-        ref = policy.select(state)
-        out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
-        assert out.counts == ref.counts and torch.equal(out.indices, ref.indices), policy
-        assert (ref.indices >= 0).sum() > 0
+    for pool in ("heads", "max"):
+        for policy in (
+            TopPBlockTopK(64, 4, 8, candidates=8, p=1.0, pool=pool),
+            TopPBlockTopK(64, 4, 8, candidates=2, p=0.6, pool=pool),
+        ):
+            ref = policy.select(state)
+            out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
+            assert out.counts == ref.counts and torch.equal(out.indices, ref.indices), policy
+            assert (ref.indices >= 0).sum() > 0
 
 
 @pytest.mark.parametrize("shape", STATES, ids=lambda s: f"H{s[0]}G{s[1]}BS{s[3]}{'ev' if s[6] else ''}")
@@ -156,20 +158,6 @@ def test_heads_pool_mass_is_a_fraction_per_kv_head(shape):
             assert torch.equal(sel.indices, base.indices), policy
         dropped += int((sel.indices < 0).sum()) if policy.p < 1 else 0
     assert dropped > 0, "p < 1 left no block out with pool='heads'"
-
-
-@pytest.mark.parametrize("shape", STATES, ids=lambda s: f"H{s[0]}G{s[1]}BS{s[3]}{'ev' if s[6] else ''}")
-def test_heads_pool_triton_selects_what_the_reference_selects(shape):
-    pytest.importorskip("triton")
-    state = _random_state(*shape, seed=12, ops=get_ops("reference", DEVICE))
-    for policy in (
-        TopPBlockTopK(64, 4, 8, candidates=8, p=1.0, pool="heads"),
-        TopPBlockTopK(64, 4, 8, candidates=2, p=0.6, pool="heads"),
-    ):
-        ref = policy.select(state)
-        out = policy.select(dataclasses.replace(state, ops=get_ops("triton", DEVICE)))
-        assert out.counts == ref.counts and torch.equal(out.indices, ref.indices), policy
-        assert (ref.indices >= 0).sum() > 0
 
 
 def test_a_bad_pool_is_refused():
