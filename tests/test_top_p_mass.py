@@ -151,7 +151,7 @@ def test_heads_pool_mass_is_a_fraction_per_kv_head(shape):
         heads = dataclasses.replace(policy, pool="heads")
         _, cand = heads.candidate_blocks(state)
         for pol in (policy, heads):
-            total = pol.mass(state, cand).sum(-1)
+            total = pol.mass_and_key(state, cand)[0].sum(-1)
             torch.testing.assert_close(total, torch.ones_like(total))
         sel, base = heads.select(state), policy.select(state)
         if shape[1] == 1:

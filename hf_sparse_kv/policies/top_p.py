@@ -88,11 +88,6 @@ class TopPBlockTopK(TwoStageBlockTopK):
             lse, cand, state.seq_lens, state.start, state.block_size, self.sink, self.window
         )
 
-    def mass(self, state: DecodeState, cand: torch.Tensor) -> torch.Tensor:
-        """Each candidate block's share of the candidates' softmax mass: ``cand [B, Hkv, C]`` -> ``[B, Hkv, C]``
-        float32 (see :meth:`mass_and_key`)."""
-        return self.mass_and_key(state, cand)[0]
-
     def select(self, state: DecodeState) -> Selection:
         found = self.candidate_blocks(state)
         if found is None:
