@@ -262,20 +262,24 @@ COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compi
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
 ]
 STATIC_ROW = "unpatched StaticCache + compile"
-GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments, extra patch_model arguments)
-    ("generate: unpatched sdpa", None, {}, {}),
-    ("generate: unpatched StaticCache + compile", None, {"cache_implementation": "static"}, {}),
-    ("generate: graph: patched Dense", Dense(), {}, {}),
-    ("generate: graph: Quest 1/16 block", Quest(budget=0.0625), {}, {}),
-    ("generate: graph+compile: patched Dense", Dense(), {}, {"compile": "inductor"}),
-    ("generate: graph+compile: Quest 1/16 block", Quest(budget=0.0625), {}, {"compile": "inductor"}),
+GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments, the captured step compiled)
+    ("generate: unpatched sdpa", None, {}, False),
+    ("generate: unpatched StaticCache + compile", None, {"cache_implementation": "static"}, False),
+    ("generate: graph: patched Dense", Dense(), {}, False),
+    ("generate: graph: Quest 1/16 block", Quest(budget=0.0625), {}, False),
+    ("generate: graph+compile: patched Dense", Dense(), {}, True),
+    ("generate: graph+compile: Quest 1/16 block", Quest(budget=0.0625), {}, True),
 ]
+
+
+def static_row(row) -> bool:
+    """Whether a ``GENERATE_ROWS`` row is transformers' ``StaticCache`` + compile (``--no-static`` skips it)."""
+    return row[2].get("cache_implementation") == "static"
 
 
 def compiles(row) -> bool:
     """Whether a ``GENERATE_ROWS`` row compiles (it runs in the ``compiled`` phase)."""
-    _, _, extra, patch_kw = row
-    return extra.get("cache_implementation") == "static" or "compile" in patch_kw
+    return static_row(row) or row[3]
 
 
 PHASES = ("decode", "generate", "compiled")  # the order of a run: cheap rows first, the compiles last
@@ -302,9 +306,14 @@ class Report:
         write_csv(self.out, self.rows)
 
 
+def compile_backend(device: str) -> str:
+    """The backend that compiles a captured step: inductor on CUDA, ``aot_eager`` on the CPU (a dry run)."""
+    return "inductor" if device == "cuda" else "aot_eager"
+
+
 def patch_row(model, policy, mode: str, args, graph: bool, compiled: str | None = None) -> None:
     table = {"crossover": args.crossover} if mode == "auto" else {}
-    backend = ("inductor" if args.device == "cuda" else "aot_eager") if compiled == "graph" else None
+    backend = compile_backend(args.device) if compiled == "graph" else None
     patch_model(model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph, compile=backend, **table)
 
 
@@ -460,9 +469,9 @@ def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None
     """The ``--generate`` rows: a real prefill, then ``--new-tokens`` greedy tokens, per shape (left-padded too when
     ``B > 1``, with its ms/token over the unpadded batch's). ``compiled``: the rows that compile (StaticCache,
     graph+compile)."""
-    rows = [r for r in GENERATE_ROWS if keep(r[0]) and compiles(r) == compiled]
-    if compiled and args.no_static:
-        rows = []
+    rows = [
+        r for r in GENERATE_ROWS if keep(r[0]) and compiles(r) == compiled and not (args.no_static and static_row(r))
+    ]
     for shape in args.generate.split(",") if args.generate and rows else []:
         batch, length = map(int, shape.split("x"))
         unpadded = {}
@@ -473,14 +482,13 @@ def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None
             if keep("generate: floor: dense") and not compiled:
                 report.add({"batch": batch, "context": length, "row": "generate: floor: dense" + suffix,
                             "kv_mb_per_step": dense_kv / 1e6, **floor_fields(0.0, weights + dense_kv, bandwidth)})  # fmt: skip
-            for name, policy, extra, patch_kw in rows:
+            for name, policy, extra, compile_step in rows:
                 report.say(f"{batch}x{length}{suffix}: {name}")
                 cache, extra = None, dict(extra)
                 if policy is not None:
-                    if "compile" in patch_kw and args.device != "cuda":
-                        patch_kw = {**patch_kw, "compile": "aot_eager"}  # a dry run: inductor is for CUDA here
+                    backend = compile_backend(args.device) if compile_step else None
                     patch_model(
-                        model, policy=policy, mode="block", block_size=args.block_size, cuda_graph=True, **patch_kw
+                        model, policy=policy, mode="block", block_size=args.block_size, cuda_graph=True, compile=backend
                     )
                     cache = PagedKVCache(model.config, block_size=args.block_size, max_length=length + args.new_tokens)
                     extra[cache_kwarg(model)] = cache
