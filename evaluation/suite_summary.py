@@ -29,6 +29,11 @@ def _order(key: tuple, value_of: dict) -> tuple:
     return (*head, policy != "dense", policy, -(value_of.get(key) or 2))
 
 
+def _nll(cell: dict[str, Any]) -> float:
+    """A perplexity cell's mean NLL per scored token (nats)."""
+    return cell["nll_sum"] / cell["n"]
+
+
 def perplexity_rows(rows: list[dict[str, Any]], oracle: str = "oracle") -> list[dict[str, Any]]:
     """Summary rows of the perplexity cells (only windows that dense also scored). Each sparse row also holds its
     perplexity against the ``oracle`` label's at the same length and budget (``vs_oracle_*``: paired over the windows
@@ -48,15 +53,12 @@ def perplexity_rows(rows: list[dict[str, Any]], oracle: str = "oracle") -> list[
             continue
         mine = [groups[key][w] for w in ws]
         base = [dense[(length, w)] for w in ws]
-        d = delta_ppl([r["nll_sum"] / r["n"] for r in mine], [r["nll_sum"] / r["n"] for r in base])
+        d = delta_ppl([_nll(r) for r in mine], [_nll(r) for r in base])
         ceiling = groups.get((length, oracle, key[2]), {}) if key[1] not in ("dense", oracle) else {}
         both = [w for w in ws if w in ceiling]
-        vs = None
-        if len(both) >= 2:
-            vs = delta_ppl(
-                [groups[key][w]["nll_sum"] / groups[key][w]["n"] for w in both],
-                [ceiling[w]["nll_sum"] / ceiling[w]["n"] for w in both],
-            )
+        vs = (
+            delta_ppl([_nll(groups[key][w]) for w in both], [_nll(ceiling[w]) for w in both]) if len(both) > 1 else None
+        )
 
         def mean(k: str, rs=mine):
             vals = [r.get(k) for r in rs]
