@@ -10,7 +10,8 @@ Rows are (rows R = batch × KV heads, entries N per row, k): the shapes a Llama-
 1 × 128K in 16-token blocks at 1/16 (8 × 8193, 8193 = the prompt's blocks plus the decoded tokens; 8209 further on),
 batch 8 and 4 of the same (64, 32 rows), 1 × 32K (8 × 2048 blocks), token-mode selection over 128K positions at
 1/16 (8 × 131073, k 8192) and batch 8 × 32K tokens (64 × 32769, k 2048). Providers: ``row`` (one program per row;
-``n/a`` past 24576 entries), ``chunks`` (the multi-program select at its default chunking), ``b256`` ... ``b2048``
+``n/a`` past 24576 entries), ``row_all_steps`` (the same without the early stop of its radix select: all 16 steps,
+the kernel before it), ``chunks`` (the multi-program select at its default chunking), ``b256`` ... ``b2048``
 (the same with that many lanes per chunk), ``auto`` (what the launcher picks from the shape, as shipped), ``torch``
 (``torch.topk`` + sort: ``reference.topk_indices``), ``old`` (what the launcher ran before ``chunks``: ``row`` up to
 24576 entries, ``torch`` past). ``--knobs`` adds the one-program kernel's knobs (one tile, 4 / 8 / 16 warps).
@@ -59,6 +60,7 @@ def providers(N: int, knobs: bool, sweep: bool) -> dict:
     ops = {}
     if N <= TOPK_MAX_N:
         ops["row"] = partial(topk_indices, method="row")
+        ops["row_all_steps"] = partial(topk_indices, method="row", early=False)  # before the early stop
     ops["chunks"] = partial(topk_indices, method="chunks")
     for lanes in LANES if sweep else ():
         ops[f"b{lanes}"] = partial(topk_indices, method="chunks", chunks=cdiv(N, lanes))

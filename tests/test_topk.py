@@ -64,6 +64,28 @@ def test_ties_go_to_the_lowest_indices(method, chunks, shape, k):
     assert torch.equal(out, R.topk_indices(by_index(s), k))
 
 
+@pytest.mark.parametrize("gap", ["sign", "exponent", "last bit", "tie"])
+def test_row_early_stop_selects_what_all_steps_select(gap):
+    """``"row"`` stops its radix select once exactly k keys lie above its threshold: the k-th and the next key apart
+    in the sign (the first step), in the exponent, in the last mantissa bit (all 16 steps) or tied at the threshold
+    (never exactly k above: all steps, ties by index). Equal to the reference and to the kernel without the stop."""
+    k = 5
+    g = torch.Generator().manual_seed(len(gap))
+    base = torch.rand(3, 40, generator=g) + 1.0  # in [1, 2): one exponent
+    kth = {"sign": 0.5, "exponent": 3.0, "last bit": 8.0, "tie": 8.0}[gap]
+    top = 10.0 + torch.rand(3, k - 1, generator=g)  # the k - 1 largest
+    s = base if gap != "sign" else -base
+    s[:, 7 : 7 + k - 1] = top
+    s[:, 20] = kth  # the k-th largest
+    if gap == "last bit":
+        s[:, 30] = torch.nextafter(torch.tensor(kth), torch.tensor(0.0))  # one ulp below the k-th
+    if gap == "tie":
+        s[:, 3] = kth  # ties at the threshold, one before and one after the k-th's index
+    s = s.to(DEVICE)
+    out = topk_indices(s, k, method="row")
+    assert torch.equal(out, R.topk_indices(s, k)) and torch.equal(out, topk_indices(s, k, method="row", early=False))
+
+
 @pytest.mark.parametrize("method,chunks", METHODS)
 @pytest.mark.parametrize("ties", [False, True])
 def test_per_sequence_counts(method, chunks, ties):

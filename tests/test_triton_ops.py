@@ -240,8 +240,10 @@ def test_block_scores_of_freed_blocks_are_neg_inf():
 @pytest.mark.parametrize(
     "shape,k", [((2, 3, 50), 7), ((1, 2, 10), 16), ((4, 100), 100), ((2, 2, 300), 1), ((3, 40), 20), ((2, 130), 64)]
 )
-def test_topk_indices(shape, k):
-    """Rows of 40 and 130 are held as two tiles (32 + 16, 128 + 16 lanes); the others as one."""
+@pytest.mark.parametrize("early", [True, False])
+def test_topk_indices(shape, k, early):
+    """Rows of 40 and 130 are held as two tiles (32 + 16, 128 + 16 lanes); the others as one. With or without the
+    radix select's early stop."""
     g = torch.Generator().manual_seed(k)
     s = torch.randn(shape, generator=g)
     s[..., -3:] = float("-inf")  # past the sequence
@@ -249,7 +251,7 @@ def test_topk_indices(shape, k):
     s[..., 1] = -0.0
     s[..., 2] = float("inf")  # a forced block
     s = s.to(DEVICE)
-    out = topk_indices(s, k)
+    out = topk_indices(s, k, early=early)
     assert out.dtype == torch.int32 and out.shape == (*shape[:-1], k)
     assert torch.equal(out, R.topk_indices(s, k))
 

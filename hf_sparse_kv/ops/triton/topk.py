@@ -65,10 +65,9 @@ def _row_k(KK, counts, i_r, rows_per_seq, HAS_COUNTS: tl.constexpr):
 
 
 @triton.jit
-def _counts_ge3(b_key, t, shift):
-    """2 bits per step: the counts of keys ``>= t + j 2^shift`` for j = 1, 2, 3, packed in 21-bit fields of one
-    block-wide int64 sum."""
-    one = tl.full([], 1 << shift, tl.uint32)
+def _counts_ge3(b_key, t, one):
+    """2 bits per step: the counts of keys ``>= t + j one`` for j = 1, 2, 3 (``one = 2^shift``, uint32), packed in
+    21-bit fields of one block-wide int64 sum."""
     return tl.sum(
         (b_key >= t + one).to(tl.int64)
         + ((b_key >= t + 2 * one).to(tl.int64) << 21)
@@ -104,6 +103,7 @@ def topk_indices_kernel(
     BN: tl.constexpr,  # lanes of the first tile
     BN2: tl.constexpr,  # lanes of the second tile (0: none)
     BK: tl.constexpr,
+    EARLY: tl.constexpr,  # stop the radix select once exactly kk keys are above its threshold (same result)
 ):
     i_r = tl.program_id(0).to(tl.int64)
     kk = _row_k(KK, counts, i_r, rows_per_seq, HAS_COUNTS)
@@ -116,15 +116,23 @@ def topk_indices_kernel(
     # radix select: the largest t with count(key >= t) >= kk (the kk-th largest key), two bits at a time from the
     # top. A step counts the keys >= t + j 2^shift for j = 1, 2, 3 in one block-wide reduction; the two bits taken
     # are the number of j whose count reaches kk (the counts fall with j). kk = 0 ends at t = 2^32 - 1: nothing.
+    # EARLY: stop as soon as exactly kk keys are >= t (n_t): those are the kk largest, a set the remaining steps
+    # would not change (they would raise t to the kk-th key, with no tie at it left out), so the selection is the
+    # same; continuous scores separate the kk-th key from the next within ~20 of the 32 bits.
     t = tl.zeros([], dtype=tl.uint32)
-    for step in tl.static_range(16):
-        shift = 30 - 2 * step  # a compile-time constant (the loop is unrolled)
-        n_ge = _counts_ge3(b_key, t, shift)
+    n_t = (BN + BN2) + tl.zeros([], dtype=tl.int32)  # count(key >= 0): every lane
+    shift = 30 + tl.zeros([], dtype=tl.int32)
+    n_stop = kk if EARLY else kk - kk - 1  # -1: never
+    while (shift >= 0) & (n_t != n_stop):
+        one = tl.full([], 1, tl.uint32) << shift.to(tl.uint32)
+        n_ge = _counts_ge3(b_key, t, one)
         if BN2 > 0:
-            n_ge += _counts_ge3(b_key2, t, shift)
-        inc = ((n_ge & 0x1FFFFF) >= kk).to(tl.uint32) + (((n_ge >> 21) & 0x1FFFFF) >= kk).to(tl.uint32)
-        inc += ((n_ge >> 42) >= kk).to(tl.uint32)
-        t += inc << shift
+            n_ge += _counts_ge3(b_key2, t, one)
+        c1, c2, c3 = (n_ge & 0x1FFFFF).to(tl.int32), ((n_ge >> 21) & 0x1FFFFF).to(tl.int32), (n_ge >> 42).to(tl.int32)
+        inc = (c1 >= kk).to(tl.uint32) + (c2 >= kk).to(tl.uint32) + (c3 >= kk).to(tl.uint32)
+        n_t = tl.where(inc == 3, c3, tl.where(inc == 2, c2, tl.where(inc == 1, c1, n_t)))
+        t += inc << shift.to(tl.uint32)
+        shift -= 2
     # everything above t, then the first (by index) of the ties at t, never a -inf score; the second tile continues
     # both ranks (ties, selected) where the first ends
     n_gt = tl.sum((b_key > t).to(tl.int32), 0)
@@ -334,6 +342,7 @@ def topk_indices(
     split: bool = True,
     method: str = "auto",
     chunks: int | None = None,
+    early: bool = True,
 ) -> torch.Tensor:
     """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
 
@@ -342,7 +351,8 @@ def topk_indices(
     of sequence ``b`` keep ``min(k, counts[b])`` entries, read on the device (no host sync). ``method``: ``"auto"``
     (:func:`topk_method` on the shape), ``"row"`` (one program per row, ``N <= TOPK_MAX_N``) or ``"chunks"`` (about
     ``chunks`` programs per row, :func:`chunk_tiles`). Tuning knobs (the benchmark's): ``num_warps``, ``split``
-    (``"row"``: False = one power-of-two tile per row), ``chunks``.
+    (``"row"``: False = one power-of-two tile per row), ``chunks``, ``early`` (``"row"``: False = all 16 steps of
+    the radix select, the kernel before the early stop; the same result).
     """
     *lead, N = scores.shape
     if N == 0 or k == 0:
@@ -371,7 +381,7 @@ def topk_indices(
     BN, BN2 = row_tiles(N, split)
     topk_indices_kernel[(R,)](
         x, counts if counts is not None else x, out, N, k, min(k, N), rows_per_seq, HAS_COUNTS=counts is not None,
-        BN=BN, BN2=BN2, BK=max(16, min(1024, triton.next_power_of_2(k))),
+        BN=BN, BN2=BN2, BK=max(16, min(1024, triton.next_power_of_2(k))), EARLY=early,
         num_warps=num_warps or max(4, min(16, (BN + BN2) // 512)),
     )  # fmt: skip
     return out
