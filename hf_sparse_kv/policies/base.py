@@ -185,6 +185,18 @@ class StateSpec:
         return torch.zeros(NB, H, *per_block, *self.shape(D), dtype=self.dtype or dtype, device=device)
 
 
+def int_max(a: int, b: int) -> int:
+    """``max(a, b)`` of two ints, plain or symbolic: ``torch.sym_max`` for a symbolic one (no guard on which is
+    larger under ``torch.compile``), ``max`` for two plain ints (dynamo in torch 2.11 refuses ``torch.sym_max`` of
+    plain ints: a graph break, which ``fullgraph=True`` turns into an error; 2.13 folds it)."""
+    return max(a, b) if type(a) is int and type(b) is int else torch.sym_max(a, b)
+
+
+def int_min(a: int, b: int) -> int:
+    """``min(a, b)`` of two ints, plain or symbolic (as :func:`int_max`)."""
+    return min(a, b) if type(a) is int and type(b) is int else torch.sym_min(a, b)
+
+
 @dataclass
 class Policy:
     """Base of every policy: a dataclass whose :meth:`select` returns a :class:`Selection`.
@@ -265,8 +277,9 @@ class Policy:
     def width_of(counts: list[int]) -> int:
         """``max(counts)``, the selection's width, without a branch per count: under ``torch.compile`` a static
         step's planned counts become symbolic after the second plan, and ``max()`` would guard on which sequence holds
-        the maximum (a left-padded batch, whose sequences cross widths at different steps, recompiled at each)."""
-        return functools.reduce(torch.sym_max, counts)
+        the maximum (a left-padded batch, whose sequences cross widths at different steps, recompiled at each).
+        (:func:`int_max`: plain ints take ``max``.)"""
+        return functools.reduce(int_max, counts)
 
     @staticmethod
     def counts_tensor(state: DecodeState, counts: list[int], width: int) -> torch.Tensor | None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..ops.layout import cdiv, forced_block_bound, forced_block_count, forced_block_mask, window_positions
-from .base import DecodeState, Selection, StateSpec
+from .base import DecodeState, Selection, StateSpec, int_min
 from .blocks import _BlockTopK
 from .projected import CompressedKeys
 from .tokens import TokenTopK
@@ -76,7 +76,7 @@ class CoarsePass:
             width = max(counts)
             return width, _BlockTopK.counts_tensor(state, counts, width)
         bound = forced_block_bound(sink, window, BS)
-        width = torch.sym_min(state.num_blocks, _BlockTopK.width_of([*want, bound]))  # no guard per count
+        width = int_min(state.num_blocks, _BlockTopK.width_of([*want, bound]))  # no guard per count
         if min(want) >= bound:  # every sequence's forced blocks fit in what it wants
             return width, _BlockTopK.counts_tensor(state, want, width)
         forced = forced_block_mask(state.seq_lens, state.start, sink, window, BS, state.num_blocks).sum(-1)  # [B]
