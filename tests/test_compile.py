@@ -285,13 +285,11 @@ def test_captured_inductor_step_equals_eager_on_cuda(arch):
         gen = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
         ref = torch.stack(gen.logits[1:], 1)  # the decode steps' raw logits (the first came from the prefill)
-        logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **kw).logits
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **kw)  # prefill
         runner = DecodeGraphs(model, cache, 30 + STEPS, capture=True, compile="inductor")
-        token = logits[:, -1:].argmax(-1)
-        for _ in range(STEPS):
-            logits = runner.step(token)
+        for i in range(STEPS):  # generate()'s own tokens: min_new_tokens masks EOS, so an argmax here could differ
+            logits = runner.step(gen.sequences[:, 30 + i : 31 + i])
             out.append(logits[:, -1])
-            token = logits.argmax(-1)
     unpatch_model(model)
     assert runner.replays == STEPS
     torch.testing.assert_close(torch.stack(out[:-1], 1), ref, rtol=0, atol=2e-4)
