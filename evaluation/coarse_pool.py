@@ -10,7 +10,8 @@ windows of ``--length`` tokens of the essays under: dense, the oracle, Quest, an
 
 Rows (one per window and cell: nll sum, tokens, recall, hit rate, seconds) go to ``<out>/rows.jsonl`` as they come
 (a rerun skips the rows it holds); the table (perplexity, its paired change against dense and the oracle with 95% t
-intervals over the windows, recall, hit rate) to ``<out>/table.md`` and ``<out>/table.csv``.
+intervals over the windows, recall, hit rate) to ``<out>/table.md`` and ``<out>/table.csv``, and each per-head cell
+paired against Quest's coarse pass at the same candidates and at 8 (``<out>/paired.csv``, also in ``table.md``).
 
     python -m evaluation.coarse_pool --out evaluation/results/coarse_pool_cpu --windows 4 --scored 128
 """
@@ -32,7 +33,7 @@ from hf_sparse_kv.policies import Dense, OracleBlockTopK, Quest, TopPBlockTopK
 from .assets import load_essays, load_model
 from .perplexity import nll_of
 from .simulate import SimulateSession
-from .stats import delta_ppl
+from .stats import delta_ppl, t_interval
 from .text import essay_tokens
 
 COARSE = ("quest", "quest_heads", "quest_heads_max")
@@ -89,15 +90,58 @@ def summarize(rows: list[dict], labels: list[str]) -> list[dict]:
     return table
 
 
-def write_table(table: list[dict], out: Path, header: str) -> None:
+def pairs(rows: list[dict], labels: list[str]) -> list[dict]:
+    """Each per-head cell (``quest_heads*_c<c>``) against ``quest_c<c>`` (the same candidates) and ``quest_c8``, paired
+    over windows: the change in perplexity (%) and the change in hit rate, each with its 95% t interval."""
+    by = {(r["window"], r["policy"]): r for r in rows}
+    windows = sorted({r["window"] for r in rows})
+    out = []
+    for label in labels:
+        if not label.startswith("quest_heads"):
+            continue
+        c = label.rsplit("_c", 1)[1]
+        for base in dict.fromkeys([f"quest_c{c}", "quest_c8"]):
+            ws = [w for w in windows if (w, label) in by and (w, base) in by]
+            if not ws:
+                continue
+            d = delta_ppl(
+                [by[w, label]["nll_sum"] / by[w, label]["tokens"] for w in ws],
+                [by[w, base]["nll_sum"] / by[w, base]["tokens"] for w in ws],
+            )
+            h, lo, hi = t_interval([by[w, label]["hit_rate"] - by[w, base]["hit_rate"] for w in ws])
+            out.append(
+                {
+                    "policy": label,
+                    "against": base,
+                    "windows": len(ws),
+                    "d_ppl_pct": round(d.pct, 2),
+                    "d_ppl_ci": f"[{d.low:.2f}, {d.high:.2f}]",
+                    "d_hit_rate": round(h, 4),
+                    "d_hit_ci": f"[{lo:.4f}, {hi:.4f}]",
+                }
+            )
+    return out
+
+
+def write_table(table: list[dict], paired: list[dict], out: Path, header: str) -> None:
     with open(out / "table.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(table[0]))
         w.writeheader()
         w.writerows(table)
-    cols = list(table[0])
-    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    lines += ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in cols) + " |" for r in table]
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    if paired:
+        with open(out / "paired.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(paired[0]))
+            w.writeheader()
+            w.writerows(paired)
+    lines = [header, ""]
+    for rows in (table, paired):
+        if not rows:
+            continue
+        cols = list(rows[0])
+        lines += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+        lines += ["| " + " | ".join("-" if r[c] is None else str(r[c]) for c in cols) + " |" for r in rows]
+        lines.append("")
+    (out / "table.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
@@ -157,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         f"block {args.block_size}, sink {args.sink}, window {args.window}, dense layers {args.dense_layers}, "
         "simulate way, reference ops, CPU float32; recall / hit_rate on the sparse layers against OracleBlockTopK"
     )
-    write_table(summarize(rows, list(grid)), args.out, header)
+    write_table(summarize(rows, list(grid)), pairs(rows, list(grid)), args.out, header)
 
 
 if __name__ == "__main__":
