@@ -5,6 +5,7 @@ selectors' coarse pass through it (with every block a candidate, the oracle's se
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -152,3 +153,19 @@ def test_coarse_pass_over_every_block_keeps_the_oracles_selection(shape, coarse)
             held = torch.zeros(*few.indices.shape[:2], MB + 1, dtype=torch.bool)
             held.scatter_(2, few.indices.long().masked_fill(few.indices < 0, MB), True)
             assert bool((held[..., :MB] | ~forced.unsqueeze(1)).all()), (budget, seed)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_static_ops_select_what_the_eager_ops_select(backend):
+    """Through the registered custom op (what a static step calls) the per-head coarse pass selects what it selects
+    with the reference namespace, on either backend's registered ops (both run the reference)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from hf_sparse_kv.ops.library import registered_ops
+
+    state = _random_state(*STATES[2], seed=4, ops=get_ops("reference"))
+    for coarse in ("quest_heads", "quest_heads_max"):
+        policy = TopPBlockTopK(budget=64, sink=4, window=8, candidates=2, p=1.0, coarse=coarse)
+        want = policy.select(state)
+        got = policy.select(dataclasses.replace(state, ops=registered_ops(backend)))
+        assert got.counts == want.counts and torch.equal(got.indices, want.indices), coarse
