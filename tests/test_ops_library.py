@@ -49,6 +49,8 @@ def test_registered_ops_pass_opcheck_and_equal_the_backend(backend):
         (lib.decode_masked_op, (q, kp, vp, t, n, mask, 0.25, backend), raw.decode_masked(q, kp, vp, t, n, mask, 0.25)),
         (lib.block_scores_op, (q, *meta, t, n, BS, "quest", st, 4, 8, backend),
          raw.block_scores(q, *meta, t, n, BS, "quest", st, 4, 8)),
+        (lib.block_shares_op, (q, *meta[:2], t, n, BS, 0.25, "mean", st, 4, 8, backend),
+         raw.block_shares(q, *meta[:2], t, n, BS, 0.25, "mean", st, 4, 8)),
         (lib.token_scores_op, (q, kp, t, n, st, MB * BS, backend), raw.token_scores(q, kp, t, n, st, MB * BS)),
         (lib.oracle_block_scores_op, (q, kp, t, n, st, 0.25, MB * BS, backend),
          raw.oracle_block_scores(q, kp, t, n, st, 0.25, MB * BS)),

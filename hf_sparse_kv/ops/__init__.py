@@ -1,12 +1,12 @@
 """The functional API of the sparse-KV ops, and the choice of backend.
 
 Each backend is a namespace exposing the same functions with the signatures of :mod:`.reference`:
-``paged_write``, ``gather_dense``, ``block_scores``, ``token_scores``, ``oracle_block_scores``, ``topk_indices``,
+``paged_write``, ``gather_dense``, ``block_scores``, ``block_shares``, ``token_scores``, ``oracle_block_scores``, ``topk_indices``,
 ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``, ``decode_masked``,
 ``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``, ``candidate_scores``,
 ``candidate_mass``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
 on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not
-implement.
+implement: :data:`REFERENCE_ONLY` lists them (plain PyTorch on the tensors' device: right, not fast).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ _OP_NAMES = (
     "paged_write",
     "gather_dense",
     "block_scores",
+    "block_shares",
     "token_scores",
     "oracle_block_scores",
     "topk_indices",
@@ -36,6 +37,18 @@ _OP_NAMES = (
     "projected_scores",
     "candidate_scores",
     "candidate_mass",
+)
+
+
+# the ops without a Triton kernel: the Triton namespace runs their reference (evaluation oracles, plain tensor code, and
+# block_shares, the per-head coarse score of issue 13, measured on the CPU only so far)
+REFERENCE_ONLY = (
+    "gather_dense",
+    "token_scores",
+    "oracle_block_scores",
+    "blocks_to_tokens",
+    "selection_to_mask",
+    "block_shares",
 )
 
 
@@ -66,5 +79,5 @@ def get_ops(backend: str, device: torch.device | str = "cpu") -> SimpleNamespace
             raise ImportError("backend='triton' needs the triton package: pip install triton")
         from . import triton as triton_ops
 
-        ops.update({op: getattr(triton_ops, op) for op in _OP_NAMES if hasattr(triton_ops, op)})
+        ops.update({op: getattr(triton_ops, op) for op in _OP_NAMES if op not in REFERENCE_ONLY})
     return SimpleNamespace(name=name, **ops)

@@ -89,6 +89,30 @@ def _(q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start, si
     return q.new_empty(q.shape[0], kmin.shape[1], block_table.shape[1], dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::block_shares", mutates_args=())
+def block_shares_op(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    pool: str,
+    start: torch.Tensor | None,
+    sink: int,
+    window: int | None,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.block_shares`` (no Triton kernel: both backends run the reference): ``[B, Hkv, MB]`` float32."""
+    return reference.block_shares(q, kmin, kmax, block_table, seq_lens, block_size, scale, pool, start, sink, window)
+
+
+@block_shares_op.register_fake
+def _(q, kmin, kmax, block_table, seq_lens, block_size, scale, pool, start, sink, window, backend):
+    return q.new_empty(q.shape[0], kmin.shape[1], block_table.shape[1], dtype=torch.float32)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::token_scores", mutates_args=())
 def token_scores_op(
     q: torch.Tensor,
@@ -300,6 +324,7 @@ def _(lse, blocks, seq_lens, start, block_size, sink, window, backend):
 REGISTERED = (
     "paged_write",
     "block_scores",
+    "block_shares",
     "token_scores",
     "oracle_block_scores",
     "topk_indices",
@@ -328,6 +353,13 @@ def registered_ops(backend: str) -> SimpleNamespace:
     def block_scores(q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start=None, sink=0, window=None):
         return block_scores_op(
             q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start, sink, window, backend
+        )
+
+    def block_shares(
+        q, kmin, kmax, block_table, seq_lens, block_size, scale, pool="mean", start=None, sink=0, window=None
+    ):
+        return block_shares_op(
+            q, kmin, kmax, block_table, seq_lens, block_size, scale, pool, start, sink, window, backend
         )
 
     def token_scores(q, k_pool, block_table, seq_lens, start, length):
@@ -368,6 +400,7 @@ def registered_ops(backend: str) -> SimpleNamespace:
         name=backend,
         paged_write=paged_write,
         block_scores=block_scores,
+        block_shares=block_shares,
         token_scores=token_scores,
         oracle_block_scores=oracle_block_scores,
         topk_indices=topk_indices,

@@ -178,6 +178,63 @@ def block_scores(
     return s.masked_fill(~live.unsqueeze(1), NEG_INF).contiguous()
 
 
+SHARE_POOLS = ("mean", "max")
+
+
+def block_shares(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    pool: str = "mean",
+    start: torch.Tensor | None = None,
+    sink: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Quest's bound per query head as that head's estimated share of the blocks' softmax mass, pooled over each
+    GQA group like the oracle (:func:`oracle_block_scores`) pools the true shares.
+
+    Per sequence ``b``, query head ``h`` (of KV head ``h // G``) and block ``m`` in use (before the sequence's end, not
+    evicted): ``u[b, h, m] = scale * sum_d max(q[b, h, d] kmin[m, d], q[b, h, d] kmax[m, d])`` (Quest's bound on the
+    block's best logit), and ``share[b, h, m] = softmax over the blocks in use of u[b, h, :]`` (every block in use,
+    forced ones included, as the oracle's softmax covers every key). The bound stands in for a block's log-mass: each
+    query head's shares sum to 1, so no head outweighs the others by the norm of its query, as it does in
+    :func:`block_scores`' max of the raw bounds.
+
+    Args:
+        q: ``[B, Hq, D]`` decode queries (unscaled); kmin, kmax: ``[NB, Hkv, D]``; block_table: ``[B, MB]``;
+            seq_lens: ``[B]``; block_size: ``BS``; scale: the softmax scale (> 0: it sets how peaked the shares are).
+        pool: ``"mean"``: ``mean_g share[b, k G + g, m]`` (the oracle's sum over the group, divided by ``G``);
+            ``"max"``: ``max_g share[b, k G + g, m]`` (each head normalized, then the group's best).
+        start, sink, window: with ``window`` given, the blocks of :func:`forced_block_mask` score ``+inf``.
+
+    Returns:
+        ``[B, Hkv, MB]`` float32 in ``[0, 1]``; ``-inf`` past each sequence's last block and for evicted blocks,
+        ``+inf`` for forced blocks still held. A sequence without a block in use is all ``-inf``.
+    """
+    if pool not in SHARE_POOLS:
+        raise ValueError(f"pool must be one of {SHARE_POOLS}, got {pool!r}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+    B, Hkv, MB = q.shape[0], kmin.shape[1], block_table.shape[1]
+    phys = block_table.long().clamp(min=0)  # [B, MB]
+    lo, hi = kmin[phys].float(), kmax[phys].float()  # [B, MB, Hkv, D]
+    qe = _group_q(q, Hkv).unsqueeze(1)  # [B, 1, Hkv, G, D]
+    u = torch.maximum(qe * lo.unsqueeze(3), qe * hi.unsqueeze(3)).sum(-1) * scale  # [B, MB, Hkv, G]
+    live = live_blocks(block_table, seq_lens, block_size)  # [B, MB]
+    u = u.permute(0, 2, 3, 1).masked_fill(~live.view(B, 1, 1, MB), NEG_INF)  # [B, Hkv, G, MB]
+    share = u.softmax(-1).nan_to_num(0.0)  # a sequence without a block in use: NaN -> 0 (masked below)
+    s = share.mean(2) if pool == "mean" else share.amax(2)  # [B, Hkv, MB]
+    if window is not None:
+        start = torch.zeros_like(seq_lens) if start is None else start
+        forced = forced_block_mask(seq_lens, start, sink, window, block_size, MB) & live
+        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+    return s.masked_fill(~live.unsqueeze(1), NEG_INF).contiguous()
+
+
 def token_scores(
     q: torch.Tensor,
     k_pool: torch.Tensor,

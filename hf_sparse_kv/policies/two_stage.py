@@ -1,8 +1,11 @@
 """Two-stage selectors: a cheap coarse pass keeps ``candidates x budget`` blocks, exact ``q . k`` over only their keys
 picks the budget.
 
-The coarse pass is Quest's bound over the block min/max (``coarse="quest"``, no extra state) or the compressed keys
-of :mod:`.projected` (``coarse="projected"``, with a ``calibration``); the forced blocks (sink, window, current)
+The coarse pass is Quest's bound over the block min/max (``coarse="quest"``: the max of the bounds over the GQA
+group, ``ops.block_scores``; ``"quest_heads"``: each query head's bounds turned into its estimated shares of the
+softmax mass, averaged over the group as the oracle sums the true shares; ``"quest_heads_max"``: those shares' max
+over the group; ``ops.block_shares``, no Triton kernel yet; none needs extra state) or the compressed keys of
+:mod:`.projected` (``coarse="projected"``, with a ``calibration``); the forced blocks (sink, window, current)
 score ``+inf`` there, so they are always candidates. The exact pass (``ops.candidate_scores``) reads the candidates'
 keys, ``candidates x budget x D`` elements per (sequence, KV head), and
 
@@ -28,7 +31,8 @@ from .blocks import _BlockTopK
 from .projected import CompressedKeys
 from .tokens import TokenTopK
 
-COARSE = ("quest", "projected")
+COARSE = ("quest", "quest_heads", "quest_heads_max", "projected")
+SHARE_POOL = {"quest_heads": "mean", "quest_heads_max": "max"}  # coarse -> ops.block_shares' pool
 
 
 class CoarsePass:
@@ -49,6 +53,11 @@ class CoarsePass:
 
     def scores(self, state: DecodeState, sink: int, window: int) -> torch.Tensor:
         """``[B, Hkv, nblk]`` float32, forced blocks ``+inf``, blocks not in use ``-inf``."""
+        if self.coarse in SHARE_POOL:
+            return state.ops.block_shares(
+                state.q, state.kmin, state.kmax, state.block_table, state.seq_lens, state.block_size, state.scale,
+                SHARE_POOL[self.coarse], state.start, sink, window,
+            )  # fmt: skip
         if self.keys is None:
             return state.ops.block_scores(
                 state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
@@ -121,7 +130,8 @@ class TwoStageBlockTopK(_TwoStage, _BlockTopK):
     """Coarse pass to ``candidates x`` the budget's blocks, then the blocks with the largest exact token score.
 
     Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``candidates`` (``c >= 1``),
-    ``coarse`` (``"quest"`` or ``"projected"``), ``calibration`` (for ``coarse="projected"``).
+    ``coarse`` (``"quest"``, ``"quest_heads"``, ``"quest_heads_max"`` or ``"projected"``), ``calibration`` (for
+    ``coarse="projected"``).
     """
 
     def candidate_blocks(self, state: DecodeState) -> tuple[list[int], torch.Tensor] | None:
