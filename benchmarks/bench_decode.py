@@ -55,6 +55,7 @@ from hf_sparse_kv.ops import reference as R
 from hf_sparse_kv.ops.layout import cdiv
 from hf_sparse_kv.ops.triton.block_decode import decode_blocks_fwd
 from hf_sparse_kv.policies import (
+    Counts,
     DecodeState,
     ProjectedBlockTopK,
     ProjectedTokenTopK,
@@ -266,7 +267,7 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
         if two_stage:
             blocks = [sel.counts[0] if sel.kind == "block" else cdiv(sel.counts[0], BS)] * B
-            cand = policy._coarse.counts(states[0], blocks, policy.sink, policy.window)[0]  # the candidates' width
+            cand = policy._coarse.counts(states[0], Counts.of(blocks), policy.sink, policy.window)[0]  # its width
             score += B * H * cand * BS * D * 2
         need[f"{name}:sel"], need[name] = score, score + attn
     lo = lens.long() - 1

@@ -207,26 +207,34 @@ def choose(
 @dataclass(frozen=True)
 class StaticPlan:
     """The host decisions of one static decode step, made before it from its lengths: the key under which a step is
-    compiled or captured (two steps with equal plans run the same graph).
+    captured (two steps with equal plans run the same graph).
 
     Attributes:
         sparse: ``mode="auto"``'s decision for the sparse layers (``True`` in the other modes).
-        counts: what :meth:`Policy.plan` returns at the step's stored lengths (``None``: everything).
+        counts: what :meth:`Policy.plan` returns at the step's stored lengths (``None``: everything). The step reads
+            them on the device (``StaticBuffers.counts``, filled before it), never on the host.
+        widths: :meth:`Policy.static_widths` of ``counts`` (the selection's width first; ``None`` with them): the
+            only host ints of the plan the step reads, so that a compiled step recompiles when a width first
+            changes (then it is dynamic), not whenever one sequence's count does.
     """
 
     sparse: bool
     counts: tuple[int, ...] | None
+    widths: tuple[int, ...] | None
 
 
 def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]) -> StaticPlan:
     """The :class:`StaticPlan` of a step at stored lengths ``lens`` (the current token included), decided on the
-    host as the eager step decides (:func:`choose`, :meth:`Policy.plan`)."""
+    host as the eager step decides (:func:`choose`, :meth:`Policy.plan`), with the widths the policy's static
+    selection reads (:meth:`Policy.static_widths`)."""
     sparse = True
     if config.mode == "auto" and cache.paged_layers:
         _, Hkv, _, D = cache.paged_layers[0].k_pool.shape
         sparse = auto_runs_sparse(config, len(lens), Hkv, D, max(lens))
     counts = config.policy.plan(lens, cache.block_size) if sparse else None
-    return StaticPlan(sparse, None if counts is None else tuple(counts))
+    if counts is None:
+        return StaticPlan(sparse, None, None)
+    return StaticPlan(sparse, tuple(counts), tuple(config.policy.static_widths(counts, cache.block_size)))
 
 
 @dataclass(frozen=True)
@@ -297,8 +305,8 @@ def layer_state(
     **step,
 ) -> DecodeState:
     """What a policy sees of one paged layer in a decode step (query ``[B, Hq, 1, D]``): the layer's pools, metadata
-    and declared state beside the step's table and lengths (``step``: ``evicted``, or a static step's ``static`` and
-    ``planned``). The eager and the static step both build it here."""
+    and declared state beside the step's table and lengths (``step``: ``evicted``, or a static step's ``static``,
+    ``planned``, ``planned_counts`` and ``keep``). The eager and the static step both build it here."""
     return DecodeState(
         q=query[:, :, 0],
         k_pool=layer.k_pool,
@@ -333,7 +341,7 @@ def static_attention(
     length = static.table.shape[1] * cache.block_size  # the reserved width stands in for the step's lengths
     state = layer_state(
         query, layer, layer_idx, cache, scale, static.ops, static.table, static.seq_lens, static.start,
-        (length,) * B, static=True, planned=static.plan.counts, keep=static.keep,
+        (length,) * B, static=True, planned=static.plan.widths, planned_counts=static.counts, keep=static.keep,
     )  # fmt: skip
     selection, mode = choose(config, state, layer_idx, cache, sparse=static.plan.sparse)
     return execute(selection, mode, state, layer.v_pool).unsqueeze(1)

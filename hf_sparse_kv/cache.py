@@ -527,8 +527,9 @@ class PagedKVCache(DynamicCache):
         frame = torch.zeros(1, dtype=torch.long, device=device)
         positions = torch.zeros(B, 1, dtype=torch.long, device=device)
         ops = registered_ops(backend)
+        counts = torch.zeros(B, dtype=torch.long, device=device)
         self.static = StaticBuffers(
-            max_length, frame, zeros.clone(), zeros.clone(), zeros, pads_t, positions, table, ops
+            max_length, frame, zeros.clone(), zeros.clone(), zeros, pads_t, positions, counts, table, ops
         )
         self.pads = pads
         for i, layer in enumerate(self.layers):
@@ -543,7 +544,7 @@ class PagedKVCache(DynamicCache):
         never regrown from here on), as transformers' ``StaticCache`` does: ``mode="reduce-overhead"``'s CUDA graphs
         then replay steps that write the pools in place instead of skipping them."""
         s = self.static
-        tensors = [s.frame, s.seq_lens, s.pos0, s.start, s.pads, s.positions, s.table]
+        tensors = [s.frame, s.seq_lens, s.pos0, s.start, s.pads, s.positions, s.counts, s.table]
         for layer in self.layers:
             if isinstance(layer, PagedLayer) and layer.is_initialized:
                 tensors += layer._tensors()

@@ -9,10 +9,12 @@ or change host state:
   first, and turns each sliding-window layer into a fixed-shape ring (:class:`~hf_sparse_kv.cache.WindowRing`);
 - lengths, write positions, position ids and each sequence's left padding live in device buffers
   (:class:`~hf_sparse_kv.cache.StaticBuffers`) that :func:`begin_static_step` fills before the step;
-- the widths of the selections, and ``mode="auto"``'s dense/sparse decision, are the step's
-  :class:`~hf_sparse_kv.attention.StaticPlan`, decided on the host from the lengths by the policy's ``plan()``;
-  two steps with equal plans run the same graph (a fractional budget grows its width by one block every
-  ``block_size / budget`` tokens, so a long generation makes a handful of plans);
+- the selections' counts per sequence and their widths, and ``mode="auto"``'s dense/sparse decision, are the
+  step's :class:`~hf_sparse_kv.attention.StaticPlan`, decided on the host from the lengths by the policy's
+  ``plan()``; two steps with equal plans run the same graph (a fractional budget grows its width by one block
+  every ``block_size / budget`` tokens, so a long generation makes a handful of plans). The step reads the counts
+  from a device buffer that :func:`begin_static_step` fills, and only the widths on the host, so that a compiled
+  step recompiles when a width first changes, not whenever a sequence's count does;
 - the ops are PyTorch custom ops (:mod:`hf_sparse_kv.ops.library`), opaque to dynamo, free of host syncs;
 - the host bookkeeping of the step (layer lengths, counters) is done by :func:`begin_static_step`, not by the step.
 
@@ -63,7 +65,7 @@ def begin_static_step(config, cache: PagedKVCache, positions: torch.Tensor | Non
         )
     lens = tuple(frame + 1 - p for p in cache.pads)
     plan = static_plan(config, cache, lens)
-    static.begin_step(frame, plan, positions)
+    static.begin_step(frame, plan, plan.counts, positions)
     cache.advance(1)
     cache.session.add_counters(static_counters(config, cache, plan, lens))
     return plan

@@ -27,10 +27,14 @@ class StaticBuffers:
         start: ``[B]`` int32 zeros (padding is never stored).
         pads: ``[B]`` int32, each sequence's left padding.
         positions: ``[B, 1]`` long, this step's position ids as ``generate()`` makes them (``frame - pads``).
+        counts: ``[B]`` long, the step's planned counts per sequence (what the policy's ``plan`` keeps of each;
+            unchanged by a step that plans none): a static step reads them here, not on the host, so that a
+            compiled step does not specialise on each sequence's count.
         table: ``[B, MB]`` int32, the block table, fixed by the reservation.
         ops: the backend's registered ops (:func:`hf_sparse_kv.ops.library.registered_ops`).
         plan: the host plan the current step was keyed on (set by :meth:`begin_step`; see
             :func:`hf_sparse_kv.attention.static_plan`).
+        filled: the host counts ``counts`` holds (``None``: none yet).
         kept: what :meth:`keep` made, by key, for as long as the reservation lives.
     """
 
@@ -41,19 +45,31 @@ class StaticBuffers:
     start: torch.Tensor
     pads: torch.Tensor
     positions: torch.Tensor
+    counts: torch.Tensor
     table: torch.Tensor
     ops: SimpleNamespace
     plan: object = None
+    filled: tuple[int, ...] | None = None
     kept: dict = field(default_factory=dict)
 
-    def begin_step(self, frame: int, plan, positions: torch.Tensor | None = None) -> None:
-        """Fill the buffers for the token at position ``frame`` (transformers' frame) and keep the step's plan; runs
-        before the step (outside a traced or captured region). ``positions`` ``[B, 1]``: the step's position ids
-        when the caller has its own (default: ``frame - pads``, as ``generate()`` makes them)."""
+    def begin_step(
+        self, frame: int, plan, counts: tuple[int, ...] | None, positions: torch.Tensor | None = None
+    ) -> None:
+        """Fill the buffers for the token at position ``frame`` (transformers' frame) and keep the step's plan and
+        its per-sequence ``counts`` (``None``: the plan has none); runs before the step (outside a traced or captured
+        region). ``positions`` ``[B, 1]``: the step's position ids when the caller has its own (default:
+        ``frame - pads``, as ``generate()`` makes them)."""
         self.frame.fill_(frame)
         torch.sub(frame, self.pads, out=self.pos0)
         torch.add(self.pos0, 1, out=self.seq_lens)
         self.positions.copy_(self.pos0.view(-1, 1) if positions is None else positions)
+        if counts is not None and counts != self.filled:
+            # fill_ with a Python number is a kernel argument: no host-to-device copy, and no sync; only the counts
+            # that changed (a plan changes one sequence's count every few blocks)
+            for b, c in enumerate(counts):
+                if self.filled is None or self.filled[b] != c:
+                    self.counts[b : b + 1].fill_(c)
+            self.filled = counts
         self.plan = plan
 
     def keep(self, key, make: Callable[[], object]) -> object:

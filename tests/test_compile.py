@@ -3,6 +3,8 @@
 for every policy and mode, the selectors of policies/projected.py, two_stage.py and top_p.py included, through
 :class:`DecodeGraphs` and through a user's own ``torch.compile(model.forward)``."""
 
+import math
+
 import pytest
 import torch
 from test_selectors import _calibration
@@ -11,8 +13,10 @@ from tiny_models import prompt, tiny_model
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
+from hf_sparse_kv.ops.layout import cdiv
 from hf_sparse_kv.policies import (
     BlockTopK,
+    Counts,
     Dense,
     OracleBlockTopK,
     ProjectedBlockTopK,
@@ -234,22 +238,29 @@ def test_a_growing_plan_compiles_twice_not_per_plan():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2, dict(torch._dynamo.utils.counters["stats"])
 
 
-def test_a_padded_batch_recompiles_once_per_sequence_at_most():
+@pytest.mark.parametrize(
+    "policy,mode,compiles",
+    [(Quest(budget=0.5, sink=4, window=8), "block", 2), (TwoStageTokenTopK(0.5, 4, 12, candidates=1.5), "token", 3)],
+    ids=["Quest", "TwoStageTokenTopK"],
+)
+def test_a_padded_batch_compiles_twice_not_per_sequence(policy, mode, compiles):
     """A left-padded batch: its sequences cross selection widths at different steps, so the planned counts change
-    one sequence at a time, in every order. Each count is specialised until it first changes (one recompile per
-    sequence at most, then it is dynamic); nothing in the step branches on which sequence holds the widest selection
-    or on whether they all hold the same (those guards recompiled at each new combination: 8 graphs here before),
-    and every step equals eager."""
+    one sequence at a time. The step reads them on the device (``StaticBuffers.counts``, filled before it) and only
+    the plan's widths on the host: it compiles for the first plan and once more when the width first changes (then
+    dynamic), not once per sequence (4 and 5 graphs here when the counts were host ints, up to the batch size + 1).
+    A two-stage policy with a float ``candidates`` has a second plan int, its candidates' width, which a token
+    policy's plan first changes a few tokens after the width (every ``block_size`` tokens of it): one more. Every
+    step equals eager."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = tiny_model("llama")
-    B, steps = 4, 90
+    B, steps = 4, 64
     ids = prompt(40, batch=B)
     mask = torch.ones_like(ids)
     for b in range(B):
         mask[b, : 9 * b] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    _patch(model, Quest(budget=0.5, sink=4, window=8), "block")
+    patch_model(model, policy=policy, mode=mode, block_size=8, dense_layers=(0,))
     gen = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
     ref = torch.stack(gen.logits[1:], 1)  # the decode steps' logits (the first came from the prefill)
@@ -263,8 +274,36 @@ def test_a_padded_batch_recompiles_once_per_sequence_at_most():
             plans.add(runner.static.plan)
     unpatch_model(model)
     torch.testing.assert_close(torch.stack(out, 1), ref, rtol=0, atol=1e-5)
-    assert len(plans) >= 12, f"the steps crossed too few plans to tell: {len(plans)}"
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= B + 1, dict(torch._dynamo.utils.counters["stats"])
+    changed = {b for p in plans for q in plans if p.widths == q.widths for b in range(B) if p.counts[b] != q.counts[b]}
+    assert len(plans) >= 8 and changed, f"no count changed under an unchanged width: {plans}"
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] <= compiles, dict(stats)
+
+
+@pytest.mark.parametrize("candidates", [1, 2, 4, 8, 1.1, 1.5, 4 / 3, 1.7, 2.9999999999999996, 1 + 2**-52, 7.7])
+def test_device_candidate_counts_equal_the_host_formula(candidates):
+    """A static step derives a two-stage policy's candidates per sequence on the device from the planned counts
+    (``CoarsePass.device_width``) and their width on the host from the plan's width (``static_widths``): the device
+    form is the host's ``math.ceil(candidates * k)`` for every count (float64: Python's 1.1 * 50 is
+    55.00000000000001, float32's 55), and the width is the most any sequence wants, for the block and the token
+    policy."""
+    policy = TwoStageTokenTopK(0.5, 4, 12, candidates=candidates)
+    coarse = policy._coarse
+    k = torch.cat([torch.arange(0, 20_000), torch.tensor([2**20 + 1, 2**31 - 1, 2**40 + 3])])
+    host = [math.ceil(candidates * n) for n in k.tolist()]
+    assert coarse.device_width(k).tolist() == host
+    assert [coarse.width(n) for n in k.tolist()] == host
+    if candidates == 1.1:  # the values tell float64 from float32
+        assert torch.ceil(k.float() * candidates).long().tolist() != host
+    BS, counts = 8, [37, 5, 120, 64, 1]
+    blocks = Counts(max(counts), device=torch.tensor(counts)).map(lambda n: cdiv(n, BS), lambda n: cdiv(n, BS))
+    assert blocks.device.tolist() == [cdiv(n, BS) for n in counts] and blocks.width == cdiv(120, BS)
+    # the candidates' width: planned on the host for a float, derived in the step (integer arithmetic) for an int
+    block_policy = TwoStageBlockTopK(24, 4, 8, candidates=candidates)
+    for p, blocks in ((policy, [cdiv(n, BS) for n in counts]), (block_policy, counts)):
+        want = max(math.ceil(candidates * n) for n in blocks)
+        assert p._coarse.width(p.coarse_blocks(max(counts), BS)) == want
+        assert p.static_widths(counts, BS) == ((120,) if isinstance(candidates, int) else (120, want))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor + CUDA-graph capture of the compiled step: CUDA")

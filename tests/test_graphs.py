@@ -71,8 +71,9 @@ def test_static_auto_step_switches_at_the_crossover_like_eager():
     cache, runner, out = _static_steps(model, ids, 24)
     unpatch_model(model)
     # the graph key holds the crossover's decision: one graph below 50 tokens, the policy's widths from there
-    assert runner.key(49) == StaticPlan(False, None)
-    assert runner.key(50) == StaticPlan(True, tuple(policy.plan((50, 50), 8)))
+    assert runner.key(49) == StaticPlan(False, None, None)
+    counts = policy.plan((50, 50), 8)
+    assert runner.key(50) == StaticPlan(True, tuple(counts), (max(counts),))
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     # two sparse layers per step; steps at 38..49 tokens dense, 50..61 sparse
     assert cache.auto_steps == {"dense": 2 * 12, "sparse": 2 * 12}

@@ -1,9 +1,9 @@
 """What a static decode step runs per layer (the step a CUDA graph captures, run on the CPU without a graph): its
 attention launches the sparse ops and nothing else, and its host part counts what the eager step counts.
 
-Index tensors that are the same for every layer (a dense layer's selection, a padded batch's per-sequence counts) are
-made once and kept with the reservation; a captured graph replays every kernel of every layer, so anything computed
-per layer is paid per layer at every token."""
+Index tensors that are the same for every layer (a dense layer's selection) are made once and kept with the
+reservation, and a padded batch's per-sequence counts are a buffer the host part fills before the step; a captured
+graph replays every kernel of every layer, so anything computed per layer is paid per layer at every token."""
 
 import pytest
 import torch

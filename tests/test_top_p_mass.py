@@ -82,7 +82,7 @@ def rank_by_mass(policy, state: DecodeState, mass: torch.Tensor, cand: torch.Ten
         keep = torch.zeros_like(keep).scatter(-1, order, keep)
         key = key.masked_fill(~keep, float("-inf"))
     blocks = pick(state.ops, key, cand, counts, state)
-    return Selection("block", blocks, state.start, state.start, tuple(counts))
+    return Selection("block", blocks, state.start, state.start, counts.per_sequence())
 
 
 def _policies():

@@ -1,6 +1,6 @@
 """Selection policies, one ``@dataclass`` each; :data:`POLICIES` is the one registry of their string names."""
 
-from .base import DecodeState, Policy, Selection, StateSpec
+from .base import Counts, DecodeState, Policy, Selection, StateSpec
 from .blocks import BlockTopK, OracleBlockTopK, Quest
 from .compress import SnapKV
 from .projected import ProjectedBlockTopK, ProjectedTokenTopK
@@ -27,6 +27,7 @@ POLICIES: dict[str, type[Policy]] = {
 __all__ = [
     "POLICIES",
     "BlockTopK",
+    "Counts",
     "DecodeState",
     "Dense",
     "OracleBlockTopK",

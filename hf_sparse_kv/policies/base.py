@@ -16,7 +16,6 @@ prompt during the prefill), :meth:`~Policy.release` (free blocks it will never r
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,16 +70,21 @@ class DecodeState:
             them.
         state: the layer's tensors of the state the policy declared (:meth:`Policy.cache_state`), by name.
         static: a static decode step (compiled or captured, see :mod:`hf_sparse_kv.graphs`): ``lens`` and
-            ``length`` are then the reserved bounds, not the step's lengths (those live in ``seq_lens`` only), and
-            ``planned`` is what :meth:`Policy.plan` returned for the step's lengths before the step began (the
-            step's key); :meth:`Policy.widths` reads it.
-        planned: see ``static``.
+            ``length`` are then the reserved bounds, not the step's lengths (those live in ``seq_lens`` only); what
+            :meth:`Policy.plan` returned for the step's lengths before the step began (the step's key) reaches it as
+            ``planned`` (host ints that do not depend on each sequence) and ``planned_counts`` (per sequence, on the
+            device); :meth:`Policy.widths` reads them.
+        planned: a static step's host widths, :meth:`Policy.static_widths` of the plan (the selection's width
+            first); ``None``: the plan selects everything.
+        planned_counts: ``[B]`` long, a static step's planned counts per sequence on the device
+            (:attr:`hf_sparse_kv.cache.StaticBuffers.counts`, filled before the step): a compiled step that read
+            them on the host would specialise on each sequence's count (a recompile whenever one changes).
         layer: the model's index of the layer (``None`` where unknown): a policy calibrated per layer reads its
             calibration by it.
         keep: a static step's ``keep(key, make)`` (:meth:`hf_sparse_kv.cache.StaticBuffers.keep`): ``make()`` once
             per reservation for what depends on ``key`` alone (``None`` outside static steps). Index tensors that are
-            the same in every layer and at every step of a plan go through it (:meth:`Policy.counts_tensor`,
-            :meth:`Policy.dense_selection`), so that a captured step does not rebuild them in every layer.
+            the same in every layer and at every step (:meth:`Policy.dense_selection`) go through it, so that a
+            captured step does not rebuild them in every layer.
     """
 
     q: torch.Tensor
@@ -100,6 +104,7 @@ class DecodeState:
     state: dict = field(default_factory=dict)
     static: bool = False
     planned: tuple[int, ...] | None = None
+    planned_counts: torch.Tensor | None = None
     layer: int | None = None
     keep: Callable | None = None
 
@@ -198,6 +203,60 @@ def int_min(a: int, b: int) -> int:
 
 
 @dataclass
+class Counts:
+    """What a selection keeps per sequence in one decode step, and its width.
+
+    An eager step knows the counts on the host. A static step's host knows only its plan's width: the counts reach
+    it on the device, filled before the step (:attr:`DecodeState.planned_counts`), so that a compiled step does not
+    specialise on each sequence's count (a left-padded batch, whose sequences change counts at different steps,
+    recompiled once per sequence).
+
+    Attributes:
+        width: the most any sequence keeps (the selection's width), on the host; in a static step the plan's
+            (under ``torch.compile`` a symbolic int once it changed).
+        host: the counts per sequence on the host (an eager step), or ``None`` (a static step).
+        device: ``[B]`` long, the counts per sequence on the device (a static step), or ``None`` (an eager step).
+    """
+
+    width: int
+    host: tuple[int, ...] | None = None
+    device: torch.Tensor | None = None
+
+    @staticmethod
+    def of(counts) -> Counts:
+        """An eager step's counts (host ints per sequence)."""
+        return Counts(max(counts), tuple(counts))
+
+    def tensor(self, device) -> torch.Tensor | None:
+        """The per-sequence counts for ``topk_indices``: ``None`` when every sequence keeps ``width`` (an eager step
+        whose counts are all equal, or a batch of one), else ``[B]`` long on ``device``: a static step's own, an
+        eager step's copied from the host."""
+        if self.host is None:
+            return None if self.device.shape[0] == 1 else self.device
+        if len(self.host) == 1 or all(c == self.width for c in self.host):
+            return None
+        return torch.tensor(self.host, dtype=torch.long).to(device, non_blocking=True)
+
+    def per_sequence(self) -> tuple[int, ...]:
+        """:attr:`Selection.counts`: the host counts, or in a static step the width for every sequence (an upper
+        bound: its host does not know the counts; it counts what the step reads before the step)."""
+        return self.host if self.host is not None else (self.width,) * self.device.shape[0]
+
+    def at_most(self, live) -> Counts:
+        """An eager step's counts, each at most ``live[b]`` (what the sequence still holds after an eviction)."""
+        return Counts.of([min(c, n) for c, n in zip(self.host, live)])
+
+    def map(self, host: Callable[[int], int], device: Callable[[torch.Tensor], torch.Tensor]) -> Counts:
+        """The counts through a non-decreasing function, given in its host form (applied to ``width`` and to each
+        host count) and its device form (applied to ``device``): the width of the result is ``host(width)``."""
+        return Counts(
+            host(self.width),
+            None if self.host is None else tuple(host(c) for c in self.host),
+            None if self.device is None else device(self.device),
+        )
+
+
+@dataclass
 class Policy:
     """Base of every policy: a dataclass whose :meth:`select` returns a :class:`Selection`.
 
@@ -266,49 +325,22 @@ class Policy:
 
     # ---- helpers shared by the policies -----------------------------------------------------------------------
 
-    def widths(self, state: DecodeState) -> list[int] | None:
-        """:meth:`plan` at the step's lengths: computed from ``state.lens``, or, in a static step, the plan the step
-        was keyed on (``state.planned``), so that nothing in the step depends on the step's lengths on the host."""
+    def widths(self, state: DecodeState) -> Counts | None:
+        """:meth:`plan` at the step's lengths (``None``: everything): computed from ``state.lens``, or, in a static
+        step, the plan the step was keyed on: its width on the host (``state.planned``) and its counts on the device
+        (``state.planned_counts``), so that nothing in the step depends on each sequence's count on the host."""
         if state.static:
-            return None if state.planned is None else list(state.planned)
-        return self.plan(state.lens, state.block_size)
+            return None if state.planned is None else Counts(state.planned[0], device=state.planned_counts)
+        counts = self.plan(state.lens, state.block_size)
+        return None if counts is None else Counts.of(counts)
 
-    @staticmethod
-    def width_of(counts: list[int]) -> int:
-        """``max(counts)``, the selection's width, without a branch per count: under ``torch.compile`` a static
-        step's planned counts become symbolic after the second plan, and ``max()`` would guard on which sequence holds
-        the maximum (a left-padded batch, whose sequences cross widths at different steps, recompiled at each).
-        (:func:`int_max`: plain ints take ``max``.)"""
-        return functools.reduce(int_max, counts)
-
-    @staticmethod
-    def counts_tensor(state: DecodeState, counts: list[int], width: int) -> torch.Tensor | None:
-        """Per-sequence counts for ``topk_indices``: ``None`` when every sequence keeps ``width`` (no copy). A static
-        step fills them on the device (a copy from a host tensor could not be captured in a CUDA graph), once per
-        reservation and counts (``state.keep``), for every batch of more than one sequence: whether they all keep
-        ``width`` is a branch on the planned counts, which would recompile a compiled step when it flips."""
-        if len(counts) == 1 or (not state.static and all(c == width for c in counts)):
-            return None
-        return Policy.device_ints(state, counts)
-
-    @staticmethod
-    def device_ints(state: DecodeState, values: list[int]) -> torch.Tensor:
-        """Host ints per sequence as a ``[B]`` long tensor on the query's device. A static step fills it on the
-        device (a copy from a host tensor could not be captured in a CUDA graph), once per reservation and values
-        (``state.keep``)."""
-        if state.static:  # fill_ with a Python number is a kernel argument: no host-to-device copy to capture
-            device = state.q.device
-
-            def make() -> torch.Tensor:
-                t = torch.empty(len(values), dtype=torch.long, device=device)
-                for b, v in enumerate(values):
-                    t[b : b + 1].fill_(v)
-                return t
-
-            if state.keep is None:
-                return make()
-            return state.keep(("counts", str(device), tuple(values)), make)  # once per plan, not per layer
-        return torch.tensor(values, dtype=torch.long).to(state.q.device, non_blocking=True)
+    def static_widths(self, counts: list[int], block_size: int) -> tuple[int, ...]:
+        """The host ints a static step's :meth:`select` reads, from the counts :meth:`plan` returned (called on the
+        host before the step: :func:`hf_sparse_kv.attention.static_plan`): the selection's width ``max(counts)``
+        first, then any width the policy derives from it (``DecodeState.planned``). Nothing else of the plan is
+        on the host in a static step, so that a compiled step recompiles when a width changes, not when a
+        sequence's count does."""
+        return (max(counts),)
 
     @staticmethod
     def dense_selection(state: DecodeState) -> Selection:
@@ -331,8 +363,8 @@ class Policy:
             live = reference.live_blocks(state.block_table, state.seq_lens, state.block_size)  # [B, nblk]
             scores = torch.zeros(live.shape, device=live.device).masked_fill(~live, float("-inf"))
             scores = scores.unsqueeze(1).expand(B, H, -1).contiguous()  # topk keeps every finite score
-            width = max(counts)
-            indices = state.ops.topk_indices(scores, width, Policy.counts_tensor(state, list(counts), width))
+            held = Counts.of(counts)
+            indices = state.ops.topk_indices(scores, held.width, held.tensor(state.q.device))
             return Selection("block", indices, state.start, state.start, counts)
         idx = torch.arange(state.num_blocks, device=state.q.device).view(1, -1)
         idx = torch.where(idx < reference.num_blocks(state.seq_lens, state.block_size).view(-1, 1), idx, -1).int()

@@ -59,11 +59,10 @@ class _BlockTopK(Policy):
         if counts is None:
             return self.dense_selection(state)
         if state.evicted is not None:  # never more than the blocks still held (freed ones score -inf)
-            counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
-        width = self.width_of(counts)
-        indices = state.ops.topk_indices(self.scores(state), width, self.counts_tensor(state, counts, width))
+            counts = counts.at_most(state.live_blocks())
+        indices = state.ops.topk_indices(self.scores(state), counts.width, counts.tensor(state.q.device))
         # nothing masked inside the blocks: an empty interval (any equal bounds), without allocating one
-        return Selection("block", indices, state.start, state.start, tuple(counts))
+        return Selection("block", indices, state.start, state.start, counts.per_sequence())
 
     def metadata_scores(self, state: DecodeState, method: str) -> torch.Tensor:
         """:meth:`scores` from the block metadata (``"quest"`` or ``"mean"``), forced blocks set by the same op."""

@@ -117,6 +117,5 @@ class SinkWindow(Policy):
         # the forced blocks as ascending ids: score them 1, the rest -inf, keep them all
         scores = forced.float().masked_fill(~forced, float("-inf")).unsqueeze(1).expand(-1, state.num_kv_heads, -1)
         sink_end, win_start = self.forced_positions(state, self.sink, self.window_tensor(state))
-        width = self.width_of(counts)
-        indices = state.ops.topk_indices(scores.contiguous(), width, self.counts_tensor(state, counts, width))
-        return Selection("block", indices, sink_end.int(), win_start.int(), tuple(counts))
+        indices = state.ops.topk_indices(scores.contiguous(), counts.width, counts.tensor(state.q.device))
+        return Selection("block", indices, sink_end.int(), win_start.int(), counts.per_sequence())

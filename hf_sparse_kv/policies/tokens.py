@@ -58,8 +58,7 @@ class TokenTopK(Policy):
         if counts is None:
             return self.dense_selection(state)
         if state.evicted is not None:  # never more than the tokens still held (freed ones score -inf)
-            counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
+            counts = counts.at_most(state.live_tokens())
         s = self.token_scores(state)
-        width = self.width_of(counts)
-        indices = state.ops.topk_indices(s, width, self.counts_tensor(state, counts, width))
-        return Selection("token", indices, state.start, state.start, tuple(counts))  # an empty masked interval
+        indices = state.ops.topk_indices(s, counts.width, counts.tensor(state.q.device))
+        return Selection("token", indices, state.start, state.start, counts.per_sequence())  # an empty masked interval

@@ -102,4 +102,4 @@ class TopPBlockTopK(TwoStageBlockTopK):
             keep = torch.zeros_like(forced).scatter(-1, order, above < self.p) | forced
             key = key.masked_fill(~keep, float("-inf"))
         blocks = pick(state.ops, key, cand, counts, state)
-        return Selection("block", blocks, state.start, state.start, tuple(counts))
+        return Selection("block", blocks, state.start, state.start, counts.per_sequence())

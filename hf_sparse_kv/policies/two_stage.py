@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..ops.layout import cdiv, forced_block_bound, forced_block_count, forced_block_mask, window_positions
-from .base import DecodeState, Selection, StateSpec, int_min
+from .base import Counts, DecodeState, Selection, StateSpec, int_max, int_min
 from .blocks import _BlockTopK
 from .projected import CompressedKeys
 from .tokens import TokenTopK
@@ -68,42 +68,69 @@ class CoarsePass:
             q, ckeys, state.block_table, state.seq_lens, state.start, "block", sink, window, qproj=qproj
         )
 
-    def counts(self, state: DecodeState, blocks: list[int], sink: int, window: int) -> tuple[int, torch.Tensor | None]:
-        """Candidate blocks per sequence: ``candidates x blocks[b]``, at least its forced blocks (which the coarse
-        scores hold at ``+inf``: all of them must be candidates), at most those it holds. Returns the width ``C`` of
-        the candidates and the counts for ``topk_indices`` (``None``: ``C`` each).
+    def width(self, blocks: int) -> int:
+        """``ceil(candidates x blocks)``: the candidates a sequence wants for a selection of ``blocks`` blocks (on the
+        host; before the floor of its forced blocks). An int ``candidates`` multiplies ints only (a symbolic
+        ``blocks`` stays symbolic under ``torch.compile``, where a float product would specialise it)."""
+        if type(self.candidates) is int:
+            return self.candidates * blocks
+        return math.ceil(self.candidates * blocks)
 
-        The eager step counts on the host from its lengths. A static step has only the reserved bounds on the host
-        (``state.lens``), so where the forced blocks may exceed what a sequence wants, it counts them on the device
-        (``[B]`` long) and takes as width a bound of the counts (``forced_block_bound``; what topk adds past a
-        sequence's blocks is ``-1``, since scores past them are ``-inf``)."""
+    def device_width(self, blocks: torch.Tensor) -> torch.Tensor:
+        """:meth:`width` on the device: ``blocks [B]`` long -> ``[B]`` long. A float ``candidates`` in float64, so
+        that it is what the host computes: Python multiplies the float by the int in float64 and ``math.ceil``
+        rounds that product up (exact for every count below 2**53)."""
+        if type(self.candidates) is int:
+            return blocks * self.candidates
+        return torch.ceil(blocks.double() * self.candidates).long()
+
+    def counts(
+        self,
+        state: DecodeState,
+        blocks: Counts,
+        sink: int,
+        window: int,
+        planned: int | None = None,
+        covers_forced: bool = False,
+    ) -> tuple[int, torch.Tensor | None]:
+        """Candidate blocks per sequence: ``candidates x blocks[b]`` (:meth:`width`), at least its forced blocks
+        (which the coarse scores hold at ``+inf``: all of them must be candidates), at most those it holds. Returns
+        the width ``C`` of the candidates and the counts for ``topk_indices`` (``None``: ``C`` each).
+
+        The eager step counts on the host from its lengths. A static step has the counts on the device only
+        (``blocks.device``: :meth:`device_width` of them) and on the host the reserved bounds (``state.lens``) and
+        ``planned``, :meth:`width` of ``blocks.width`` (the most any sequence wants: :meth:`width` does not
+        decrease). It takes as width that, at least a bound of the forced blocks (``forced_block_bound``; what topk
+        adds past a sequence's blocks is ``-1``, since scores past them are ``-inf``), and counts the forced blocks on
+        the device unless ``covers_forced`` says that every ``blocks[b]`` holds them already (a block policy's plan
+        keeps its forced blocks)."""
         BS = state.block_size
-        want = [math.ceil(self.candidates * k) for k in blocks]
-        if not state.static:
+        if blocks.host is not None:
+            want = [self.width(k) for k in blocks.host]
             floor = [forced_block_count(n, sink, window, BS) for n in state.lens]
-            counts = [min(live, max(f, w)) for w, f, live in zip(want, floor, state.live_blocks())]
-            width = max(counts)
-            return width, _BlockTopK.counts_tensor(state, counts, width)
-        bound = forced_block_bound(sink, window, BS)
-        width = int_min(state.num_blocks, _BlockTopK.width_of([*want, bound]))  # no guard per count
-        if min(want) >= bound:  # every sequence's forced blocks fit in what it wants
-            return width, _BlockTopK.counts_tensor(state, want, width)
+            counts = Counts.of([min(live, max(f, w)) for w, f, live in zip(want, floor, state.live_blocks())])
+            return counts.width, counts.tensor(state.q.device)
+        width = int_min(state.num_blocks, int_max(planned, forced_block_bound(sink, window, BS)))
+        want = self.device_width(blocks.device)  # [B]
+        if covers_forced:
+            return width, want
         forced = forced_block_mask(state.seq_lens, state.start, sink, window, BS, state.num_blocks).sum(-1)  # [B]
-        return width, torch.maximum(forced, _BlockTopK.device_ints(state, want))
+        return width, torch.maximum(forced, want)
 
-    def select(self, state: DecodeState, blocks: list[int], sink: int, window: int) -> torch.Tensor:
-        """``[B, Hkv, C]`` candidate logical blocks for a selection of ``blocks[b]`` blocks (:meth:`counts`),
+    def select(
+        self, state: DecodeState, blocks: Counts, sink: int, window: int, planned: int | None, covers_forced: bool
+    ) -> torch.Tensor:
+        """``[B, Hkv, C]`` candidate logical blocks for a selection of ``blocks`` blocks (:meth:`counts`),
         ascending, ``-1`` padded."""
         scores = self.scores(state, sink, window)
-        width, counts = self.counts(state, blocks, sink, window)
+        width, counts = self.counts(state, blocks, sink, window, planned, covers_forced)
         return state.ops.topk_indices(scores, width, counts)
 
 
-def pick(ops, scores: torch.Tensor, items: torch.Tensor, counts: list[int], state: DecodeState) -> torch.Tensor:
-    """The ``counts[b]`` best ``items [B, Hkv, N]`` by ``scores [B, Hkv, N]``, ascending (items ascend), ``-1``
-    padded: ``[B, Hkv, max(counts)]`` int32."""
-    width = _BlockTopK.width_of(counts)
-    slots = ops.topk_indices(scores, width, _BlockTopK.counts_tensor(state, counts, width)).long()
+def pick(ops, scores: torch.Tensor, items: torch.Tensor, counts: Counts, state: DecodeState) -> torch.Tensor:
+    """The ``counts`` best ``items [B, Hkv, N]`` by ``scores [B, Hkv, N]``, ascending (items ascend), ``-1``
+    padded: ``[B, Hkv, counts.width]`` int32."""
+    slots = ops.topk_indices(scores, counts.width, counts.tensor(state.q.device)).long()
     picked = items.long().gather(-1, slots.clamp(min=0))
     return torch.where(slots >= 0, picked, -1).int()
 
@@ -124,6 +151,32 @@ class _TwoStage:
     def cache_state(self) -> tuple[StateSpec, ...]:
         return self._coarse.cache_state()
 
+    def coarse_blocks(self, width: int, block_size: int) -> int:  # pragma: no cover - abstract
+        """The blocks the coarse pass sizes its candidates by, for a selection ``width`` wide."""
+        raise NotImplementedError
+
+    def static_widths(self, counts: list[int], block_size: int) -> tuple[int, ...]:
+        """The selection's width and, with a float ``candidates``, the coarse pass's (:meth:`CoarsePass.width` of
+        :meth:`coarse_blocks`): see :meth:`candidates_of`."""
+        width = max(counts)
+        if type(self.candidates) is int:
+            return (width,)
+        return width, self._coarse.width(self.coarse_blocks(width, block_size))
+
+    def candidates_of(self, state: DecodeState, blocks: Counts, covers_forced: bool) -> torch.Tensor:
+        """The coarse pass's ``[B, Hkv, C]`` candidates for selections of ``blocks`` blocks.
+
+        A static step's candidates' width comes from its plan's width: with an int ``candidates``, derived here
+        (integer arithmetic: under ``torch.compile`` it turns dynamic with the width); with a float one, made on the
+        host before the step (:meth:`static_widths`), since a compiled step would specialise on a width multiplied
+        by a float (a recompile at every change): it is then a second plan int, which turns dynamic when it first
+        changes (with the width, or later for a token policy, whose candidates change every ``block_size`` tokens
+        of its width: one more compile)."""
+        planned = None
+        if state.static:
+            planned = self._coarse.width(blocks.width) if type(self.candidates) is int else state.planned[1]
+        return self._coarse.select(state, blocks, self.sink, self.window, planned, covers_forced)
+
 
 @dataclass
 class TwoStageBlockTopK(_TwoStage, _BlockTopK):
@@ -134,15 +187,18 @@ class TwoStageBlockTopK(_TwoStage, _BlockTopK):
     ``coarse="projected"``).
     """
 
-    def candidate_blocks(self, state: DecodeState) -> tuple[list[int], torch.Tensor] | None:
-        """The step's widths (``None``: dense) and its candidate blocks ``[B, Hkv, C]`` (coarse pass)."""
+    def coarse_blocks(self, width: int, block_size: int) -> int:
+        return width
+
+    def candidate_blocks(self, state: DecodeState) -> tuple[Counts, torch.Tensor] | None:
+        """The step's counts (``None``: dense) and its candidate blocks ``[B, Hkv, C]`` (coarse pass; the plan's
+        counts hold the forced blocks already)."""
         counts = self.widths(state)
         if counts is None:
             return None
         if state.evicted is not None:
-            counts = [min(c, live) for c, live in zip(counts, state.live_blocks())]
-        cand = self._coarse.select(state, counts, self.sink, self.window)
-        return counts, cand
+            counts = counts.at_most(state.live_blocks())
+        return counts, self.candidates_of(state, counts, covers_forced=True)
 
     def select(self, state: DecodeState) -> Selection:
         found = self.candidate_blocks(state)
@@ -155,7 +211,7 @@ class TwoStageBlockTopK(_TwoStage, _BlockTopK):
             reduce="block", sink=self.sink, window=self.window,
         )  # fmt: skip
         blocks = pick(state.ops, best, cand, counts, state)
-        return Selection("block", blocks, state.start, state.start, tuple(counts))
+        return Selection("block", blocks, state.start, state.start, counts.per_sequence())
 
 
 @dataclass
@@ -163,14 +219,18 @@ class TwoStageTokenTopK(_TwoStage, TokenTopK):
     """Coarse pass to ``candidates x`` the budget's blocks, then the budget's tokens by exact score among theirs (sink
     and window kept). Args as :class:`TwoStageBlockTopK`; runs in ``"token"`` and ``"mask"`` modes."""
 
+    def coarse_blocks(self, width: int, block_size: int) -> int:
+        return cdiv(width, block_size)
+
     def select(self, state: DecodeState) -> Selection:
         BS = state.block_size
         counts = self.widths(state)
         if counts is None:
             return self.dense_selection(state)
         if state.evicted is not None:
-            counts = [min(c, live) for c, live in zip(counts, state.live_tokens())]
-        cand = self._coarse.select(state, [cdiv(k, BS) for k in counts], self.sink, self.window)  # [B, Hkv, C]
+            counts = counts.at_most(state.live_tokens())
+        blocks = counts.map(lambda k: cdiv(k, BS), lambda k: cdiv(k, BS))  # may hold fewer than the forced
+        cand = self.candidates_of(state, blocks, covers_forced=False)  # [B, Hkv, C]
         exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
         pos = state.ops.blocks_to_tokens(cand, BS).long()  # [B, Hkv, C * BS]
         s = exact.flatten(-2)
@@ -180,4 +240,4 @@ class TwoStageTokenTopK(_TwoStage, TokenTopK):
         forced = (pos < sink_end.view(-1, 1, 1)) | (pos >= first.view(-1, 1, 1))
         s = s.masked_fill(forced & (s > float("-inf")), float("inf"))
         tokens = pick(state.ops, s, pos, counts, state)
-        return Selection("token", tokens, state.start, state.start, tuple(counts))
+        return Selection("token", tokens, state.start, state.start, counts.per_sequence())
