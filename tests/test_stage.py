@@ -87,4 +87,33 @@ def test_suite_call_carries_the_extras_and_returns_the_cells():
     call = suite_call("qwen2.5-coder-1.5b")
     assert call["carry"] == [".stage/extras"] and len(call["command"]) < 2000
     assert "HF_SPARSE_KV_ASSETS=/root/hfsk_assets" in call["command"] and "suite qwen2.5" in call["command"]
-    assert call["command"].endswith("cells.jsonl evaluation/results/suite_qwen2.5/summary.md $OUT/")
+    assert call["command"].endswith("cells.jsonl /root/hfsk_assets/results/suite_qwen2.5/summary.md $OUT/")
+
+
+def test_suite_call_resumes_outside_the_tree(tmp_path):
+    """The call's bash, run twice on one machine: the first starts the device-side results from the tree's cells, the
+    second keeps what the first wrote even though the tree's copy was reset in between (python3 stubbed out)."""
+    import subprocess
+
+    from evaluation.stage import suite_call
+
+    tree, dev, out = tmp_path / "tree", tmp_path / "dev", tmp_path / "out"
+    for d in (tree / "evaluation/results/suite_smollm2", tree / ".stage/extras", tree / "bin", out):
+        d.mkdir(parents=True)
+    (tree / "evaluation/results/suite_smollm2/cells.jsonl").write_text("tree\n", encoding="utf-8")
+    (tree / ".stage/extras/essays.txt").write_text("text", encoding="utf-8")
+    # a stand-in for python3: pip does nothing, the suite appends a cell to --out and writes a summary
+    stub = tree / "bin/python3"
+    stub.write_text(
+        '#!/usr/bin/env bash\n[ "$2" = pip ] && exit 0\n'
+        'while [ $# -gt 0 ] && [ "$1" != --out ]; do shift; done; echo run >> "$2/cells.jsonl"; echo s > "$2/summary.md"\n',
+        encoding="utf-8",
+    )
+    stub.chmod(0o755)
+    cmd = suite_call("smollm2", device_dir=str(dev))["command"]
+    env = {"PATH": f"{tree / 'bin'}:/usr/bin:/bin", "OUT": str(out)}
+    for _ in range(2):
+        (tree / "evaluation/results/suite_smollm2/cells.jsonl").write_text("tree\n", encoding="utf-8")  # the copy
+        subprocess.run(["bash", "-c", cmd], cwd=tree, env=env, check=True, timeout=60)
+    assert (dev / "results/suite_smollm2/cells.jsonl").read_text(encoding="utf-8") == "tree\nrun\nrun\n"
+    assert (out / "cells.jsonl").read_text(encoding="utf-8") == "tree\nrun\nrun\n"
