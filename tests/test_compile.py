@@ -296,7 +296,7 @@ def test_device_candidate_counts_equal_the_host_formula(candidates):
     if candidates == 1.1:  # the values tell float64 from float32
         assert torch.ceil(k.float() * candidates).long().tolist() != host
     BS, counts = 8, [37, 5, 120, 64, 1]
-    blocks = Counts(max(counts), device=torch.tensor(counts)).map(lambda n: cdiv(n, BS), lambda n: cdiv(n, BS))
+    blocks = Counts(max(counts), device=torch.tensor(counts)).map(lambda n: cdiv(n, BS))
     assert blocks.device.tolist() == [cdiv(n, BS) for n in counts] and blocks.width == cdiv(120, BS)
     # the candidates' width: planned on the host for a float, derived in the step (integer arithmetic) for an int
     block_policy = TwoStageBlockTopK(24, 4, 8, candidates=candidates)

@@ -106,7 +106,8 @@ def test_suite_call_resumes_outside_the_tree(tmp_path):
     stub = tree / "bin/python3"
     stub.write_text(
         '#!/usr/bin/env bash\n[ "$2" = pip ] && exit 0\n'
-        'while [ $# -gt 0 ] && [ "$1" != --out ]; do shift; done; echo run >> "$2/cells.jsonl"; echo s > "$2/summary.md"\n',
+        'while [ $# -gt 0 ] && [ "$1" != --out ]; do shift; done\n'
+        'echo run >> "$2/cells.jsonl"; echo s > "$2/summary.md"\n',
         encoding="utf-8",
     )
     stub.chmod(0o755)

@@ -1,9 +1,9 @@
 """The functional API of the sparse-KV ops, and the choice of backend.
 
 Each backend is a namespace exposing the same functions with the signatures of :mod:`.reference`:
-``paged_write``, ``gather_dense``, ``block_scores``, ``block_shares``, ``token_scores``, ``oracle_block_scores``, ``topk_indices``,
-``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``, ``decode_masked``,
-``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``, ``candidate_scores``,
+``paged_write``, ``gather_dense``, ``block_scores``, ``block_shares``, ``token_scores``, ``oracle_block_scores``,
+``topk_indices``, ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``,
+``decode_masked``, ``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``, ``candidate_scores``,
 ``candidate_mass``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
 on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not
 implement: :data:`REFERENCE_ONLY` lists them (plain PyTorch on the tensors' device: right, not fast).

@@ -13,9 +13,10 @@ inductor see the kernels but traces the launcher's Python, which would have to b
 still fuses everything around the ops (norms, rotary, MLP); the ops hold no host sync, so a CUDA graph captures
 them.
 
-The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form, ``candidate_mass``:
-the compressed-key, two-stage and top-p policies) are registered the same way; ``projected_write`` runs inside a static step's write (the
-compressed keys' :class:`~hf_sparse_kv.policies.StateSpec` refresh) and mutates its ``ckeys``.
+The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form, ``candidate_mass``,
+``block_shares``: the compressed-key, two-stage and top-p policies) are registered the same way; ``projected_write``
+runs inside a static step's write (the compressed keys' :class:`~hf_sparse_kv.policies.StateSpec` refresh) and
+mutates its ``ckeys``.
 
 The ops whose reference is plain tensor code with static shapes (``blocks_to_tokens``, ``selection_to_mask``,
 ``gather_dense``, ``merge_partials``) are not registered: dynamo traces them as they are.

@@ -246,13 +246,14 @@ class Counts:
         """An eager step's counts, each at most ``live[b]`` (what the sequence still holds after an eviction)."""
         return Counts.of([min(c, n) for c, n in zip(self.host, live)])
 
-    def map(self, host: Callable[[int], int], device: Callable[[torch.Tensor], torch.Tensor]) -> Counts:
-        """The counts through a non-decreasing function, given in its host form (applied to ``width`` and to each
-        host count) and its device form (applied to ``device``): the width of the result is ``host(width)``."""
+    def map(self, fn: Callable) -> Counts:
+        """The counts through ``fn``, a non-decreasing function of an int that applies elementwise to a long tensor
+        too (e.g. ``lambda k: cdiv(k, BS)``): applied to ``width``, to each host count and to ``device``; the width
+        of the result is ``fn(width)``."""
         return Counts(
-            host(self.width),
-            None if self.host is None else tuple(host(c) for c in self.host),
-            None if self.device is None else device(self.device),
+            fn(self.width),
+            None if self.host is None else tuple(fn(c) for c in self.host),
+            None if self.device is None else fn(self.device),
         )
 
 

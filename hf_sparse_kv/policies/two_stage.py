@@ -229,7 +229,7 @@ class TwoStageTokenTopK(_TwoStage, TokenTopK):
             return self.dense_selection(state)
         if state.evicted is not None:
             counts = counts.at_most(state.live_tokens())
-        blocks = counts.map(lambda k: cdiv(k, BS), lambda k: cdiv(k, BS))  # may hold fewer than the forced
+        blocks = counts.map(lambda k: cdiv(k, BS))  # may hold fewer than the forced
         cand = self.candidates_of(state, blocks, covers_forced=False)  # [B, Hkv, C]
         exact = state.ops.candidate_scores(state.q, state.k_pool, state.block_table, state.seq_lens, state.start, cand)
         pos = state.ops.blocks_to_tokens(cand, BS).long()  # [B, Hkv, C * BS]
