@@ -18,8 +18,10 @@ Providers, timed in the same run:
   to 2x / 4x / 8x the budget's blocks, exact scores over them), ``2st_tok`` (TwoStageTokenTopK, c = 4), ``topp_c4``
   (TopPBlockTopK, c = 4, p = 0.9: its bytes are the budget's cap), ``mass_c8`` (TopPBlockTopK, c = 8, p = 1: the
   candidates ranked by their softmax mass, ``candidate_scores(reduce="mass")``), ``massh_c8`` (the same ranked by
-  each query head's mass, ``pool="heads"``: ``candidate_scores(reduce="head_mass")``); each also as
-  ``<name>:sel`` (the selection alone), and ``proj:write`` (the compressed keys' refresh of one decode token)
+  each query head's mass, ``pool="heads"``: ``candidate_scores(reduce="head_mass")``), ``quant2`` / ``quant4``
+  (QuantBlockTopK: every block's mass under 2- / 4-bit keys, ``quant_block_scores``); each also as
+  ``<name>:sel`` (the selection alone), and ``proj:write`` / ``quant2:write`` (the compressed keys' / the 2-bit
+  codes' refresh of one decode token)
 
 Bytes are the KV bytes each provider must read by design (``+sel`` adds the min/max metadata of every block); GB/s
 and the fraction of the HBM bandwidth measured at the start of the run follow from them.
@@ -59,6 +61,7 @@ from hf_sparse_kv.policies import (
     DecodeState,
     ProjectedBlockTopK,
     ProjectedTokenTopK,
+    QuantBlockTopK,
     Quest,
     TopPBlockTopK,
     TwoStageBlockTopK,
@@ -83,7 +86,8 @@ SKIPPABLE = ["scores", "topk", "topk_torch"]  # the others feed the table's colu
 TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
 SELECTORS = (
-    "quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8", "massh_c8"
+    "quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8", "massh_c8",
+    "quant2", "quant4",
 )  # fmt: skip
 
 
@@ -208,15 +212,17 @@ def compressed_keys(caches, H: int, D: int) -> tuple[dict, list[torch.Tensor], t
     return cal, ckeys, P.to(DEV)
 
 
-def layer_states(layer, caches, bt, BS, ops, ckeys) -> list[DecodeState]:
-    """One :class:`DecodeState` per layer (its own pool, metadata and compressed keys; the shared query and table)."""
+def layer_states(layer, caches, bt, BS, ops, ckeys, kcodes=None) -> list[DecodeState]:
+    """One :class:`DecodeState` per layer (its own pool, metadata, compressed keys and, given ``kcodes``, low-bit
+    codes; the shared query and table)."""
     B, L = layer.B, layer.L
 
     def state(i, c):
+        extra = {} if kcodes is None else {"kcodes": kcodes[i]}
         return DecodeState(
             q=layer.q, k_pool=c[0], kmin=c[2], kmax=c[3], kmean=c[4], block_table=bt, seq_lens=layer.seq_lens,
             start=layer.zero, lens=(L,) * B, length=L, block_size=BS, scale=layer.scale, ops=ops,
-            state={"ckeys": ckeys[i]}, layer=i,
+            state={"ckeys": ckeys[i], **extra}, layer=i,
         )  # fmt: skip
 
     return [state(i, c) for i, c in enumerate(caches)]
@@ -247,8 +253,12 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "topp_c4": TopPBlockTopK(budget=f, candidates=4, p=0.9, pool="max"),
         "mass_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0, pool="max"),
         "massh_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0, pool="heads"),
+        "quant2": QuantBlockTopK(budget=f, bits=2),
+        "quant4": QuantBlockTopK(budget=f, bits=4),
     }
     states = layer_states(layer, caches, bt, BS, ops, ckeys)
+    codes = {b: [R.quantize_keys(c[0], c[2], c[3], b) for c in caches] for b in (2, 4)}  # as the writes leave them
+    quant_states = {b: layer_states(layer, caches, bt, BS, ops, ckeys, codes[b]) for b in (2, 4)}
 
     def attend(i, sel):
         if sel.kind == "block":
@@ -258,13 +268,16 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     fns, need = {}, {}
     n_layers = len(caches)
     for name, policy in policies.items():
-        fns[name] = [lambda i=i, p=policy: attend(i, p.select(states[i])) for i in range(n_layers)]
-        fns[f"{name}:sel"] = [lambda i=i, p=policy: p.select(states[i]) for i in range(n_layers)]
-        sel = policy.select(states[0])
+        st = quant_states[policy.bits] if name.startswith("quant") else states
+        fns[name] = [lambda i=i, p=policy, st=st: attend(i, p.select(st[i])) for i in range(n_layers)]
+        fns[f"{name}:sel"] = [lambda i=i, p=policy, st=st: p.select(st[i]) for i in range(n_layers)]
+        sel = policy.select(st[0])
         width = sel.counts[0] * (BS if sel.kind == "block" else 1)
         attn = kv_bytes(B, H, width, D) + (B * H * width * 4 if sel.kind == "token" else 0)
         two_stage = name.startswith(("2st", "topp", "mass"))
         score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
+        if name.startswith("quant"):  # the codes of every token and the min / max of every block
+            score = meta_bytes(B, H, L // BS, D) + B * H * L * D * policy.bits // 8
         if two_stage:
             blocks = [sel.counts[0] if sel.kind == "block" else cdiv(sel.counts[0], BS)] * B
             cand = policy._coarse.counts(states[0], Counts.of(blocks), policy.sink, policy.window)[0]  # its width
@@ -277,6 +290,12 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         for i in range(n_layers)
     ]
     need["proj:write"] = B * H * (D + Rk) * 2
+    q2 = policies["quant2"]
+    fns["quant2:write"] = [
+        lambda i=i: q2._refresh(codes[2][i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops)
+        for i in range(n_layers)
+    ]
+    need["quant2:write"] = B * H * BS * (D * 2 + D * 2 // 8)  # the block's keys read, its codes written
     return fns, need
 
 
@@ -619,7 +638,7 @@ def tune_selectors(ops, args, hbm) -> None:
         grp = sorted(grp, key=lambda r: r.get("us", float("inf")))
         top += grp[:4] + [r for r in grp[4:] if r["default"]]
     print_table(top, cols, f"scoring kernels: the 4 fastest configs and the default per shape (HBM {hbm:.0f} GB/s)")
-    names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write"]
+    names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write", "quant2:write"]
     print_table(sel_rows, ["model", "B", "L", *names], "selectors with the best knobs: selection + attention (name) "
                 "and selection alone (name:sel), us per layer")  # fmt: skip
     folder = os.path.dirname(os.path.abspath(args.out))
@@ -863,7 +882,7 @@ def main():
         f"decode, bf16, us per layer (median of {args.rep} graph replays of {args.layers} layers); HBM {hbm:.0f} GB/s",
     )
     if args.selectors:
-        names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write"]
+        names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write", "quant2:write"]
         print_table(
             [{**r, "L": f"{r['L'] // KI}K"} for r in rows],
             ["model", "B", "L", "BS", "budget", "dense", "block+sel", *names],

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_kv.policies import Dense, OracleBlockTopK, Quest, TopPBlockTopK
+from hf_sparse_kv.policies import Dense, OracleBlockTopK, QuantBlockTopK, Quest, TopPBlockTopK
 
 from .assets import load_essays, load_model
 from .perplexity import nll_of
@@ -39,8 +39,11 @@ from .text import essay_tokens
 COARSE = ("quest", "quest_heads", "quest_heads_max")
 
 
-def cells(budget: float, sink: int, window: int, candidates: list[float], coarse: list[str]) -> dict:
-    """label -> policy: dense, oracle, quest, then ``<coarse>_c<c>`` for every coarse pass and candidate factor."""
+def cells(
+    budget: float, sink: int, window: int, candidates: list[float], coarse: list[str], bits: tuple[int, ...] = ()
+) -> dict:
+    """label -> policy: dense, oracle, quest, then ``<coarse>_c<c>`` for every coarse pass and candidate factor, then
+    ``quant<b>`` (:class:`QuantBlockTopK`: the oracle's mass under ``b``-bit keys) for every width in ``bits``."""
     out = {
         "dense": Dense(),
         "oracle": OracleBlockTopK(budget=budget, sink=sink, window=window),
@@ -51,6 +54,8 @@ def cells(budget: float, sink: int, window: int, candidates: list[float], coarse
             out[f"{name}_c{c:g}"] = TopPBlockTopK(
                 budget=budget, sink=sink, window=window, candidates=c, coarse=name, p=1.0, pool="heads"
             )
+    for b in bits:
+        out[f"quant{b}"] = QuantBlockTopK(budget=budget, sink=sink, window=window, bits=b)
     return out
 
 
@@ -159,12 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dense-layers", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--candidates", type=float, nargs="+", default=[2, 4, 8])
     ap.add_argument("--coarse", nargs="+", default=list(COARSE), choices=COARSE)
+    ap.add_argument("--bits", type=int, nargs="*", default=[], help="QuantBlockTopK cells (quant<b>) at these widths")
     ap.add_argument("--only", nargs="*", default=None, help="run only these cell labels (dense and oracle always)")
     ap.add_argument("--chunk", type=int, default=64)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     budget = float(Fraction(args.budget))
-    grid = cells(budget, args.sink, args.window, args.candidates, args.coarse)
+    grid = cells(budget, args.sink, args.window, args.candidates, args.coarse, tuple(args.bits))
     if args.only:
         grid = {k: v for k, v in grid.items() if k in {"dense", "oracle", *args.only}}
     args.out.mkdir(parents=True, exist_ok=True)

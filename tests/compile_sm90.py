@@ -41,6 +41,8 @@ from hf_sparse_kv.ops.triton import (
     paged_write,
     projected_scores,
     projected_write,
+    quant_block_scores,
+    quant_write,
     topk_indices,
 )
 
@@ -181,6 +183,19 @@ def cases():
         lens = torch.full((B,), C * BS - 5, dtype=torch.int32)
         args = (lse, cand, lens, torch.zeros_like(lens), BS, 4, 32, block_c)
         out.append((f"candidate_mass G={G} C={C} block_c={block_c}", partial(candidate_mass, *args)))
+    for bits in (2, 4):  # the low-bit keys: the write and the block mass, bf16 keys of the 8B shape's head dim
+        NB, H, BS, D = 12, 2, 16, 128
+        k_pool = torch.randn(NB, H, BS, D, generator=g).to(torch.bfloat16)
+        codes = torch.zeros(NB, H, BS, D * bits // 8, dtype=torch.uint8)
+        table = torch.arange(NB, dtype=torch.int32).view(2, 6)
+        lens, zero = torch.tensor([90, 40], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        span_lo, span_hi = torch.tensor([88, 39]), torch.tensor([90, 40])
+        out.append((f"quant_write bits={bits}", partial(quant_write, codes, k_pool, table, span_lo, span_hi, 2, bits)))
+        kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+        for G in (1, 4, 8):
+            q = torch.randn(2, H * G, D, generator=g).to(torch.bfloat16)
+            args = (q, codes, kmin, kmax, table, lens, zero, 0.088, bits)
+            out.append((f"quant_block_scores bits={bits} G={G}", partial(quant_block_scores, *args)))
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
     for n in (100, 2048, 8200, 20000):  # one tile; one tile; 8192 + 16 lanes; 16384 + 4096 lanes

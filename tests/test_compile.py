@@ -21,6 +21,7 @@ from hf_sparse_kv.policies import (
     OracleBlockTopK,
     ProjectedBlockTopK,
     ProjectedTokenTopK,
+    QuantBlockTopK,
     Quest,
     SinkWindow,
     TokenTopK,
@@ -116,6 +117,10 @@ SELECTORS = {
     "TopPBlockTopK(pool=heads)": (
         lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=0.8, pool="heads"),
         {"block_scores", "candidate_scores", "candidate_mass", "topk_indices"},
+    ),
+    "QuantBlockTopK": (
+        lambda m: QuantBlockTopK(24, 2, 4, bits=2),
+        {"quant_write", "quant_block_scores", "topk_indices"},
     ),
 }
 SELECTOR_CASES = [

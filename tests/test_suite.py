@@ -27,7 +27,7 @@ def _tiny_cfg(name: str) -> dict:
         perplexity={"windows": 3, "scored": 16, "chunk": 8, "fidelity": True, "batch": 2},
         decisive={"policies": ["dense", "oracle", "quest"], "budgets": ["1/8"]},
     )
-    selectors = ("two_stage_block_topk", "top_p_block_topk")  # issue 13's: tested in test_selectors / test_compile
+    selectors = ("two_stage_block_topk", "top_p_block_topk", "quant_block_topk")  # issue 13's: tested elsewhere
     cfg["policies"] = [
         dict(p, sink=2, window=8) if p["name"] not in ("dense", "sink_window") else p
         for p in cfg["policies"]

@@ -3,10 +3,11 @@
 Each backend is a namespace exposing the same functions with the signatures of :mod:`.reference`:
 ``paged_write``, ``gather_dense``, ``block_scores``, ``block_shares``, ``token_scores``, ``oracle_block_scores``,
 ``topk_indices``, ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``,
-``decode_masked``, ``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``, ``candidate_scores``,
-``candidate_mass``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
-on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not
-implement: :data:`REFERENCE_ONLY` lists them (plain PyTorch on the tensors' device: right, not fast).
+``decode_masked``, ``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``,
+``candidate_scores``, ``candidate_mass``, ``quant_write``, ``quant_block_scores``. The reference backend (plain
+PyTorch, float32 inside) runs anywhere; the Triton backend runs on CUDA tensors (or anywhere under
+``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not implement: :data:`REFERENCE_ONLY`
+lists them (plain PyTorch on the tensors' device: right, not fast).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ _OP_NAMES = (
     "projected_scores",
     "candidate_scores",
     "candidate_mass",
+    "quant_write",
+    "quant_block_scores",
 )
 
 
 # the ops without a Triton kernel: the Triton namespace runs their reference (evaluation oracles, plain tensor code, and
-# block_shares, the per-head coarse score of issue 13, measured on the CPU only so far)
+# block_shares, the per-head coarse score of issue 13, measured for quality only so far)
 REFERENCE_ONLY = (
     "gather_dense",
     "token_scores",

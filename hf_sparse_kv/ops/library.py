@@ -14,9 +14,9 @@ still fuses everything around the ops (norms, rotary, MLP); the ops hold no host
 them.
 
 The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form, ``candidate_mass``,
-``block_shares``: the compressed-key, two-stage and top-p policies) are registered the same way; ``projected_write``
-runs inside a static step's write (the compressed keys' :class:`~hf_sparse_kv.policies.StateSpec` refresh) and
-mutates its ``ckeys``.
+``block_shares``, ``quant_write``, ``quant_block_scores``: the compressed-key, two-stage, top-p and low-bit-key
+policies) are registered the same way; ``projected_write`` and ``quant_write`` run inside a static step's write (the
+:class:`~hf_sparse_kv.policies.StateSpec` refreshes) and mutate their state.
 
 The ops whose reference is plain tensor code with static shapes (``blocks_to_tokens``, ``selection_to_mask``,
 ``gather_dense``, ``merge_partials``) are not registered: dynamo traces them as they are.
@@ -322,6 +322,49 @@ def _(lse, blocks, seq_lens, start, block_size, sink, window, backend):
     return (lse.new_empty(blocks.shape, dtype=torch.float32), lse.new_empty(blocks.shape, dtype=torch.float32))
 
 
+@torch.library.custom_op(f"{NAMESPACE}::quant_write", mutates_args=("codes",))
+def quant_write_op(
+    codes: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    bits: int,
+    backend: str,
+) -> None:
+    """``reference.quant_write``: re-code ``codes [NB, Hkv, BS, D * bits // 8]`` of the blocks holding the stored
+    positions ``lo[b] <= p < hi[b]`` from ``k_pool [NB, Hkv, BS, D]``, in place."""
+    _impl(backend, "quant_write")(codes, k_pool, block_table, lo, hi, span, bits)
+
+
+@quant_write_op.register_fake
+def _(codes, k_pool, block_table, lo, hi, span, bits, backend):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quant_block_scores", mutates_args=())
+def quant_block_scores_op(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.quant_block_scores``: each block's mass under the ``bits``-bit keys, ``[B, Hkv, MB]`` float32."""
+    return _impl(backend, "quant_block_scores")(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
+
+
+@quant_block_scores_op.register_fake
+def _(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, backend):
+    return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
+
+
 REGISTERED = (
     "paged_write",
     "block_scores",
@@ -336,6 +379,8 @@ REGISTERED = (
     "projected_scores",
     "candidate_scores",
     "candidate_mass",
+    "quant_write",
+    "quant_block_scores",
 )
 
 
@@ -397,6 +442,12 @@ def registered_ops(backend: str) -> SimpleNamespace:
     def candidate_mass(lse, blocks, seq_lens, start, block_size, sink, window):
         return candidate_mass_op(lse, blocks, seq_lens, start, block_size, sink, window, backend)
 
+    def quant_write(codes, k_pool, block_table, lo, hi, span, bits):
+        quant_write_op(codes, k_pool, block_table, lo, hi, span, bits, backend)
+
+    def quant_block_scores(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits):
+        return quant_block_scores_op(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, backend)
+
     return SimpleNamespace(
         name=backend,
         paged_write=paged_write,
@@ -416,4 +467,6 @@ def registered_ops(backend: str) -> SimpleNamespace:
         projected_scores=projected_scores,
         candidate_scores=candidate_scores,
         candidate_mass=candidate_mass,
+        quant_write=quant_write,
+        quant_block_scores=quant_block_scores,
     )

@@ -556,6 +556,124 @@ def projected_scores(
     return s.masked_fill(~alive.unsqueeze(1), NEG_INF).contiguous()
 
 
+QUANT_BITS = (2, 4)
+
+
+def quant_levels(bits: int) -> int:
+    """The largest code of ``bits``-bit keys (``2 ** bits - 1``); raises for a width other than 2 or 4."""
+    if bits not in QUANT_BITS:
+        raise ValueError(f"bits must be one of {QUANT_BITS}, got {bits!r}")
+    return 2**bits - 1
+
+
+def quantize_keys(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of ``keys [..., BS, D]`` on the uniform grid of ``2 ** bits`` levels from ``lo`` to ``hi`` (``[..., D]``,
+    each channel its own range): ``round((k - lo) / delta)`` clamped to the levels, ``delta = (hi - lo) / levels``
+    (code 0 where ``hi == lo``), packed planar into ``[..., BS, D * bits // 8]`` uint8: byte ``i`` holds the codes of
+    channels ``i, i + W, i + 2W, ...`` (``W = D * bits // 8``) from its low bits up."""
+    L = quant_levels(bits)
+    D = keys.shape[-1]
+    per = 8 // bits
+    if D % per:
+        raise ValueError(f"{bits}-bit keys pack {per} channels per byte: the head dim {D} is not a multiple of {per}")
+    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
+    delta = (hi - lo) / L
+    code = torch.where(delta > 0, torch.floor((keys.float() - lo) / delta + 0.5), torch.zeros_like(delta))
+    code = code.clamp(0, L).to(torch.int32)
+    W = D // per
+    packed = torch.zeros(*code.shape[:-1], W, dtype=torch.int32, device=keys.device)
+    for j in range(per):
+        packed |= code[..., j * W : (j + 1) * W] << (j * bits)
+    return packed.to(torch.uint8)
+
+
+def dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
+    """The keys ``lo + code * (hi - lo) / levels`` of :func:`quantize_keys`' codes: ``[..., BS, W] -> [..., BS, D]``
+    float32."""
+    L = quant_levels(bits)
+    c = codes.to(torch.int32)
+    code = torch.cat([(c >> (j * bits)) & L for j in range(8 // bits)], dim=-1).float()
+    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
+    return lo + code * ((hi - lo) / L)
+
+
+def quant_write(
+    codes: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    bits: int,
+) -> None:
+    """Re-quantize, in place, every token of the blocks holding the stored positions ``lo[b] <= p < hi[b]``.
+
+    A block's grid is the min / max of each channel over its filled prefix (positions below ``hi[b]``: the cache's
+    ``kmin`` / ``kmax`` of :func:`refresh_metadata`), so a token written into a partly filled block re-codes the
+    tokens before it; slots past the prefix get code 0.
+
+    Args:
+        codes: ``[NB, Hkv, BS, D * bits // 8]`` uint8 (:func:`quantize_keys`); k_pool: ``[NB, Hkv, BS, D]``;
+        block_table: ``[B, MB]``; lo, hi: ``[B]`` the positions written; span: a host int ``>= max(hi - lo)``
+        (the Triton kernel's grid; unused here); bits: 2 or 4.
+
+    Reads ``lo``/``hi`` on the host, one sequence at a time (as :func:`refresh_metadata`); the Triton kernel does not.
+    Blocks not held (table entry ``-1``) are skipped.
+    """
+    BS = k_pool.shape[2]
+    quant_levels(bits)
+    for b in range(block_table.shape[0]):
+        l, h = int(lo[b]), int(hi[b])
+        if h <= l:
+            continue
+        lbs = torch.arange(l // BS, (h - 1) // BS + 1, device=k_pool.device)
+        lbs = lbs[lbs < block_table.shape[1]]
+        lbs = lbs[block_table[b, lbs] >= 0]
+        blk = block_table[b, lbs].long()
+        fill = (h - lbs * BS).clamp(max=BS)  # [n]
+        keys = k_pool[blk].float()  # [n, H, BS, D]
+        ok = (torch.arange(BS, device=k_pool.device).view(1, BS) < fill.view(-1, 1)).view(-1, 1, BS, 1)
+        kmin = keys.masked_fill(~ok, float("inf")).amin(2).to(k_pool.dtype)  # as refresh_metadata stores them
+        kmax = keys.masked_fill(~ok, float("-inf")).amax(2).to(k_pool.dtype)
+        codes[blk] = quantize_keys(keys.masked_fill(~ok, 0.0), kmin, kmax, bits).masked_fill(~ok, 0)
+
+
+def quant_block_scores(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+) -> torch.Tensor:
+    """Each block's softmax mass under the quantized keys, summed over each GQA group (:func:`oracle_block_scores`
+    with every key replaced by its ``bits``-bit copy, dequantized on the grid of the block's ``kmin`` / ``kmax``).
+
+    Args:
+        q: ``[B, Hq, D]`` decode queries (unscaled); codes: ``[NB, Hkv, BS, D * bits // 8]`` uint8 (:func:`quant_write`);
+            kmin, kmax: ``[NB, Hkv, D]``; block_table: ``[B, MB]``; seq_lens, start: ``[B]``; scale: softmax scale.
+
+    Returns:
+        ``[B, Hkv, MB]`` float32; ``-inf`` past each sequence's last block and for evicted blocks.
+    """
+    B, Hq, _ = q.shape
+    _, Hkv, BS, _ = codes.shape
+    MB = block_table.shape[1]
+    phys = block_table.long().clamp(min=0)  # [B, MB]
+    keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
+    logits = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, Hkv), keys) * scale  # [B, Hkv, G, MB, BS]
+    pos = torch.arange(MB * BS, device=q.device).expand(B, MB * BS)
+    zero = torch.zeros_like(seq_lens)
+    live = (block_table >= 0).repeat_interleave(BS, dim=1)
+    ok = (valid_positions(pos, seq_lens, start, zero, zero) & live).view(B, 1, 1, MB * BS)
+    p = logits.reshape(B, Hkv, Hq // Hkv, MB * BS).masked_fill(~ok, NEG_INF).softmax(-1).nan_to_num(0.0)
+    mass = p.sum(2).view(B, Hkv, MB, BS).sum(-1)
+    return mass.masked_fill(~live_blocks(block_table, seq_lens, BS).unsqueeze(1), NEG_INF).contiguous()
+
+
 def candidate_scores(
     q: torch.Tensor,
     k_pool: torch.Tensor,

@@ -4,6 +4,7 @@ from .base import Counts, DecodeState, Policy, Selection, StateSpec
 from .blocks import BlockTopK, OracleBlockTopK, Quest
 from .compress import SnapKV
 from .projected import ProjectedBlockTopK, ProjectedTokenTopK
+from .quant import QuantBlockTopK
 from .simple import Dense, SinkWindow
 from .tokens import TokenTopK
 from .top_p import TopPBlockTopK
@@ -22,6 +23,7 @@ POLICIES: dict[str, type[Policy]] = {
     "two_stage_block_topk": TwoStageBlockTopK,
     "two_stage_token_topk": TwoStageTokenTopK,
     "top_p_block_topk": TopPBlockTopK,
+    "quant_block_topk": QuantBlockTopK,
 }
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "Policy",
     "ProjectedBlockTopK",
     "ProjectedTokenTopK",
+    "QuantBlockTopK",
     "Quest",
     "Selection",
     "SinkWindow",

@@ -8,6 +8,7 @@ from .masked_decode import decode_masked
 from .merge import merge_partials
 from .paged_write import paged_write
 from .projected import projected_scores, projected_write
+from .quant import quant_block_scores, quant_write
 from .token_decode import decode_tokens
 from .topk import topk_indices
 
@@ -22,5 +23,7 @@ __all__ = [
     "paged_write",
     "projected_scores",
     "projected_write",
+    "quant_block_scores",
+    "quant_write",
     "topk_indices",
 ]

@@ -1,0 +1,223 @@
+"""Low-bit keys for selection: the Triton twins of ``reference.quant_write`` and ``reference.quant_block_scores``.
+
+A key's codes are ``bits``-bit steps on its block's per-channel ``[min, max]`` grid, packed planar: byte ``i`` of a
+token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel handles the ``8 // bits`` channel slices
+``[j W, (j + 1) W)`` one at a time, each a ``[BS, W]`` tile, and never reshapes.
+
+- :func:`quant_write`: one program per (logical block touched by the write, sequence, KV head) loads the block's
+  filled prefix, takes each channel's min / max over it (the cache's ``kmin`` / ``kmax``), codes every slot
+  (``floor((k - min) / delta + 0.5)``, IEEE divisions as the reference's) and stores the block's codes; slots past
+  the prefix get 0. The grid is sized by ``span`` (``cdiv(span, BS) + 1`` blocks per sequence), a program past the
+  last block written returns: a captured step replays it.
+- :func:`quant_block_scores`: one program per (``TPP`` logical blocks, sequence, KV head) computes, for each of the
+  group's ``G`` query heads, the log-sum-exp over each block's valid positions of ``scale * q . k_hat`` with
+  ``k_hat = min + code * delta``, as ``q . min + sum_j (q_j * delta_j) . code_j`` (no dequantized key is built);
+  a few tensor ops then turn the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares and sum them over the
+  group (the reference's mass). It reads the codes (``bits / 16`` of 16-bit keys) and the block's min / max.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def quant_write_kernel(
+    codes,  # [NB, H, BS, W] uint8
+    k_pool,  # [NB, H, BS, D]
+    block_table,  # [B, MB]
+    lo,  # [B]
+    hi,  # [B]
+    s_pn,  # key pool stride between blocks
+    s_cn,  # codes stride between blocks
+    MB,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    b_lo = tl.load(lo + i_b).to(tl.int64)
+    b_hi = tl.load(hi + i_b).to(tl.int64)
+    lb = b_lo // BS + i_n
+    if (b_hi <= b_lo) | (lb > (b_hi - 1) // BS) | (lb >= MB):
+        return
+    b_phys = tl.load(block_table + i_b * MB + lb).to(tl.int64)
+    if b_phys < 0:
+        return
+    fill = tl.minimum(b_hi - lb * BS, BS)
+    L: tl.constexpr = (1 << BITS) - 1
+    PER: tl.constexpr = 8 // BITS
+    o_t = tl.arange(0, BS)
+    o_w = tl.arange(0, W)
+    m_t = o_t < fill
+    base = b_phys * s_pn + i_h * BS * D
+    packed = tl.zeros([BS, W], dtype=tl.int32)
+    for j in tl.static_range(PER):
+        b_k = tl.load(k_pool + base + o_t[:, None] * D + j * W + o_w[None, :], mask=m_t[:, None], other=0.0)
+        b_k = b_k.to(tl.float32)  # [BS, W]
+        b_min = tl.min(tl.where(m_t[:, None], b_k, float("inf")), 0)  # [W]
+        b_max = tl.max(tl.where(m_t[:, None], b_k, float("-inf")), 0)
+        delta = tl.math.div_rn(b_max - b_min, tl.full([W], L, tl.float32))
+        step = tl.where(delta > 0, delta, 1.0)
+        c = tl.math.floor(tl.math.div_rn(b_k - b_min[None, :], step[None, :]) + 0.5)
+        c = tl.minimum(tl.maximum(c, 0.0), L * 1.0)
+        c = tl.where((delta > 0)[None, :] & m_t[:, None], c, 0.0).to(tl.int32)
+        packed = packed | (c << (j * BITS))
+    p_c = codes + b_phys * s_cn + i_h * BS * W + o_t[:, None] * W + o_w[None, :]
+    tl.store(p_c, packed.to(tl.uint8))
+
+
+def quant_write(
+    codes: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    bits: int,
+) -> None:
+    """Re-code, in place, every token of the blocks holding the stored positions ``lo[b] <= p < hi[b]`` (the contract
+    of ``reference.quant_write``).
+
+    Args:
+        codes: ``[NB, Hkv, BS, D * bits // 8]`` uint8 (inner dims contiguous); k_pool: ``[NB, Hkv, BS, D]`` (inner
+        dims contiguous); block_table: ``[B, MB]``; lo, hi: ``[B]``; span: a host int ``>= max(hi - lo)``; bits: 2
+        or 4.
+    """
+    NB, H, BS, D = k_pool.shape
+    reference.quant_levels(bits)
+    W = D * bits // 8
+    assert codes.shape == (NB, H, BS, W) and codes.dtype == torch.uint8, f"{codes.shape} {codes.dtype} {k_pool.shape}"
+    assert k_pool.stride()[1:] == (BS * D, D, 1) and codes.stride()[1:] == (BS * W, W, 1)
+    assert triton.next_power_of_2(W) == W and triton.next_power_of_2(BS) == BS, "power-of-two tiles"
+    B = block_table.shape[0]
+    assert lo.shape == (B,) and hi.shape == (B,)
+    if span <= 0 or B == 0:
+        return
+    quant_write_kernel[(triton.cdiv(span, BS) + 1, B * H)](
+        codes, k_pool, block_table.contiguous(), lo.contiguous(), hi.contiguous(), k_pool.stride(0), codes.stride(0),
+        block_table.shape[1], H=H, D=D, W=W, BS=BS, BITS=bits, num_warps=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def quant_block_lse_kernel(
+    q,  # [B, HQ, D]
+    codes,  # [NB, H, BS, W] uint8
+    kmin,  # [NB, H, D]
+    kmax,  # [NB, H, D]
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B]
+    out,  # [B, HQ, MB] float32
+    s_cn,
+    s_mn,
+    scale,
+    MB,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    BITS: tl.constexpr,
+    TPP: tl.constexpr,
+):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    L: tl.constexpr = (1 << BITS) - 1
+    PER: tl.constexpr = 8 // BITS
+    n = tl.load(seq_lens + i_b)
+    s0 = tl.load(start + i_b)
+    o_t = tl.arange(0, BS)
+    o_w = tl.arange(0, W)
+    o_d = tl.arange(0, D)
+    for i in range(TPP):
+        lb = i_m * TPP + i
+        if lb < MB:
+            b_phys = tl.load(block_table + i_b * MB + lb).to(tl.int64)
+            pos = lb * BS + o_t
+            ok = (pos < n) & (pos >= s0) & (b_phys >= 0)
+            b_phys = tl.maximum(b_phys, 0)
+            p_m = b_phys * s_mn + i_h * D
+            b_lo = tl.load(kmin + p_m + o_d).to(tl.float32)  # [D]
+            b_c = tl.load(codes + b_phys * s_cn + i_h * BS * W + o_t[:, None] * W + o_w[None, :]).to(tl.int32)
+            for g in tl.static_range(G):
+                p_q = q + (i_b * HQ + i_h * G + g) * D
+                b_q = tl.load(p_q + o_d).to(tl.float32)
+                s = tl.zeros([BS], dtype=tl.float32) + tl.sum(b_q * b_lo, 0)
+                for j in tl.static_range(PER):
+                    q_j = tl.load(p_q + j * W + o_w).to(tl.float32)
+                    lo_j = tl.load(kmin + p_m + j * W + o_w).to(tl.float32)
+                    hi_j = tl.load(kmax + p_m + j * W + o_w).to(tl.float32)
+                    qd = q_j * tl.math.div_rn(hi_j - lo_j, tl.full([W], L, tl.float32))  # [W]
+                    c_j = ((b_c >> (j * BITS)) & L).to(tl.float32)  # [BS, W]
+                    s += tl.sum(c_j * qd[None, :], 1)
+                s = tl.where(ok, s * scale, float("-inf"))
+                mx = tl.max(s, 0)
+                safe = tl.where(mx > float("-inf"), mx, 0.0)
+                lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s - safe), 0)), float("-inf"))
+                tl.store(out + (i_b * HQ + i_h * G + g) * MB + lb, lse)
+
+
+def quant_block_lse(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+    tpp: int = 8,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
+    block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is."""
+    B, HQ, D = q.shape
+    NB, H, BS, W = codes.shape
+    reference.quant_levels(bits)
+    assert W == D * bits // 8 and codes.dtype == torch.uint8 and kmin.shape == kmax.shape == (NB, H, D)
+    assert codes.stride()[1:] == (BS * W, W, 1) and kmin.stride()[1:] == (D, 1) and kmax.stride() == kmin.stride()
+    assert HQ % H == 0 and triton.next_power_of_2(D) == D and triton.next_power_of_2(W) == W
+    MB = block_table.shape[1]
+    out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
+    if B == 0 or MB == 0:
+        return out
+    quant_block_lse_kernel[(triton.cdiv(MB, tpp), B * H)](
+        q.contiguous(), codes, kmin, kmax, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
+        codes.stride(0), kmin.stride(0), float(scale), MB,
+        HQ=HQ, H=H, G=HQ // H, D=D, W=W, BS=BS, BITS=bits, TPP=tpp, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def quant_block_scores(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+) -> torch.Tensor:
+    """Each block's softmax mass under the quantized keys, summed over each GQA group: ``[B, Hkv, MB]`` float32
+    (the contract of ``reference.quant_block_scores``), from :func:`quant_block_lse` and five tensor ops."""
+    B, HQ, _ = q.shape
+    H, BS = codes.shape[1], codes.shape[2]
+    lse = quant_block_lse(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
+    share = (lse - torch.logsumexp(lse, -1, keepdim=True)).exp().nan_to_num(0.0)  # nothing valid: 0, not NaN
+    mass = share.view(B, H, HQ // H, -1).sum(2)
+    return mass.masked_fill(~reference.live_blocks(block_table, seq_lens, BS).unsqueeze(1), NEG_INF)

@@ -1,0 +1,191 @@
+"""The low-bit-key selector (``QuantBlockTopK``): its codes' layout and error bound, its state in the cache through
+prefill, left padding, decode, beams and crop, its block mass as the oracle's on the dequantized keys, one selection
+in every mode, each prompt of a padded batch its own output, and bad widths refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_patch_sparse import _left_pad
+from tiny_models import DEVICE, greedy, prompt, tiny_model
+
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.ops import get_ops
+from hf_sparse_kv.ops import reference as R
+from hf_sparse_kv.policies import POLICIES, QuantBlockTopK
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BS = 8
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_codes_pack_planar_and_stay_within_half_a_step(bits):
+    g = torch.Generator().manual_seed(bits)
+    keys = torch.randn(3, 2, BS, 16, generator=g)
+    lo, hi = keys.amin(-2), keys.amax(-2)
+    lo[0, 0, 5] = hi[0, 0, 5] = keys[0, 0, 0, 5] = 0.25  # a constant channel: code 0, dequantized exactly
+    keys[0, 0, :, 5] = 0.25
+    codes = R.quantize_keys(keys, lo, hi, bits)
+    W, L = 16 * bits // 8, 2**bits - 1
+    assert codes.shape == (3, 2, BS, W) and codes.dtype == torch.uint8
+    back = R.dequantize_keys(codes, lo, hi, bits)
+    step = ((hi - lo) / L).unsqueeze(-2)
+    assert (back - keys).abs().le(step / 2 + 1e-6).all()
+    assert torch.equal(back[0, 0, :, 5], keys[0, 0, :, 5])
+    c = 11  # channel c sits in byte c % W at slot c // W
+    want = torch.floor((keys[..., c] - lo[..., c : c + 1]) / step[..., 0, c : c + 1] + 0.5).clamp(0, L)
+    got = (codes[..., c % W].int() >> ((c // W) * bits)) & L
+    assert torch.equal(got, want.int())
+
+
+def test_bad_widths_are_refused():
+    with pytest.raises(ValueError, match="bits"):
+        QuantBlockTopK(budget=16, bits=3)
+    with pytest.raises(ValueError, match="multiple"):
+        R.quantize_keys(torch.zeros(1, 1, 4, 6), torch.zeros(1, 1, 6), torch.ones(1, 1, 6), 2)
+    assert POLICIES["quant_block_topk"] is QuantBlockTopK
+
+
+def test_block_mass_is_the_oracle_on_the_dequantized_keys():
+    """``quant_block_scores`` equals ``oracle_block_scores`` run on the keys the codes stand for, with ragged lengths,
+    left padding and an evicted block."""
+    g = torch.Generator().manual_seed(0)
+    NB, H, D, B, MB, G = 12, 2, 16, 2, 5, 3
+    k_pool = torch.randn(NB, H, BS, D, generator=g)
+    kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+    table = torch.tensor([[3, 7, 1, 9, 2], [4, -1, 5, 0, 6]], dtype=torch.int32)
+    seq_lens, start = torch.tensor([37, 33], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+    q = torch.randn(B, H * G, D, generator=g)
+    for bits in (2, 4):
+        codes = R.quantize_keys(k_pool, kmin, kmax, bits)
+        dq = R.dequantize_keys(codes, kmin, kmax, bits)
+        want = R.oracle_block_scores(q, dq, table, seq_lens, start, 0.25, length=MB * BS)
+        got = R.quant_block_scores(q, codes, kmin, kmax, table, seq_lens, start, 0.25, bits)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got[1, :, 1].eq(float("-inf")).all(), "the evicted block"
+
+
+def _check_codes(cache: PagedKVCache, bits: int) -> None:
+    """Every stored position's codes are its key quantized on its block's grid: the cache's kmin / kmax."""
+    for layer in cache.paged_layers:
+        for b, row in enumerate(cache.table.rows):
+            for p in range(layer.length - cache.pads[b]):
+                blk, off = row[p // BS], p % BS
+                want = R.quantize_keys(layer.k_pool[blk], layer.kmin[blk], layer.kmax[blk], bits)[:, off]
+                assert torch.equal(layer.state["kcodes"][blk, :, off], want), (b, p)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_codes_follow_prefill_padding_decode_beams_and_crop(backend):
+    model = tiny_model("llama")
+    patch_model(model, policy=QuantBlockTopK(budget=40, bits=2), block_size=BS, backend=backend)
+    cache = PagedKVCache(model.config, block_size=BS, backend=backend)
+    ids, mask = _left_pad([prompt(n, seed=n)[0] for n in (29, 21)])
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=True, **kw)  # a prefill with left padding (negative pos0)
+        _check_codes(cache, 2)
+        for i in range(3):  # single-token writes into partly filled blocks: their grids grow
+            mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
+            model(prompt(1, batch=2, seed=10 + i), attention_mask=mask, use_cache=True, **kw)
+        _check_codes(cache, 2)
+        cache.reorder_cache(torch.tensor([1, 1], device=DEVICE))  # beams share every block, then copy on write
+        mask = torch.cat([mask[[1, 1]], mask.new_ones(2, 1)], 1)
+        model(prompt(1, batch=2, seed=20), attention_mask=mask, use_cache=True, **kw)
+        _check_codes(cache, 2)
+        cache.crop(27)  # back into a partial block, then continue
+        mask = torch.cat([mask[:, :27], mask.new_ones(2, 1)], 1)
+        model(prompt(1, batch=2, seed=21), attention_mask=mask, use_cache=True, **kw)
+        _check_codes(cache, 2)
+    unpatch_model(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_one_selection_every_mode(arch, bits):
+    model = tiny_model(arch)
+    policy = QuantBlockTopK(budget=24, sink=2, window=4, bits=bits)
+    ids = prompt(61)
+    runs = {}
+    for mode in ("mask", "token", "block"):
+        patch_model(model, policy=policy, mode=mode, dense_layers=(0,), block_size=BS)
+        runs[mode] = greedy(model, ids, new_tokens=12)
+    unpatch_model(model)
+    ref_seqs, ref_scores = runs["mask"]
+    for mode in ("token", "block"):
+        seqs, scores = runs[mode]
+        assert torch.equal(seqs, ref_seqs), mode
+        torch.testing.assert_close(scores, ref_scores, rtol=0, atol=1e-5)
+    _, dense_scores = greedy(model, ids, new_tokens=12)
+    assert not torch.allclose(ref_scores, dense_scores, atol=1e-4), "the policy should really be sparse here"
+
+
+def test_selects_mostly_what_the_oracle_selects():
+    """At 4 bits the ranking is close to the exact mass: most selected blocks are the oracle's (a behaviour check on
+    random keys, not a quality figure)."""
+    g = torch.Generator().manual_seed(1)
+    NB, H, D, G = 40, 2, 16, 2
+    k_pool = torch.randn(NB, H, BS, D, generator=g)
+    kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+    table = torch.arange(NB, dtype=torch.int32).view(1, NB)
+    seq_lens, start = torch.tensor([NB * BS], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    q = torch.randn(1, H * G, D, generator=g) * 2
+    exact = R.oracle_block_scores(q, k_pool, table, seq_lens, start, 0.25, length=NB * BS)
+    approx = R.quant_block_scores(
+        q, R.quantize_keys(k_pool, kmin, kmax, 4), kmin, kmax, table, seq_lens, start, 0.25, 4
+    )
+    a, b = set(exact.topk(8, -1).indices[0, 0].tolist()), set(approx.topk(8, -1).indices[0, 0].tolist())
+    assert len(a & b) >= 6, (a, b)
+
+
+def test_left_padded_batch_gives_each_prompt_its_own_output():
+    model = tiny_model("qwen2")
+    patch_model(model, policy=QuantBlockTopK(budget=24, sink=4, window=8), mode="block", dense_layers=(), block_size=BS)
+    prompts = [prompt(n, seed=n)[0] for n in (45, 29, 38)]
+    ids, mask = _left_pad(prompts)
+    batch_seqs, batch_scores = greedy(model, ids, new_tokens=8, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        seqs, scores = greedy(model, p[None], new_tokens=8)
+        assert torch.equal(batch_seqs[i, ids.shape[1] :], seqs[0, len(p) :])
+        torch.testing.assert_close(batch_scores[:, i], scores[:, 0], rtol=0, atol=1e-4)
+    unpatch_model(model)
+
+
+def _case(seed, bits, B=3, H=2, G=3, D=16, MB=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    NB = B * MB + 2
+    k_pool = torch.randn(NB, H, BS, D, generator=g).to(dtype)
+    table = torch.randperm(NB, generator=g)[: B * MB].view(B, MB).int()
+    table[1, 2] = -1  # an evicted block
+    seq_lens = torch.tensor([MB * BS, 29, 3], dtype=torch.int32)[:B]
+    start = torch.tensor([0, 6, 1], dtype=torch.int32)[:B]
+    q = torch.randn(B, H * G, D, generator=g).to(dtype)
+    return [t.to(DEVICE) for t in (k_pool, table, seq_lens, start, q)]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("span", [1, 5, 13])
+def test_triton_write_matches_reference(bits, span):
+    """Writes of ``span`` tokens at ragged offsets (one sequence writes nothing) re-code the same blocks the same."""
+    k_pool, table, _, _, _ = _case(span, bits)
+    NB, H, _, D = k_pool.shape
+    lo = torch.tensor([3, 17, 9], dtype=torch.int64, device=DEVICE)
+    hi = (lo + torch.tensor([span, max(1, span - 2), 0], device=DEVICE)).clamp(max=table.shape[1] * BS)
+    old = torch.randint(0, 255, (NB, H, BS, D * bits // 8), dtype=torch.uint8, device=DEVICE)
+    want, got = old.clone(), old.clone()
+    R.quant_write(want, k_pool, table, lo, hi, span, bits)
+    get_ops("triton", DEVICE).quant_write(got, k_pool, table, lo, hi, span, bits)
+    assert not torch.equal(want, old), "the write changed something"
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("G", [1, 3])
+def test_triton_block_mass_matches_reference(bits, G):
+    k_pool, table, seq_lens, start, q = _case(G, bits, G=G)
+    kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+    codes = R.quantize_keys(k_pool, kmin, kmax, bits)
+    want = R.quant_block_scores(q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
+    got = get_ops("triton", DEVICE).quant_block_scores(q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
+    assert torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
