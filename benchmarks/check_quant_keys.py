@@ -4,11 +4,13 @@ a value sits on a rounding boundary) and ``quant_block_scores`` (relative error 
 at a budget of 1/16, as a share of the reference's).
 
     python benchmarks/check_quant_keys.py            # a CUDA device; --device cpu runs it through the interpreter
+    python benchmarks/check_quant_keys.py --sweep    # then the scoring kernel's knobs timed at 1 x 128K (CUDA)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--blocks", type=int, default=2048, help="blocks per sequence")
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--sweep", action="store_true", help="time quant_block_lse's tpp x num_warps at 1 x 128K")
     a = ap.parse_args()
     dev, B, MB, H, G, D, BS = a.device, a.batch, a.blocks, 8, 4, 128, 16
     ops = get_ops("triton", dev)
@@ -60,6 +63,30 @@ def main() -> None:
             f"inf pattern equal {bool(torch.equal(out.isinf(), ref.isinf()))}; top-{k} blocks shared "
             f"{same / (B * H * k):.4f}"
         )
+    if a.sweep:
+        sweep(dev, H, G, D, BS)
+
+
+def sweep(dev, H, G, D, BS, MB=8200) -> None:
+    """``quant_block_lse`` at 1 x 128K (``MB`` blocks, one sequence), median us of ``triton.testing.do_bench`` (L2 not
+    flushed: the codes and min/max of one layer, 67 MB at 2 bits, exceed the H200's 50 MB L2 anyway)."""
+    import triton
+
+    from hf_sparse_kv.ops.triton.quant import quant_block_lse
+
+    k_pool = torch.randn(MB, H, BS, D, device=dev).to(torch.bfloat16)
+    kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+    table = torch.arange(MB, device=dev, dtype=torch.int32).view(1, MB)
+    lens, zero = torch.tensor([MB * BS], device=dev, dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=dev)
+    q = torch.randn(1, H * G, D, device=dev).to(torch.bfloat16)
+    for bits in (2, 4):
+        codes = R.quantize_keys(k_pool, kmin, kmax, bits)
+        nbytes = codes.numel() + 2 * kmin.numel() * 2
+        for tpp in (1, 2, 4, 8, 16):
+            for warps in (1, 2, 4):
+                args = (q, codes, kmin, kmax, table, lens, zero, 0.088, bits, tpp, warps)
+                ms = triton.testing.do_bench(functools.partial(quant_block_lse, *args))
+                print(f"sweep bits={bits} tpp={tpp} warps={warps}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
 
 
 if __name__ == "__main__":

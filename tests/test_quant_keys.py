@@ -151,13 +151,13 @@ def test_left_padded_batch_gives_each_prompt_its_own_output():
     unpatch_model(model)
 
 
-def _case(seed, bits, B=3, H=2, G=3, D=16, MB=6, dtype=torch.float32):
+def _case(seed, bits, B=3, H=2, G=3, D=16, MB=6, dtype=torch.float32, bs=BS):
     g = torch.Generator().manual_seed(seed)
     NB = B * MB + 2
-    k_pool = torch.randn(NB, H, BS, D, generator=g).to(dtype)
+    k_pool = torch.randn(NB, H, bs, D, generator=g).to(dtype)
     table = torch.randperm(NB, generator=g)[: B * MB].view(B, MB).int()
     table[1, 2] = -1  # an evicted block
-    seq_lens = torch.tensor([MB * BS, 29, 3], dtype=torch.int32)[:B]
+    seq_lens = torch.tensor([MB * bs, 29, 3], dtype=torch.int32)[:B]
     start = torch.tensor([0, 6, 1], dtype=torch.int32)[:B]
     q = torch.randn(B, H * G, D, generator=g).to(dtype)
     return [t.to(DEVICE) for t in (k_pool, table, seq_lens, start, q)]
@@ -180,12 +180,14 @@ def test_triton_write_matches_reference(bits, span):
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("G", [1, 3])
-def test_triton_block_mass_matches_reference(bits, G):
-    k_pool, table, seq_lens, start, q = _case(G, bits, G=G)
+@pytest.mark.parametrize("G,D,bs", [(1, 64, 16), (3, 128, 16), (3, 16, 8)])
+def test_triton_block_mass_matches_reference(bits, G, D, bs):
+    """The kernel (blocks of 16, ``D * bits >= 128``: its ``tl.dot`` tiles; TF32 on a GPU) and the reference it runs
+    below those sizes give the same mass and the same blocks out of play."""
+    k_pool, table, seq_lens, start, q = _case(G, bits, G=G, D=D, bs=bs)
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
     codes = R.quantize_keys(k_pool, kmin, kmax, bits)
     want = R.quant_block_scores(q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
     got = get_ops("triton", DEVICE).quant_block_scores(q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
     assert torch.equal(got.isinf(), want.isinf())
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)

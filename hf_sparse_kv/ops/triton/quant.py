@@ -11,7 +11,8 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
   last block written returns: a captured step replays it.
 - :func:`quant_block_scores`: one program per (``TPP`` logical blocks, sequence, KV head) computes, for each of the
   group's ``G`` query heads, the log-sum-exp over each block's valid positions of ``scale * q . k_hat`` with
-  ``k_hat = min + code * delta``, as ``q . min + sum_j (q_j * delta_j) . code_j`` (no dequantized key is built);
+  ``k_hat = min + code * delta``, as ``q . min + sum_j (q_j * delta_j) . code_j`` (no dequantized key is built;
+  the products are ``tl.dot``s of the group's step-scaled queries with the codes);
   a few tensor ops then turn the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares and sum them over the
   group (the reference's mass). It reads the codes (``bits / 16`` of 16-bit keys) and the block's min / max.
 """
@@ -126,6 +127,7 @@ def quant_block_lse_kernel(
     HQ: tl.constexpr,
     H: tl.constexpr,
     G: tl.constexpr,
+    GP: tl.constexpr,
     D: tl.constexpr,
     W: tl.constexpr,
     BS: tl.constexpr,
@@ -141,6 +143,10 @@ def quant_block_lse_kernel(
     o_t = tl.arange(0, BS)
     o_w = tl.arange(0, W)
     o_d = tl.arange(0, D)
+    o_g = tl.arange(0, GP)
+    m_g = o_g < G
+    p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP] rows of the group's queries
+    b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, D]
     for i in range(TPP):
         lb = i_m * TPP + i
         if lb < MB:
@@ -149,24 +155,21 @@ def quant_block_lse_kernel(
             ok = (pos < n) & (pos >= s0) & (b_phys >= 0)
             b_phys = tl.maximum(b_phys, 0)
             p_m = b_phys * s_mn + i_h * D
-            b_lo = tl.load(kmin + p_m + o_d).to(tl.float32)  # [D]
             b_c = tl.load(codes + b_phys * s_cn + i_h * BS * W + o_t[:, None] * W + o_w[None, :]).to(tl.int32)
-            for g in tl.static_range(G):
-                p_q = q + (i_b * HQ + i_h * G + g) * D
-                b_q = tl.load(p_q + o_d).to(tl.float32)
-                s = tl.zeros([BS], dtype=tl.float32) + tl.sum(b_q * b_lo, 0)
-                for j in tl.static_range(PER):
-                    q_j = tl.load(p_q + j * W + o_w).to(tl.float32)
-                    lo_j = tl.load(kmin + p_m + j * W + o_w).to(tl.float32)
-                    hi_j = tl.load(kmax + p_m + j * W + o_w).to(tl.float32)
-                    qd = q_j * tl.math.div_rn(hi_j - lo_j, tl.full([W], L, tl.float32))  # [W]
-                    c_j = ((b_c >> (j * BITS)) & L).to(tl.float32)  # [BS, W]
-                    s += tl.sum(c_j * qd[None, :], 1)
-                s = tl.where(ok, s * scale, float("-inf"))
-                mx = tl.max(s, 0)
-                safe = tl.where(mx > float("-inf"), mx, 0.0)
-                lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s - safe), 0)), float("-inf"))
-                tl.store(out + (i_b * HQ + i_h * G + g) * MB + lb, lse)
+            b_lo = tl.load(kmin + p_m + o_d).to(tl.float32)  # [D]
+            s = tl.sum(b_q * b_lo[None, :], 1)[:, None] + tl.zeros([GP, BS], dtype=tl.float32)  # q . min
+            for j in tl.static_range(PER):
+                q_j = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)
+                lo_j = tl.load(kmin + p_m + j * W + o_w).to(tl.float32)
+                hi_j = tl.load(kmax + p_m + j * W + o_w).to(tl.float32)
+                qd = q_j * tl.math.div_rn(hi_j - lo_j, tl.full([W], L, tl.float32))[None, :]  # [GP, W]
+                c_j = ((b_c >> (j * BITS)) & L).to(tl.float32)  # [BS, W]
+                s += tl.dot(qd, tl.trans(c_j), input_precision="tf32")  # [GP, BS]
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            mx = tl.max(s, 1)  # [GP]
+            safe = tl.where(mx > float("-inf"), mx, 0.0)
+            lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s - safe[:, None]), 1)), float("-inf"))
+            tl.store(out + (i_b * HQ + i_h * G + o_g) * MB + lb, lse, mask=m_g)
 
 
 def quant_block_lse(
@@ -179,25 +182,33 @@ def quant_block_lse(
     start: torch.Tensor,
     scale: float,
     bits: int,
-    tpp: int = 8,
-    num_warps: int = 4,
+    tpp: int = 1,
+    num_warps: int = 1,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
-    block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is."""
+    block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is. The group's queries are
+    one ``[GP, D]`` tile (``GP``: ``G`` rounded up to 16, the smallest ``tl.dot``); each block is ``8 // bits``
+    products ``[GP, W] x [W, BS]`` of the step-scaled queries with the codes, in TF32 on a GPU (the codes are exact
+    there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks). ``tpp`` blocks per program,
+    ``num_warps``: the defaults are the fastest of a sweep on an H200 at 1 x 128K (``benchmarks/RESULTS.md``: 174 us
+    at 2 bits against 611 with 8 blocks and 4 warps; latency-bound, far from the 16 us its bytes need)."""
     B, HQ, D = q.shape
     NB, H, BS, W = codes.shape
     reference.quant_levels(bits)
     assert W == D * bits // 8 and codes.dtype == torch.uint8 and kmin.shape == kmax.shape == (NB, H, D)
     assert codes.stride()[1:] == (BS * W, W, 1) and kmin.stride()[1:] == (D, 1) and kmax.stride() == kmin.stride()
-    assert HQ % H == 0 and triton.next_power_of_2(D) == D and triton.next_power_of_2(W) == W
+    assert HQ % H == 0 and triton.next_power_of_2(D) == D and W >= 16 and triton.next_power_of_2(W) == W
+    assert BS >= 16 and triton.next_power_of_2(BS) == BS, "tl.dot needs tiles of at least 16"
     MB = block_table.shape[1]
     out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
     if B == 0 or MB == 0:
         return out
+    G = HQ // H
     quant_block_lse_kernel[(triton.cdiv(MB, tpp), B * H)](
         q.contiguous(), codes, kmin, kmax, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
         codes.stride(0), kmin.stride(0), float(scale), MB,
-        HQ=HQ, H=H, G=HQ // H, D=D, W=W, BS=BS, BITS=bits, TPP=tpp, num_warps=num_warps,
+        HQ=HQ, H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, W=W, BS=BS, BITS=bits, TPP=tpp,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -214,9 +225,13 @@ def quant_block_scores(
     bits: int,
 ) -> torch.Tensor:
     """Each block's softmax mass under the quantized keys, summed over each GQA group: ``[B, Hkv, MB]`` float32
-    (the contract of ``reference.quant_block_scores``), from :func:`quant_block_lse` and five tensor ops."""
+    (the contract of ``reference.quant_block_scores``), from :func:`quant_block_lse` and five tensor ops. Blocks
+    of fewer than 16 tokens or fewer than 16 code bytes per key (``D * bits < 128``), below ``tl.dot``'s smallest
+    tile, run the reference (tensor ops, no host sync)."""
     B, HQ, _ = q.shape
-    H, BS = codes.shape[1], codes.shape[2]
+    H, BS, W = codes.shape[1], codes.shape[2], codes.shape[3]
+    if BS < 16 or W < 16:
+        return reference.quant_block_scores(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
     lse = quant_block_lse(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
     share = (lse - torch.logsumexp(lse, -1, keepdim=True)).exp().nan_to_num(0.0)  # nothing valid: 0, not NaN
     mass = share.view(B, H, HQ // H, -1).sum(2)
