@@ -6,7 +6,7 @@ import torch
 from tiny_models import DEVICE, greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
-from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, Quest, SinkWindow, TokenTopK
+from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, QuantBlockTopK, Quest, SinkWindow, TokenTopK
 
 SPARSE = [
     Quest(budget=24, sink=4, window=8),
@@ -73,8 +73,9 @@ def _left_pad(prompts, pad_id=0):
         (Quest(budget=24, sink=4, window=8), "block"),
         (SinkWindow(sink=4, window=13), "token"),
         (TokenTopK(budget=20, sink=2, window=6), "token"),
+        (QuantBlockTopK(budget=24, sink=4, window=8), "block"),
     ],
-    ids=["dense", "quest", "sinkwindow", "tokentopk"],
+    ids=["dense", "quest", "sinkwindow", "tokentopk", "quantblocktopk"],
 )
 def test_left_padded_batch_gives_each_prompt_its_own_output(policy, mode):
     model = tiny_model("qwen2")

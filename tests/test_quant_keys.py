@@ -1,6 +1,7 @@
 """The low-bit-key selector (``QuantBlockTopK``): its codes' layout and error bound, its state in the cache through
-prefill, left padding, decode, beams and crop, its block mass as the oracle's on the dequantized keys, one selection
-in every mode, each prompt of a padded batch its own output, and bad widths refused."""
+prefill, left padding, decode, beams and crop, its block mass as the oracle's on the dequantized keys, its kernels
+against the reference, one selection in every mode, and bad widths refused (each prompt of a left-padded batch its
+own output: tests/test_patch_sparse.py)."""
 
 from __future__ import annotations
 
@@ -136,19 +137,6 @@ def test_selects_mostly_what_the_oracle_selects():
     )
     a, b = set(exact.topk(8, -1).indices[0, 0].tolist()), set(approx.topk(8, -1).indices[0, 0].tolist())
     assert len(a & b) >= 6, (a, b)
-
-
-def test_left_padded_batch_gives_each_prompt_its_own_output():
-    model = tiny_model("qwen2")
-    patch_model(model, policy=QuantBlockTopK(budget=24, sink=4, window=8), mode="block", dense_layers=(), block_size=BS)
-    prompts = [prompt(n, seed=n)[0] for n in (45, 29, 38)]
-    ids, mask = _left_pad(prompts)
-    batch_seqs, batch_scores = greedy(model, ids, new_tokens=8, attention_mask=mask)
-    for i, p in enumerate(prompts):
-        seqs, scores = greedy(model, p[None], new_tokens=8)
-        assert torch.equal(batch_seqs[i, ids.shape[1] :], seqs[0, len(p) :])
-        torch.testing.assert_close(batch_scores[:, i], scores[:, 0], rtol=0, atol=1e-4)
-    unpatch_model(model)
 
 
 def _case(seed, bits, B=3, H=2, G=3, D=16, MB=6, dtype=torch.float32, bs=BS):
