@@ -4,7 +4,7 @@ a value sits on a rounding boundary) and ``quant_block_scores`` (relative error 
 at a budget of 1/16, as a share of the reference's).
 
     python benchmarks/check_quant_keys.py            # a CUDA device; --device cpu runs it through the interpreter
-    python benchmarks/check_quant_keys.py --sweep    # then the scoring kernel's knobs timed at 1 x 128K (CUDA)
+    python benchmarks/check_quant_keys.py --sweep    # then the scoring kernel's layouts and knobs timed at 1 x 128K
 """
 
 from __future__ import annotations
@@ -82,11 +82,14 @@ def sweep(dev, H, G, D, BS, MB=8200) -> None:
     for bits in (2, 4):
         codes = R.quantize_keys(k_pool, kmin, kmax, bits)
         nbytes = codes.numel() + 2 * kmin.numel() * 2
-        for tpp in (1, 2, 4, 8, 16):
-            for warps in (1, 2, 4):
-                args = (q, codes, kmin, kmax, table, lens, zero, 0.088, bits, tpp, warps)
-                ms = triton.testing.do_bench(functools.partial(quant_block_lse, *args))
-                print(f"sweep bits={bits} tpp={tpp} warps={warps}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
+        grid = [("slices", t, w) for t in (1, 2, 4, 8, 16) for w in (1, 2, 4)]
+        grid += [("tile", t, w) for t in (2, 4, 8) for w in (2, 4, 8)]
+        for layout, tpp, warps in grid:
+            args = (q, codes, kmin, kmax, table, lens, zero, 0.088, bits, tpp, warps, layout)
+            ms = triton.testing.do_bench(functools.partial(quant_block_lse, *args))
+            print(
+                f"sweep bits={bits} {layout} tpp={tpp} warps={warps}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s"
+            )
 
 
 if __name__ == "__main__":

@@ -179,3 +179,22 @@ def test_triton_block_mass_matches_reference(bits, G, D, bs):
     got = get_ops("triton", DEVICE).quant_block_scores(q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("tpp", [1, 4])
+def test_tile_layout_matches_the_slices(bits, tpp):
+    """``layout="tile"`` (a tuning knob of the scoring kernel) gives the default layout's log-sum-exps, ragged and
+    evicted blocks included; a tile that is not a power of two is refused."""
+    from hf_sparse_kv.ops.triton.quant import quant_block_lse
+
+    k_pool, table, seq_lens, start, q = _case(tpp, bits, G=3, D=64, bs=16)
+    kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+    codes = R.quantize_keys(k_pool, kmin, kmax, bits)
+    args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
+    want = quant_block_lse(*args)
+    got = quant_block_lse(*args, tpp=tpp, layout="tile")
+    assert torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError, match="power-of-two"):
+        quant_block_lse(*args, tpp=3, layout="tile")

@@ -172,6 +172,70 @@ def quant_block_lse_kernel(
             tl.store(out + (i_b * HQ + i_h * G + o_g) * MB + lb, lse, mask=m_g)
 
 
+@triton.jit
+def quant_block_lse_tile_kernel(
+    q,  # [B, HQ, D]
+    codes,  # [NB, H, BS, W] uint8
+    kmin,  # [NB, H, D]
+    kmax,  # [NB, H, D]
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B]
+    out,  # [B, HQ, MB] float32
+    s_cn,
+    s_mn,
+    scale,
+    MB,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """``layout="tile"``: ``BM`` blocks at once. Each slice's keys are dequantized in registers, ``[BM * BS, W]``,
+    and multiplied by the group's queries in one ``[GP, W] x [W, BM * BS]`` product per slice."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    L: tl.constexpr = (1 << BITS) - 1
+    PER: tl.constexpr = 8 // BITS
+    n = tl.load(seq_lens + i_b)
+    s0 = tl.load(start + i_b)
+    o_r = tl.arange(0, BM * BS)  # rows: token t of tile block m at m * BS + t
+    o_w = tl.arange(0, W)
+    o_g = tl.arange(0, GP)
+    m_g = o_g < G
+    lb = i_m * BM + o_r // BS  # [BM * BS] logical block of each row
+    m_b = lb < MB
+    b_phys = tl.load(block_table + i_b * MB + lb, mask=m_b, other=-1).to(tl.int64)
+    pos = lb * BS + o_r % BS
+    ok = (pos < n) & (pos >= s0) & (b_phys >= 0) & m_b
+    b_phys = tl.maximum(b_phys, 0)
+    p_c = codes + b_phys * s_cn + i_h * BS * W + (o_r % BS) * W  # [BM * BS]
+    b_c = tl.load(p_c[:, None] + o_w[None, :], mask=m_b[:, None], other=0).to(tl.int32)  # [BM * BS, W]
+    p_m = b_phys * s_mn + i_h * D  # [BM * BS]
+    p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
+    s = tl.zeros([GP, BM * BS], dtype=tl.float32)
+    for j in tl.static_range(PER):
+        lo_j = tl.load(kmin + p_m[:, None] + j * W + o_w[None, :], mask=m_b[:, None], other=0.0).to(tl.float32)
+        hi_j = tl.load(kmax + p_m[:, None] + j * W + o_w[None, :], mask=m_b[:, None], other=0.0).to(tl.float32)
+        delta = tl.math.div_rn(hi_j - lo_j, tl.full([BM * BS, W], L, tl.float32))
+        k_j = lo_j + ((b_c >> (j * BITS)) & L).to(tl.float32) * delta  # [BM * BS, W] dequantized keys
+        q_j = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, W]
+        s += tl.dot(q_j, tl.trans(k_j), input_precision="tf32")
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    s3 = tl.reshape(s, (GP, BM, BS))
+    mx = tl.max(s3, 2)  # [GP, BM]
+    safe = tl.where(mx > float("-inf"), mx, 0.0)
+    lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, :, None]), 2)), float("-inf"))
+    o_m = i_m * BM + tl.arange(0, BM)
+    p_o = out + (i_b * HQ + i_h * G + o_g)[:, None] * MB + o_m[None, :]
+    tl.store(p_o, lse, mask=m_g[:, None] & (o_m < MB)[None, :])
+
+
 def quant_block_lse(
     q: torch.Tensor,
     codes: torch.Tensor,
@@ -184,6 +248,7 @@ def quant_block_lse(
     bits: int,
     tpp: int = 1,
     num_warps: int = 1,
+    layout: str = "slices",
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is. The group's queries are
@@ -191,7 +256,9 @@ def quant_block_lse(
     products ``[GP, W] x [W, BS]`` of the step-scaled queries with the codes, in TF32 on a GPU (the codes are exact
     there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks). ``tpp`` blocks per program,
     ``num_warps``: the defaults are the fastest of a sweep on an H200 at 1 x 128K (``benchmarks/RESULTS.md``: 174 us
-    at 2 bits against 611 with 8 blocks and 4 warps; latency-bound, far from the 16 us its bytes need)."""
+    at 2 bits against 611 with 8 blocks and 4 warps; latency-bound, far from the 16 us its bytes need).
+    ``layout="tile"`` (:func:`quant_block_lse_tile_kernel`, ``tpp`` blocks a tile, a power of two): one product per
+    slice over ``tpp`` blocks' dequantized keys; correct (tests), not yet timed on a GPU, so not the default."""
     B, HQ, D = q.shape
     NB, H, BS, W = codes.shape
     reference.quant_levels(bits)
@@ -204,12 +271,21 @@ def quant_block_lse(
     if B == 0 or MB == 0:
         return out
     G = HQ // H
-    quant_block_lse_kernel[(triton.cdiv(MB, tpp), B * H)](
+    args = (
         q.contiguous(), codes, kmin, kmax, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
         codes.stride(0), kmin.stride(0), float(scale), MB,
-        HQ=HQ, H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, W=W, BS=BS, BITS=bits, TPP=tpp,
-        num_warps=num_warps,
     )  # fmt: skip
+    shape = {"HQ": HQ, "H": H, "G": G, "GP": max(16, triton.next_power_of_2(G)), "D": D, "W": W, "BS": BS}
+    if layout == "tile":
+        if triton.next_power_of_2(tpp) != tpp:
+            raise ValueError(f"layout='tile' takes a power-of-two tpp (blocks a tile), not {tpp}")
+        grid = (triton.cdiv(MB, tpp), B * H)
+        quant_block_lse_tile_kernel[grid](*args, **shape, BM=tpp, BITS=bits, num_warps=num_warps)
+    elif layout == "slices":
+        grid = (triton.cdiv(MB, tpp), B * H)
+        quant_block_lse_kernel[grid](*args, **shape, BITS=bits, TPP=tpp, num_warps=num_warps)
+    else:
+        raise ValueError(f"layout must be 'slices' or 'tile', not {layout!r}")
     return out
 
 
