@@ -100,11 +100,20 @@ def refresh_metadata(
         lbs = torch.arange(l // BS, (h - 1) // BS + 1, device=k_pool.device)
         blk = block_table[b, lbs].long()
         fill = (h - lbs * BS).clamp(max=BS)  # [n]
-        keys = k_pool[blk].float()  # [n, H, BS, D]
-        ok = (torch.arange(BS, device=k_pool.device).view(1, BS) < fill.view(-1, 1)).view(-1, 1, BS, 1)
-        kmin[blk] = keys.masked_fill(~ok, float("inf")).amin(2).to(kmin.dtype)
-        kmax[blk] = keys.masked_fill(~ok, float("-inf")).amax(2).to(kmax.dtype)
+        keys, ok, lo_, hi_ = _prefix_range(k_pool[blk], fill)
+        kmin[blk], kmax[blk] = lo_.to(kmin.dtype), hi_.to(kmax.dtype)
         kmean[blk] = (keys.masked_fill(~ok, 0.0).sum(2) / fill.view(-1, 1, 1)).to(kmean.dtype)
+
+
+def _prefix_range(
+    blocks: torch.Tensor, fill: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``blocks [n, H, BS, D]`` filled up to ``fill [n]`` slots: (the blocks in float32, the filled slots
+    ``[n, 1, BS, 1]``, each channel's min and max over them ``[n, H, D]`` float32)."""
+    keys = blocks.float()
+    BS = keys.shape[2]
+    ok = (torch.arange(BS, device=keys.device).view(1, BS) < fill.view(-1, 1)).view(-1, 1, BS, 1)
+    return keys, ok, keys.masked_fill(~ok, float("inf")).amin(2), keys.masked_fill(~ok, float("-inf")).amax(2)
 
 
 def gather_dense(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -630,12 +639,9 @@ def quant_write(
         lbs = lbs[lbs < block_table.shape[1]]
         lbs = lbs[block_table[b, lbs] >= 0]
         blk = block_table[b, lbs].long()
-        fill = (h - lbs * BS).clamp(max=BS)  # [n]
-        keys = k_pool[blk].float()  # [n, H, BS, D]
-        ok = (torch.arange(BS, device=k_pool.device).view(1, BS) < fill.view(-1, 1)).view(-1, 1, BS, 1)
-        kmin = keys.masked_fill(~ok, float("inf")).amin(2).to(k_pool.dtype)  # as refresh_metadata stores them
-        kmax = keys.masked_fill(~ok, float("-inf")).amax(2).to(k_pool.dtype)
-        codes[blk] = quantize_keys(keys.masked_fill(~ok, 0.0), kmin, kmax, bits).masked_fill(~ok, 0)
+        keys, ok, lo_, hi_ = _prefix_range(k_pool[blk], (h - lbs * BS).clamp(max=BS))
+        lo_, hi_ = lo_.to(k_pool.dtype), hi_.to(k_pool.dtype)  # the grid refresh_metadata stores
+        codes[blk] = quantize_keys(keys.masked_fill(~ok, 0.0), lo_, hi_, bits).masked_fill(~ok, 0)
 
 
 def quant_block_scores(
@@ -649,8 +655,8 @@ def quant_block_scores(
     scale: float,
     bits: int,
 ) -> torch.Tensor:
-    """Each block's softmax mass under the quantized keys, summed over each GQA group (:func:`oracle_block_scores`
-    with every key replaced by its ``bits``-bit copy, dequantized on the grid of the block's ``kmin`` / ``kmax``).
+    """Each block's softmax mass under the quantized keys, summed over each GQA group: :func:`oracle_block_scores`
+    with every key replaced by its ``bits``-bit copy, dequantized on the grid of the block's ``kmin`` / ``kmax``.
 
     Args:
         q: ``[B, Hq, D]`` decode queries (unscaled); codes: ``[NB, Hkv, BS, D * bits // 8]`` uint8 (:func:`quant_write`);
@@ -659,19 +665,11 @@ def quant_block_scores(
     Returns:
         ``[B, Hkv, MB]`` float32; ``-inf`` past each sequence's last block and for evicted blocks.
     """
-    B, Hq, _ = q.shape
-    _, Hkv, BS, _ = codes.shape
-    MB = block_table.shape[1]
-    phys = block_table.long().clamp(min=0)  # [B, MB]
-    keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
-    logits = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, Hkv), keys) * scale  # [B, Hkv, G, MB, BS]
-    pos = torch.arange(MB * BS, device=q.device).expand(B, MB * BS)
-    zero = torch.zeros_like(seq_lens)
-    live = (block_table >= 0).repeat_interleave(BS, dim=1)
-    ok = (valid_positions(pos, seq_lens, start, zero, zero) & live).view(B, 1, 1, MB * BS)
-    p = logits.reshape(B, Hkv, Hq // Hkv, MB * BS).masked_fill(~ok, NEG_INF).softmax(-1).nan_to_num(0.0)
-    mass = p.sum(2).view(B, Hkv, MB, BS).sum(-1)
-    return mass.masked_fill(~live_blocks(block_table, seq_lens, BS).unsqueeze(1), NEG_INF).contiguous()
+    B, MB = block_table.shape
+    phys = block_table.long().clamp(min=0)  # the table's blocks only, dequantized once each
+    keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits).flatten(0, 1)  # [B * MB, Hkv, BS, D]
+    table = torch.arange(B * MB, device=q.device).view(B, MB).masked_fill(block_table < 0, -1)
+    return oracle_block_scores(q, keys, table.int(), seq_lens, start, scale, length=MB * keys.shape[2])
 
 
 def candidate_scores(

@@ -21,13 +21,13 @@ import torch
 
 from ..ops.reference import quant_levels, quantize_keys
 from .base import DecodeState, StateSpec
-from .blocks import _BlockTopK
+from .blocks import _MassBlockTopK
 
 STATE_NAME = "kcodes"
 
 
 @dataclass
-class QuantBlockTopK(_BlockTopK):
+class QuantBlockTopK(_MassBlockTopK):
     """Blocks ranked by their softmax mass under ``bits``-bit keys (summed over the GQA group), top ``budget``.
 
     Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``bits`` (2 or 4: the codes' width).
@@ -64,8 +64,3 @@ class QuantBlockTopK(_BlockTopK):
             state.q, self.codes(state), state.kmin, state.kmax, state.block_table, state.seq_lens, state.start,
             state.scale, self.bits,
         )  # fmt: skip
-
-    def scores(self, state: DecodeState) -> torch.Tensor:
-        s = self.mass(state)
-        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
-        return s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))

@@ -25,8 +25,6 @@ import triton.language as tl
 
 from .. import reference
 
-NEG_INF = float("-inf")
-
 
 @triton.jit
 def quant_write_kernel(
@@ -276,13 +274,12 @@ def quant_block_lse(
         codes.stride(0), kmin.stride(0), float(scale), MB,
     )  # fmt: skip
     shape = {"HQ": HQ, "H": H, "G": G, "GP": max(16, triton.next_power_of_2(G)), "D": D, "W": W, "BS": BS}
+    grid = (triton.cdiv(MB, tpp), B * H)
     if layout == "tile":
         if triton.next_power_of_2(tpp) != tpp:
             raise ValueError(f"layout='tile' takes a power-of-two tpp (blocks a tile), not {tpp}")
-        grid = (triton.cdiv(MB, tpp), B * H)
         quant_block_lse_tile_kernel[grid](*args, **shape, BM=tpp, BITS=bits, num_warps=num_warps)
     elif layout == "slices":
-        grid = (triton.cdiv(MB, tpp), B * H)
         quant_block_lse_kernel[grid](*args, **shape, BITS=bits, TPP=tpp, num_warps=num_warps)
     else:
         raise ValueError(f"layout must be 'slices' or 'tile', not {layout!r}")
@@ -311,4 +308,4 @@ def quant_block_scores(
     lse = quant_block_lse(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
     share = (lse - torch.logsumexp(lse, -1, keepdim=True)).exp().nan_to_num(0.0)  # nothing valid: 0, not NaN
     mass = share.view(B, H, HQ // H, -1).sum(2)
-    return mass.masked_fill(~reference.live_blocks(block_table, seq_lens, BS).unsqueeze(1), NEG_INF)
+    return mass.masked_fill(~reference.live_blocks(block_table, seq_lens, BS).unsqueeze(1), reference.NEG_INF)
