@@ -2,7 +2,7 @@
 
 A key's codes are ``bits``-bit steps on its block's per-channel ``[min, max]`` grid, packed planar: byte ``i`` of a
 token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel handles the ``8 // bits`` channel slices
-``[j W, (j + 1) W)`` one at a time, each a ``[BS, W]`` tile, and never reshapes.
+``[j W, (j + 1) W)`` one at a time, each a ``[BS, W]`` tile a block, and never unpacks across bytes.
 
 - :func:`quant_write`: one program per (logical block touched by the write, sequence, KV head) loads the block's
   filled prefix, takes each channel's min / max over it (the cache's ``kmin`` / ``kmax``), codes every slot
