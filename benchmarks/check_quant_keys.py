@@ -4,7 +4,19 @@ a value sits on a rounding boundary) and ``quant_block_scores`` (relative error 
 at a budget of 1/16, as a share of the reference's).
 
     python benchmarks/check_quant_keys.py            # a CUDA device; --device cpu runs it through the interpreter
-    python benchmarks/check_quant_keys.py --sweep    # then the scoring kernel's layouts and knobs timed at 1 x 128K
+    python benchmarks/check_quant_keys.py --sweep    # then every scoring layout x knobs, checked and timed
+
+The sweep, at 1 x 128K (8200 blocks) and 8 x 32K (2048 blocks each), for 2 and 4 bits: each point of :data:`GRID`
+(``quant_block_lse``'s layout, blocks per program, warps) is checked (``quant_block_scores`` at those knobs against
+the float32 reference: relative error, top-1/16 blocks shared) and timed (``common.bench``: CUDA graph, L2 flushed,
+median), then the whole scoring at the defaults (``LSE_DEFAULTS`` + the two-launch tail, forced blocks included), the
+same scoring with the torch tail it replaced (``reference.lse_block_mass``), and the whole selection (scores + top-k
+at a budget of 1/8) beside Quest's. Columns: ``us``, ``GB/s`` of the scoring state read (codes + min / max),
+``floor`` (times the bytes' time at the copy bandwidth measured in the run), ``vs_default`` (time over the default
+layout's), ``rel_err``, ``shared``. The CSV goes to ``--out``, else ``$OUT/quant_sweep.csv`` when ``OUT`` is set, else
+``benchmarks/results/quant_sweep.csv``.
+
+    TRITON_INTERPRET=1 python benchmarks/check_quant_keys.py --device cpu --blocks 16 --sweep --smoke   # a dry run
 """
 
 from __future__ import annotations
@@ -13,21 +25,49 @@ import argparse
 import functools
 import os
 import sys
+import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import bench, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
+
+# (layout, blocks per program, warps) timed per width and shape: 10 points, 40 timed in all
+GRID = (
+    ("slices", 1, 1),
+    ("slices", 2, 2),
+    ("tile", 4, 4),
+    ("tile", 8, 4),
+    ("tile", 8, 8),
+    ("tile", 16, 8),
+    ("fma", 2, 4),
+    ("fma", 4, 4),
+    ("fma", 4, 8),
+    ("fma", 8, 8),
+)
+SMOKE_GRID = (("slices", 2, 1), ("tile", 4, 4), ("fma", 2, 4))
+SHAPES = ((1, 8200), (8, 2048))  # (sequences, blocks each): 1 x 128K and 8 x 32K at block size 16
+SMOKE_SHAPES = ((1, 12), (2, 5))
+SINK, WINDOW = 4, 32  # the policies' defaults
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--blocks", type=int, default=2048, help="blocks per sequence")
+    ap.add_argument("--blocks", type=int, default=2048, help="blocks per sequence of the check")
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--sweep", action="store_true", help="time quant_block_lse's tpp x num_warps at 1 x 128K")
+    ap.add_argument("--sweep", action="store_true", help="check and time every layout x knobs (module docstring)")
+    ap.add_argument("--smoke", action="store_true", help="the sweep at tiny shapes, 3 points, 2 KV heads (a dry run)")
+    ap.add_argument(
+        "--out",
+        help="the sweep's CSV (default: $OUT/quant_sweep.csv when OUT is set, else "
+        "benchmarks/results/quant_sweep.csv; a --smoke run: the temp folder)",
+    )
     a = ap.parse_args()
     dev, B, MB, H, G, D, BS = a.device, a.batch, a.blocks, 8, 4, 128, 16
     ops = get_ops("triton", dev)
@@ -52,44 +92,107 @@ def main() -> None:
         diff = (codes_w - codes_g).abs()
         ref = R.quant_block_scores(q, want, kmin, kmax, table, seq_lens, start, D**-0.5, bits)
         out = ops.quant_block_scores(q, want, kmin, kmax, table, seq_lens, start, D**-0.5, bits)
-        fin = ref.isfinite()
-        rel = ((out - ref).abs()[fin].max() / ref[fin].abs().max()).item()
-        k = MB // 16
-        a_sel, b_sel = ref.topk(k, -1).indices.sort(-1).values, out.topk(k, -1).indices.sort(-1).values
-        same = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a_sel.flatten(0, 1), b_sel.flatten(0, 1)))
+        rel, same, inf_ok = compare(out, ref, max(1, MB // 16))
         print(
             f"bits={bits}: codes equal {diff.eq(0).float().mean().item():.6f}, off by more than one "
             f"{int(diff.gt(1).sum())}; mass rel err {rel:.2e}, NaN {int(out.isnan().sum())}, "
-            f"inf pattern equal {bool(torch.equal(out.isinf(), ref.isinf()))}; top-{k} blocks shared "
-            f"{same / (B * H * k):.4f}"
+            f"inf pattern equal {inf_ok}; top-{max(1, MB // 16)} blocks shared {same:.4f}"
         )
     if a.sweep:
-        sweep(dev, H, G, D, BS)
+        rows = sweep(dev, 2 if a.smoke else H, G, D, BS, a.smoke)
+        folder = tempfile.gettempdir() if a.smoke else "benchmarks/results"
+        out = a.out or os.path.join(os.environ.get("OUT") or folder, "quant_sweep.csv")
+        write_csv(out, rows)
+        cols = ["bits", "shape", "what", "us", "GB/s", "floor", "vs_default", "rel_err", "shared"]
+        shown = [{**r, "rel_err": r.get("rel_err") and f"{r['rel_err']:.1e}", "shared": r.get("shared") and
+                  f"{r['shared']:.4f}", "floor": r.get("floor") and f"{r['floor']:.2f}",
+                  "vs_default": r.get("vs_default") and f"{r['vs_default']:.2f}"} for r in rows]  # fmt: skip
+        print_table(shown, cols, title=f"quant_block_scores sweep ({env_info()})")
+        print(f"wrote {out}")
 
 
-def sweep(dev, H, G, D, BS, MB=8200) -> None:
-    """``quant_block_lse`` at 1 x 128K (``MB`` blocks, one sequence), median us of ``triton.testing.do_bench`` (L2 not
-    flushed: the codes and min/max of one layer, 67 MB at 2 bits, exceed the H200's 50 MB L2 anyway)."""
-    import triton
+def compare(out: torch.Tensor, ref: torch.Tensor, k: int) -> tuple[float, float, bool]:
+    """``(relative error of the finite scores, share of the reference's top-k blocks also in out's, same inf
+    pattern)`` for ``[B, H, MB]`` scores."""
+    fin = ref.isfinite()
+    rel = ((out - ref).abs()[fin].max() / ref[fin].abs().max()).item()
+    a_sel, b_sel = ref.topk(k, -1).indices, out.topk(k, -1).indices
+    same = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a_sel.flatten(0, 1), b_sel.flatten(0, 1)))
+    return rel, same / a_sel.flatten(0, 1).numel(), bool(torch.equal(out.isinf(), ref.isinf()))
 
+
+def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
+    """Every point of :data:`GRID` checked and timed, then the whole scoring and selection (module docstring)."""
+    from hf_sparse_kv.ops.triton.quant import LSE_DEFAULTS, quant_block_lse
+
+    ops = get_ops("triton", dev)
+    cuda = torch.device(dev).type == "cuda"
+    hbm = hbm_bandwidth(dev) if cuda else None  # GB/s, a device-to-device copy
+    print(f"copy bandwidth {hbm and round(hbm)} GB/s", flush=True)
+    rows = []
+    for B, MB in SMOKE_SHAPES if smoke else SHAPES:
+        NB = B * MB
+        k_pool = torch.randn(NB, H, BS, D, device=dev).to(torch.bfloat16)
+        kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+        kmean = k_pool.float().mean(2).to(torch.bfloat16)
+        table = torch.arange(NB, device=dev, dtype=torch.int32).view(B, MB)
+        lens = torch.tensor([MB * BS - 3 * i for i in range(B)], device=dev, dtype=torch.int32)
+        zero = torch.zeros(B, dtype=torch.int32, device=dev)
+        q = torch.randn(B, H * G, D, device=dev).to(torch.bfloat16)
+        scale = D**-0.5
+        shape = f"{B}x{MB * BS // 1024}K" if MB * BS >= 1024 else f"{B}x{MB * BS}"
+        for bits in (2, 4):
+            codes = R.quantize_keys(k_pool, kmin, kmax, bits)
+            nbytes = codes.numel() + 2 * kmin.numel() * kmin.element_size()
+            args = (q, codes, kmin, kmax, table, lens, zero, scale, bits)
+            ref = R.quant_block_scores(*args)
+            base = {"bits": bits, "shape": shape}
+            default = None
+            for layout, tpp, warps in SMOKE_GRID if smoke else GRID:
+                out = ops.quant_block_scores(*args, layout=layout, tpp=tpp, num_warps=warps)
+                rel, same, inf_ok = compare(out, ref, max(1, MB // 16))
+                us, mode = bench(functools.partial(quant_block_lse, *args, tpp, warps, layout), rep=20)
+                knobs = {"layout": layout, "tpp": tpp, "num_warps": warps}
+                default = us if knobs == LSE_DEFAULTS[bits] else default
+                what = f"lse {layout} tpp={tpp} w={warps}"
+                rows.append({**base, "what": what, **knobs, "us": us, "timing": mode, "rel_err": rel, "shared": same,
+                             "inf_ok": inf_ok, "GB/s": nbytes / us / 1e3,
+                             "floor": us / (nbytes / hbm / 1e3) if hbm else None})  # fmt: skip
+                print(f"{bits} bits {shape} {what}: {us:.1f} us, rel err {rel:.1e}, shared {same:.4f}", flush=True)
+            for r in rows:
+                if r.get("shape") == shape and r["bits"] == bits and default:
+                    r["vs_default"] = r["us"] / default
+            forced = (*args, SINK, WINDOW)
+            whole = whole_scoring(ops, args, kmean, max(1, MB // 8))
+            check = R.quant_block_scores(*forced)
+            rel, same, inf_ok = compare(ops.quant_block_scores(*forced), check, max(1, MB // 16))
+            for what, fn in whole.items():
+                us, mode = bench(fn, rep=20)
+                row = {**base, "what": what, "us": us, "timing": mode, "vs_default": us / default if default else None}
+                if what.startswith("scores (lse"):
+                    row.update(rel_err=rel, shared=same, inf_ok=inf_ok)
+                rows.append(row)
+                print(f"{bits} bits {shape} {what}: {us:.1f} us", flush=True)
+            del codes, ref
+    return rows
+
+
+def whole_scoring(ops, args: tuple, kmean: torch.Tensor, k: int) -> dict:
+    """name -> thunk: the whole scoring at the defaults (forced blocks included), the same with the torch tail it
+    replaced, the whole selection (scores + top-``k``) and Quest's."""
     from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
-    k_pool = torch.randn(MB, H, BS, D, device=dev).to(torch.bfloat16)
-    kmin, kmax = k_pool.amin(2), k_pool.amax(2)
-    table = torch.arange(MB, device=dev, dtype=torch.int32).view(1, MB)
-    lens, zero = torch.tensor([MB * BS], device=dev, dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=dev)
-    q = torch.randn(1, H * G, D, device=dev).to(torch.bfloat16)
-    for bits in (2, 4):
-        codes = R.quantize_keys(k_pool, kmin, kmax, bits)
-        nbytes = codes.numel() + 2 * kmin.numel() * 2
-        grid = [("slices", t, w) for t in (1, 2, 4, 8, 16) for w in (1, 2, 4)]
-        grid += [("tile", t, w) for t in (2, 4, 8) for w in (2, 4, 8)]
-        for layout, tpp, warps in grid:
-            args = (q, codes, kmin, kmax, table, lens, zero, 0.088, bits, tpp, warps, layout)
-            ms = triton.testing.do_bench(functools.partial(quant_block_lse, *args))
-            print(
-                f"sweep bits={bits} {layout} tpp={tpp} warps={warps}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s"
-            )
+    q, codes, kmin, kmax, table, lens, zero = args[:7]
+    H, BS = codes.shape[1], codes.shape[2]
+    forced = (*args, SINK, WINDOW)
+    return {
+        "scores (lse + tail)": lambda: ops.quant_block_scores(*forced),
+        "scores, torch tail": lambda: R.lse_block_mass(quant_block_lse(*args), table, lens, zero, BS, H, SINK, WINDOW),
+        "selection (scores + top-k)": lambda: ops.topk_indices(ops.quant_block_scores(*forced), k),
+        "quest selection": lambda: ops.topk_indices(
+            ops.block_scores(q, kmin, kmax, kmean, table, lens, BS, "quest", zero, SINK, WINDOW), k
+        ),
+    }
 
 
 if __name__ == "__main__":

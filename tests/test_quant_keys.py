@@ -169,32 +169,93 @@ def test_triton_write_matches_reference(bits, span):
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("G,D,bs", [(1, 64, 16), (3, 128, 16), (3, 16, 8)])
-def test_triton_block_mass_matches_reference(bits, G, D, bs):
-    """The kernel (blocks of 16, ``D * bits >= 128``: its ``tl.dot`` tiles; TF32 on a GPU) and the reference it runs
-    below those sizes give the same mass and the same blocks out of play."""
+@pytest.mark.parametrize("window", [None, 20])
+def test_triton_block_mass_matches_reference(bits, G, D, bs, window):
+    """The kernels (blocks of 16, ``D * bits >= 128``: the ``tl.dot`` tiles; TF32 on a GPU) and the reference they
+    run below those sizes give the same mass, the same blocks out of play and, with a window, the same forced ones."""
     k_pool, table, seq_lens, start, q = _case(G, bits, G=G, D=D, bs=bs)
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
     codes = R.quantize_keys(k_pool, kmin, kmax, bits)
-    want = R.quant_block_scores(q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
-    got = get_ops("triton", DEVICE).quant_block_scores(q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
+    args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits, 2, window)
+    want = R.quant_block_scores(*args)
+    got = get_ops("triton", DEVICE).quant_block_scores(*args)
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got == float("inf"), want == float("inf"))
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
+
+
+def test_reference_forces_blocks_as_the_policy_did():
+    """With ``window`` given, the reference's scores are its mass with the forced blocks still held at ``+inf`` (what
+    ``_MassBlockTopK.scores`` did with a ``masked_fill``), and ``lse_block_mass`` is the same tail on the blocks'
+    log-sum-exps."""
+    from hf_sparse_kv.ops.layout import forced_block_mask
+
+    k_pool, table, seq_lens, start, q = _case(7, 2, G=4, D=16)
+    kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+    codes = R.quantize_keys(k_pool, kmin, kmax, 2)
+    args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, 2)
+    mass, got = R.quant_block_scores(*args), R.quant_block_scores(*args, 3, 12)
+    forced = forced_block_mask(seq_lens, start, 3, 12, BS, table.shape[1]).unsqueeze(1) & (mass > float("-inf"))
+    assert forced.any() and torch.equal(got, mass.masked_fill(forced, float("inf")))
+    keys = R.dequantize_keys(codes, kmin, kmax, 2)
+    B, MB, H = table.shape[0], table.shape[1], kmin.shape[1]
+    phys = table.long().clamp(min=0)
+    s = torch.einsum("bhgd,bmhtd->bhgmt", q.view(B, H, 4, -1), keys[phys]) * 0.3  # [B, H, G, MB, BS]
+    pos = torch.arange(MB * BS).view(MB, BS)
+    ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (table >= 0).unsqueeze(-1)
+    lse = s.masked_fill(~ok.view(B, 1, 1, MB, BS), float("-inf")).logsumexp(-1).flatten(1, 2)  # [B, Hq, MB]
+    torch.testing.assert_close(R.lse_block_mass(lse, table, seq_lens, start, BS, H, 3, 12), got)
+
+
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+@pytest.mark.parametrize("window", [None, 40])
+def test_triton_tail_matches_reference(G, window):
+    """``quant_lse_mass`` (two launches over chunks of 16 blocks here: 19 partials a head) against
+    ``reference.lse_block_mass``: ragged lengths, left padding, evicted blocks, a head with no valid block, a sequence
+    of length 0."""
+    from hf_sparse_kv.ops.triton.quant import quant_lse_mass
+
+    g = torch.Generator().manual_seed(G)
+    B, H, MB, bs = 4, 2, 300, 16
+    lse = torch.randn(B, H * G, MB, generator=g) * 4
+    table = torch.arange(B * MB, dtype=torch.int32).view(B, MB)
+    table[0, [5, 77, 250]] = -1
+    seq_lens = torch.tensor([MB * bs - 7, 1000, 17, 0], dtype=torch.int32)
+    start = torch.tensor([0, 40, 3, 0], dtype=torch.int32)
+    live = R.live_blocks(table, seq_lens, bs)
+    lse = lse.masked_fill(~live.unsqueeze(1), float("-inf"))
+    lse[1, 0] = float("-inf")  # a query head with nothing valid: adds 0
+    lse, table, seq_lens, start = (t.to(DEVICE) for t in (lse, table, seq_lens, start))
+    want = R.lse_block_mass(lse, table, seq_lens, start, bs, H, 4, window)
+    got = quant_lse_mass(lse, table, seq_lens, start, bs, H, 4, window, block_c=16)
+    assert torch.equal(got == float("inf"), want == float("inf")) and torch.equal(got.isinf(), want.isinf())
+    assert (window is None) == (not want.eq(float("inf")).any())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout,tpp,warps", [("slices", 3, 1), ("tile", 2, 4), ("tile", 4, 2), ("fma", 4, 4)])
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_triton_layouts_match_reference(layout, tpp, warps, G, bits):
+    """Every scoring layout (a tuning knob; the tail is shared) gives the reference's mass: partial last blocks, an
+    evicted block inside a sequence, left padding, several blocks a program with the table's last tile partial."""
+    k_pool, table, seq_lens, start, q = _case(G + bits, bits, G=G, D=64, bs=16, MB=7)
+    table[0, 2] = -1
+    kmin, kmax = k_pool.amin(2), k_pool.amax(2)
+    codes = R.quantize_keys(k_pool, kmin, kmax, bits)
+    args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
+    want = R.quant_block_scores(*args)
+    got = get_ops("triton", DEVICE).quant_block_scores(*args, layout=layout, tpp=tpp, num_warps=warps)
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("tpp", [1, 4])
-def test_tile_layout_matches_the_slices(bits, tpp):
-    """``layout="tile"`` (a tuning knob of the scoring kernel) gives the default layout's log-sum-exps, ragged and
-    evicted blocks included; a tile that is not a power of two is refused."""
+def test_bad_layouts_are_refused():
     from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
-    k_pool, table, seq_lens, start, q = _case(tpp, bits, G=3, D=64, bs=16)
+    k_pool, table, seq_lens, start, q = _case(0, 2, D=64, bs=16)
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
-    codes = R.quantize_keys(k_pool, kmin, kmax, bits)
-    args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
-    want = quant_block_lse(*args)
-    got = quant_block_lse(*args, tpp=tpp, layout="tile")
-    assert torch.equal(got.isinf(), want.isinf())
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    args = (q, R.quantize_keys(k_pool, kmin, kmax, 2), kmin, kmax, table, seq_lens, start, 0.3, 2)
     with pytest.raises(ValueError, match="power-of-two"):
         quant_block_lse(*args, tpp=3, layout="tile")
+    with pytest.raises(ValueError, match="layout"):
+        quant_block_lse(*args, layout="rows")

@@ -354,14 +354,18 @@ def quant_block_scores_op(
     start: torch.Tensor,
     scale: float,
     bits: int,
+    sink: int,
+    window: int | None,
     backend: str,
 ) -> torch.Tensor:
-    """``reference.quant_block_scores``: each block's mass under the ``bits``-bit keys, ``[B, Hkv, MB]`` float32."""
-    return _impl(backend, "quant_block_scores")(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
+    """``reference.quant_block_scores``: each block's mass under the ``bits``-bit keys, ``[B, Hkv, MB]`` float32
+    (``+inf`` at the forced blocks still held when ``window`` is given)."""
+    fn = _impl(backend, "quant_block_scores")
+    return fn(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window)
 
 
 @quant_block_scores_op.register_fake
-def _(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, backend):
+def _(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window, backend):
     return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
 
 
@@ -445,8 +449,10 @@ def registered_ops(backend: str) -> SimpleNamespace:
     def quant_write(codes, k_pool, block_table, lo, hi, span, bits):
         quant_write_op(codes, k_pool, block_table, lo, hi, span, bits, backend)
 
-    def quant_block_scores(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits):
-        return quant_block_scores_op(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, backend)
+    def quant_block_scores(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink=0, window=None):
+        return quant_block_scores_op(
+            q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window, backend
+        )
 
     return SimpleNamespace(
         name=backend,

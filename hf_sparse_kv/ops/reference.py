@@ -654,6 +654,8 @@ def quant_block_scores(
     start: torch.Tensor,
     scale: float,
     bits: int,
+    sink: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the quantized keys, summed over each GQA group: :func:`oracle_block_scores`
     with every key replaced by its ``bits``-bit copy, dequantized on the grid of the block's ``kmin`` / ``kmax``.
@@ -661,15 +663,45 @@ def quant_block_scores(
     Args:
         q: ``[B, Hq, D]`` decode queries (unscaled); codes: ``[NB, Hkv, BS, D * bits // 8]`` uint8 (:func:`quant_write`);
             kmin, kmax: ``[NB, Hkv, D]``; block_table: ``[B, MB]``; seq_lens, start: ``[B]``; scale: softmax scale.
+        sink, window: with ``window`` given, the blocks of :func:`forced_block_mask` still held score ``+inf``.
 
     Returns:
         ``[B, Hkv, MB]`` float32; ``-inf`` past each sequence's last block and for evicted blocks.
     """
     B, MB = block_table.shape
+    BS = codes.shape[2]
     phys = block_table.long().clamp(min=0)  # the table's blocks only, dequantized once each
     keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits).flatten(0, 1)  # [B * MB, Hkv, BS, D]
     table = torch.arange(B * MB, device=q.device).view(B, MB).masked_fill(block_table < 0, -1)
-    return oracle_block_scores(q, keys, table.int(), seq_lens, start, scale, length=MB * keys.shape[2])
+    s = oracle_block_scores(q, keys, table.int(), seq_lens, start, scale, length=MB * BS)
+    if window is not None:
+        forced = forced_block_mask(seq_lens, start, sink, window, BS, MB) & live_blocks(block_table, seq_lens, BS)
+        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+    return s
+
+
+def lse_block_mass(
+    lse: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    block_size: int,
+    num_kv_heads: int,
+    sink: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Blocks' log-sum-exps per query head ``lse [B, Hq, MB]`` (``-inf``: nothing valid) -> ``[B, Hkv, MB]`` float32:
+    each block's share of its head's softmax over all blocks, summed over the GQA group (a head without a valid
+    block adds 0); ``+inf`` for the forced blocks still held when ``window`` is given; ``-inf`` for blocks not in use.
+    The tail of the Triton ``quant_block_scores`` (its scoring kernel gives the log-sum-exps)."""
+    B, Hq, MB = lse.shape
+    share = (lse.float() - torch.logsumexp(lse.float(), -1, keepdim=True)).exp().nan_to_num(0.0)
+    s = share.view(B, num_kv_heads, Hq // num_kv_heads, MB).sum(2)
+    live = live_blocks(block_table, seq_lens, block_size)
+    if window is not None:
+        forced = forced_block_mask(seq_lens, start, sink, window, block_size, MB) & live
+        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+    return s.masked_fill(~live.unsqueeze(1), NEG_INF)
 
 
 def candidate_scores(

@@ -60,7 +60,15 @@ class QuantBlockTopK(_MassBlockTopK):
 
     def mass(self, state: DecodeState) -> torch.Tensor:
         """``[B, Hkv, nblk]`` each block's mass under the quantized keys, ``-inf`` for blocks not in use."""
+        return self._quant_scores(state, None)
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        """:meth:`mass` with the forced blocks in use at ``+inf``, set by the op itself (on the Triton backend in
+        its tail kernel, not by a ``masked_fill`` here)."""
+        return self._quant_scores(state, self.window)
+
+    def _quant_scores(self, state: DecodeState, window: int | None) -> torch.Tensor:
         return state.ops.quant_block_scores(
             state.q, self.codes(state), state.kmin, state.kmax, state.block_table, state.seq_lens, state.start,
-            state.scale, self.bits,
+            state.scale, self.bits, self.sink, window,
         )  # fmt: skip

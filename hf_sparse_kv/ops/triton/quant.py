@@ -2,19 +2,23 @@
 
 A key's codes are ``bits``-bit steps on its block's per-channel ``[min, max]`` grid, packed planar: byte ``i`` of a
 token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel handles the ``8 // bits`` channel slices
-``[j W, (j + 1) W)`` one at a time, each a ``[BS, W]`` tile, and never reshapes.
+``[j W, (j + 1) W)`` one at a time, each a ``[BS, W]`` tile a block, and never unpacks across bytes.
 
 - :func:`quant_write`: one program per (logical block touched by the write, sequence, KV head) loads the block's
   filled prefix, takes each channel's min / max over it (the cache's ``kmin`` / ``kmax``), codes every slot
   (``floor((k - min) / delta + 0.5)``, IEEE divisions as the reference's) and stores the block's codes; slots past
   the prefix get 0. The grid is sized by ``span`` (``cdiv(span, BS) + 1`` blocks per sequence), a program past the
   last block written returns: a captured step replays it.
-- :func:`quant_block_scores`: one program per (``TPP`` logical blocks, sequence, KV head) computes, for each of the
-  group's ``G`` query heads, the log-sum-exp over each block's valid positions of ``scale * q . k_hat`` with
-  ``k_hat = min + code * delta``, as ``q . min + sum_j (q_j * delta_j) . code_j`` (no dequantized key is built;
-  the products are ``tl.dot``s of the group's step-scaled queries with the codes);
-  a few tensor ops then turn the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares and sum them over the
-  group (the reference's mass). It reads the codes (``bits / 16`` of 16-bit keys) and the block's min / max.
+- :func:`quant_block_scores`: :func:`quant_block_lse`, then :func:`quant_lse_mass`. The scoring kernel computes, per
+  (logical block, sequence, KV head) and for each of the group's ``G`` query heads, the log-sum-exp over the block's
+  valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta``, in one of three layouts
+  (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`): ``"slices"`` (a block at a time, ``q . min + sum_j (q_j *
+  delta_j) . code_j``, no dequantized key, ``tl.dot``s of the group's step-scaled queries with the codes), ``"tile"``
+  (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice) and ``"fma"`` (the same tile, float32
+  FMAs, no ``tl.dot``). It reads the codes (``bits / 16`` of 16-bit keys) and the blocks' min / max. The tail turns
+  the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares summed over the group (the reference's mass),
+  with the forced blocks at ``+inf``, in two launches over chunks of blocks (:func:`quant_lse_stats_kernel`,
+  :func:`quant_mass_kernel`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from .forced import forced_block, forced_bounds
 
 
 @triton.jit
@@ -171,6 +176,48 @@ def quant_block_lse_kernel(
 
 
 @triton.jit
+def _tile_codes(
+    codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB,
+    D: tl.constexpr, W: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+):  # fmt: skip
+    """The codes of a program's ``BM`` logical blocks ``i_m * BM ...``: ``(o_m [BM] the blocks, m_live [BM] held and
+    in the table, ok [BM, BS] the valid positions, b_c [BM, BS, W] int32 the packed codes, p_m [BM] each block's
+    offset into kmin / kmax)``. Blocks not held load nothing (codes 0, every position invalid)."""
+    o_m = i_m * BM + tl.arange(0, BM)
+    b_phys = tl.load(block_table + i_b * MB + o_m, mask=o_m < MB, other=-1).to(tl.int64)
+    m_live = b_phys >= 0
+    n = tl.load(seq_lens + i_b)
+    s0 = tl.load(start + i_b)
+    o_t = tl.arange(0, BS)
+    o_w = tl.arange(0, W)
+    pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
+    ok = (pos < n) & (pos >= s0) & m_live[:, None]
+    b_phys = tl.maximum(b_phys, 0)
+    p_c = codes + (b_phys * s_cn + i_h * BS * W)[:, None, None] + o_t[None, :, None] * W + o_w[None, None, :]
+    # [BM, BS, W]
+    b_c = tl.load(p_c, mask=m_live[:, None, None], other=0).to(tl.int32)
+    return o_m, m_live, ok, b_c, b_phys * s_mn + i_h * D
+
+
+@triton.jit
+def _dequant_slice(
+    kmin, kmax, p_m, m_live, b_c, j: tl.constexpr, W: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+    BITS: tl.constexpr,
+):  # fmt: skip
+    """Slice ``j`` (channels ``[j W, (j + 1) W)``) of the tile's dequantized keys, ``[BM * BS, W]`` float32:
+    ``min + code * (max - min) / L`` with each block's ``[W]`` min / max loaded once and broadcast over its ``BS``
+    rows, ``1 / L`` a multiplication (within an ulp of the reference's division: this only ranks blocks)."""
+    L: tl.constexpr = (1 << BITS) - 1
+    o_w = tl.arange(0, W)
+    p = p_m[:, None] + j * W + o_w[None, :]
+    b_lo = tl.load(kmin + p, mask=m_live[:, None], other=0.0).to(tl.float32)  # [BM, W]
+    b_hi = tl.load(kmax + p, mask=m_live[:, None], other=0.0).to(tl.float32)
+    b_d = (b_hi - b_lo) * (1.0 / L)
+    b_k = b_lo[:, None, :] + ((b_c >> (j * BITS)) & L).to(tl.float32) * b_d[:, None, :]  # [BM, BS, W]
+    return tl.reshape(b_k, (BM * BS, W))
+
+
+@triton.jit
 def quant_block_lse_tile_kernel(
     q,  # [B, HQ, D]
     codes,  # [NB, H, BS, W] uint8
@@ -194,44 +241,172 @@ def quant_block_lse_tile_kernel(
     BM: tl.constexpr,
     BITS: tl.constexpr,
 ):
-    """``layout="tile"``: ``BM`` blocks at once. Each slice's keys are dequantized in registers, ``[BM * BS, W]``,
-    and multiplied by the group's queries in one ``[GP, W] x [W, BM * BS]`` product per slice."""
+    """``layout="tile"``: ``BM`` blocks a program. Each slice's keys are dequantized in registers, ``[BM * BS, W]``
+    (:func:`_dequant_slice`), and multiplied by the group's queries in one ``[GP, W] x [W, BM * BS]`` ``tl.dot``."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    L: tl.constexpr = (1 << BITS) - 1
     PER: tl.constexpr = 8 // BITS
-    n = tl.load(seq_lens + i_b)
-    s0 = tl.load(start + i_b)
-    o_r = tl.arange(0, BM * BS)  # rows: token t of tile block m at m * BS + t
+    o_m, m_live, ok, b_c, p_m = _tile_codes(
+        codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM
+    )
     o_w = tl.arange(0, W)
     o_g = tl.arange(0, GP)
     m_g = o_g < G
-    lb = i_m * BM + o_r // BS  # [BM * BS] logical block of each row
-    m_b = lb < MB
-    b_phys = tl.load(block_table + i_b * MB + lb, mask=m_b, other=-1).to(tl.int64)
-    pos = lb * BS + o_r % BS
-    ok = (pos < n) & (pos >= s0) & (b_phys >= 0) & m_b
-    b_phys = tl.maximum(b_phys, 0)
-    p_c = codes + b_phys * s_cn + i_h * BS * W + (o_r % BS) * W  # [BM * BS]
-    b_c = tl.load(p_c[:, None] + o_w[None, :], mask=m_b[:, None], other=0).to(tl.int32)  # [BM * BS, W]
-    p_m = b_phys * s_mn + i_h * D  # [BM * BS]
     p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
     s = tl.zeros([GP, BM * BS], dtype=tl.float32)
     for j in tl.static_range(PER):
-        lo_j = tl.load(kmin + p_m[:, None] + j * W + o_w[None, :], mask=m_b[:, None], other=0.0).to(tl.float32)
-        hi_j = tl.load(kmax + p_m[:, None] + j * W + o_w[None, :], mask=m_b[:, None], other=0.0).to(tl.float32)
-        delta = tl.math.div_rn(hi_j - lo_j, tl.full([BM * BS, W], L, tl.float32))
-        k_j = lo_j + ((b_c >> (j * BITS)) & L).to(tl.float32) * delta  # [BM * BS, W] dequantized keys
-        q_j = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, W]
-        s += tl.dot(q_j, tl.trans(k_j), input_precision="tf32")
-    s = tl.where(ok[None, :], s * scale, float("-inf"))
-    s3 = tl.reshape(s, (GP, BM, BS))
+        b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
+        b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, W]
+        s += tl.dot(b_q, tl.trans(b_k), input_precision="tf32")
+    s3 = tl.where(ok[None, :, :], tl.reshape(s, (GP, BM, BS)) * scale, float("-inf"))
     mx = tl.max(s3, 2)  # [GP, BM]
     safe = tl.where(mx > float("-inf"), mx, 0.0)
     lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, :, None]), 2)), float("-inf"))
-    o_m = i_m * BM + tl.arange(0, BM)
     p_o = out + (i_b * HQ + i_h * G + o_g)[:, None] * MB + o_m[None, :]
     tl.store(p_o, lse, mask=m_g[:, None] & (o_m < MB)[None, :])
+
+
+@triton.jit
+def quant_block_lse_fma_kernel(
+    q,  # [B, HQ, D]
+    codes,  # [NB, H, BS, W] uint8
+    kmin,  # [NB, H, D]
+    kmax,  # [NB, H, D]
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B]
+    out,  # [B, HQ, MB] float32
+    s_cn,
+    s_mn,
+    scale,
+    MB,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """``layout="fma"``: the tile's dequantized keys as in ``"tile"``, the ``G`` heads' dot products without
+    ``tl.dot``: a ``[BM * BS, GP, W]`` broadcast product summed over ``W`` (``GP``: ``G`` rounded up to a power of
+    two, not to 16), in float32 FMAs."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    PER: tl.constexpr = 8 // BITS
+    o_m, m_live, ok, b_c, p_m = _tile_codes(
+        codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM
+    )
+    o_w = tl.arange(0, W)
+    o_g = tl.arange(0, GP)
+    m_g = o_g < G
+    p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
+    s = tl.zeros([BM * BS, GP], dtype=tl.float32)
+    for j in tl.static_range(PER):
+        b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
+        b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, W]
+        s += tl.sum(b_k[:, None, :] * b_q[None, :, :], 2)
+    s3 = tl.where(ok[:, :, None], tl.reshape(s, (BM, BS, GP)) * scale, float("-inf"))
+    mx = tl.max(s3, 1)  # [BM, GP]
+    safe = tl.where(mx > float("-inf"), mx, 0.0)
+    lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, None, :]), 1)), float("-inf"))
+    p_o = out + (i_b * HQ + i_h * G + o_g)[None, :] * MB + o_m[:, None]
+    tl.store(p_o, lse, mask=(o_m < MB)[:, None] & m_g[None, :])
+
+
+@triton.jit
+def quant_lse_stats_kernel(
+    lse,  # [B, H * G, MB] float32
+    part_m,  # [B, H * G, NC] float32 out
+    part_l,  # [B, H * G, NC] float32 out
+    MB,
+    NC,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """Pass 1 of the tail: per chunk ``i_c`` of ``BC`` blocks and query head of the group, the max ``m`` of its
+    log-sum-exps and the sum ``l`` of ``exp(lse - m)`` (a chunk of ``-inf``: ``m = -inf``, ``l = 0``)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    o_g = tl.arange(0, BG)
+    m_g = o_g < G
+    o_row = (i_bh * G + o_g).to(tl.int64)  # [BG] the group's query heads (HQ = H * G: rows i_bh * G + g)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_x = m_g[:, None] & (o_c < MB)[None, :]
+    b_x = tl.load(lse + o_row[:, None] * MB + o_c[None, :], mask=m_x, other=float("-inf"))  # [BG, BC]
+    b_m = tl.max(b_x, 1)
+    b_ms = tl.where(b_m > float("-inf"), b_m, 0.0)  # shift a row of -inf by 0: exp gives 0, never NaN
+    b_l = tl.sum(tl.exp(b_x - b_ms[:, None]), 1)
+    tl.store(part_m + o_row * NC + i_c, b_m, mask=m_g)
+    tl.store(part_l + o_row * NC + i_c, b_l, mask=m_g)
+
+
+@triton.jit
+def quant_mass_kernel(
+    lse,  # [B, H * G, MB] float32
+    part_m,  # [B, H * G, NC] float32
+    part_l,  # [B, H * G, NC] float32
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B]
+    out,  # [B, H, MB] float32
+    MB,
+    NC,
+    SINK,
+    WINDOW,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    BC: tl.constexpr,
+    BN: tl.constexpr,
+    BS: tl.constexpr,
+    FORCE: tl.constexpr,
+):
+    """Pass 2 of the tail: each program merges the ``NC`` partial ``(m, l)`` of its group's heads into each head's
+    log-sum-exp over every block (``M = max m``, ``l = sum l exp(m - M)``), then writes its chunk's scores:
+    ``sum_g exp(lse[g] - M[g]) / l[g]`` (a head with ``l = 0`` adds 0), ``+inf`` at forced blocks still held (with
+    ``FORCE``, ``ops/layout.py``'s rule), ``-inf`` at blocks not in use (past the end, evicted)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b = i_bh // H
+    o_g = tl.arange(0, BG)
+    m_g = o_g < G
+    o_row = (i_bh * G + o_g).to(tl.int64)  # [BG]
+    o_n = tl.arange(0, BN)
+    m_n = m_g[:, None] & (o_n < NC)[None, :]
+    b_pm = tl.load(part_m + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
+    b_pl = tl.load(part_l + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=0.0)
+    b_M = tl.max(b_pm, 1)
+    b_Ms = tl.where(b_M > float("-inf"), b_M, 0.0)
+    b_l = tl.sum(b_pl * tl.exp(b_pm - b_Ms[:, None]), 1)  # [BG]
+    b_r = tl.where(b_l > 0, 1.0 / tl.maximum(b_l, 1e-30), 0.0)  # a head without mass adds 0
+
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < MB
+    # [BG, BC]
+    b_x = tl.load(lse + o_row[:, None] * MB + o_c[None, :], mask=m_g[:, None] & m_c[None, :], other=float("-inf"))
+    b_mass = tl.sum(tl.exp(b_x - b_Ms[:, None]) * b_r[:, None], 0)  # [BC]
+    n = tl.load(seq_lens + i_b)
+    n_blk = tl.cdiv(n, BS)
+    b_t = tl.load(block_table + i_b * MB + o_c, mask=m_c, other=-1)
+    live = (o_c < n_blk) & (b_t >= 0)
+    if FORCE:
+        sink_end, win_start, _ = forced_bounds(n, tl.load(start + i_b), SINK, WINDOW, BS)
+        b_mass = tl.where(forced_block(o_c, n_blk, sink_end, win_start, BS), float("inf"), b_mass)
+    tl.store(out + i_bh.to(tl.int64) * MB + o_c, tl.where(live, b_mass, float("-inf")), mask=m_c)
+
+
+LAYOUTS = ("slices", "tile", "fma")
+
+# The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
+# (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
+# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "fma"); ``num_warps``.
+LSE_DEFAULTS = {
+    2: {"layout": "slices", "tpp": 1, "num_warps": 1},
+    4: {"layout": "slices", "tpp": 1, "num_warps": 1},
+}
+TAIL_TILE = 1024  # the tail's elements per program (``[BG, BC]`` log-sum-exps): BC = TAIL_TILE // BG blocks
 
 
 def quant_block_lse(
@@ -244,26 +419,40 @@ def quant_block_lse(
     start: torch.Tensor,
     scale: float,
     bits: int,
-    tpp: int = 1,
-    num_warps: int = 1,
-    layout: str = "slices",
+    tpp: int | None = None,
+    num_warps: int | None = None,
+    layout: str | None = None,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
-    block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is. The group's queries are
-    one ``[GP, D]`` tile (``GP``: ``G`` rounded up to 16, the smallest ``tl.dot``); each block is ``8 // bits``
-    products ``[GP, W] x [W, BS]`` of the step-scaled queries with the codes, in TF32 on a GPU (the codes are exact
-    there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks). ``tpp`` blocks per program,
-    ``num_warps``: the defaults are the fastest of a sweep on an H200 at 1 x 128K (``benchmarks/RESULTS.md``: 174 us
-    at 2 bits against 611 with 8 blocks and 4 warps; latency-bound, far from the 16 us its bytes need).
-    ``layout="tile"`` (:func:`quant_block_lse_tile_kernel`, ``tpp`` blocks a tile, a power of two): one product per
-    slice over ``tpp`` blocks' dequantized keys; correct (tests), not yet timed on a GPU, so not the default."""
+    block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is.
+
+    Layouts (knobs ``None``: :data:`LSE_DEFAULTS` for ``bits``):
+
+    - ``"slices"`` (:func:`quant_block_lse_kernel`, ``tpp`` blocks a program, one after the other): the group's
+      queries one ``[GP, D]`` tile (``GP``: ``G`` rounded up to 16, the smallest ``tl.dot``); each block is
+      ``8 // bits`` products ``[GP, W] x [W, BS]`` of the step-scaled queries with the codes, in TF32 on a GPU (the
+      codes are exact there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks). Measured on
+      an H200 at 1 x 128K (benchmarks/RESULTS.md): 174 us at 2 bits with 1 block and 1 warp, latency-bound.
+    - ``"tile"`` (:func:`quant_block_lse_tile_kernel`): ``tpp`` blocks' keys dequantized in registers, one
+      ``tl.dot`` a slice for all of them (TF32 on a GPU).
+    - ``"fma"`` (:func:`quant_block_lse_fma_kernel`): the same tile, the dot products as float32 FMAs (no padding
+      of ``G`` to 16).
+    """
+    reference.quant_levels(bits)  # raises for a width other than 2 or 4
+    knobs = LSE_DEFAULTS[bits]
+    layout = knobs["layout"] if layout is None else layout
+    tpp = knobs["tpp"] if tpp is None else tpp
+    num_warps = knobs["num_warps"] if num_warps is None else num_warps
     B, HQ, D = q.shape
     NB, H, BS, W = codes.shape
-    reference.quant_levels(bits)
     assert W == D * bits // 8 and codes.dtype == torch.uint8 and kmin.shape == kmax.shape == (NB, H, D)
     assert codes.stride()[1:] == (BS * W, W, 1) and kmin.stride()[1:] == (D, 1) and kmax.stride() == kmin.stride()
     assert HQ % H == 0 and triton.next_power_of_2(D) == D and W >= 16 and triton.next_power_of_2(W) == W
     assert BS >= 16 and triton.next_power_of_2(BS) == BS, "tl.dot needs tiles of at least 16"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if layout != "slices" and triton.next_power_of_2(tpp) != tpp:
+        raise ValueError(f"layout={layout!r} takes a power-of-two tpp (blocks a tile), not {tpp}")
     MB = block_table.shape[1]
     out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
     if B == 0 or MB == 0:
@@ -273,16 +462,58 @@ def quant_block_lse(
         q.contiguous(), codes, kmin, kmax, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
         codes.stride(0), kmin.stride(0), float(scale), MB,
     )  # fmt: skip
-    shape = {"HQ": HQ, "H": H, "G": G, "GP": max(16, triton.next_power_of_2(G)), "D": D, "W": W, "BS": BS}
+    shape = {"HQ": HQ, "H": H, "G": G, "D": D, "W": W, "BS": BS, "BITS": bits}
     grid = (triton.cdiv(MB, tpp), B * H)
+    GP = triton.next_power_of_2(G)
     if layout == "tile":
-        if triton.next_power_of_2(tpp) != tpp:
-            raise ValueError(f"layout='tile' takes a power-of-two tpp (blocks a tile), not {tpp}")
-        quant_block_lse_tile_kernel[grid](*args, **shape, BM=tpp, BITS=bits, num_warps=num_warps)
-    elif layout == "slices":
-        quant_block_lse_kernel[grid](*args, **shape, BITS=bits, TPP=tpp, num_warps=num_warps)
+        quant_block_lse_tile_kernel[grid](*args, **shape, GP=max(16, GP), BM=tpp, num_warps=num_warps)
+    elif layout == "fma":
+        quant_block_lse_fma_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
     else:
-        raise ValueError(f"layout must be 'slices' or 'tile', not {layout!r}")
+        quant_block_lse_kernel[grid](*args, **shape, GP=max(16, GP), TPP=tpp, num_warps=num_warps)
+    return out
+
+
+def quant_lse_mass(
+    lse: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    block_size: int,
+    num_kv_heads: int,
+    sink: int = 0,
+    window: int | None = None,
+    block_c: int | None = None,
+) -> torch.Tensor:
+    """The tail of :func:`quant_block_scores` in two launches (the Triton twin of ``reference.lse_block_mass``):
+    ``lse [B, Hq, MB]`` -> ``[B, Hkv, MB]`` float32, each block's softmax share summed over the GQA group, ``+inf``
+    at forced blocks still held when ``window`` is given, ``-inf`` at blocks not in use.
+
+    The per-head normalisation is a reduction over all ``MB`` blocks, split in chunks of ``block_c`` (default
+    ``TAIL_TILE // G`` rounded to powers of two): :func:`quant_lse_stats_kernel` takes each chunk's ``(max, sum of
+    exp)`` per head, :func:`quant_mass_kernel` (grid: chunk x (sequence, KV head)) merges them and writes its chunk.
+    """
+    B, HQ, MB = lse.shape
+    H = num_kv_heads
+    assert HQ % H == 0 and lse.dtype == torch.float32 and block_table.shape == (B, MB), f"{lse.shape} {H}"
+    assert seq_lens.shape == (B,) and start.shape == (B,), f"seq_lens {seq_lens.shape}, start {start.shape}"
+    out = torch.empty(B, H, MB, dtype=torch.float32, device=lse.device)
+    if B == 0 or MB == 0:
+        return out
+    G = HQ // H
+    BG = triton.next_power_of_2(G)
+    BC = block_c or max(16, min(triton.next_power_of_2(MB), TAIL_TILE // BG))
+    assert triton.next_power_of_2(BC) == BC and BC >= 16, f"block_c must be a power of two >= 16, got {BC}"
+    NC = triton.cdiv(MB, BC)
+    lse = lse.contiguous()
+    part_m = torch.empty(B, HQ, NC, dtype=torch.float32, device=lse.device)
+    part_l = torch.empty_like(part_m)
+    quant_lse_stats_kernel[(NC, B * H)](lse, part_m, part_l, MB, NC, G=G, BG=BG, BC=BC, num_warps=4)
+    quant_mass_kernel[(NC, B * H)](
+        lse, part_m, part_l, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, MB, NC,
+        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=triton.next_power_of_2(NC), BS=block_size,
+        FORCE=window is not None, num_warps=4,
+    )  # fmt: skip
     return out
 
 
@@ -296,16 +527,24 @@ def quant_block_scores(
     start: torch.Tensor,
     scale: float,
     bits: int,
+    sink: int = 0,
+    window: int | None = None,
+    *,
+    layout: str | None = None,
+    tpp: int | None = None,
+    num_warps: int | None = None,
+    block_c: int | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the quantized keys, summed over each GQA group: ``[B, Hkv, MB]`` float32
-    (the contract of ``reference.quant_block_scores``), from :func:`quant_block_lse` and five tensor ops. Blocks
-    of fewer than 16 tokens or fewer than 16 code bytes per key (``D * bits < 128``), below ``tl.dot``'s smallest
-    tile, run the reference (tensor ops, no host sync)."""
-    B, HQ, _ = q.shape
+    (the contract of ``reference.quant_block_scores``: with ``window`` given, forced blocks still held score
+    ``+inf``), in three launches: :func:`quant_block_lse` then :func:`quant_lse_mass`. ``layout``, ``tpp``,
+    ``num_warps`` (the scoring kernel's, default :data:`LSE_DEFAULTS`) and ``block_c`` (the tail's) are tuning knobs.
+    Blocks of fewer than 16 tokens or fewer than 16 code bytes per key (``D * bits < 128``), below ``tl.dot``'s
+    smallest tile, run the reference (tensor ops, no host sync)."""
     H, BS, W = codes.shape[1], codes.shape[2], codes.shape[3]
     if BS < 16 or W < 16:
-        return reference.quant_block_scores(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
-    lse = quant_block_lse(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
-    share = (lse - torch.logsumexp(lse, -1, keepdim=True)).exp().nan_to_num(0.0)  # nothing valid: 0, not NaN
-    mass = share.view(B, H, HQ // H, -1).sum(2)
-    return mass.masked_fill(~reference.live_blocks(block_table, seq_lens, BS).unsqueeze(1), reference.NEG_INF)
+        return reference.quant_block_scores(
+            q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window
+        )
+    lse = quant_block_lse(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout)
+    return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window, block_c)
