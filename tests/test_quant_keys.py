@@ -200,7 +200,7 @@ def test_reference_forces_blocks_as_the_policy_did():
     B, MB, H = table.shape[0], table.shape[1], kmin.shape[1]
     phys = table.long().clamp(min=0)
     s = torch.einsum("bhgd,bmhtd->bhgmt", q.view(B, H, 4, -1), keys[phys]) * 0.3  # [B, H, G, MB, BS]
-    pos = torch.arange(MB * BS).view(MB, BS)
+    pos = torch.arange(MB * BS, device=q.device).view(MB, BS)
     ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (table >= 0).unsqueeze(-1)
     lse = s.masked_fill(~ok.view(B, 1, 1, MB, BS), float("-inf")).logsumexp(-1).flatten(1, 2)  # [B, Hq, MB]
     torch.testing.assert_close(R.lse_block_mass(lse, table, seq_lens, start, BS, H, 3, 12), got)

@@ -402,9 +402,9 @@ LAYOUTS = ("slices", "tile", "fma")
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
 # :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "fma"); ``num_warps``.
-LSE_DEFAULTS = {
-    2: {"layout": "slices", "tpp": 1, "num_warps": 1},
-    4: {"layout": "slices", "tpp": 1, "num_warps": 1},
+LSE_DEFAULTS = {  # 2026-12-01 sweep: tile 4 / 4 the fastest point at 1 x 128K and 8 x 32K for both widths
+    2: {"layout": "tile", "tpp": 4, "num_warps": 4},
+    4: {"layout": "tile", "tpp": 4, "num_warps": 4},
 }
 TAIL_TILE = 1024  # the tail's elements per program (``[BG, BC]`` log-sum-exps): BC = TAIL_TILE // BG blocks
 
@@ -431,12 +431,14 @@ def quant_block_lse(
     - ``"slices"`` (:func:`quant_block_lse_kernel`, ``tpp`` blocks a program, one after the other): the group's
       queries one ``[GP, D]`` tile (``GP``: ``G`` rounded up to 16, the smallest ``tl.dot``); each block is
       ``8 // bits`` products ``[GP, W] x [W, BS]`` of the step-scaled queries with the codes, in TF32 on a GPU (the
-      codes are exact there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks). Measured on
-      an H200 at 1 x 128K (benchmarks/RESULTS.md): 174 us at 2 bits with 1 block and 1 warp, latency-bound.
-    - ``"tile"`` (:func:`quant_block_lse_tile_kernel`): ``tpp`` blocks' keys dequantized in registers, one
-      ``tl.dot`` a slice for all of them (TF32 on a GPU).
+      codes are exact there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks).
+    - ``"tile"`` (:func:`quant_block_lse_tile_kernel`, the default with 4 blocks and 4 warps): ``tpp`` blocks' keys
+      dequantized in registers, one ``tl.dot`` a slice for all of them (TF32 on a GPU).
     - ``"fma"`` (:func:`quant_block_lse_fma_kernel`): the same tile, the dot products as float32 FMAs (no padding
       of ``G`` to 16).
+
+    On an H200 at 1 x 128K (benchmarks/RESULTS.md, 2026-12-01): tile 4 / 4 166 us at 2 bits, 150 at 4 bits; slices
+    1 / 1 174 / 155; fma 508-1375: all 6-11 x the time of their bytes, latency-bound.
     """
     reference.quant_levels(bits)  # raises for a width other than 2 or 4
     knobs = LSE_DEFAULTS[bits]
