@@ -11,13 +11,14 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
   last block written returns: a captured step replays it.
 - :func:`quant_block_scores`: :func:`quant_block_lse`, then :func:`quant_lse_mass`. The scoring kernel computes, per
   (logical block, sequence, KV head) and for each of the group's ``G`` query heads, the log-sum-exp over the block's
-  valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta``, in one of three layouts
+  valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta``, in one of two layouts
   (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`): ``"slices"`` (a block at a time, ``q . min + sum_j (q_j *
   delta_j) . code_j``, no dequantized key, ``tl.dot``s of the group's step-scaled queries with the codes), ``"tile"``
-  (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice) and ``"fma"`` (the same tile, float32
-  FMAs, no ``tl.dot``). It reads the codes (``bits / 16`` of 16-bit keys) and the blocks' min / max. The tail turns
-  the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares summed over the group (the reference's mass),
-  with the forced blocks at ``+inf``, in two launches over chunks of blocks (:func:`quant_lse_stats_kernel`,
+  (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice; the default). A third form, the same
+  tile with the dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed (benchmarks/RESULTS.md).
+  It reads the codes (``bits / 16`` of 16-bit keys) and the blocks' min / max. The tail turns the ``[B, Hq, MB]``
+  log-sum-exps into each head's softmax shares summed over the group (the reference's mass), with the forced
+  blocks at ``+inf``, in two launches over chunks of blocks (:func:`quant_lse_stats_kernel`,
   :func:`quant_mass_kernel`).
 """
 
@@ -267,56 +268,6 @@ def quant_block_lse_tile_kernel(
 
 
 @triton.jit
-def quant_block_lse_fma_kernel(
-    q,  # [B, HQ, D]
-    codes,  # [NB, H, BS, W] uint8
-    kmin,  # [NB, H, D]
-    kmax,  # [NB, H, D]
-    block_table,  # [B, MB]
-    seq_lens,  # [B]
-    start,  # [B]
-    out,  # [B, HQ, MB] float32
-    s_cn,
-    s_mn,
-    scale,
-    MB,
-    HQ: tl.constexpr,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    D: tl.constexpr,
-    W: tl.constexpr,
-    BS: tl.constexpr,
-    BM: tl.constexpr,
-    BITS: tl.constexpr,
-):
-    """``layout="fma"``: the tile's dequantized keys as in ``"tile"``, the ``G`` heads' dot products without
-    ``tl.dot``: a ``[BM * BS, GP, W]`` broadcast product summed over ``W`` (``GP``: ``G`` rounded up to a power of
-    two, not to 16), in float32 FMAs."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    PER: tl.constexpr = 8 // BITS
-    o_m, m_live, ok, b_c, p_m = _tile_codes(
-        codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM
-    )
-    o_w = tl.arange(0, W)
-    o_g = tl.arange(0, GP)
-    m_g = o_g < G
-    p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
-    s = tl.zeros([BM * BS, GP], dtype=tl.float32)
-    for j in tl.static_range(PER):
-        b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
-        b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, W]
-        s += tl.sum(b_k[:, None, :] * b_q[None, :, :], 2)
-    s3 = tl.where(ok[:, :, None], tl.reshape(s, (BM, BS, GP)) * scale, float("-inf"))
-    mx = tl.max(s3, 1)  # [BM, GP]
-    safe = tl.where(mx > float("-inf"), mx, 0.0)
-    lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, None, :]), 1)), float("-inf"))
-    p_o = out + (i_b * HQ + i_h * G + o_g)[None, :] * MB + o_m[:, None]
-    tl.store(p_o, lse, mask=(o_m < MB)[:, None] & m_g[None, :])
-
-
-@triton.jit
 def quant_lse_stats_kernel(
     lse,  # [B, H * G, MB] float32
     part_m,  # [B, H * G, NC] float32 out
@@ -397,11 +348,11 @@ def quant_mass_kernel(
     tl.store(out + i_bh.to(tl.int64) * MB + o_c, tl.where(live, b_mass, float("-inf")), mask=m_c)
 
 
-LAYOUTS = ("slices", "tile", "fma")
+LAYOUTS = ("slices", "tile")
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
-# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "fma"); ``num_warps``.
+# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile"); ``num_warps``.
 LSE_DEFAULTS = {  # 2026-12-01 sweep: tile 4 / 4 the fastest point at 1 x 128K and 8 x 32K for both widths
     2: {"layout": "tile", "tpp": 4, "num_warps": 4},
     4: {"layout": "tile", "tpp": 4, "num_warps": 4},
@@ -434,11 +385,9 @@ def quant_block_lse(
       codes are exact there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks).
     - ``"tile"`` (:func:`quant_block_lse_tile_kernel`, the default with 4 blocks and 4 warps): ``tpp`` blocks' keys
       dequantized in registers, one ``tl.dot`` a slice for all of them (TF32 on a GPU).
-    - ``"fma"`` (:func:`quant_block_lse_fma_kernel`): the same tile, the dot products as float32 FMAs (no padding
-      of ``G`` to 16).
 
     On an H200 at 1 x 128K (benchmarks/RESULTS.md, 2026-12-01): tile 4 / 4 166 us at 2 bits, 150 at 4 bits; slices
-    1 / 1 174 / 155; fma 508-1375: all 6-11 x the time of their bytes, latency-bound.
+    1 / 1 174 / 155: 6-11 x the time of their bytes, latency-bound.
     """
     reference.quant_levels(bits)  # raises for a width other than 2 or 4
     knobs = LSE_DEFAULTS[bits]
@@ -466,13 +415,11 @@ def quant_block_lse(
     )  # fmt: skip
     shape = {"HQ": HQ, "H": H, "G": G, "D": D, "W": W, "BS": BS, "BITS": bits}
     grid = (triton.cdiv(MB, tpp), B * H)
-    GP = triton.next_power_of_2(G)
+    GP = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
     if layout == "tile":
-        quant_block_lse_tile_kernel[grid](*args, **shape, GP=max(16, GP), BM=tpp, num_warps=num_warps)
-    elif layout == "fma":
-        quant_block_lse_fma_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
+        quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
     else:
-        quant_block_lse_kernel[grid](*args, **shape, GP=max(16, GP), TPP=tpp, num_warps=num_warps)
+        quant_block_lse_kernel[grid](*args, **shape, GP=GP, TPP=tpp, num_warps=num_warps)
     return out
 
 
