@@ -232,7 +232,9 @@ def test_triton_tail_matches_reference(G, window):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("layout,tpp,warps", [("slices", 3, 1), ("tile", 2, 4), ("tile", 4, 2)])
+@pytest.mark.parametrize(
+    "layout,tpp,warps", [("slices", 3, 1), ("tile", 2, 4), ("tile", 4, 2), ("wide", 1, 4), ("wide", 4, 4)]
+)
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_triton_layouts_match_reference(layout, tpp, warps, G, bits):
@@ -246,7 +248,8 @@ def test_triton_layouts_match_reference(layout, tpp, warps, G, bits):
     want = R.quant_block_scores(*args)
     got = get_ops("triton", DEVICE).quant_block_scores(*args, layout=layout, tpp=tpp, num_warps=warps)
     assert torch.equal(got.isinf(), want.isinf())
-    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
+    tol = 1e-2 if str(DEVICE).startswith("cuda") else 1e-4  # TF32 products on a GPU, float32 in the interpreter
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol / 100)
 
 
 def test_bad_layouts_are_refused():

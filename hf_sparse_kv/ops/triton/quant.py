@@ -11,11 +11,12 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
   last block written returns: a captured step replays it.
 - :func:`quant_block_scores`: :func:`quant_block_lse`, then :func:`quant_lse_mass`. The scoring kernel computes, per
   (logical block, sequence, KV head) and for each of the group's ``G`` query heads, the log-sum-exp over the block's
-  valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta``, in one of two layouts
+  valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta``, in one of three layouts
   (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`): ``"slices"`` (a block at a time, ``q . min + sum_j (q_j *
   delta_j) . code_j``, no dequantized key, ``tl.dot``s of the group's step-scaled queries with the codes), ``"tile"``
-  (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice; the default). A third form, the same
-  tile with the dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed (benchmarks/RESULTS.md).
+  (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice; the default) and ``"wide"`` (the same
+  tile unpacked to every channel, one ``tl.dot`` of depth ``D``; not timed yet). A fourth form, the tile with the
+  dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed (benchmarks/RESULTS.md).
   It reads the codes (``bits / 16`` of 16-bit keys) and the blocks' min / max. The tail turns the ``[B, Hq, MB]``
   log-sum-exps into each head's softmax shares summed over the group (the reference's mass), with the forced
   blocks at ``+inf``, in two launches over chunks of blocks (:func:`quant_lse_stats_kernel`,
@@ -268,6 +269,63 @@ def quant_block_lse_tile_kernel(
 
 
 @triton.jit
+def quant_block_lse_wide_kernel(
+    q,  # [B, HQ, D]
+    codes,  # [NB, H, BS, W] uint8
+    kmin,  # [NB, H, D]
+    kmax,  # [NB, H, D]
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B]
+    out,  # [B, HQ, MB] float32
+    s_cn,
+    s_mn,
+    scale,
+    MB,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """``layout="wide"``: ``BM`` blocks a program, every channel at once. The packed codes ``[BM, BS, W]`` are
+    unpacked to ``[BM, BS, PER, W]`` (byte ``w`` holds channels ``w, w + W, ...``: the reshape to ``[BM, BS, D]`` is
+    the channels' own order), dequantized on each block's ``[D]`` min / max (one load each) and multiplied by the
+    group's queries in a single ``[GP, D] x [D, BM * BS]`` ``tl.dot`` (``tile`` takes ``PER`` products of depth
+    ``W``)."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    L: tl.constexpr = (1 << BITS) - 1
+    PER: tl.constexpr = 8 // BITS
+    o_m, m_live, ok, b_c, p_m = _tile_codes(
+        codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM
+    )
+    o_j = tl.arange(0, PER)
+    o_d = tl.arange(0, D)
+    # [BM, BS, D]: channel j * W + w is bits [j * BITS, (j + 1) * BITS) of byte w
+    b_u = tl.reshape((b_c[:, :, None, :] >> (o_j * BITS)[None, None, :, None]) & L, (BM, BS, D))
+    p = p_m[:, None] + o_d[None, :]
+    b_lo = tl.load(kmin + p, mask=m_live[:, None], other=0.0).to(tl.float32)  # [BM, D]
+    b_hi = tl.load(kmax + p, mask=m_live[:, None], other=0.0).to(tl.float32)
+    b_k = b_lo[:, None, :] + b_u.to(tl.float32) * ((b_hi - b_lo) * (1.0 / L))[:, None, :]  # [BM, BS, D]
+    o_g = tl.arange(0, GP)
+    m_g = o_g < G
+    p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
+    b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, D]
+    s = tl.dot(b_q, tl.trans(tl.reshape(b_k, (BM * BS, D))), input_precision="tf32")  # [GP, BM * BS]
+    s3 = tl.where(ok[None, :, :], tl.reshape(s, (GP, BM, BS)) * scale, float("-inf"))
+    mx = tl.max(s3, 2)  # [GP, BM]
+    safe = tl.where(mx > float("-inf"), mx, 0.0)
+    lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, :, None]), 2)), float("-inf"))
+    p_o = out + (i_b * HQ + i_h * G + o_g)[:, None] * MB + o_m[None, :]
+    tl.store(p_o, lse, mask=m_g[:, None] & (o_m < MB)[None, :])
+
+
+@triton.jit
 def quant_lse_stats_kernel(
     lse,  # [B, H * G, MB] float32
     part_m,  # [B, H * G, NC] float32 out
@@ -348,11 +406,11 @@ def quant_mass_kernel(
     tl.store(out + i_bh.to(tl.int64) * MB + o_c, tl.where(live, b_mass, float("-inf")), mask=m_c)
 
 
-LAYOUTS = ("slices", "tile")
+LAYOUTS = ("slices", "tile", "wide")
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
-# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile"); ``num_warps``.
+# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "wide"); ``num_warps``.
 LSE_DEFAULTS = {  # 2026-12-01 sweep: tile 4 / 4 the fastest point at 1 x 128K and 8 x 32K for both widths
     2: {"layout": "tile", "tpp": 4, "num_warps": 4},
     4: {"layout": "tile", "tpp": 4, "num_warps": 4},
@@ -385,6 +443,8 @@ def quant_block_lse(
       codes are exact there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks).
     - ``"tile"`` (:func:`quant_block_lse_tile_kernel`, the default with 4 blocks and 4 warps): ``tpp`` blocks' keys
       dequantized in registers, one ``tl.dot`` a slice for all of them (TF32 on a GPU).
+    - ``"wide"`` (:func:`quant_block_lse_wide_kernel`): the same tile unpacked to all ``D`` channels, one ``tl.dot``
+      of depth ``D`` (TF32); not timed yet.
 
     On an H200 at 1 x 128K (benchmarks/RESULTS.md, 2026-12-01): tile 4 / 4 166 us at 2 bits, 150 at 4 bits; slices
     1 / 1 174 / 155: 6-11 x the time of their bytes, latency-bound.
@@ -418,6 +478,8 @@ def quant_block_lse(
     GP = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
     if layout == "tile":
         quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
+    elif layout == "wide":
+        quant_block_lse_wide_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
     else:
         quant_block_lse_kernel[grid](*args, **shape, GP=GP, TPP=tpp, num_warps=num_warps)
     return out
