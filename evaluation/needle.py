@@ -180,9 +180,10 @@ def generate_cells(model, ids: torch.Tensor, todo: list, cfg: dict, new_tokens: 
 
 def own_prefill(policy: Policy) -> bool:
     """Whether ``policy`` needs a prefill of its own instead of a copy of the shared dense one: it compresses the
-    prompt while prefilling (SnapKV), or it keeps per-token state in the cache (compressed keys) that a cache
-    filled under :class:`Dense` does not hold."""
-    return policy.compresses or bool(policy.cache_state())
+    prompt while prefilling (SnapKV). A policy keeping per-token state (compressed keys, low-bit codes) takes the
+    copy: the cache computes the state from the stored keys when the policy first runs on it
+    (``PagedKVCache.declare_state``), as the writes would have."""
+    return policy.compresses
 
 
 def greedy_under_policies(

@@ -147,6 +147,23 @@ class PagedLayer(DynamicLayer):
             specs = self.cache.specs
             self.state = {s.name: s.allocate(NB, H, BS, D, self.dtype, self.device) for s in specs}
 
+    def adopt_state(self, specs: tuple) -> None:
+        """Allocate the state ``specs`` (not kept yet) and compute it from the stored keys: each spec's refresh over
+        every stored position ``[0, length - pads[b])``, what the writes would have left (a refresh depends on the
+        key pool alone). A layer not written yet allocates it at its first write."""
+        if not self.is_initialized:
+            return
+        NB, H, BS, D = self.k_pool.shape
+        lens = [max(self.length - p, 0) for p in self.cache.pads] or [0]
+        hi = torch.tensor(lens, dtype=torch.long, device=self.device)
+        table, ops = self.cache.table.tensor(self.device), self.cache.ops(self.device)
+        for spec in specs:
+            self.state[spec.name] = spec.allocate(NB, H, BS, D, self.dtype, self.device)
+            spec.refresh(
+                self.state[spec.name], self.k_pool, table, torch.zeros_like(hi), hi, layer=self.index,
+                span=max(lens), ops=ops,
+            )  # fmt: skip
+
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by physical block: pools, metadata, declared state."""
         return [self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, *self.state.values()]
@@ -394,18 +411,29 @@ class PagedKVCache(DynamicCache):
 
     def declare_state(self, specs: tuple) -> None:
         """Declare the per-token or per-block state (``StateSpec``s, see :class:`hf_sparse_kv.policies.StateSpec`)
-        every paged layer keeps beside its keys and refreshes at every write: before the first write, or specs the
-        cache keeps already. A cache filled without a state cannot grow it later (it would not cover the keys
-        written before)."""
+        every paged layer keeps beside its keys and refreshes at every write. Before the first write it replaces
+        what was declared; specs the cache keeps already are served as they are; a filled cache adopts the ones it
+        lacks, computed from its stored keys (:meth:`PagedLayer.adopt_state`: a cache prefilled once serves a policy
+        with state of its own), unless a block was evicted (its keys are gone) or the cache is reserved for static
+        steps (captured with the state it had): then a ``ValueError`` with advice."""
         specs = tuple(specs)
         if set(specs) <= set(self.specs):  # kept already (a cache may keep more than a policy reads)
             return
         if self.table.rows:
-            names = ", ".join(s.name for s in specs) or "none"
-            raise ValueError(
-                f"this PagedKVCache was filled keeping state ({', '.join(s.name for s in self.specs) or 'none'}) "
-                f"other than what the patched policy needs ({names}): use a fresh PagedKVCache, or cache.reset() it"
-            )
+            why = "a block was evicted" if self.evicted else ""
+            why = why or ("it is reserved for static steps" if self.static is not None else "")
+            if why:
+                names = ", ".join(s.name for s in specs) or "none"
+                raise ValueError(
+                    f"this PagedKVCache keeps state ({', '.join(s.name for s in self.specs) or 'none'}) other than "
+                    f"what the patched policy needs ({names}) and cannot compute it now ({why}): use a fresh "
+                    "PagedKVCache, or cache.reset() it"
+                )
+            new = tuple(s for s in specs if s not in self.specs)
+            self.specs = self.specs + new
+            for layer in self.paged_layers:
+                layer.adopt_state(new)
+            return
         self.specs = specs
         for layer in self.paged_layers:  # pools kept from before a reset() get the new state beside them
             layer.allocate_state()

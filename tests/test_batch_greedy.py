@@ -31,13 +31,15 @@ def test_batched_greedy_equals_one_at_a_time(arch):
     assert not is_patched(model)
 
 
-def test_stateful_selector_beside_dense():
-    """A policy keeping per-token state (compressed keys) gets its own prefill: a copy of the shared dense prefill
-    holds no such state. Batched and one at a time agree, and equal the policy run alone."""
+def test_stateful_selector_beside_dense(monkeypatch):
+    """A policy keeping per-token state (compressed keys, low-bit codes) decodes from a copy of the shared dense
+    prefill, whose cache computes the state from the stored keys: its answers equal those after a prefill of its
+    own (which keeps the state write by write). Batched and one at a time agree, and equal the policy run alone."""
     from tiny_models import prompt
 
+    from evaluation import needle
     from hf_sparse_kv.calibrate_selector import calibrate_selector
-    from hf_sparse_kv.policies import ProjectedBlockTopK, ProjectedTokenTopK, TwoStageBlockTopK
+    from hf_sparse_kv.policies import ProjectedBlockTopK, ProjectedTokenTopK, QuantBlockTopK, TwoStageBlockTopK
 
     model = tiny_model("llama")
     cal = calibrate_selector(model, prompt(96, seed=5), "pairs", 4)
@@ -50,6 +52,7 @@ def test_stateful_selector_beside_dense():
         "two_stage": TwoStageBlockTopK(
             budget=0.25, sink=4, window=16, candidates=2, coarse="projected", calibration=cal
         ),
+        "quant2": QuantBlockTopK(budget=0.25, sink=4, window=16, bits=2),
     }
     batched = greedy_batch(model, prompts, policies, 5, dense_layers=(0,), block_size=8, mode="block")
     for prompt_ids, got in zip(prompts, batched):
@@ -57,3 +60,5 @@ def test_stateful_selector_beside_dense():
         assert got == greedy_under_policies(model, ids, policies, 5, (0,), 8, "block")
         for key in ("proj_blk", "proj_tok"):
             assert got[key] == greedy_under_policies(model, ids, {key: policies[key]}, 5, (0,), 8, "block")[key]
+    monkeypatch.setattr(needle, "own_prefill", lambda policy: True)  # every policy prefills with its state
+    assert greedy_batch(model, prompts, policies, 5, dense_layers=(0,), block_size=8, mode="block") == batched

@@ -253,21 +253,47 @@ def _check_state_live(cache: PagedKVCache):
                     torch.testing.assert_close(got[filled], want[filled], rtol=1e-5, atol=1e-5)
 
 
-def test_a_cache_filled_without_a_declared_state_is_refused_with_advice():
+def test_a_filled_cache_adopts_a_declared_state_from_its_keys():
+    """A cache filled under a policy without state gains the state of the next one, computed from the stored keys:
+    equal to what the writes would have left, left padding included; its decode steps keep it up to date."""
     model = tiny_model("llama")
     patch_model(model, policy=Quest(budget=48), block_size=BS)
-    cache = _filled_cache(model, 20)
+    cache = PagedKVCache(model.config, block_size=BS)
+    ids = prompt(21, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the second sequence left-padded by 5
+    with torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+    assert cache.specs == () and all(not layer.state for layer in cache.paged_layers)
+    patch_model(model, policy=_NormTopK(budget=48, calls=[]), block_size=BS)
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        model(prompt(1, batch=2), attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+    assert set(cache.specs) == {NORMS, BLOCK_MAX}
+    _check_state(cache)
+    # a cache keeping more state than a policy reads serves it, and keeps it
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        model(prompt(1, batch=2), attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+    assert set(cache.specs) == {NORMS, BLOCK_MAX}
+    unpatch_model(model)
+
+
+def test_a_cache_that_cannot_compute_a_state_refuses_it_with_advice():
+    """After an eviction the keys of freed blocks are gone: no state can be computed for them."""
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
+    cache = _filled_cache(model, 40)
+    assert cache.free_blocks([[0]]) == 1
     patch_model(model, policy=_NormTopK(budget=48, calls=[]), block_size=BS)
     with pytest.raises(ValueError, match="fresh PagedKVCache"), torch.no_grad():
         model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
+    assert cache.specs == () and all(not layer.state for layer in cache.paged_layers)  # nothing half-changed
     cache.reset()
     with torch.no_grad():  # after a reset the same cache takes the new state
         model(prompt(20), use_cache=True, **{cache_kwarg(model): cache})
     _check_state(cache)
-    # a cache keeping more state than a policy reads serves it
-    patch_model(model, policy=Quest(budget=48), block_size=BS)
-    with torch.no_grad():
-        model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
     unpatch_model(model)
 
 
