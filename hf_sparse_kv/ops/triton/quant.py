@@ -220,6 +220,18 @@ def _dequant_slice(
 
 
 @triton.jit
+def _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, row0, MB, GP: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
+    """Store a tile's per-block log-sum-exps: ``s [GP, BM * BS]`` unscaled logits of the group's heads (rows
+    ``row0 + o_g`` of ``out [B, HQ, MB]``, ``m_g`` the real ones), ``ok [BM, BS]`` the valid positions, ``o_m [BM]``
+    the blocks. A block with no valid position gets ``-inf`` (shifted by 0 there: never ``-inf - -inf``)."""
+    s3 = tl.where(ok[None, :, :], tl.reshape(s, (GP, BM, BS)) * scale, float("-inf"))
+    mx = tl.max(s3, 2)  # [GP, BM]
+    safe = tl.where(mx > float("-inf"), mx, 0.0)
+    lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, :, None]), 2)), float("-inf"))
+    tl.store(out + (row0 + o_g)[:, None] * MB + o_m[None, :], lse, mask=m_g[:, None] & (o_m < MB)[None, :])
+
+
+@triton.jit
 def quant_block_lse_tile_kernel(
     q,  # [B, HQ, D]
     codes,  # [NB, H, BS, W] uint8
@@ -260,12 +272,7 @@ def quant_block_lse_tile_kernel(
         b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
         b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, W]
         s += tl.dot(b_q, tl.trans(b_k), input_precision="tf32")
-    s3 = tl.where(ok[None, :, :], tl.reshape(s, (GP, BM, BS)) * scale, float("-inf"))
-    mx = tl.max(s3, 2)  # [GP, BM]
-    safe = tl.where(mx > float("-inf"), mx, 0.0)
-    lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, :, None]), 2)), float("-inf"))
-    p_o = out + (i_b * HQ + i_h * G + o_g)[:, None] * MB + o_m[None, :]
-    tl.store(p_o, lse, mask=m_g[:, None] & (o_m < MB)[None, :])
+    _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, i_b * HQ + i_h * G, MB, GP, BM, BS)
 
 
 @triton.jit
@@ -317,12 +324,7 @@ def quant_block_lse_wide_kernel(
     p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
     b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, D]
     s = tl.dot(b_q, tl.trans(tl.reshape(b_k, (BM * BS, D))), input_precision="tf32")  # [GP, BM * BS]
-    s3 = tl.where(ok[None, :, :], tl.reshape(s, (GP, BM, BS)) * scale, float("-inf"))
-    mx = tl.max(s3, 2)  # [GP, BM]
-    safe = tl.where(mx > float("-inf"), mx, 0.0)
-    lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, :, None]), 2)), float("-inf"))
-    p_o = out + (i_b * HQ + i_h * G + o_g)[:, None] * MB + o_m[None, :]
-    tl.store(p_o, lse, mask=m_g[:, None] & (o_m < MB)[None, :])
+    _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, i_b * HQ + i_h * G, MB, GP, BM, BS)
 
 
 @triton.jit
