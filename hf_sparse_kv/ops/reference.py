@@ -140,6 +140,25 @@ def live_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     return before_end & (block_table >= 0)
 
 
+def _forced_and_live(
+    s: torch.Tensor,
+    live: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor | None,
+    sink: int,
+    window: int | None,
+    block_size: int,
+) -> torch.Tensor:
+    """Block scores ``s [B, Hkv, MB]`` with the rule every block scorer ends on: with ``window`` given, the blocks
+    of :func:`forced_block_mask` among the ``live [B, MB]`` ones at ``+inf`` (``start`` ``None``: 0); blocks not
+    live at ``-inf``."""
+    if window is not None:
+        start = torch.zeros_like(seq_lens) if start is None else start
+        forced = forced_block_mask(seq_lens, start, sink, window, block_size, s.shape[-1]) & live
+        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
+    return s.masked_fill(~live.unsqueeze(1), NEG_INF)
+
+
 def block_scores(
     q: torch.Tensor,
     kmin: torch.Tensor,
@@ -180,11 +199,7 @@ def block_scores(
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
     s = s.amax(-1).permute(0, 2, 1)  # [B, Hkv, MB]
     live = live_blocks(block_table, seq_lens, block_size)
-    if window is not None:
-        start = torch.zeros_like(seq_lens) if start is None else start
-        forced = forced_block_mask(seq_lens, start, sink, window, block_size, block_table.shape[1]) & live
-        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
-    return s.masked_fill(~live.unsqueeze(1), NEG_INF).contiguous()
+    return _forced_and_live(s, live, seq_lens, start, sink, window, block_size).contiguous()
 
 
 SHARE_POOLS = ("mean", "max")
@@ -237,11 +252,7 @@ def block_shares(
     u = u.permute(0, 2, 3, 1).masked_fill(~live.view(B, 1, 1, MB), NEG_INF)  # [B, Hkv, G, MB]
     share = u.softmax(-1).nan_to_num(0.0)  # a sequence without a block in use: NaN -> 0 (masked below)
     s = share.mean(2) if pool == "mean" else share.amax(2)  # [B, Hkv, MB]
-    if window is not None:
-        start = torch.zeros_like(seq_lens) if start is None else start
-        forced = forced_block_mask(seq_lens, start, sink, window, block_size, MB) & live
-        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
-    return s.masked_fill(~live.unsqueeze(1), NEG_INF).contiguous()
+    return _forced_and_live(s, live, seq_lens, start, sink, window, block_size).contiguous()
 
 
 def token_scores(
@@ -559,10 +570,7 @@ def projected_scores(
         raise ValueError(f"reduce must be 'token' or 'block', got {reduce!r}")
     s = s.amax(-1)  # [B, Hkv, MB]
     alive = live_blocks(block_table, seq_lens, BS)
-    if window is not None:
-        forced = forced_block_mask(seq_lens, start, sink, window, BS, MB) & alive
-        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
-    return s.masked_fill(~alive.unsqueeze(1), NEG_INF).contiguous()
+    return _forced_and_live(s, alive, seq_lens, start, sink, window, BS).contiguous()
 
 
 QUANT_BITS = (2, 4)
@@ -673,11 +681,8 @@ def quant_block_scores(
     phys = block_table.long().clamp(min=0)  # the table's blocks only, dequantized once each
     keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits).flatten(0, 1)  # [B * MB, Hkv, BS, D]
     table = torch.arange(B * MB, device=q.device).view(B, MB).masked_fill(block_table < 0, -1)
-    s = oracle_block_scores(q, keys, table.int(), seq_lens, start, scale, length=MB * BS)
-    if window is not None:
-        forced = forced_block_mask(seq_lens, start, sink, window, BS, MB) & live_blocks(block_table, seq_lens, BS)
-        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
-    return s
+    s = oracle_block_scores(q, keys, table.int(), seq_lens, start, scale, length=MB * BS)  # -inf: not live
+    return _forced_and_live(s, live_blocks(block_table, seq_lens, BS), seq_lens, start, sink, window, BS)
 
 
 def lse_block_mass(
@@ -697,11 +702,9 @@ def lse_block_mass(
     B, Hq, MB = lse.shape
     share = (lse.float() - torch.logsumexp(lse.float(), -1, keepdim=True)).exp().nan_to_num(0.0)
     s = share.view(B, num_kv_heads, Hq // num_kv_heads, MB).sum(2)
-    live = live_blocks(block_table, seq_lens, block_size)
-    if window is not None:
-        forced = forced_block_mask(seq_lens, start, sink, window, block_size, MB) & live
-        s = s.masked_fill(forced.unsqueeze(1), float("inf"))
-    return s.masked_fill(~live.unsqueeze(1), NEG_INF)
+    return _forced_and_live(
+        s, live_blocks(block_table, seq_lens, block_size), seq_lens, start, sink, window, block_size
+    )
 
 
 def candidate_scores(
