@@ -185,7 +185,7 @@ def test_triton_block_mass_matches_reference(bits, G, D, bs, window):
 
 def test_reference_forces_blocks_as_the_policy_did():
     """With ``window`` given, the reference's scores are its mass with the forced blocks still held at ``+inf`` (what
-    ``_MassBlockTopK.scores`` did with a ``masked_fill``), and ``lse_block_mass`` is the same tail on the blocks'
+    ``OracleBlockTopK.scores`` does with a ``masked_fill``), and ``lse_block_mass`` is the same tail on the blocks'
     log-sum-exps."""
     from hf_sparse_kv.ops.layout import forced_block_mask
 

@@ -94,21 +94,7 @@ class BlockTopK(_BlockTopK):
 
 
 @dataclass
-class _MassBlockTopK(_BlockTopK):
-    """Blocks ranked by a softmax mass per block (:meth:`mass`), the forced blocks in use at ``+inf``."""
-
-    def mass(self, state: DecodeState) -> torch.Tensor:  # pragma: no cover - abstract
-        """``[B, Hkv, nblk]`` each block's mass, ``-inf`` for blocks not in use."""
-        raise NotImplementedError
-
-    def scores(self, state: DecodeState) -> torch.Tensor:
-        s = self.mass(state)
-        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
-        return s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))
-
-
-@dataclass
-class OracleBlockTopK(_MassBlockTopK):
+class OracleBlockTopK(_BlockTopK):
     """The oracle of any block method: rank blocks by their true softmax mass (summed over the GQA group).
 
     Reads every key to score, so it is for evaluation (hit rates, upper bounds), never a fast path.
@@ -119,3 +105,8 @@ class OracleBlockTopK(_MassBlockTopK):
         return state.ops.oracle_block_scores(
             state.q, state.k_pool, state.block_table, state.seq_lens, state.start, state.scale, state.length
         )
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        s = self.mass(state)
+        forced = self.forced_blocks(state, self.sink, self.window)  # [B, nblk]
+        return s.masked_fill(forced.unsqueeze(1) & (s > float("-inf")), float("inf"))

@@ -21,13 +21,13 @@ import torch
 
 from ..ops.reference import quant_levels, quantize_keys
 from .base import DecodeState, StateSpec
-from .blocks import _MassBlockTopK
+from .blocks import _BlockTopK
 
 STATE_NAME = "kcodes"
 
 
 @dataclass
-class QuantBlockTopK(_MassBlockTopK):
+class QuantBlockTopK(_BlockTopK):
     """Blocks ranked by their softmax mass under ``bits``-bit keys (summed over the GQA group), top ``budget``.
 
     Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``bits`` (2 or 4: the codes' width).
@@ -58,17 +58,10 @@ class QuantBlockTopK(_MassBlockTopK):
             codes = quantize_keys(state.k_pool, state.kmin, state.kmax, self.bits)
         return codes
 
-    def mass(self, state: DecodeState) -> torch.Tensor:
-        """``[B, Hkv, nblk]`` each block's mass under the quantized keys, ``-inf`` for blocks not in use."""
-        return self._quant_scores(state, None)
-
     def scores(self, state: DecodeState) -> torch.Tensor:
-        """:meth:`mass` with the forced blocks in use at ``+inf``, set by the op itself (on the Triton backend in
-        its tail kernel, not by a ``masked_fill`` here)."""
-        return self._quant_scores(state, self.window)
-
-    def _quant_scores(self, state: DecodeState, window: int | None) -> torch.Tensor:
+        """``[B, Hkv, nblk]`` each block's mass under the quantized keys, ``-inf`` for blocks not in use, the forced
+        blocks in use at ``+inf`` (set by the op itself: on the Triton backend in its tail kernel)."""
         return state.ops.quant_block_scores(
             state.q, self.codes(state), state.kmin, state.kmax, state.block_table, state.seq_lens, state.start,
-            state.scale, self.bits, self.sink, window,
+            state.scale, self.bits, self.sink, self.window,
         )  # fmt: skip
