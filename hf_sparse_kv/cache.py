@@ -148,21 +148,17 @@ class PagedLayer(DynamicLayer):
             self.state = {s.name: s.allocate(NB, H, BS, D, self.dtype, self.device) for s in specs}
 
     def adopt_state(self, specs: tuple) -> None:
-        """Allocate the state ``specs`` (not kept yet) and compute it from the stored keys: each spec's refresh over
+        """Allocate the state ``specs`` (not kept yet) and compute it from the stored keys: :meth:`refresh_state` of
         every stored position ``[0, length - pads[b])``, what the writes would have left (a refresh depends on the
         key pool alone). A layer not written yet allocates it at its first write."""
         if not self.is_initialized:
             return
         NB, H, BS, D = self.k_pool.shape
-        lens = [max(self.length - p, 0) for p in self.cache.pads] or [0]
-        hi = torch.tensor(lens, dtype=torch.long, device=self.device)
-        table, ops = self.cache.table.tensor(self.device), self.cache.ops(self.device)
         for spec in specs:
             self.state[spec.name] = spec.allocate(NB, H, BS, D, self.dtype, self.device)
-            spec.refresh(
-                self.state[spec.name], self.k_pool, table, torch.zeros_like(hi), hi, layer=self.index,
-                span=max(lens), ops=ops,
-            )  # fmt: skip
+        lens = [max(self.length - p, 0) for p in self.cache.pads] or [0]
+        hi = torch.tensor(lens, dtype=torch.long, device=self.device)
+        self.refresh_state(torch.zeros_like(hi), hi, max(lens), specs=specs)
 
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by physical block: pools, metadata, declared state."""
@@ -179,14 +175,16 @@ class PagedLayer(DynamicLayer):
         span: int,
         table: torch.Tensor | None = None,
         ops: SimpleNamespace | None = None,
+        specs: tuple | None = None,
     ) -> None:
         """Recompute the declared state of stored positions ``[lo[b], hi[b])`` from the key pool (``[B]`` tensors;
         ``span >= max(hi - lo)``, on the host; ``table``: the block table to use, default the cache's; ``ops``: the
-        op namespace, default the cache's backend on this device; a static step passes its registered ops)."""
+        op namespace, default the cache's backend on this device; a static step passes its registered ops;
+        ``specs``: the state to recompute, default all the cache declared)."""
         if self.state:
             table = self.cache.table.tensor(self.device) if table is None else table
             ops = self.cache.ops(self.device) if ops is None else ops
-            for spec in self.cache.specs:
+            for spec in self.cache.specs if specs is None else specs:
                 spec.refresh(self.state[spec.name], self.k_pool, table, lo, hi, layer=self.index, span=span, ops=ops)
 
     def grow(self, capacity: int) -> None:
