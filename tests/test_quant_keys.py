@@ -186,7 +186,7 @@ def test_triton_block_mass_matches_reference(bits, G, D, bs, window):
 def test_reference_forces_blocks_as_the_policy_did():
     """With ``window`` given, the reference's scores are its mass with the forced blocks still held at ``+inf`` (what
     ``OracleBlockTopK.scores`` does with a ``masked_fill``), and ``lse_block_mass`` is the same tail on the blocks'
-    log-sum-exps."""
+    log-sum-exps, which ``quant_block_lse`` gives; ``lse_partials`` over any split merge into their log-sum-exp."""
     from hf_sparse_kv.ops.layout import forced_block_mask
 
     k_pool, table, seq_lens, start, q = _case(7, 2, G=4, D=16)
@@ -204,6 +204,13 @@ def test_reference_forces_blocks_as_the_policy_did():
     ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (table >= 0).unsqueeze(-1)
     lse = s.masked_fill(~ok.view(B, 1, 1, MB, BS), float("-inf")).logsumexp(-1).flatten(1, 2)  # [B, Hq, MB]
     torch.testing.assert_close(R.lse_block_mass(lse, table, seq_lens, start, BS, H, 3, 12), got)
+    torch.testing.assert_close(R.quant_block_lse(*args), lse, rtol=1e-5, atol=1e-5)
+    for span in (1, 2, 4, 7):  # the partials over any split merge into the log-sum-exp over all blocks
+        m, l = R.lse_partials(lse, span)
+        assert m.shape[-1] == -(-MB // span) and not (m.isnan().any() or l.isnan().any())
+        big = m.amax(-1, keepdim=True)
+        merged = big.squeeze(-1) + (l * (m - big.nan_to_num(neginf=0.0)).exp()).sum(-1).log()
+        torch.testing.assert_close(merged, lse.logsumexp(-1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
