@@ -215,10 +215,12 @@ def test_reference_forces_blocks_as_the_policy_did():
 
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 @pytest.mark.parametrize("window", [None, 40])
-def test_triton_tail_matches_reference(G, window):
-    """``quant_lse_mass`` (two launches over chunks of 16 blocks here: 19 partials a head) against
-    ``reference.lse_block_mass``: ragged lengths, left padding, evicted blocks, a head with no valid block, a sequence
-    of length 0."""
+@pytest.mark.parametrize("span", [None, 37])
+def test_triton_tail_matches_reference(G, window, span):
+    """``quant_lse_mass`` (two launches over chunks of 16 blocks here: 19 partials a head; or, ``span`` given, one
+    launch merging the given partials, ``reference.lse_partials`` over ranges of 37 blocks: 9 a head, a split
+    unrelated to the output's chunks) against ``reference.lse_block_mass``: ragged lengths, left padding, evicted
+    blocks, a head with no valid block, a sequence of length 0."""
     from hf_sparse_kv.ops.triton.quant import quant_lse_mass
 
     g = torch.Generator().manual_seed(G)
@@ -233,7 +235,8 @@ def test_triton_tail_matches_reference(G, window):
     lse[1, 0] = float("-inf")  # a query head with nothing valid: adds 0
     lse, table, seq_lens, start = (t.to(DEVICE) for t in (lse, table, seq_lens, start))
     want = R.lse_block_mass(lse, table, seq_lens, start, bs, H, 4, window)
-    got = quant_lse_mass(lse, table, seq_lens, start, bs, H, 4, window, block_c=16)
+    parts = None if span is None else R.lse_partials(lse, span)
+    got = quant_lse_mass(lse, table, seq_lens, start, bs, H, 4, window, block_c=16, partials=parts)
     assert torch.equal(got == float("inf"), want == float("inf")) and torch.equal(got.isinf(), want.isinf())
     assert (window is None) == (not want.eq(float("inf")).any())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

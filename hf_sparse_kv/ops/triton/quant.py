@@ -338,8 +338,9 @@ def quant_lse_stats_kernel(
     BG: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """Pass 1 of the tail: per chunk ``i_c`` of ``BC`` blocks and query head of the group, the max ``m`` of its
-    log-sum-exps and the sum ``l`` of ``exp(lse - m)`` (a chunk of ``-inf``: ``m = -inf``, ``l = 0``)."""
+    """Pass 1 of the tail (``reference.lse_partials`` over chunks of ``BC``): per chunk ``i_c`` of ``BC`` blocks and
+    query head of the group, the max ``m`` of its log-sum-exps and the sum ``l`` of ``exp(lse - m)`` (a chunk of
+    ``-inf``: ``m = -inf``, ``l = 0``)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     o_g = tl.arange(0, BG)
     m_g = o_g < G
@@ -357,14 +358,14 @@ def quant_lse_stats_kernel(
 @triton.jit
 def quant_mass_kernel(
     lse,  # [B, H * G, MB] float32
-    part_m,  # [B, H * G, NC] float32
-    part_l,  # [B, H * G, NC] float32
+    part_m,  # [B, H * G, NP] float32
+    part_l,  # [B, H * G, NP] float32
     block_table,  # [B, MB]
     seq_lens,  # [B]
     start,  # [B]
     out,  # [B, H, MB] float32
     MB,
-    NC,
+    NP,
     SINK,
     WINDOW,
     H: tl.constexpr,
@@ -375,8 +376,10 @@ def quant_mass_kernel(
     BS: tl.constexpr,
     FORCE: tl.constexpr,
 ):
-    """Pass 2 of the tail: each program merges the ``NC`` partial ``(m, l)`` of its group's heads into each head's
-    log-sum-exp over every block (``M = max m``, ``l = sum l exp(m - M)``), then writes its chunk's scores:
+    """Pass 2 of the tail: each program merges the ``NP`` partial ``(m, l)`` of its group's heads (``BN >= NP``
+    columns loaded; any split of the row's blocks: :func:`quant_lse_stats_kernel`'s chunks or a caller's ranges,
+    unrelated to this kernel's ``BC``) into each head's log-sum-exp over every block
+    (``M = max m``, ``l = sum l exp(m - M)``), then writes its chunk of ``BC`` blocks' scores:
     ``sum_g exp(lse[g] - M[g]) / l[g]`` (a head with ``l = 0`` adds 0), ``+inf`` at forced blocks still held (with
     ``FORCE``, ``ops/layout.py``'s rule), ``-inf`` at blocks not in use (past the end, evicted)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -385,9 +388,9 @@ def quant_mass_kernel(
     m_g = o_g < G
     o_row = (i_bh * G + o_g).to(tl.int64)  # [BG]
     o_n = tl.arange(0, BN)
-    m_n = m_g[:, None] & (o_n < NC)[None, :]
-    b_pm = tl.load(part_m + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
-    b_pl = tl.load(part_l + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=0.0)
+    m_n = m_g[:, None] & (o_n < NP)[None, :]
+    b_pm = tl.load(part_m + o_row[:, None] * NP + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
+    b_pl = tl.load(part_l + o_row[:, None] * NP + o_n[None, :], mask=m_n, other=0.0)
     b_M = tl.max(b_pm, 1)
     b_Ms = tl.where(b_M > float("-inf"), b_M, 0.0)
     b_l = tl.sum(b_pl * tl.exp(b_pm - b_Ms[:, None]), 1)  # [BG]
@@ -497,14 +500,17 @@ def quant_lse_mass(
     sink: int = 0,
     window: int | None = None,
     block_c: int | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The tail of :func:`quant_block_scores` in two launches (the Triton twin of ``reference.lse_block_mass``):
-    ``lse [B, Hq, MB]`` -> ``[B, Hkv, MB]`` float32, each block's softmax share summed over the GQA group, ``+inf``
-    at forced blocks still held when ``window`` is given, ``-inf`` at blocks not in use.
+    """The tail of :func:`quant_block_scores` (the Triton twin of ``reference.lse_block_mass``): ``lse [B, Hq, MB]``
+    -> ``[B, Hkv, MB]`` float32, each block's softmax share summed over the GQA group, ``+inf`` at forced blocks
+    still held when ``window`` is given, ``-inf`` at blocks not in use.
 
-    The per-head normalisation is a reduction over all ``MB`` blocks, split in chunks of ``block_c`` (default
-    ``TAIL_TILE // G`` rounded to powers of two): :func:`quant_lse_stats_kernel` takes each chunk's ``(max, sum of
-    exp)`` per head, :func:`quant_mass_kernel` (grid: chunk x (sequence, KV head)) merges them and writes its chunk.
+    The per-head normalisation is a reduction over all ``MB`` blocks in two passes. Pass 1, partial ``(max, sum of
+    exp)`` per head over a split of the blocks: ``partials`` when given (``(part_m, part_l)``, each ``[B, Hq, NP]``
+    float32 for any ``NP >= 1`` split: then one launch), else :func:`quant_lse_stats_kernel` over chunks of
+    ``block_c`` blocks (default ``TAIL_TILE // G`` rounded to powers of two). Pass 2, :func:`quant_mass_kernel`
+    (grid: chunk of ``block_c`` blocks x (sequence, KV head)) merges them and writes its chunk.
     """
     B, HQ, MB = lse.shape
     H = num_kv_heads
@@ -519,12 +525,18 @@ def quant_lse_mass(
     assert triton.next_power_of_2(BC) == BC and BC >= 16, f"block_c must be a power of two >= 16, got {BC}"
     NC = triton.cdiv(MB, BC)
     lse = lse.contiguous()
-    part_m = torch.empty(B, HQ, NC, dtype=torch.float32, device=lse.device)
-    part_l = torch.empty_like(part_m)
-    quant_lse_stats_kernel[(NC, B * H)](lse, part_m, part_l, MB, NC, G=G, BG=BG, BC=BC, num_warps=4)
+    if partials is None:
+        part_m = torch.empty(B, HQ, NC, dtype=torch.float32, device=lse.device)
+        part_l = torch.empty_like(part_m)
+        quant_lse_stats_kernel[(NC, B * H)](lse, part_m, part_l, MB, NC, G=G, BG=BG, BC=BC, num_warps=4)
+    else:
+        part_m, part_l = (t.contiguous() for t in partials)
+        assert part_m.shape == part_l.shape and part_m.shape[:2] == (B, HQ) and part_m.shape[2] >= 1, part_m.shape
+        assert part_m.dtype == part_l.dtype == torch.float32
+    NP = part_m.shape[2]
     quant_mass_kernel[(NC, B * H)](
-        lse, part_m, part_l, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, MB, NC,
-        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=triton.next_power_of_2(NC), BS=block_size,
+        lse, part_m, part_l, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, MB, NP,
+        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=triton.next_power_of_2(NP), BS=block_size,
         FORCE=window is not None, num_warps=4,
     )  # fmt: skip
     return out
