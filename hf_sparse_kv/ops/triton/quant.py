@@ -20,7 +20,8 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
   It reads the codes (``bits / 16`` of 16-bit keys) and the blocks' min / max. The tail turns the ``[B, Hq, MB]``
   log-sum-exps into each head's softmax shares summed over the group (the reference's mass), with the forced
   blocks at ``+inf``, in two launches over chunks of blocks (:func:`quant_lse_stats_kernel`,
-  :func:`quant_mass_kernel`).
+  :func:`quant_mass_kernel`). ``dot="bf16"`` (tile) rounds the ``tl.dot`` operands to bf16 instead of TF32: a
+  timing probe only.
 """
 
 from __future__ import annotations
@@ -232,6 +233,31 @@ def _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, row0, MB, GP: tl.constexpr
 
 
 @triton.jit
+def _tile_logits(
+    q, kmin, kmax, p_m, m_live, b_c, row0, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """``[GP, BM * BS]`` float32 unscaled logits of the group's query heads (rows ``row0 + g`` of ``q [B, HQ, D]``,
+    ``G`` real ones, zeros up to ``GP``) with a tile's keys: per slice ``j`` the keys dequantized in registers
+    (:func:`_dequant_slice`) and one ``[GP, W] x [W, BM * BS]`` ``tl.dot``, TF32 on a GPU; with ``BF16`` both
+    operands rounded to bf16 first (float32 accumulate: a timing probe, ~4e-3 relative on the logits)."""
+    PER: tl.constexpr = 8 // BITS
+    o_w = tl.arange(0, W)
+    o_g = tl.arange(0, GP)
+    p_q = q + (row0 + o_g) * D  # [GP]
+    s = tl.zeros([GP, BM * BS], dtype=tl.float32)
+    for j in tl.static_range(PER):
+        b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
+        # [GP, W]
+        b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=(o_g < G)[:, None], other=0.0).to(tl.float32)
+        if BF16:
+            s += tl.dot(b_q.to(tl.bfloat16), tl.trans(b_k.to(tl.bfloat16)), out_dtype=tl.float32)
+        else:
+            s += tl.dot(b_q, tl.trans(b_k), input_precision="tf32")
+    return s
+
+
+@triton.jit
 def quant_block_lse_tile_kernel(
     q,  # [B, HQ, D]
     codes,  # [NB, H, BS, W] uint8
@@ -254,25 +280,20 @@ def quant_block_lse_tile_kernel(
     BS: tl.constexpr,
     BM: tl.constexpr,
     BITS: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """``layout="tile"``: ``BM`` blocks a program. Each slice's keys are dequantized in registers, ``[BM * BS, W]``
-    (:func:`_dequant_slice`), and multiplied by the group's queries in one ``[GP, W] x [W, BM * BS]`` ``tl.dot``."""
+    (:func:`_dequant_slice`), and multiplied by the group's queries in one ``[GP, W] x [W, BM * BS]`` ``tl.dot``
+    (:func:`_tile_logits`)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    PER: tl.constexpr = 8 // BITS
     o_m, m_live, ok, b_c, p_m = _tile_codes(
         codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM
     )
-    o_w = tl.arange(0, W)
     o_g = tl.arange(0, GP)
-    m_g = o_g < G
-    p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
-    s = tl.zeros([GP, BM * BS], dtype=tl.float32)
-    for j in tl.static_range(PER):
-        b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
-        b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, W]
-        s += tl.dot(b_q, tl.trans(b_k), input_precision="tf32")
-    _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, i_b * HQ + i_h * G, MB, GP, BM, BS)
+    row0 = i_b * HQ + i_h * G
+    s = _tile_logits(q, kmin, kmax, p_m, m_live, b_c, row0, G, GP, D, W, BS, BM, BITS, BF16)
+    _store_tile_lse(out, s, ok, scale, o_m, o_g, o_g < G, row0, MB, GP, BM, BS)
 
 
 @triton.jit
@@ -412,6 +433,7 @@ def quant_mass_kernel(
 
 
 LAYOUTS = ("slices", "tile", "wide")
+DOTS = ("tf32", "bf16")  # the tile layout's tl.dot precision (``dot=``); the others take TF32 only
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
@@ -436,6 +458,8 @@ def quant_block_lse(
     tpp: int | None = None,
     num_warps: int | None = None,
     layout: str | None = None,
+    *,
+    dot: str = "tf32",
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is.
@@ -450,6 +474,11 @@ def quant_block_lse(
       dequantized in registers, one ``tl.dot`` a slice for all of them (TF32 on a GPU).
     - ``"wide"`` (:func:`quant_block_lse_wide_kernel`): the same tile unpacked to all ``D`` channels, one ``tl.dot``
       of depth ``D`` (TF32); not timed yet.
+
+    ``dot`` (``"tile"`` only): ``"tf32"`` (the default, what every quality figure used) or ``"bf16"`` (the
+    dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32 accumulate): a timing probe of
+    whether the products bound the kernel; it changes the ranking's precision (~4e-3 relative on the logits, against
+    ~1e-3 for TF32) and was not used for any quality figure.
 
     On an H200 at 1 x 128K (benchmarks/RESULTS.md, 2026-12-01): tile 4 / 4 166 us at 2 bits, 150 at 4 bits; slices
     1 / 1 174 / 155: 6-11 x the time of their bytes, latency-bound.
@@ -469,6 +498,8 @@ def quant_block_lse(
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     if layout != "slices" and triton.next_power_of_2(tpp) != tpp:
         raise ValueError(f"layout={layout!r} takes a power-of-two tpp (blocks a tile), not {tpp}")
+    if dot not in DOTS or (dot != "tf32" and layout != "tile"):
+        raise ValueError(f"dot must be one of {DOTS} ('bf16' for the tile layout), not {dot!r} ({layout})")
     MB = block_table.shape[1]
     out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
     if B == 0 or MB == 0:
@@ -482,7 +513,7 @@ def quant_block_lse(
     grid = (triton.cdiv(MB, tpp), B * H)
     GP = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
     if layout == "tile":
-        quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
+        quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
     elif layout == "wide":
         quant_block_lse_wide_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
     else:
@@ -558,18 +589,21 @@ def quant_block_scores(
     layout: str | None = None,
     tpp: int | None = None,
     num_warps: int | None = None,
+    dot: str = "tf32",
     block_c: int | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the quantized keys, summed over each GQA group: ``[B, Hkv, MB]`` float32
     (the contract of ``reference.quant_block_scores``: with ``window`` given, forced blocks still held score
     ``+inf``), in three launches: :func:`quant_block_lse` then :func:`quant_lse_mass`. ``layout``, ``tpp``,
-    ``num_warps`` (the scoring kernel's, default :data:`LSE_DEFAULTS`) and ``block_c`` (the tail's) are tuning knobs.
-    Blocks of fewer than 16 tokens or fewer than 16 code bytes per key (``D * bits < 128``), below ``tl.dot``'s
-    smallest tile, run the reference (tensor ops, no host sync)."""
+    ``num_warps`` (the scoring kernel's, default :data:`LSE_DEFAULTS`), ``dot`` (its products' precision) and
+    ``block_c`` (the tail's) are tuning knobs. Blocks of fewer than 16 tokens or fewer than 16 code bytes per key
+    (``D * bits < 128``), below ``tl.dot``'s smallest tile, run the reference (tensor ops, no host sync)."""
     H, BS, W = codes.shape[1], codes.shape[2], codes.shape[3]
     if BS < 16 or W < 16:
         return reference.quant_block_scores(
             q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window
         )
-    lse = quant_block_lse(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout)
+    lse = quant_block_lse(
+        q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout, dot=dot
+    )
     return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window, block_c)
