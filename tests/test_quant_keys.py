@@ -250,26 +250,56 @@ def test_triton_tail_matches_reference(G, window, span):
         ("tile", 4, 2, {}),
         ("wide", 1, 4, {}),
         ("wide", 4, 4, {}),
+        ("loop", 2, 4, {"programs": 2}),  # 4 tiles a row: 2 ranges of 2 tiles, the last tile partial
+        ("loop", 1, 2, {"programs": 3, "stages": 3}),  # 7 tiles: ranges of 3, 3 and 1
+        ("loop", 4, 4, {"stages": 1}),  # programs from the shape: one tile each
+        ("loop", 2, 4, {"programs": 1, "dot": "bf16"}),  # one program walks the row
         ("tile", 4, 4, {"dot": "bf16"}),
     ],
 )
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_triton_layouts_match_reference(layout, tpp, warps, knobs, G, bits):
-    """Every scoring layout (a tuning knob; the tail is shared) gives the reference's mass: partial last blocks, an
-    evicted block inside a sequence, left padding, several blocks a program with the table's last tile partial.
-    ``dot="bf16"``: a looser tolerance."""
+    """Every scoring layout (a tuning knob; the tail is shared) gives the reference's log-sum-exps and mass: partial
+    last blocks, an evicted block inside a sequence, left padding, several blocks a program with the table's last
+    tile partial; ``"loop"`` also its ranges' partials (``reference.lse_partials``
+    of its log-sum-exps) over ranges that do not divide the row, rows whose later ranges hold no valid block, the
+    mass merged from them, and the op's two launches with forced blocks. ``dot="bf16"``: a looser tolerance."""
+    from hf_sparse_kv.ops.triton.quant import loop_split, quant_block_lse_parts, quant_lse_mass
+
     k_pool, table, seq_lens, start, q = _case(G + bits, bits, G=G, D=64, bs=16, MB=7)
     table[0, 2] = -1
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
     codes = R.quantize_keys(k_pool, kmin, kmax, bits)
     args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
-    want = R.quant_block_scores(*args)
-    got = get_ops("triton", DEVICE).quant_block_scores(*args, layout=layout, tpp=tpp, num_warps=warps, **knobs)
-    assert torch.equal(got.isinf(), want.isinf())
     tol = 1e-2 if str(DEVICE).startswith("cuda") else 1e-4  # TF32 products on a GPU, float32 in the interpreter
     if knobs.get("dot") == "bf16":
         tol = 5e-2  # bf16 operands (the interpreter truncates to bf16, a GPU rounds): the mass within a few %
+    lse, parts = quant_block_lse_parts(*args, tpp, warps, layout, **knobs)
+    want_lse = R.quant_block_lse(*args)
+    assert torch.equal(lse.isinf(), want_lse.isinf())
+    torch.testing.assert_close(lse, want_lse, rtol=tol, atol=tol)
+    H, B, MB = kmin.shape[1], table.shape[0], table.shape[1]
+    assert (parts is None) == (layout != "loop")
+    if parts is not None:
+        NP, TPR = loop_split(B * H, -(-MB // tpp), knobs.get("programs"))
+        want_m, want_l = R.lse_partials(lse, TPR * tpp)
+        assert parts[0].shape == want_m.shape == (B, H * G, NP)
+        assert torch.equal(parts[0].isinf(), want_m.isinf()) and not parts[1].isnan().any()
+        torch.testing.assert_close(parts[0], want_m, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(parts[1], want_l, rtol=1e-5, atol=1e-5)
+    # the mass (the tail merging the loop's partials, or its own)
+    got = quant_lse_mass(lse, table, seq_lens, start, 16, H, partials=parts)
+    want = R.quant_block_scores(*args)
+    assert torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol / 100)
+    if layout != "loop":
+        return  # the rest is the tail's, as above (forced blocks: test_triton_block_mass_matches_reference)
+    # the whole two-launch scoring through the op, with forced blocks
+    want = R.quant_block_scores(*args, 2, 8)
+    got = get_ops("triton", DEVICE).quant_block_scores(*args, 2, 8, layout=layout, tpp=tpp, num_warps=warps, **knobs)
+    assert torch.equal(got == float("inf"), want == float("inf")) and torch.equal(got.isinf(), want.isinf())
+    assert want.isfinite().any() and want.eq(float("inf")).any()
     torch.testing.assert_close(got, want, rtol=tol, atol=tol / 100)
 
 
@@ -286,4 +316,6 @@ def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="dot"):
         quant_block_lse(*args, layout="slices", dot="bf16")
     with pytest.raises(ValueError, match="dot"):
-        quant_block_lse(*args, layout="tile", dot="fp8")
+        quant_block_lse(*args, layout="loop", dot="fp8")
+    with pytest.raises(ValueError, match="at least 1"):
+        quant_block_lse(*args, layout="loop", stages=0)
