@@ -7,13 +7,17 @@ at a budget of 1/16, as a share of the reference's).
     python benchmarks/check_quant_keys.py --sweep    # then every scoring layout x knobs, checked and timed
 
 The sweep, at 1 x 128K (8200 blocks) and 8 x 32K (2048 blocks each), for 2 and 4 bits: each point of :data:`GRID`
-(``quant_block_lse``'s layout, blocks per program, warps) is checked (``quant_block_scores`` at those knobs against
-the float32 reference: relative error, top-1/16 blocks shared) and timed (``common.bench``: CUDA graph, L2 flushed,
-median), then the whole scoring at the defaults (``LSE_DEFAULTS`` + the two-launch tail, forced blocks included), the
+(``quant_block_lse``'s layout, blocks per tile, warps, and the loop layout's stages / programs and the ``dot``
+precision) is checked (``quant_block_scores`` at those knobs against the float32 reference: relative error, top-1/16
+blocks shared; for ``"loop"`` its two launches, the tail merging the kernel's partials) and timed (``common.bench``:
+CUDA graph, L2 flushed, median): the scoring kernel alone (``us``; ``"loop"``'s includes the partials it writes, the
+tail's first pass) and the whole scoring at those knobs (``scores_us``: 3 launches, 2 for ``"loop"``, no forced
+blocks), then the whole scoring at the defaults (``LSE_DEFAULTS`` + the two-launch tail, forced blocks included), the
 same scoring with the torch tail it replaced (``reference.lse_block_mass``), and the whole selection (scores + top-k
 at a budget of 1/8) beside Quest's. Columns: ``us``, ``GB/s`` of the scoring state read (codes + min / max),
 ``floor`` (times the bytes' time at the copy bandwidth measured in the run), ``vs_default`` (time over the default
-layout's), ``rel_err``, ``shared``. The CSV goes to ``--out``, else ``$OUT/quant_sweep.csv`` when ``OUT`` is set, else
+layout's), ``rel_err``, ``shared``, ``scores_us``; a ``"loop"`` point's label ends with ``P=NPxTPR``, its programs
+per row times tiles per program. The CSV goes to ``--out``, else ``$OUT/quant_sweep.csv`` when ``OUT`` is set, else
 ``benchmarks/results/quant_sweep.csv``.
 
     TRITON_INTERPRET=1 python benchmarks/check_quant_keys.py --device cpu --blocks 16 --sweep --smoke   # a dry run
@@ -37,21 +41,43 @@ from common import bench, env_info, hbm_bandwidth, print_table, write_csv
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 
-# (layout, blocks per program, warps) timed per width and shape: 10 points, 40 timed in all (around the
-# 2026-12-01 winner, tile 4 / 4, and the untimed "wide" layout; the FMA layout it beat was removed)
+# (layout, blocks per tile, warps, other knobs) per width and shape: 38 points, 152 in all, each timed twice (the
+# kernel, the whole scoring). Around the 2026-12-01 winner, tile 4 / 4; the untimed "wide" layout; the untimed "loop"
+# layout: tiles 2 / 4 / 8 x warps 4 / 8 x stages 2 / 3 x programs (the default, ~4 per SM in all, or ~2 per SM:
+# ``per_sm``, turned into ``programs`` per row from the shape and the H200's 132 SMs), with stages 1 (no overlap) as
+# the baseline; and bf16 products (``dot``: a timing probe, not a quality setting). The FMA layout tile beat is gone.
+SMS = 132
 GRID = (
-    ("slices", 1, 1),
-    ("tile", 2, 4),
-    ("tile", 4, 2),
-    ("tile", 4, 4),
-    ("tile", 8, 8),
-    ("wide", 1, 4),
-    ("wide", 2, 4),
-    ("wide", 4, 4),
-    ("wide", 4, 8),
-    ("wide", 8, 8),
+    ("slices", 1, 1, {}),
+    ("tile", 2, 4, {}),
+    ("tile", 4, 2, {}),
+    ("tile", 4, 4, {}),
+    ("tile", 8, 8, {}),
+    ("tile", 4, 4, {"dot": "bf16"}),
+    ("wide", 1, 4, {}),
+    ("wide", 2, 4, {}),
+    ("wide", 4, 4, {}),
+    ("wide", 4, 8, {}),
+    ("wide", 8, 8, {}),
+    *(
+        ("loop", tpp, warps, {"stages": stages, **per_sm})
+        for tpp in (2, 4, 8)
+        for warps in (4, 8)
+        for stages in (2, 3)
+        for per_sm in ({}, {"per_sm": 2})
+    ),
+    ("loop", 4, 4, {"stages": 1}),
+    ("loop", 8, 8, {"stages": 1}),
+    ("loop", 4, 4, {"stages": 2, "dot": "bf16"}),
 )
-SMOKE_GRID = (("slices", 2, 1), ("tile", 4, 4), ("wide", 2, 4))
+SMOKE_GRID = (
+    ("slices", 2, 1, {}),
+    ("tile", 4, 4, {}),
+    ("tile", 4, 4, {"dot": "bf16"}),
+    ("wide", 2, 4, {}),
+    ("loop", 2, 4, {"stages": 2, "programs": 2}),
+    ("loop", 4, 4, {"stages": 3, "per_sm": 2, "dot": "bf16"}),
+)
 SHAPES = ((1, 8200), (8, 2048))  # (sequences, blocks each): 1 x 128K and 8 x 32K at block size 16
 SMOKE_SHAPES = ((1, 12), (2, 5))
 SINK, WINDOW = 4, 32  # the policies' defaults
@@ -63,7 +89,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2048, help="blocks per sequence of the check")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="check and time every layout x knobs (module docstring)")
-    ap.add_argument("--smoke", action="store_true", help="the sweep at tiny shapes, 3 points, 2 KV heads (a dry run)")
+    ap.add_argument("--smoke", action="store_true", help="the sweep at tiny shapes, 6 points, 2 KV heads (a dry run)")
     ap.add_argument(
         "--out",
         help="the sweep's CSV (default: $OUT/quant_sweep.csv when OUT is set, else "
@@ -104,7 +130,7 @@ def main() -> None:
         folder = tempfile.gettempdir() if a.smoke else "benchmarks/results"
         out = a.out or os.path.join(os.environ.get("OUT") or folder, "quant_sweep.csv")
         write_csv(out, rows)
-        cols = ["bits", "shape", "what", "us", "GB/s", "floor", "vs_default", "rel_err", "shared"]
+        cols = ["bits", "shape", "what", "us", "GB/s", "floor", "vs_default", "rel_err", "shared", "scores_us"]
         shown = [{**r, "rel_err": r.get("rel_err") and f"{r['rel_err']:.1e}", "shared": r.get("shared") and
                   f"{r['shared']:.4f}", "floor": r.get("floor") and f"{r['floor']:.2f}",
                   "vs_default": r.get("vs_default") and f"{r['vs_default']:.2f}"} for r in rows]  # fmt: skip
@@ -124,7 +150,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, k: int) -> tuple[float, float,
 
 def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
     """Every point of :data:`GRID` checked and timed, then the whole scoring and selection (module docstring)."""
-    from hf_sparse_kv.ops.triton.quant import LSE_DEFAULTS, quant_block_lse
+    from hf_sparse_kv.ops.triton.quant import LSE_DEFAULTS, loop_split, quant_block_lse
 
     ops = get_ops("triton", dev)
     cuda = torch.device(dev).type == "cuda"
@@ -149,17 +175,33 @@ def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
             ref = R.quant_block_scores(*args)
             base = {"bits": bits, "shape": shape}
             default = None
-            for layout, tpp, warps in SMOKE_GRID if smoke else GRID:
-                out = ops.quant_block_scores(*args, layout=layout, tpp=tpp, num_warps=warps)
+            for layout, tpp, warps, extra in SMOKE_GRID if smoke else GRID:
+                knobs = point_knobs(extra, B * H)
+                out = ops.quant_block_scores(*args, layout=layout, tpp=tpp, num_warps=warps, **knobs)
                 rel, same, inf_ok = compare(out, ref, max(1, MB // 16))
-                us, mode = bench(functools.partial(quant_block_lse, *args, tpp, warps, layout), rep=20)
-                knobs = {"layout": layout, "tpp": tpp, "num_warps": warps}
-                default = us if knobs == LSE_DEFAULTS[bits] else default
-                what = f"lse {layout} tpp={tpp} w={warps}"
-                rows.append({**base, "what": what, **knobs, "us": us, "timing": mode, "rel_err": rel, "shared": same,
-                             "inf_ok": inf_ok, "GB/s": nbytes / us / 1e3,
-                             "floor": us / (nbytes / hbm / 1e3) if hbm else None})  # fmt: skip
-                print(f"{bits} bits {shape} {what}: {us:.1f} us, rel err {rel:.1e}, shared {same:.4f}", flush=True)
+                us, mode = bench(functools.partial(quant_block_lse, *args, tpp, warps, layout, **knobs), rep=20)
+                whole_us, _ = bench(
+                    functools.partial(ops.quant_block_scores, *args, layout=layout, tpp=tpp, num_warps=warps, **knobs),
+                    rep=20,
+                )
+                d = LSE_DEFAULTS[bits]
+                default = us if (layout, tpp, warps, extra) == (d["layout"], d["tpp"], d["num_warps"], {}) else default
+                what = f"lse {layout} tpp={tpp} w={warps}" + "".join(f" {k}={v}" for k, v in extra.items())
+                if layout == "loop":
+                    NP, TPR = loop_split(B * H, -(-MB // tpp), knobs.get("programs"))
+                    what += f" P={NP}x{TPR}"
+                    knobs_csv = {**knobs, "programs": NP, "tiles_per_program": TPR}
+                else:
+                    knobs_csv = knobs
+                rows.append({**base, "what": what, "layout": layout, "tpp": tpp, "num_warps": warps, **knobs_csv,
+                             "us": us, "timing": mode, "rel_err": rel, "shared": same, "inf_ok": inf_ok,
+                             "GB/s": nbytes / us / 1e3, "floor": us / (nbytes / hbm / 1e3) if hbm else None,
+                             "scores_us": whole_us})  # fmt: skip
+                print(
+                    f"{bits} bits {shape} {what}: {us:.1f} us (scores {whole_us:.1f}), rel err {rel:.1e}, "
+                    f"shared {same:.4f}, inf pattern equal {inf_ok}",
+                    flush=True,
+                )
             for r in rows:
                 if r.get("shape") == shape and r["bits"] == bits and default:
                     r["vs_default"] = r["us"] / default
@@ -176,6 +218,15 @@ def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
                 print(f"{bits} bits {shape} {what}: {us:.1f} us", flush=True)
             del codes, ref
     return rows
+
+
+def point_knobs(extra: dict, rows: int) -> dict:
+    """A grid point's keywords for ``quant_block_lse`` / ``quant_block_scores``: ``per_sm`` (programs in all per SM
+    of :data:`SMS`) becomes ``programs`` per row for ``rows = B * Hkv`` rows; the rest as given."""
+    knobs = {k: v for k, v in extra.items() if k != "per_sm"}
+    if "per_sm" in extra:
+        knobs["programs"] = -(-extra["per_sm"] * SMS // rows)
+    return knobs
 
 
 def whole_scoring(ops, args: tuple, kmean: torch.Tensor, k: int) -> dict:

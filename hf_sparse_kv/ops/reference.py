@@ -685,6 +685,46 @@ def quant_block_scores(
     return _forced_and_live(s, live_blocks(block_table, seq_lens, BS), seq_lens, start, sink, window, BS)
 
 
+def quant_block_lse(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+) -> torch.Tensor:
+    """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
+    block's valid positions (``start <= p < seq_len``, block held; ``k_hat`` the dequantized keys), ``-inf`` where
+    none is. The Triton scoring kernel's output: :func:`lse_block_mass` of it is :func:`quant_block_scores`.
+
+    Args: as :func:`quant_block_scores` (no sink / window: nothing is forced here).
+    """
+    B, MB = block_table.shape
+    H, BS = codes.shape[1], codes.shape[2]
+    phys = block_table.long().clamp(min=0)
+    keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
+    s = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, H), keys) * scale  # [B, Hkv, G, MB, BS]
+    pos = torch.arange(MB * BS, device=q.device).view(MB, BS)
+    ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (block_table >= 0).unsqueeze(-1)
+    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
+
+
+def lse_partials(lse: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first pass of a split log-sum-exp over the blocks (the Triton tail's, and the ``"loop"`` scoring kernel's):
+    ``lse [B, Hq, MB]`` -> ``(m, l)``, each ``[B, Hq, cdiv(MB, span)]`` float32, range ``i`` (blocks
+    ``[i * span, (i + 1) * span)``) its max ``m`` and its sum ``l`` of ``exp(lse - m)``; a range of ``-inf`` gives
+    ``m = -inf``, ``l = 0``. Merged (``M = max m``, ``L = sum l * exp(m - M)``): ``M + log L`` over all blocks."""
+    B, Hq, MB = lse.shape
+    n = cdiv(MB, span)
+    x = F.pad(lse.float(), (0, n * span - MB), value=NEG_INF).view(B, Hq, n, span)
+    m = x.amax(-1)
+    shift = torch.where(m > NEG_INF, m, torch.zeros_like(m))  # a range of -inf shifted by 0: l = 0, not NaN
+    return m, (x - shift.unsqueeze(-1)).exp().sum(-1)
+
+
 def lse_block_mass(
     lse: torch.Tensor,
     block_table: torch.Tensor,

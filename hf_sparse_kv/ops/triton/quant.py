@@ -9,18 +9,23 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
   (``floor((k - min) / delta + 0.5)``, IEEE divisions as the reference's) and stores the block's codes; slots past
   the prefix get 0. The grid is sized by ``span`` (``cdiv(span, BS) + 1`` blocks per sequence), a program past the
   last block written returns: a captured step replays it.
-- :func:`quant_block_scores`: :func:`quant_block_lse`, then :func:`quant_lse_mass`. The scoring kernel computes, per
-  (logical block, sequence, KV head) and for each of the group's ``G`` query heads, the log-sum-exp over the block's
-  valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta``, in one of three layouts
-  (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`): ``"slices"`` (a block at a time, ``q . min + sum_j (q_j *
-  delta_j) . code_j``, no dequantized key, ``tl.dot``s of the group's step-scaled queries with the codes), ``"tile"``
-  (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice; the default) and ``"wide"`` (the same
-  tile unpacked to every channel, one ``tl.dot`` of depth ``D``; not timed yet). A fourth form, the tile with the
-  dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed (benchmarks/RESULTS.md).
-  It reads the codes (``bits / 16`` of 16-bit keys) and the blocks' min / max. The tail turns the ``[B, Hq, MB]``
-  log-sum-exps into each head's softmax shares summed over the group (the reference's mass), with the forced
-  blocks at ``+inf``, in two launches over chunks of blocks (:func:`quant_lse_stats_kernel`,
-  :func:`quant_mass_kernel`).
+- :func:`quant_block_scores`: :func:`quant_block_lse_parts`, then :func:`quant_lse_mass`. The scoring kernel
+  computes, per (logical block, sequence, KV head) and for each of the group's ``G`` query heads, the log-sum-exp
+  over the block's valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta``
+  (``reference.quant_block_lse``), in one of four layouts (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`):
+  ``"slices"`` (a block at a time, ``q . min + sum_j (q_j * delta_j) . code_j``, no dequantized key, ``tl.dot``s of
+  the group's step-scaled queries with the codes), ``"tile"`` (a tile of blocks' keys dequantized in registers, one
+  ``tl.dot`` a slice; one tile a program; the default), ``"wide"`` (the same tile unpacked to every channel, one
+  ``tl.dot`` of depth ``D``; not timed yet) and ``"loop"`` (a few programs per (sequence, KV head) row, each
+  walking a contiguous range of tiles with the tile's math in a software-pipelined loop, so the next tiles' loads
+  overlap the current tile's math, and writing its range's partial ``(max, sum of exp)`` per head; not timed yet).
+  A fifth form, the tile with the dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed
+  (benchmarks/RESULTS.md). It reads the codes (``bits / 16`` of 16-bit keys) and the blocks' min / max. The tail
+  turns the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares summed over the group (the reference's
+  mass), with the forced blocks at ``+inf``: a first pass takes per-head partial ``(max, sum of exp)`` over a split
+  of the blocks (:func:`quant_lse_stats_kernel` over chunks, or the ``"loop"`` kernel's ranges, fused into the
+  scoring), a second merges them and writes the shares (:func:`quant_mass_kernel`): three launches in all, two with
+  ``"loop"``. ``dot="bf16"`` (tile, loop) rounds the ``tl.dot`` operands to bf16 instead of TF32: a timing probe only.
 """
 
 from __future__ import annotations
@@ -179,17 +184,16 @@ def quant_block_lse_kernel(
 
 @triton.jit
 def _tile_codes(
-    codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB,
+    codes, block_table, n, s0, s_cn, s_mn, i_m, i_b, i_h, MB,
     D: tl.constexpr, W: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
-    """The codes of a program's ``BM`` logical blocks ``i_m * BM ...``: ``(o_m [BM] the blocks, m_live [BM] held and
-    in the table, ok [BM, BS] the valid positions, b_c [BM, BS, W] int32 the packed codes, p_m [BM] each block's
-    offset into kmin / kmax)``. Blocks not held load nothing (codes 0, every position invalid)."""
+    """The codes of tile ``i_m`` (``BM`` logical blocks ``i_m * BM ...``) of sequence ``i_b`` (length ``n``, first
+    valid position ``s0``): ``(o_m [BM] the blocks, m_live [BM] held and in the table, ok [BM, BS] the valid
+    positions, b_c [BM, BS, W] int32 the packed codes, p_m [BM] each block's offset into kmin / kmax)``. Blocks not
+    held load nothing (codes 0, every position invalid)."""
     o_m = i_m * BM + tl.arange(0, BM)
     b_phys = tl.load(block_table + i_b * MB + o_m, mask=o_m < MB, other=-1).to(tl.int64)
     m_live = b_phys >= 0
-    n = tl.load(seq_lens + i_b)
-    s0 = tl.load(start + i_b)
     o_t = tl.arange(0, BS)
     o_w = tl.arange(0, W)
     pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
@@ -223,12 +227,39 @@ def _dequant_slice(
 def _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, row0, MB, GP: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
     """Store a tile's per-block log-sum-exps: ``s [GP, BM * BS]`` unscaled logits of the group's heads (rows
     ``row0 + o_g`` of ``out [B, HQ, MB]``, ``m_g`` the real ones), ``ok [BM, BS]`` the valid positions, ``o_m [BM]``
-    the blocks. A block with no valid position gets ``-inf`` (shifted by 0 there: never ``-inf - -inf``)."""
+    the blocks. A block with no valid position gets ``-inf`` (shifted by 0 there: never ``-inf - -inf``). Returns the
+    ``[GP, BM]`` log-sum-exps (padding heads and blocks past ``MB`` included: the caller masks them)."""
     s3 = tl.where(ok[None, :, :], tl.reshape(s, (GP, BM, BS)) * scale, float("-inf"))
     mx = tl.max(s3, 2)  # [GP, BM]
     safe = tl.where(mx > float("-inf"), mx, 0.0)
     lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, :, None]), 2)), float("-inf"))
     tl.store(out + (row0 + o_g)[:, None] * MB + o_m[None, :], lse, mask=m_g[:, None] & (o_m < MB)[None, :])
+    return lse
+
+
+@triton.jit
+def _tile_logits(
+    q, kmin, kmax, p_m, m_live, b_c, row0, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """``[GP, BM * BS]`` float32 unscaled logits of the group's query heads (rows ``row0 + g`` of ``q [B, HQ, D]``,
+    ``G`` real ones, zeros up to ``GP``) with a tile's keys: per slice ``j`` the keys dequantized in registers
+    (:func:`_dequant_slice`) and one ``[GP, W] x [W, BM * BS]`` ``tl.dot``, TF32 on a GPU; with ``BF16`` both
+    operands rounded to bf16 first (float32 accumulate: a timing probe, ~4e-3 relative on the logits)."""
+    PER: tl.constexpr = 8 // BITS
+    o_w = tl.arange(0, W)
+    o_g = tl.arange(0, GP)
+    p_q = q + (row0 + o_g) * D  # [GP]
+    s = tl.zeros([GP, BM * BS], dtype=tl.float32)
+    for j in tl.static_range(PER):
+        b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
+        # [GP, W]
+        b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=(o_g < G)[:, None], other=0.0).to(tl.float32)
+        if BF16:
+            s += tl.dot(b_q.to(tl.bfloat16), tl.trans(b_k.to(tl.bfloat16)), out_dtype=tl.float32)
+        else:
+            s += tl.dot(b_q, tl.trans(b_k), input_precision="tf32")
+    return s
 
 
 @triton.jit
@@ -254,25 +285,89 @@ def quant_block_lse_tile_kernel(
     BS: tl.constexpr,
     BM: tl.constexpr,
     BITS: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """``layout="tile"``: ``BM`` blocks a program. Each slice's keys are dequantized in registers, ``[BM * BS, W]``
-    (:func:`_dequant_slice`), and multiplied by the group's queries in one ``[GP, W] x [W, BM * BS]`` ``tl.dot``."""
+    (:func:`_dequant_slice`), and multiplied by the group's queries in one ``[GP, W] x [W, BM * BS]`` ``tl.dot``
+    (:func:`_tile_logits`)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    PER: tl.constexpr = 8 // BITS
-    o_m, m_live, ok, b_c, p_m = _tile_codes(
-        codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM
-    )
-    o_w = tl.arange(0, W)
+    n, s0 = tl.load(seq_lens + i_b), tl.load(start + i_b)
+    o_m, m_live, ok, b_c, p_m = _tile_codes(codes, block_table, n, s0, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM)
+    o_g = tl.arange(0, GP)
+    row0 = i_b * HQ + i_h * G
+    s = _tile_logits(q, kmin, kmax, p_m, m_live, b_c, row0, G, GP, D, W, BS, BM, BITS, BF16)
+    _store_tile_lse(out, s, ok, scale, o_m, o_g, o_g < G, row0, MB, GP, BM, BS)
+
+
+@triton.jit
+def quant_block_lse_loop_kernel(
+    q,  # [B, HQ, D]
+    codes,  # [NB, H, BS, W] uint8
+    kmin,  # [NB, H, D]
+    kmax,  # [NB, H, D]
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B]
+    out,  # [B, HQ, MB] float32
+    part_m,  # [B, HQ, NP] float32 out
+    part_l,  # [B, HQ, NP] float32 out
+    s_cn,
+    s_mn,
+    scale,
+    MB,
+    NT,  # tiles in a row: cdiv(MB, BM)
+    TPR,  # tiles per program (the last program of a row may have fewer)
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+    BITS: tl.constexpr,
+    BF16: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``layout="loop"``: program ``i_p`` of a (sequence, KV head) row owns its tiles ``[i_p TPR, (i_p + 1) TPR)``
+    (``BM`` blocks each) and walks them: per tile the tile layout's math (:func:`_tile_codes`, :func:`_tile_logits`,
+    :func:`_store_tile_lse`), then the tile's log-sum-exps folded into the range's running ``(m, l)`` per query head
+    (``m`` the max so far, ``l`` the sum of ``exp(lse - m)``, rescaled by ``exp(m_old - m_new)`` when the max
+    grows; shifted by 0 while the max is ``-inf``: an empty or dead range stores ``m = -inf``, ``l = 0``, never
+    NaN). The range's ``(m, l)`` go to column ``i_p`` of ``part_m`` / ``part_l``: the tail's first pass, done here.
+
+    Overlap: the walk is a ``tl.range(..., num_stages=STAGES)`` loop, left to Triton's software pipeliner rather
+    than a hand-written register prefetch (the next tile's codes as a loop-carried value): the stage count is then one
+    knob the sweep sets (1: no overlap, the baseline), the codes wait in shared memory rather than in registers the
+    dequantized ``[BM * BS, W]`` slices also need, and the block-table entries they depend on are issued a stage
+    earlier still. What it does, read in the sm_90 build (not timed): with ``STAGES >= 2`` the block-table entries
+    and the codes of the next tile(s) load as asynchronous copies while the current tile is scored; the per-slice
+    ``[BM, W]`` min / max only where a thread's share reaches the pipeliner's 32 bits (4 bits at tpp 4 / 4 warps and
+    8 / 8 warps); at 2 bits at those points (one bf16 a thread) they stay plain loads, a round trip per tile that
+    only other resident programs hide."""
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
     o_g = tl.arange(0, GP)
     m_g = o_g < G
-    p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
-    s = tl.zeros([GP, BM * BS], dtype=tl.float32)
-    for j in tl.static_range(PER):
-        b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
-        b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, W]
-        s += tl.dot(b_q, tl.trans(b_k), input_precision="tf32")
-    _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, i_b * HQ + i_h * G, MB, GP, BM, BS)
+    row0 = i_b * HQ + i_h * G
+    b_m = tl.full([GP], float("-inf"), dtype=tl.float32)  # the range's running max per query head
+    b_l = tl.zeros([GP], dtype=tl.float32)  # its sum of exp(lse - b_m)
+    n, s0 = tl.load(seq_lens + i_b), tl.load(start + i_b)
+    t0 = i_p * TPR
+    for i_t in tl.range(0, tl.minimum(TPR, NT - t0), num_stages=STAGES):
+        o_m, m_live, ok, b_c, p_m = _tile_codes(
+            codes, block_table, n, s0, s_cn, s_mn, t0 + i_t, i_b, i_h, MB, D, W, BS, BM
+        )
+        s = _tile_logits(q, kmin, kmax, p_m, m_live, b_c, row0, G, GP, D, W, BS, BM, BITS, BF16)
+        b_x = _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, row0, MB, GP, BM, BS)  # [GP, BM]
+        b_mn = tl.maximum(b_m, tl.max(b_x, 1))
+        b_ms = tl.where(b_mn > float("-inf"), b_mn, 0.0)
+        b_l = b_l * tl.exp(b_m - b_ms) + tl.sum(tl.exp(b_x - b_ms[:, None]), 1)
+        b_m = b_mn
+    o_part = (row0 + o_g).to(tl.int64) * tl.num_programs(0) + i_p
+    tl.store(part_m + o_part, b_m, mask=m_g)
+    tl.store(part_l + o_part, b_l, mask=m_g)
 
 
 @triton.jit
@@ -308,9 +403,8 @@ def quant_block_lse_wide_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     L: tl.constexpr = (1 << BITS) - 1
     PER: tl.constexpr = 8 // BITS
-    o_m, m_live, ok, b_c, p_m = _tile_codes(
-        codes, block_table, seq_lens, start, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM
-    )
+    n, s0 = tl.load(seq_lens + i_b), tl.load(start + i_b)
+    o_m, m_live, ok, b_c, p_m = _tile_codes(codes, block_table, n, s0, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM)
     o_j = tl.arange(0, PER)
     o_d = tl.arange(0, D)
     # [BM, BS, D]: channel j * W + w is bits [j * BITS, (j + 1) * BITS) of byte w
@@ -338,8 +432,9 @@ def quant_lse_stats_kernel(
     BG: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """Pass 1 of the tail: per chunk ``i_c`` of ``BC`` blocks and query head of the group, the max ``m`` of its
-    log-sum-exps and the sum ``l`` of ``exp(lse - m)`` (a chunk of ``-inf``: ``m = -inf``, ``l = 0``)."""
+    """Pass 1 of the tail (``reference.lse_partials`` over chunks of ``BC``): per chunk ``i_c`` of ``BC`` blocks and
+    query head of the group, the max ``m`` of its log-sum-exps and the sum ``l`` of ``exp(lse - m)`` (a chunk of
+    ``-inf``: ``m = -inf``, ``l = 0``). The ``"loop"`` scoring kernel writes the same over its ranges instead."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     o_g = tl.arange(0, BG)
     m_g = o_g < G
@@ -357,14 +452,14 @@ def quant_lse_stats_kernel(
 @triton.jit
 def quant_mass_kernel(
     lse,  # [B, H * G, MB] float32
-    part_m,  # [B, H * G, NC] float32
-    part_l,  # [B, H * G, NC] float32
+    part_m,  # [B, H * G, NP] float32
+    part_l,  # [B, H * G, NP] float32
     block_table,  # [B, MB]
     seq_lens,  # [B]
     start,  # [B]
     out,  # [B, H, MB] float32
     MB,
-    NC,
+    NP,
     SINK,
     WINDOW,
     H: tl.constexpr,
@@ -375,8 +470,10 @@ def quant_mass_kernel(
     BS: tl.constexpr,
     FORCE: tl.constexpr,
 ):
-    """Pass 2 of the tail: each program merges the ``NC`` partial ``(m, l)`` of its group's heads into each head's
-    log-sum-exp over every block (``M = max m``, ``l = sum l exp(m - M)``), then writes its chunk's scores:
+    """Pass 2 of the tail: each program merges the ``NP`` partial ``(m, l)`` of its group's heads (``BN >= NP``
+    columns loaded; any split of the row's blocks: :func:`quant_lse_stats_kernel`'s chunks or the ``"loop"`` scoring
+    kernel's ranges, unrelated to this kernel's ``BC``) into each head's log-sum-exp over every block
+    (``M = max m``, ``l = sum l exp(m - M)``), then writes its chunk of ``BC`` blocks' scores:
     ``sum_g exp(lse[g] - M[g]) / l[g]`` (a head with ``l = 0`` adds 0), ``+inf`` at forced blocks still held (with
     ``FORCE``, ``ops/layout.py``'s rule), ``-inf`` at blocks not in use (past the end, evicted)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -385,9 +482,9 @@ def quant_mass_kernel(
     m_g = o_g < G
     o_row = (i_bh * G + o_g).to(tl.int64)  # [BG]
     o_n = tl.arange(0, BN)
-    m_n = m_g[:, None] & (o_n < NC)[None, :]
-    b_pm = tl.load(part_m + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
-    b_pl = tl.load(part_l + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=0.0)
+    m_n = m_g[:, None] & (o_n < NP)[None, :]
+    b_pm = tl.load(part_m + o_row[:, None] * NP + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
+    b_pl = tl.load(part_l + o_row[:, None] * NP + o_n[None, :], mask=m_n, other=0.0)
     b_M = tl.max(b_pm, 1)
     b_Ms = tl.where(b_M > float("-inf"), b_M, 0.0)
     b_l = tl.sum(b_pl * tl.exp(b_pm - b_Ms[:, None]), 1)  # [BG]
@@ -408,7 +505,8 @@ def quant_mass_kernel(
     tl.store(out + i_bh.to(tl.int64) * MB + o_c, tl.where(live, b_mass, float("-inf")), mask=m_c)
 
 
-LAYOUTS = ("slices", "tile", "wide")
+LAYOUTS = ("slices", "tile", "wide", "loop")
+DOTS = ("tf32", "bf16")  # the tile and loop layouts' tl.dot precision (``dot=``); the others take TF32 only
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
@@ -418,6 +516,19 @@ LSE_DEFAULTS = {  # 2026-12-01 sweep: tile 4 / 4 the fastest point at 1 x 128K a
     4: {"layout": "tile", "tpp": 4, "num_warps": 4},
 }
 TAIL_TILE = 1024  # the tail's elements per program (``[BG, BC]`` log-sum-exps): BC = TAIL_TILE // BG blocks
+# The "loop" layout's programs in all when ``programs`` is not given: ~4 per streaming multiprocessor of an H200
+# (132), a guess until a sweep times it; the launch shape depends on tensor shapes only (CUDA-graph replay safe).
+LOOP_PROGRAMS = 4 * 132
+
+
+def loop_split(rows: int, tiles: int, programs: int | None = None) -> tuple[int, int]:
+    """``(NP, TPR)``: the ``"loop"`` layout's programs per (sequence, KV head) row and tiles per program, for
+    ``rows = B * Hkv`` rows of ``tiles`` tiles each. ``programs`` (default ``cdiv(LOOP_PROGRAMS, rows)``) is capped
+    at ``tiles``; ``TPR = cdiv(tiles, programs)`` and ``NP = cdiv(tiles, TPR)``, so that no program's range is
+    empty (the last one may be shorter). From host ints alone."""
+    want = triton.cdiv(LOOP_PROGRAMS, max(rows, 1)) if programs is None else programs
+    tpr = triton.cdiv(tiles, max(1, min(want, tiles)))
+    return triton.cdiv(tiles, tpr), tpr
 
 
 def quant_block_lse(
@@ -433,9 +544,43 @@ def quant_block_lse(
     tpp: int | None = None,
     num_warps: int | None = None,
     layout: str | None = None,
+    *,
+    stages: int = 2,
+    programs: int | None = None,
+    dot: str = "tf32",
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
-    block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is.
+    block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is (``reference.
+    quant_block_lse``). :func:`quant_block_lse_parts` without its partials; the same knobs.
+    """
+    return quant_block_lse_parts(
+        q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout,
+        stages=stages, programs=programs, dot=dot,
+    )[0]  # fmt: skip
+
+
+def quant_block_lse_parts(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+    tpp: int | None = None,
+    num_warps: int | None = None,
+    layout: str | None = None,
+    *,
+    stages: int = 2,
+    programs: int | None = None,
+    dot: str = "tf32",
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(lse, partials)``: ``lse [B, Hq, MB]`` float32 as :func:`quant_block_lse`; ``partials`` the ``"loop"``
+    layout's ``(part_m, part_l)``, each ``[B, Hq, NP]`` float32 (``reference.lse_partials`` of ``lse`` over ranges of
+    ``TPR * tpp`` blocks, :func:`loop_split`), for :func:`quant_lse_mass`'s ``partials``; ``None`` for the other
+    layouts (and when nothing is launched).
 
     Layouts (knobs ``None``: :data:`LSE_DEFAULTS` for ``bits``):
 
@@ -444,12 +589,23 @@ def quant_block_lse(
       ``8 // bits`` products ``[GP, W] x [W, BS]`` of the step-scaled queries with the codes, in TF32 on a GPU (the
       codes are exact there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks).
     - ``"tile"`` (:func:`quant_block_lse_tile_kernel`, the default with 4 blocks and 4 warps): ``tpp`` blocks' keys
-      dequantized in registers, one ``tl.dot`` a slice for all of them (TF32 on a GPU).
+      dequantized in registers, one ``tl.dot`` a slice for all of them (TF32 on a GPU); one tile a program.
     - ``"wide"`` (:func:`quant_block_lse_wide_kernel`): the same tile unpacked to all ``D`` channels, one ``tl.dot``
       of depth ``D`` (TF32); not timed yet.
+    - ``"loop"`` (:func:`quant_block_lse_loop_kernel`): up to ``programs`` programs per (sequence, KV head) row
+      (default from the shapes alone: :func:`loop_split`, ~:data:`LOOP_PROGRAMS` in all), each walking its contiguous range of
+      tiles of ``tpp`` blocks with the tile layout's math, in a loop software-pipelined over ``stages`` stages
+      (1: no overlap), and writing its range's partial ``(max, sum of exp)`` per query head: the tail's first pass,
+      so the whole scoring is two launches. Not timed yet.
+
+    ``dot`` (``"tile"`` and ``"loop"`` only): ``"tf32"`` (the default, what every quality figure used) or ``"bf16"``
+    (the dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32 accumulate): a timing probe of
+    whether the products bound the kernel; it changes the ranking's precision (~4e-3 relative on the logits, against
+    ~1e-3 for TF32) and was not used for any quality figure.
 
     On an H200 at 1 x 128K (benchmarks/RESULTS.md, 2026-12-01): tile 4 / 4 166 us at 2 bits, 150 at 4 bits; slices
-    1 / 1 174 / 155: 6-11 x the time of their bytes, latency-bound.
+    1 / 1 174 / 155: 6-11 x the time of their bytes, latency-bound (one tile a program: nothing overlaps a
+    program's loads with its math, what ``"loop"`` is for).
     """
     reference.quant_levels(bits)  # raises for a width other than 2 or 4
     knobs = LSE_DEFAULTS[bits]
@@ -466,25 +622,40 @@ def quant_block_lse(
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     if layout != "slices" and triton.next_power_of_2(tpp) != tpp:
         raise ValueError(f"layout={layout!r} takes a power-of-two tpp (blocks a tile), not {tpp}")
+    if dot not in DOTS or (dot != "tf32" and layout not in ("tile", "loop")):
+        raise ValueError(f"dot must be one of {DOTS} ('bf16' for the tile and loop layouts), not {dot!r} ({layout})")
+    if stages < 1 or (programs is not None and programs < 1):
+        raise ValueError(f"stages and programs must be at least 1, not {stages} / {programs}")
     MB = block_table.shape[1]
     out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
     if B == 0 or MB == 0:
-        return out
+        return out, None
     G = HQ // H
     args = (
         q.contiguous(), codes, kmin, kmax, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
-        codes.stride(0), kmin.stride(0), float(scale), MB,
     )  # fmt: skip
+    scalars = (codes.stride(0), kmin.stride(0), float(scale), MB)
     shape = {"HQ": HQ, "H": H, "G": G, "D": D, "W": W, "BS": BS, "BITS": bits}
     grid = (triton.cdiv(MB, tpp), B * H)
     GP = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
+    bf16 = dot == "bf16"
+    if layout == "loop":
+        NT = triton.cdiv(MB, tpp)
+        NP, TPR = loop_split(B * H, NT, programs)
+        part_m = torch.empty(B, HQ, NP, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        quant_block_lse_loop_kernel[(NP, B * H)](
+            *args, part_m, part_l, *scalars, NT, TPR, **shape, GP=GP, BM=tpp, BF16=bf16, STAGES=stages,
+            num_warps=num_warps, num_stages=stages,
+        )  # fmt: skip
+        return out, (part_m, part_l)
     if layout == "tile":
-        quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
+        quant_block_lse_tile_kernel[grid](*args, *scalars, **shape, GP=GP, BM=tpp, BF16=bf16, num_warps=num_warps)
     elif layout == "wide":
-        quant_block_lse_wide_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
+        quant_block_lse_wide_kernel[grid](*args, *scalars, **shape, GP=GP, BM=tpp, num_warps=num_warps)
     else:
-        quant_block_lse_kernel[grid](*args, **shape, GP=GP, TPP=tpp, num_warps=num_warps)
-    return out
+        quant_block_lse_kernel[grid](*args, *scalars, **shape, GP=GP, TPP=tpp, num_warps=num_warps)
+    return out, None
 
 
 def quant_lse_mass(
@@ -497,14 +668,18 @@ def quant_lse_mass(
     sink: int = 0,
     window: int | None = None,
     block_c: int | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The tail of :func:`quant_block_scores` in two launches (the Triton twin of ``reference.lse_block_mass``):
-    ``lse [B, Hq, MB]`` -> ``[B, Hkv, MB]`` float32, each block's softmax share summed over the GQA group, ``+inf``
-    at forced blocks still held when ``window`` is given, ``-inf`` at blocks not in use.
+    """The tail of :func:`quant_block_scores` (the Triton twin of ``reference.lse_block_mass``): ``lse [B, Hq, MB]``
+    -> ``[B, Hkv, MB]`` float32, each block's softmax share summed over the GQA group, ``+inf`` at forced blocks
+    still held when ``window`` is given, ``-inf`` at blocks not in use.
 
-    The per-head normalisation is a reduction over all ``MB`` blocks, split in chunks of ``block_c`` (default
-    ``TAIL_TILE // G`` rounded to powers of two): :func:`quant_lse_stats_kernel` takes each chunk's ``(max, sum of
-    exp)`` per head, :func:`quant_mass_kernel` (grid: chunk x (sequence, KV head)) merges them and writes its chunk.
+    The per-head normalisation is a reduction over all ``MB`` blocks in two passes. Pass 1, partial ``(max, sum of
+    exp)`` per head over a split of the blocks: ``partials`` when given (``(part_m, part_l)``, each ``[B, Hq, NP]``
+    float32 for any ``NP >= 1`` split, e.g. :func:`quant_block_lse_parts`' from the ``"loop"`` layout: then one
+    launch), else :func:`quant_lse_stats_kernel` over chunks of ``block_c`` blocks (default ``TAIL_TILE // G``
+    rounded to powers of two). Pass 2, :func:`quant_mass_kernel` (grid: chunk of ``block_c`` blocks x (sequence,
+    KV head)) merges them and writes its chunk.
     """
     B, HQ, MB = lse.shape
     H = num_kv_heads
@@ -519,12 +694,18 @@ def quant_lse_mass(
     assert triton.next_power_of_2(BC) == BC and BC >= 16, f"block_c must be a power of two >= 16, got {BC}"
     NC = triton.cdiv(MB, BC)
     lse = lse.contiguous()
-    part_m = torch.empty(B, HQ, NC, dtype=torch.float32, device=lse.device)
-    part_l = torch.empty_like(part_m)
-    quant_lse_stats_kernel[(NC, B * H)](lse, part_m, part_l, MB, NC, G=G, BG=BG, BC=BC, num_warps=4)
+    if partials is None:
+        part_m = torch.empty(B, HQ, NC, dtype=torch.float32, device=lse.device)
+        part_l = torch.empty_like(part_m)
+        quant_lse_stats_kernel[(NC, B * H)](lse, part_m, part_l, MB, NC, G=G, BG=BG, BC=BC, num_warps=4)
+    else:
+        part_m, part_l = (t.contiguous() for t in partials)
+        assert part_m.shape == part_l.shape and part_m.shape[:2] == (B, HQ) and part_m.shape[2] >= 1, part_m.shape
+        assert part_m.dtype == part_l.dtype == torch.float32
+    NP = part_m.shape[2]
     quant_mass_kernel[(NC, B * H)](
-        lse, part_m, part_l, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, MB, NC,
-        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=triton.next_power_of_2(NC), BS=block_size,
+        lse, part_m, part_l, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, MB, NP,
+        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=triton.next_power_of_2(NP), BS=block_size,
         FORCE=window is not None, num_warps=4,
     )  # fmt: skip
     return out
@@ -546,18 +727,25 @@ def quant_block_scores(
     layout: str | None = None,
     tpp: int | None = None,
     num_warps: int | None = None,
+    stages: int = 2,
+    programs: int | None = None,
+    dot: str = "tf32",
     block_c: int | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the quantized keys, summed over each GQA group: ``[B, Hkv, MB]`` float32
     (the contract of ``reference.quant_block_scores``: with ``window`` given, forced blocks still held score
-    ``+inf``), in three launches: :func:`quant_block_lse` then :func:`quant_lse_mass`. ``layout``, ``tpp``,
-    ``num_warps`` (the scoring kernel's, default :data:`LSE_DEFAULTS`) and ``block_c`` (the tail's) are tuning knobs.
-    Blocks of fewer than 16 tokens or fewer than 16 code bytes per key (``D * bits < 128``), below ``tl.dot``'s
-    smallest tile, run the reference (tensor ops, no host sync)."""
+    ``+inf``): :func:`quant_block_lse_parts` then :func:`quant_lse_mass`, three launches (two with
+    ``layout="loop"``, whose scoring kernel gives the tail its partials). ``layout``, ``tpp``, ``num_warps``,
+    ``stages``, ``programs``, ``dot`` (the scoring kernel's, default :data:`LSE_DEFAULTS`) and ``block_c`` (the
+    tail's) are tuning knobs. Blocks of fewer than 16 tokens or fewer than 16 code bytes per key (``D * bits <
+    128``), below ``tl.dot``'s smallest tile, run the reference (tensor ops, no host sync)."""
     H, BS, W = codes.shape[1], codes.shape[2], codes.shape[3]
     if BS < 16 or W < 16:
         return reference.quant_block_scores(
             q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window
         )
-    lse = quant_block_lse(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout)
-    return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window, block_c)
+    lse, parts = quant_block_lse_parts(
+        q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout,
+        stages=stages, programs=programs, dot=dot,
+    )  # fmt: skip
+    return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window, block_c, parts)
