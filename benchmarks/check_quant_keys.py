@@ -91,6 +91,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="check and time every layout x knobs (module docstring)")
     ap.add_argument("--smoke", action="store_true", help="the sweep at tiny shapes, 6 points, 2 KV heads (a dry run)")
     ap.add_argument(
+        "--apply",
+        action="store_true",
+        help="with --sweep: write each width's fastest correct TF32 point into LSE_DEFAULTS (apply_defaults)",
+    )
+    ap.add_argument(
         "--out",
         help="the sweep's CSV (default: $OUT/quant_sweep.csv when OUT is set, else "
         "benchmarks/results/quant_sweep.csv; a --smoke run: the temp folder)",
@@ -136,6 +141,69 @@ def main() -> None:
                   "vs_default": r.get("vs_default") and f"{r['vs_default']:.2f}"} for r in rows]  # fmt: skip
         print_table(shown, cols, title=f"quant_block_scores sweep ({env_info()})")
         print(f"wrote {out}")
+        if a.apply and a.smoke:
+            print("--apply skipped: a --smoke run's timings are not the GPU's")
+        elif a.apply:
+            for bits, knobs in apply_defaults(rows, QUANT_SOURCE).items():
+                print(f"LSE_DEFAULTS[{bits}] = {knobs}")
+
+
+QUANT_SOURCE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "hf_sparse_kv", "ops", "triton", "quant.py"
+)
+KNOB_KEYS = ("layout", "tpp", "num_warps", "stages", "per_sm")
+
+
+def best_points(rows: list[dict]) -> dict[int, dict]:
+    """Per code width, the knobs of the grid point with the least whole-scoring time (``scores_us``) summed over
+    every shape the sweep timed, among the TF32 points that are right at every shape (top blocks shared >= 0.99 with
+    the float32 reference, the same ``+-inf`` pattern). ``{bits: {layout, tpp, num_warps[, stages, per_sm]}}``."""
+    shapes = {r["shape"] for r in rows if "layout" in r}
+    total: dict[tuple, dict] = {}
+    for r in rows:
+        if "layout" not in r or r.get("dot", "tf32") != "tf32":
+            continue
+        loop = r["layout"] == "loop"
+        key = (r["bits"], r["layout"], r["tpp"], r["num_warps"], r.get("stages", 2) if loop else None,
+               (r.get("per_sm") or 4) if loop else None)  # fmt: skip
+        t = total.setdefault(key, {"us": 0.0, "shapes": set(), "ok": True})
+        t["us"] += r["scores_us"]
+        t["shapes"].add(r["shape"])
+        t["ok"] &= r["shared"] >= 0.99 and r["inf_ok"]
+    best: dict[int, tuple] = {}
+    for key, t in total.items():
+        if t["ok"] and t["shapes"] == shapes and (key[0] not in best or t["us"] < best[key[0]][1]):
+            best[key[0]] = (key, t["us"])
+    out = {}
+    for bits, (key, _) in sorted(best.items()):
+        knobs = dict(zip(KNOB_KEYS, key[1:]))
+        out[bits] = {k: v for k, v in knobs.items() if v is not None}
+    return out
+
+
+def apply_defaults(rows: list[dict], path: str) -> dict[int, dict]:
+    """Rewrite the ``LSE_DEFAULTS`` literal of ``path`` (``ops/triton/quant.py``) with :func:`best_points`, dated;
+    raises if the literal is not found or a width has no correct point. Returns what it wrote."""
+    import datetime
+    import json
+    import re
+
+    best = best_points(rows)
+    if set(best) != {2, 4}:
+        raise SystemExit(f"no correct point for every width: {best}")
+    with open(path) as f:
+        src = f.read()
+    pat = re.compile(r"LSE_DEFAULTS = \{[^\n]*\n(    [24]: \{[^\n]*\},\n){2}\}")
+    if len(pat.findall(src)) != 1:
+        raise SystemExit(f"LSE_DEFAULTS literal not found once in {path}")
+    day = datetime.date.today().isoformat()
+    body = "".join(
+        f"    {b}: {{{', '.join(f'{json.dumps(k)}: {json.dumps(v)}' for k, v in best[b].items())}}},\n" for b in (2, 4)
+    )
+    new = f"LSE_DEFAULTS = {{  # {day} sweep (--apply): least whole-scoring time over 1 x 128K + 8 x 32K\n{body}}}"
+    with open(path, "w") as f:
+        f.write(pat.sub(lambda m: new, src))
+    return best
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, k: int) -> tuple[float, float, bool]:
@@ -190,7 +258,7 @@ def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
                 if layout == "loop":
                     NP, TPR = loop_split(B * H, -(-MB // tpp), knobs.get("programs"))
                     what += f" P={NP}x{TPR}"
-                    knobs_csv = {**knobs, "programs": NP, "tiles_per_program": TPR}
+                    knobs_csv = {**knobs, "programs": NP, "tiles_per_program": TPR, "per_sm": extra.get("per_sm")}
                 else:
                     knobs_csv = knobs
                 rows.append({**base, "what": what, "layout": layout, "tpp": tpp, "num_warps": warps, **knobs_csv,

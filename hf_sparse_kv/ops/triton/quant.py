@@ -510,7 +510,9 @@ DOTS = ("tf32", "bf16")  # the tile and loop layouts' tl.dot precision (``dot=``
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
-# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "wide"); ``num_warps``.
+# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "wide"); ``num_warps``; for "loop"
+# also ``stages`` (default 2) and ``per_sm`` (its programs in all per streaming multiprocessor, default
+# ``LOOP_PROGRAMS / SMS``). ``python benchmarks/check_quant_keys.py --sweep --apply`` rewrites this literal.
 LSE_DEFAULTS = {  # 2026-12-01 sweep: tile 4 / 4 the fastest point at 1 x 128K and 8 x 32K for both widths
     2: {"layout": "tile", "tpp": 4, "num_warps": 4},
     4: {"layout": "tile", "tpp": 4, "num_warps": 4},
@@ -518,15 +520,16 @@ LSE_DEFAULTS = {  # 2026-12-01 sweep: tile 4 / 4 the fastest point at 1 x 128K a
 TAIL_TILE = 1024  # the tail's elements per program (``[BG, BC]`` log-sum-exps): BC = TAIL_TILE // BG blocks
 # The "loop" layout's programs in all when ``programs`` is not given: ~4 per streaming multiprocessor of an H200
 # (132), a guess until a sweep times it; the launch shape depends on tensor shapes only (CUDA-graph replay safe).
-LOOP_PROGRAMS = 4 * 132
+SMS = 132
+LOOP_PROGRAMS = 4 * SMS
 
 
-def loop_split(rows: int, tiles: int, programs: int | None = None) -> tuple[int, int]:
+def loop_split(rows: int, tiles: int, programs: int | None = None, total: int = LOOP_PROGRAMS) -> tuple[int, int]:
     """``(NP, TPR)``: the ``"loop"`` layout's programs per (sequence, KV head) row and tiles per program, for
-    ``rows = B * Hkv`` rows of ``tiles`` tiles each. ``programs`` (default ``cdiv(LOOP_PROGRAMS, rows)``) is capped
-    at ``tiles``; ``TPR = cdiv(tiles, programs)`` and ``NP = cdiv(tiles, TPR)``, so that no program's range is
-    empty (the last one may be shorter). From host ints alone."""
-    want = triton.cdiv(LOOP_PROGRAMS, max(rows, 1)) if programs is None else programs
+    ``rows = B * Hkv`` rows of ``tiles`` tiles each. ``programs`` (default ``cdiv(total, rows)``: ``total`` programs
+    in all) is capped at ``tiles``; ``TPR = cdiv(tiles, programs)`` and ``NP = cdiv(tiles, TPR)``, so that no
+    program's range is empty (the last one may be shorter). From host ints alone."""
+    want = triton.cdiv(total, max(rows, 1)) if programs is None else programs
     tpr = triton.cdiv(tiles, max(1, min(want, tiles)))
     return triton.cdiv(tiles, tpr), tpr
 
@@ -545,7 +548,7 @@ def quant_block_lse(
     num_warps: int | None = None,
     layout: str | None = None,
     *,
-    stages: int = 2,
+    stages: int | None = None,
     programs: int | None = None,
     dot: str = "tf32",
 ) -> torch.Tensor:
@@ -573,7 +576,7 @@ def quant_block_lse_parts(
     num_warps: int | None = None,
     layout: str | None = None,
     *,
-    stages: int = 2,
+    stages: int | None = None,
     programs: int | None = None,
     dot: str = "tf32",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -612,6 +615,8 @@ def quant_block_lse_parts(
     layout = knobs["layout"] if layout is None else layout
     tpp = knobs["tpp"] if tpp is None else tpp
     num_warps = knobs["num_warps"] if num_warps is None else num_warps
+    stages = knobs.get("stages", 2) if stages is None else stages
+    total = knobs.get("per_sm", LOOP_PROGRAMS // SMS) * SMS
     B, HQ, D = q.shape
     NB, H, BS, W = codes.shape
     assert W == D * bits // 8 and codes.dtype == torch.uint8 and kmin.shape == kmax.shape == (NB, H, D)
@@ -641,7 +646,7 @@ def quant_block_lse_parts(
     bf16 = dot == "bf16"
     if layout == "loop":
         NT = triton.cdiv(MB, tpp)
-        NP, TPR = loop_split(B * H, NT, programs)
+        NP, TPR = loop_split(B * H, NT, programs, total)
         part_m = torch.empty(B, HQ, NP, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         quant_block_lse_loop_kernel[(NP, B * H)](
@@ -727,7 +732,7 @@ def quant_block_scores(
     layout: str | None = None,
     tpp: int | None = None,
     num_warps: int | None = None,
-    stages: int = 2,
+    stages: int | None = None,
     programs: int | None = None,
     dot: str = "tf32",
     block_c: int | None = None,
