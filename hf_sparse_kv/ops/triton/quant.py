@@ -513,9 +513,9 @@ DOTS = ("tf32", "bf16")  # the tile and loop layouts' tl.dot precision (``dot=``
 # :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "wide"); ``num_warps``; for "loop"
 # also ``stages`` (default 2) and ``per_sm`` (its programs in all per streaming multiprocessor, default
 # ``LOOP_PROGRAMS / SMS``). ``python benchmarks/check_quant_keys.py --sweep --apply`` rewrites this literal.
-LSE_DEFAULTS = {  # 2026-12-01 sweep: tile 4 / 4 the fastest point at 1 x 128K and 8 x 32K for both widths
-    2: {"layout": "tile", "tpp": 4, "num_warps": 4},
-    4: {"layout": "tile", "tpp": 4, "num_warps": 4},
+LSE_DEFAULTS = {  # 2026-12-01 sweep (--apply): least whole-scoring time over 1 x 128K + 8 x 32K
+    2: {"layout": "wide", "tpp": 4, "num_warps": 4},
+    4: {"layout": "wide", "tpp": 4, "num_warps": 4},
 }
 TAIL_TILE = 1024  # the tail's elements per program (``[BG, BC]`` log-sum-exps): BC = TAIL_TILE // BG blocks
 # The "loop" layout's programs in all when ``programs`` is not given: ~4 per streaming multiprocessor of an H200
