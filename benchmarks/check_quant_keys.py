@@ -7,17 +7,15 @@ at a budget of 1/16, as a share of the reference's).
     python benchmarks/check_quant_keys.py --sweep    # then every scoring layout x knobs, checked and timed
 
 The sweep, at 1 x 128K (8200 blocks) and 8 x 32K (2048 blocks each), for 2 and 4 bits: each point of :data:`GRID`
-(``quant_block_lse``'s layout, blocks per tile, warps, and the loop layout's stages / programs and the ``dot``
-precision) is checked (``quant_block_scores`` at those knobs against the float32 reference: relative error, top-1/16
-blocks shared; for ``"loop"`` its two launches, the tail merging the kernel's partials) and timed (``common.bench``:
-CUDA graph, L2 flushed, median): the scoring kernel alone (``us``; ``"loop"``'s includes the partials it writes, the
-tail's first pass) and the whole scoring at those knobs (``scores_us``: 3 launches, 2 for ``"loop"``, no forced
-blocks), then the whole scoring at the defaults (``LSE_DEFAULTS`` + the two-launch tail, forced blocks included), the
-same scoring with the torch tail it replaced (``reference.lse_block_mass``), and the whole selection (scores + top-k
-at a budget of 1/8) beside Quest's. Columns: ``us``, ``GB/s`` of the scoring state read (codes + min / max),
-``floor`` (times the bytes' time at the copy bandwidth measured in the run), ``vs_default`` (time over the default
-layout's), ``rel_err``, ``shared``, ``scores_us``; a ``"loop"`` point's label ends with ``P=NPxTPR``, its programs
-per row times tiles per program. The CSV goes to ``--out``, else ``$OUT/quant_sweep.csv`` when ``OUT`` is set, else
+(``quant_block_lse``'s layout, blocks per tile, warps and the ``dot`` precision) is checked (``quant_block_scores``
+at those knobs against the float32 reference: relative error, top-1/16 blocks shared) and timed (``common.bench``:
+CUDA graph, L2 flushed, median): the scoring kernel alone (``us``) and the whole scoring at those knobs
+(``scores_us``: 3 launches, no forced blocks), then the whole scoring at the defaults (``LSE_DEFAULTS`` + the
+two-launch tail, forced blocks included), the same scoring with the torch tail it replaced
+(``reference.lse_block_mass``), and the whole selection (scores + top-k at a budget of 1/8) beside Quest's. Columns:
+``us``, ``GB/s`` of the scoring state read (codes + min / max), ``floor`` (times the bytes' time at the copy bandwidth
+measured in the run), ``vs_default`` (time over the default layout's), ``rel_err``, ``shared``, ``scores_us``. The
+CSV goes to ``--out``, else ``$OUT/quant_sweep.csv`` when ``OUT`` is set, else
 ``benchmarks/results/quant_sweep.csv``.
 
     TRITON_INTERPRET=1 python benchmarks/check_quant_keys.py --device cpu --blocks 16 --sweep --smoke   # a dry run
@@ -41,12 +39,9 @@ from common import bench, env_info, hbm_bandwidth, print_table, write_csv
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 
-# (layout, blocks per tile, warps, other knobs) per width and shape: 38 points, 152 in all, each timed twice (the
-# kernel, the whole scoring). Around the 2026-12-01 winner, tile 4 / 4; the untimed "wide" layout; the untimed "loop"
-# layout: tiles 2 / 4 / 8 x warps 4 / 8 x stages 2 / 3 x programs (the default, ~4 per SM in all, or ~2 per SM:
-# ``per_sm``, turned into ``programs`` per row from the shape and the H200's 132 SMs), with stages 1 (no overlap) as
-# the baseline; and bf16 products (``dot``: a timing probe, not a quality setting). The FMA layout tile beat is gone.
-SMS = 132
+# (layout, blocks per tile, warps, other knobs) per width and shape: 11 points, 44 in all, each timed twice (the
+# kernel, the whole scoring). Around tile 4 / 4 and wide 4 / 4 (the 2026-12-01 default), and bf16 products (``dot``:
+# a timing probe, not a quality setting). The FMA layout and the pipelined loop layout, both timed slower, are gone.
 GRID = (
     ("slices", 1, 1, {}),
     ("tile", 2, 4, {}),
@@ -59,24 +54,12 @@ GRID = (
     ("wide", 4, 4, {}),
     ("wide", 4, 8, {}),
     ("wide", 8, 8, {}),
-    *(
-        ("loop", tpp, warps, {"stages": stages, **per_sm})
-        for tpp in (2, 4, 8)
-        for warps in (4, 8)
-        for stages in (2, 3)
-        for per_sm in ({}, {"per_sm": 2})
-    ),
-    ("loop", 4, 4, {"stages": 1}),
-    ("loop", 8, 8, {"stages": 1}),
-    ("loop", 4, 4, {"stages": 2, "dot": "bf16"}),
 )
 SMOKE_GRID = (
     ("slices", 2, 1, {}),
     ("tile", 4, 4, {}),
     ("tile", 4, 4, {"dot": "bf16"}),
     ("wide", 2, 4, {}),
-    ("loop", 2, 4, {"stages": 2, "programs": 2}),
-    ("loop", 4, 4, {"stages": 3, "per_sm": 2, "dot": "bf16"}),
 )
 SHAPES = ((1, 8200), (8, 2048))  # (sequences, blocks each): 1 x 128K and 8 x 32K at block size 16
 SMOKE_SHAPES = ((1, 12), (2, 5))
@@ -89,7 +72,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2048, help="blocks per sequence of the check")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="check and time every layout x knobs (module docstring)")
-    ap.add_argument("--smoke", action="store_true", help="the sweep at tiny shapes, 6 points, 2 KV heads (a dry run)")
+    ap.add_argument("--smoke", action="store_true", help="the sweep at tiny shapes, 4 points, 2 KV heads (a dry run)")
     ap.add_argument(
         "--apply",
         action="store_true",
@@ -151,21 +134,19 @@ def main() -> None:
 QUANT_SOURCE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "hf_sparse_kv", "ops", "triton", "quant.py"
 )
-KNOB_KEYS = ("layout", "tpp", "num_warps", "stages", "per_sm")
+KNOB_KEYS = ("layout", "tpp", "num_warps")
 
 
 def best_points(rows: list[dict]) -> dict[int, dict]:
     """Per code width, the knobs of the grid point with the least whole-scoring time (``scores_us``) summed over
     every shape the sweep timed, among the TF32 points that are right at every shape (top blocks shared >= 0.99 with
-    the float32 reference, the same ``+-inf`` pattern). ``{bits: {layout, tpp, num_warps[, stages, per_sm]}}``."""
+    the float32 reference, the same ``+-inf`` pattern). ``{bits: {layout, tpp, num_warps}}``."""
     shapes = {r["shape"] for r in rows if "layout" in r}
     total: dict[tuple, dict] = {}
     for r in rows:
         if "layout" not in r or r.get("dot", "tf32") != "tf32":
             continue
-        loop = r["layout"] == "loop"
-        key = (r["bits"], r["layout"], r["tpp"], r["num_warps"], r.get("stages", 2) if loop else None,
-               (r.get("per_sm") or 4) if loop else None)  # fmt: skip
+        key = (r["bits"], r["layout"], r["tpp"], r["num_warps"])
         t = total.setdefault(key, {"us": 0.0, "shapes": set(), "ok": True})
         t["us"] += r["scores_us"]
         t["shapes"].add(r["shape"])
@@ -174,11 +155,7 @@ def best_points(rows: list[dict]) -> dict[int, dict]:
     for key, t in total.items():
         if t["ok"] and t["shapes"] == shapes and (key[0] not in best or t["us"] < best[key[0]][1]):
             best[key[0]] = (key, t["us"])
-    out = {}
-    for bits, (key, _) in sorted(best.items()):
-        knobs = dict(zip(KNOB_KEYS, key[1:]))
-        out[bits] = {k: v for k, v in knobs.items() if v is not None}
-    return out
+    return {bits: dict(zip(KNOB_KEYS, key[1:])) for bits, (key, _) in sorted(best.items())}
 
 
 def apply_defaults(rows: list[dict], path: str) -> dict[int, dict]:
@@ -218,7 +195,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, k: int) -> tuple[float, float,
 
 def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
     """Every point of :data:`GRID` checked and timed, then the whole scoring and selection (module docstring)."""
-    from hf_sparse_kv.ops.triton.quant import LSE_DEFAULTS, loop_split, quant_block_lse
+    from hf_sparse_kv.ops.triton.quant import LSE_DEFAULTS, quant_block_lse
 
     ops = get_ops("triton", dev)
     cuda = torch.device(dev).type == "cuda"
@@ -243,8 +220,7 @@ def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
             ref = R.quant_block_scores(*args)
             base = {"bits": bits, "shape": shape}
             default = None
-            for layout, tpp, warps, extra in SMOKE_GRID if smoke else GRID:
-                knobs = point_knobs(extra, B * H)
+            for layout, tpp, warps, knobs in SMOKE_GRID if smoke else GRID:
                 out = ops.quant_block_scores(*args, layout=layout, tpp=tpp, num_warps=warps, **knobs)
                 rel, same, inf_ok = compare(out, ref, max(1, MB // 16))
                 us, mode = bench(functools.partial(quant_block_lse, *args, tpp, warps, layout, **knobs), rep=20)
@@ -253,15 +229,9 @@ def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
                     rep=20,
                 )
                 d = LSE_DEFAULTS[bits]
-                default = us if (layout, tpp, warps, extra) == (d["layout"], d["tpp"], d["num_warps"], {}) else default
-                what = f"lse {layout} tpp={tpp} w={warps}" + "".join(f" {k}={v}" for k, v in extra.items())
-                if layout == "loop":
-                    NP, TPR = loop_split(B * H, -(-MB // tpp), knobs.get("programs"))
-                    what += f" P={NP}x{TPR}"
-                    knobs_csv = {**knobs, "programs": NP, "tiles_per_program": TPR, "per_sm": extra.get("per_sm")}
-                else:
-                    knobs_csv = knobs
-                rows.append({**base, "what": what, "layout": layout, "tpp": tpp, "num_warps": warps, **knobs_csv,
+                default = us if (layout, tpp, warps, knobs) == (d["layout"], d["tpp"], d["num_warps"], {}) else default
+                what = f"lse {layout} tpp={tpp} w={warps}" + "".join(f" {k}={v}" for k, v in knobs.items())
+                rows.append({**base, "what": what, "layout": layout, "tpp": tpp, "num_warps": warps, **knobs,
                              "us": us, "timing": mode, "rel_err": rel, "shared": same, "inf_ok": inf_ok,
                              "GB/s": nbytes / us / 1e3, "floor": us / (nbytes / hbm / 1e3) if hbm else None,
                              "scores_us": whole_us})  # fmt: skip
@@ -286,15 +256,6 @@ def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
                 print(f"{bits} bits {shape} {what}: {us:.1f} us", flush=True)
             del codes, ref
     return rows
-
-
-def point_knobs(extra: dict, rows: int) -> dict:
-    """A grid point's keywords for ``quant_block_lse`` / ``quant_block_scores``: ``per_sm`` (programs in all per SM
-    of :data:`SMS`) becomes ``programs`` per row for ``rows = B * Hkv`` rows; the rest as given."""
-    knobs = {k: v for k, v in extra.items() if k != "per_sm"}
-    if "per_sm" in extra:
-        knobs["programs"] = -(-extra["per_sm"] * SMS // rows)
-    return knobs
 
 
 def whole_scoring(ops, args: tuple, kmean: torch.Tensor, k: int) -> dict:

@@ -207,16 +207,9 @@ def cases():
                 ("wide", 1, 4, {}),
                 ("wide", 4, 4, {}),
                 ("wide", 8, 8, {}),
-                ("loop", 2, 4, {"stages": 1, "programs": 2}),
-                ("loop", 4, 4, {"stages": 2}),
-                ("loop", 8, 8, {"stages": 3, "programs": 1}),
-                ("loop", 4, 8, {"stages": 3, "dot": "bf16"}),
             ):
                 lse = partial(quant_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout, **knobs)
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))
-            # the loop layout's two launches, its partials merged by the tail
-            loop = partial(quant_block_scores, *args, 4, 32, layout="loop", programs=3)
-            out.append((f"quant_block_scores bits={bits} G={G} sink+window, loop layout", loop))
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
     for n in (100, 2048, 8200, 20000):  # one tile; one tile; 8192 + 16 lanes; 16384 + 4096 lanes

@@ -186,7 +186,7 @@ def test_triton_block_mass_matches_reference(bits, G, D, bs, window):
 def test_reference_forces_blocks_as_the_policy_did():
     """With ``window`` given, the reference's scores are its mass with the forced blocks still held at ``+inf`` (what
     ``OracleBlockTopK.scores`` does with a ``masked_fill``), and ``lse_block_mass`` is the same tail on the blocks'
-    log-sum-exps, which ``quant_block_lse`` gives; ``lse_partials`` over any split merge into their log-sum-exp."""
+    log-sum-exps, which ``quant_block_lse`` gives."""
     from hf_sparse_kv.ops.layout import forced_block_mask
 
     k_pool, table, seq_lens, start, q = _case(7, 2, G=4, D=16)
@@ -205,22 +205,14 @@ def test_reference_forces_blocks_as_the_policy_did():
     lse = s.masked_fill(~ok.view(B, 1, 1, MB, BS), float("-inf")).logsumexp(-1).flatten(1, 2)  # [B, Hq, MB]
     torch.testing.assert_close(R.lse_block_mass(lse, table, seq_lens, start, BS, H, 3, 12), got)
     torch.testing.assert_close(R.quant_block_lse(*args), lse, rtol=1e-5, atol=1e-5)
-    for span in (1, 2, 4, 7):  # the partials over any split merge into the log-sum-exp over all blocks
-        m, l = R.lse_partials(lse, span)
-        assert m.shape[-1] == -(-MB // span) and not (m.isnan().any() or l.isnan().any())
-        big = m.amax(-1, keepdim=True)
-        merged = big.squeeze(-1) + (l * (m - big.nan_to_num(neginf=0.0)).exp()).sum(-1).log()
-        torch.testing.assert_close(merged, lse.logsumexp(-1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("span", [None, 37])
-def test_triton_tail_matches_reference(G, window, span):
-    """``quant_lse_mass`` (two launches over chunks of 16 blocks here: 19 partials a head; or, ``span`` given, one
-    launch merging the given partials, ``reference.lse_partials`` over ranges of 37 blocks: 9 a head, a split
-    unrelated to the output's chunks) against ``reference.lse_block_mass``: ragged lengths, left padding, evicted
-    blocks, a head with no valid block, a sequence of length 0."""
+def test_triton_tail_matches_reference(G, window):
+    """``quant_lse_mass`` (two launches over chunks of 16 blocks here: 19 partials a head) against
+    ``reference.lse_block_mass``: ragged lengths, left padding, evicted blocks, a head with no valid block, a
+    sequence of length 0."""
     from hf_sparse_kv.ops.triton.quant import quant_lse_mass
 
     g = torch.Generator().manual_seed(G)
@@ -235,8 +227,7 @@ def test_triton_tail_matches_reference(G, window, span):
     lse[1, 0] = float("-inf")  # a query head with nothing valid: adds 0
     lse, table, seq_lens, start = (t.to(DEVICE) for t in (lse, table, seq_lens, start))
     want = R.lse_block_mass(lse, table, seq_lens, start, bs, H, 4, window)
-    parts = None if span is None else R.lse_partials(lse, span)
-    got = quant_lse_mass(lse, table, seq_lens, start, bs, H, 4, window, block_c=16, partials=parts)
+    got = quant_lse_mass(lse, table, seq_lens, start, bs, H, 4, window, block_c=16)
     assert torch.equal(got == float("inf"), want == float("inf")) and torch.equal(got.isinf(), want.isinf())
     assert (window is None) == (not want.eq(float("inf")).any())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -250,22 +241,17 @@ def test_triton_tail_matches_reference(G, window, span):
         ("tile", 4, 2, {}),
         ("wide", 1, 4, {}),
         ("wide", 4, 4, {}),
-        ("loop", 2, 4, {"programs": 2}),  # 4 tiles a row: 2 ranges of 2 tiles, the last tile partial
-        ("loop", 1, 2, {"programs": 3, "stages": 3}),  # 7 tiles: ranges of 3, 3 and 1
-        ("loop", 4, 4, {"stages": 1}),  # programs from the shape: one tile each
-        ("loop", 2, 4, {"programs": 1, "dot": "bf16"}),  # one program walks the row
         ("tile", 4, 4, {"dot": "bf16"}),
     ],
 )
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_triton_layouts_match_reference(layout, tpp, warps, knobs, G, bits):
-    """Every scoring layout (a tuning knob; the tail is shared) gives the reference's log-sum-exps and mass: partial
-    last blocks, an evicted block inside a sequence, left padding, several blocks a program with the table's last
-    tile partial; ``"loop"`` also its ranges' partials (``reference.lse_partials``
-    of its log-sum-exps) over ranges that do not divide the row, rows whose later ranges hold no valid block, the
-    mass merged from them, and the op's two launches with forced blocks. ``dot="bf16"``: a looser tolerance."""
-    from hf_sparse_kv.ops.triton.quant import loop_split, quant_block_lse_parts, quant_lse_mass
+    """Every scoring layout (a tuning knob; the tail is shared) gives the reference's log-sum-exps
+    (``reference.quant_block_lse``) and, through the op, its mass: partial last blocks, an evicted block inside a
+    sequence, left padding, several blocks a program with the table's last tile partial. ``dot="bf16"``: a looser
+    tolerance."""
+    from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
     k_pool, table, seq_lens, start, q = _case(G + bits, bits, G=G, D=64, bs=16, MB=7)
     table[0, 2] = -1
@@ -275,31 +261,13 @@ def test_triton_layouts_match_reference(layout, tpp, warps, knobs, G, bits):
     tol = 1e-2 if str(DEVICE).startswith("cuda") else 1e-4  # TF32 products on a GPU, float32 in the interpreter
     if knobs.get("dot") == "bf16":
         tol = 5e-2  # bf16 operands (the interpreter truncates to bf16, a GPU rounds): the mass within a few %
-    lse, parts = quant_block_lse_parts(*args, tpp, warps, layout, **knobs)
+    lse = quant_block_lse(*args, tpp, warps, layout, **knobs)
     want_lse = R.quant_block_lse(*args)
     assert torch.equal(lse.isinf(), want_lse.isinf())
     torch.testing.assert_close(lse, want_lse, rtol=tol, atol=tol)
-    H, B, MB = kmin.shape[1], table.shape[0], table.shape[1]
-    assert (parts is None) == (layout != "loop")
-    if parts is not None:
-        NP, TPR = loop_split(B * H, -(-MB // tpp), knobs.get("programs"))
-        want_m, want_l = R.lse_partials(lse, TPR * tpp)
-        assert parts[0].shape == want_m.shape == (B, H * G, NP)
-        assert torch.equal(parts[0].isinf(), want_m.isinf()) and not parts[1].isnan().any()
-        torch.testing.assert_close(parts[0], want_m, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(parts[1], want_l, rtol=1e-5, atol=1e-5)
-    # the mass (the tail merging the loop's partials, or its own)
-    got = quant_lse_mass(lse, table, seq_lens, start, 16, H, partials=parts)
+    got = get_ops("triton", DEVICE).quant_block_scores(*args, layout=layout, tpp=tpp, num_warps=warps, **knobs)
     want = R.quant_block_scores(*args)
     assert torch.equal(got.isinf(), want.isinf())
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol / 100)
-    if layout != "loop":
-        return  # the rest is the tail's, as above (forced blocks: test_triton_block_mass_matches_reference)
-    # the whole two-launch scoring through the op, with forced blocks
-    want = R.quant_block_scores(*args, 2, 8)
-    got = get_ops("triton", DEVICE).quant_block_scores(*args, 2, 8, layout=layout, tpp=tpp, num_warps=warps, **knobs)
-    assert torch.equal(got == float("inf"), want == float("inf")) and torch.equal(got.isinf(), want.isinf())
-    assert want.isfinite().any() and want.eq(float("inf")).any()
     torch.testing.assert_close(got, want, rtol=tol, atol=tol / 100)
 
 
@@ -316,6 +284,4 @@ def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="dot"):
         quant_block_lse(*args, layout="slices", dot="bf16")
     with pytest.raises(ValueError, match="dot"):
-        quant_block_lse(*args, layout="loop", dot="fp8")
-    with pytest.raises(ValueError, match="at least 1"):
-        quant_block_lse(*args, layout="loop", stages=0)
+        quant_block_lse(*args, layout="tile", dot="fp8")

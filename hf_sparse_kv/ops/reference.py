@@ -712,19 +712,6 @@ def quant_block_lse(
     return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
 
 
-def lse_partials(lse: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first pass of a split log-sum-exp over the blocks (the Triton tail's, and the ``"loop"`` scoring kernel's):
-    ``lse [B, Hq, MB]`` -> ``(m, l)``, each ``[B, Hq, cdiv(MB, span)]`` float32, range ``i`` (blocks
-    ``[i * span, (i + 1) * span)``) its max ``m`` and its sum ``l`` of ``exp(lse - m)``; a range of ``-inf`` gives
-    ``m = -inf``, ``l = 0``. Merged (``M = max m``, ``L = sum l * exp(m - M)``): ``M + log L`` over all blocks."""
-    B, Hq, MB = lse.shape
-    n = cdiv(MB, span)
-    x = F.pad(lse.float(), (0, n * span - MB), value=NEG_INF).view(B, Hq, n, span)
-    m = x.amax(-1)
-    shift = torch.where(m > NEG_INF, m, torch.zeros_like(m))  # a range of -inf shifted by 0: l = 0, not NaN
-    return m, (x - shift.unsqueeze(-1)).exp().sum(-1)
-
-
 def lse_block_mass(
     lse: torch.Tensor,
     block_table: torch.Tensor,

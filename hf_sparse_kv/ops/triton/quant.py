@@ -9,23 +9,21 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
   (``floor((k - min) / delta + 0.5)``, IEEE divisions as the reference's) and stores the block's codes; slots past
   the prefix get 0. The grid is sized by ``span`` (``cdiv(span, BS) + 1`` blocks per sequence), a program past the
   last block written returns: a captured step replays it.
-- :func:`quant_block_scores`: :func:`quant_block_lse_parts`, then :func:`quant_lse_mass`. The scoring kernel
-  computes, per (logical block, sequence, KV head) and for each of the group's ``G`` query heads, the log-sum-exp
-  over the block's valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta``
-  (``reference.quant_block_lse``), in one of four layouts (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`):
-  ``"slices"`` (a block at a time, ``q . min + sum_j (q_j * delta_j) . code_j``, no dequantized key, ``tl.dot``s of
-  the group's step-scaled queries with the codes), ``"tile"`` (a tile of blocks' keys dequantized in registers, one
-  ``tl.dot`` a slice; one tile a program; the default), ``"wide"`` (the same tile unpacked to every channel, one
-  ``tl.dot`` of depth ``D``; not timed yet) and ``"loop"`` (a few programs per (sequence, KV head) row, each
-  walking a contiguous range of tiles with the tile's math in a software-pipelined loop, so the next tiles' loads
-  overlap the current tile's math, and writing its range's partial ``(max, sum of exp)`` per head; not timed yet).
-  A fifth form, the tile with the dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed
-  (benchmarks/RESULTS.md). It reads the codes (``bits / 16`` of 16-bit keys) and the blocks' min / max. The tail
-  turns the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares summed over the group (the reference's
-  mass), with the forced blocks at ``+inf``: a first pass takes per-head partial ``(max, sum of exp)`` over a split
-  of the blocks (:func:`quant_lse_stats_kernel` over chunks, or the ``"loop"`` kernel's ranges, fused into the
-  scoring), a second merges them and writes the shares (:func:`quant_mass_kernel`): three launches in all, two with
-  ``"loop"``. ``dot="bf16"`` (tile, loop) rounds the ``tl.dot`` operands to bf16 instead of TF32: a timing probe only.
+- :func:`quant_block_scores`: :func:`quant_block_lse`, then :func:`quant_lse_mass`. The scoring kernel computes, per
+  (logical block, sequence, KV head) and for each of the group's ``G`` query heads, the log-sum-exp over the block's
+  valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta`` (``reference.quant_block_lse``), in
+  one of three layouts (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`): ``"slices"`` (a block at a time,
+  ``q . min + sum_j (q_j * delta_j) . code_j``, no dequantized key, ``tl.dot``s of the group's step-scaled queries
+  with the codes), ``"tile"`` (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice) and
+  ``"wide"`` (the same tile unpacked to every channel, one ``tl.dot`` of depth ``D``; the default: 2026-12-01 sweep
+  on an H200: wide 4 / 4 127.6 us at 2 bits, 131.4 at 4 bits at 1 x 128K, 8.1x / 5.6x the time of their bytes).
+  A fourth form, the tile with the dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed; a
+  pipelined multi-tile loop layout (a few programs a row, each walking a range of tiles) was timed slower than
+  wide at every point and removed too (benchmarks/RESULTS.md). It reads the codes (``bits / 16`` of 16-bit keys) and
+  the blocks' min / max. The tail turns the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares summed over
+  the group (the reference's mass), with the forced blocks at ``+inf``, in two launches over chunks of blocks
+  (:func:`quant_lse_stats_kernel`, :func:`quant_mass_kernel`). ``dot="bf16"`` (tile) rounds the ``tl.dot`` operands
+  to bf16 instead of TF32: a timing probe only.
 """
 
 from __future__ import annotations
@@ -227,14 +225,12 @@ def _dequant_slice(
 def _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, row0, MB, GP: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
     """Store a tile's per-block log-sum-exps: ``s [GP, BM * BS]`` unscaled logits of the group's heads (rows
     ``row0 + o_g`` of ``out [B, HQ, MB]``, ``m_g`` the real ones), ``ok [BM, BS]`` the valid positions, ``o_m [BM]``
-    the blocks. A block with no valid position gets ``-inf`` (shifted by 0 there: never ``-inf - -inf``). Returns the
-    ``[GP, BM]`` log-sum-exps (padding heads and blocks past ``MB`` included: the caller masks them)."""
+    the blocks. A block with no valid position gets ``-inf`` (shifted by 0 there: never ``-inf - -inf``)."""
     s3 = tl.where(ok[None, :, :], tl.reshape(s, (GP, BM, BS)) * scale, float("-inf"))
     mx = tl.max(s3, 2)  # [GP, BM]
     safe = tl.where(mx > float("-inf"), mx, 0.0)
     lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, :, None]), 2)), float("-inf"))
     tl.store(out + (row0 + o_g)[:, None] * MB + o_m[None, :], lse, mask=m_g[:, None] & (o_m < MB)[None, :])
-    return lse
 
 
 @triton.jit
@@ -301,76 +297,6 @@ def quant_block_lse_tile_kernel(
 
 
 @triton.jit
-def quant_block_lse_loop_kernel(
-    q,  # [B, HQ, D]
-    codes,  # [NB, H, BS, W] uint8
-    kmin,  # [NB, H, D]
-    kmax,  # [NB, H, D]
-    block_table,  # [B, MB]
-    seq_lens,  # [B]
-    start,  # [B]
-    out,  # [B, HQ, MB] float32
-    part_m,  # [B, HQ, NP] float32 out
-    part_l,  # [B, HQ, NP] float32 out
-    s_cn,
-    s_mn,
-    scale,
-    MB,
-    NT,  # tiles in a row: cdiv(MB, BM)
-    TPR,  # tiles per program (the last program of a row may have fewer)
-    HQ: tl.constexpr,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    D: tl.constexpr,
-    W: tl.constexpr,
-    BS: tl.constexpr,
-    BM: tl.constexpr,
-    BITS: tl.constexpr,
-    BF16: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """``layout="loop"``: program ``i_p`` of a (sequence, KV head) row owns its tiles ``[i_p TPR, (i_p + 1) TPR)``
-    (``BM`` blocks each) and walks them: per tile the tile layout's math (:func:`_tile_codes`, :func:`_tile_logits`,
-    :func:`_store_tile_lse`), then the tile's log-sum-exps folded into the range's running ``(m, l)`` per query head
-    (``m`` the max so far, ``l`` the sum of ``exp(lse - m)``, rescaled by ``exp(m_old - m_new)`` when the max
-    grows; shifted by 0 while the max is ``-inf``: an empty or dead range stores ``m = -inf``, ``l = 0``, never
-    NaN). The range's ``(m, l)`` go to column ``i_p`` of ``part_m`` / ``part_l``: the tail's first pass, done here.
-
-    Overlap: the walk is a ``tl.range(..., num_stages=STAGES)`` loop, left to Triton's software pipeliner rather
-    than a hand-written register prefetch (the next tile's codes as a loop-carried value): the stage count is then one
-    knob the sweep sets (1: no overlap, the baseline), the codes wait in shared memory rather than in registers the
-    dequantized ``[BM * BS, W]`` slices also need, and the block-table entries they depend on are issued a stage
-    earlier still. What it does, read in the sm_90 build (not timed): with ``STAGES >= 2`` the block-table entries
-    and the codes of the next tile(s) load as asynchronous copies while the current tile is scored; the per-slice
-    ``[BM, W]`` min / max only where a thread's share reaches the pipeliner's 32 bits (4 bits at tpp 4 / 4 warps and
-    8 / 8 warps); at 2 bits at those points (one bf16 a thread) they stay plain loads, a round trip per tile that
-    only other resident programs hide."""
-    i_p, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_g = tl.arange(0, GP)
-    m_g = o_g < G
-    row0 = i_b * HQ + i_h * G
-    b_m = tl.full([GP], float("-inf"), dtype=tl.float32)  # the range's running max per query head
-    b_l = tl.zeros([GP], dtype=tl.float32)  # its sum of exp(lse - b_m)
-    n, s0 = tl.load(seq_lens + i_b), tl.load(start + i_b)
-    t0 = i_p * TPR
-    for i_t in tl.range(0, tl.minimum(TPR, NT - t0), num_stages=STAGES):
-        o_m, m_live, ok, b_c, p_m = _tile_codes(
-            codes, block_table, n, s0, s_cn, s_mn, t0 + i_t, i_b, i_h, MB, D, W, BS, BM
-        )
-        s = _tile_logits(q, kmin, kmax, p_m, m_live, b_c, row0, G, GP, D, W, BS, BM, BITS, BF16)
-        b_x = _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, row0, MB, GP, BM, BS)  # [GP, BM]
-        b_mn = tl.maximum(b_m, tl.max(b_x, 1))
-        b_ms = tl.where(b_mn > float("-inf"), b_mn, 0.0)
-        b_l = b_l * tl.exp(b_m - b_ms) + tl.sum(tl.exp(b_x - b_ms[:, None]), 1)
-        b_m = b_mn
-    o_part = (row0 + o_g).to(tl.int64) * tl.num_programs(0) + i_p
-    tl.store(part_m + o_part, b_m, mask=m_g)
-    tl.store(part_l + o_part, b_l, mask=m_g)
-
-
-@triton.jit
 def quant_block_lse_wide_kernel(
     q,  # [B, HQ, D]
     codes,  # [NB, H, BS, W] uint8
@@ -432,9 +358,8 @@ def quant_lse_stats_kernel(
     BG: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """Pass 1 of the tail (``reference.lse_partials`` over chunks of ``BC``): per chunk ``i_c`` of ``BC`` blocks and
-    query head of the group, the max ``m`` of its log-sum-exps and the sum ``l`` of ``exp(lse - m)`` (a chunk of
-    ``-inf``: ``m = -inf``, ``l = 0``). The ``"loop"`` scoring kernel writes the same over its ranges instead."""
+    """Pass 1 of the tail: per chunk ``i_c`` of ``BC`` blocks and query head of the group, the max ``m`` of its
+    log-sum-exps and the sum ``l`` of ``exp(lse - m)`` (a chunk of ``-inf``: ``m = -inf``, ``l = 0``)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     o_g = tl.arange(0, BG)
     m_g = o_g < G
@@ -452,14 +377,14 @@ def quant_lse_stats_kernel(
 @triton.jit
 def quant_mass_kernel(
     lse,  # [B, H * G, MB] float32
-    part_m,  # [B, H * G, NP] float32
-    part_l,  # [B, H * G, NP] float32
+    part_m,  # [B, H * G, NC] float32
+    part_l,  # [B, H * G, NC] float32
     block_table,  # [B, MB]
     seq_lens,  # [B]
     start,  # [B]
     out,  # [B, H, MB] float32
     MB,
-    NP,
+    NC,
     SINK,
     WINDOW,
     H: tl.constexpr,
@@ -470,10 +395,9 @@ def quant_mass_kernel(
     BS: tl.constexpr,
     FORCE: tl.constexpr,
 ):
-    """Pass 2 of the tail: each program merges the ``NP`` partial ``(m, l)`` of its group's heads (``BN >= NP``
-    columns loaded; any split of the row's blocks: :func:`quant_lse_stats_kernel`'s chunks or the ``"loop"`` scoring
-    kernel's ranges, unrelated to this kernel's ``BC``) into each head's log-sum-exp over every block
-    (``M = max m``, ``l = sum l exp(m - M)``), then writes its chunk of ``BC`` blocks' scores:
+    """Pass 2 of the tail: each program merges the ``NC`` partial ``(m, l)`` of its group's heads (``BN >= NC``
+    columns loaded) into each head's log-sum-exp over every block (``M = max m``, ``l = sum l exp(m - M)``), then
+    writes its chunk's scores:
     ``sum_g exp(lse[g] - M[g]) / l[g]`` (a head with ``l = 0`` adds 0), ``+inf`` at forced blocks still held (with
     ``FORCE``, ``ops/layout.py``'s rule), ``-inf`` at blocks not in use (past the end, evicted)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -482,9 +406,9 @@ def quant_mass_kernel(
     m_g = o_g < G
     o_row = (i_bh * G + o_g).to(tl.int64)  # [BG]
     o_n = tl.arange(0, BN)
-    m_n = m_g[:, None] & (o_n < NP)[None, :]
-    b_pm = tl.load(part_m + o_row[:, None] * NP + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
-    b_pl = tl.load(part_l + o_row[:, None] * NP + o_n[None, :], mask=m_n, other=0.0)
+    m_n = m_g[:, None] & (o_n < NC)[None, :]
+    b_pm = tl.load(part_m + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
+    b_pl = tl.load(part_l + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=0.0)
     b_M = tl.max(b_pm, 1)
     b_Ms = tl.where(b_M > float("-inf"), b_M, 0.0)
     b_l = tl.sum(b_pl * tl.exp(b_pm - b_Ms[:, None]), 1)  # [BG]
@@ -505,33 +429,18 @@ def quant_mass_kernel(
     tl.store(out + i_bh.to(tl.int64) * MB + o_c, tl.where(live, b_mass, float("-inf")), mask=m_c)
 
 
-LAYOUTS = ("slices", "tile", "wide", "loop")
-DOTS = ("tf32", "bf16")  # the tile and loop layouts' tl.dot precision (``dot=``); the others take TF32 only
+LAYOUTS = ("slices", "tile", "wide")
+DOTS = ("tf32", "bf16")  # the tile layout's tl.dot precision (``dot=``); the others take TF32 only
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
-# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "wide"); ``num_warps``; for "loop"
-# also ``stages`` (default 2) and ``per_sm`` (its programs in all per streaming multiprocessor, default
-# ``LOOP_PROGRAMS / SMS``). ``python benchmarks/check_quant_keys.py --sweep --apply`` rewrites this literal.
+# :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "wide"); ``num_warps``.
+# ``python benchmarks/check_quant_keys.py --sweep --apply`` rewrites this literal.
 LSE_DEFAULTS = {  # 2026-12-01 sweep (--apply): least whole-scoring time over 1 x 128K + 8 x 32K
     2: {"layout": "wide", "tpp": 4, "num_warps": 4},
     4: {"layout": "wide", "tpp": 4, "num_warps": 4},
 }
 TAIL_TILE = 1024  # the tail's elements per program (``[BG, BC]`` log-sum-exps): BC = TAIL_TILE // BG blocks
-# The "loop" layout's programs in all when ``programs`` is not given: ~4 per streaming multiprocessor of an H200
-# (132), a guess until a sweep times it; the launch shape depends on tensor shapes only (CUDA-graph replay safe).
-SMS = 132
-LOOP_PROGRAMS = 4 * SMS
-
-
-def loop_split(rows: int, tiles: int, programs: int | None = None, total: int = LOOP_PROGRAMS) -> tuple[int, int]:
-    """``(NP, TPR)``: the ``"loop"`` layout's programs per (sequence, KV head) row and tiles per program, for
-    ``rows = B * Hkv`` rows of ``tiles`` tiles each. ``programs`` (default ``cdiv(total, rows)``: ``total`` programs
-    in all) is capped at ``tiles``; ``TPR = cdiv(tiles, programs)`` and ``NP = cdiv(tiles, TPR)``, so that no
-    program's range is empty (the last one may be shorter). From host ints alone."""
-    want = triton.cdiv(total, max(rows, 1)) if programs is None else programs
-    tpr = triton.cdiv(tiles, max(1, min(want, tiles)))
-    return triton.cdiv(tiles, tpr), tpr
 
 
 def quant_block_lse(
@@ -548,42 +457,11 @@ def quant_block_lse(
     num_warps: int | None = None,
     layout: str | None = None,
     *,
-    stages: int | None = None,
-    programs: int | None = None,
     dot: str = "tf32",
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is (``reference.
-    quant_block_lse``). :func:`quant_block_lse_parts` without its partials; the same knobs.
-    """
-    return quant_block_lse_parts(
-        q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout,
-        stages=stages, programs=programs, dot=dot,
-    )[0]  # fmt: skip
-
-
-def quant_block_lse_parts(
-    q: torch.Tensor,
-    codes: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    start: torch.Tensor,
-    scale: float,
-    bits: int,
-    tpp: int | None = None,
-    num_warps: int | None = None,
-    layout: str | None = None,
-    *,
-    stages: int | None = None,
-    programs: int | None = None,
-    dot: str = "tf32",
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """``(lse, partials)``: ``lse [B, Hq, MB]`` float32 as :func:`quant_block_lse`; ``partials`` the ``"loop"``
-    layout's ``(part_m, part_l)``, each ``[B, Hq, NP]`` float32 (``reference.lse_partials`` of ``lse`` over ranges of
-    ``TPR * tpp`` blocks, :func:`loop_split`), for :func:`quant_lse_mass`'s ``partials``; ``None`` for the other
-    layouts (and when nothing is launched).
+    quant_block_lse``).
 
     Layouts (knobs ``None``: :data:`LSE_DEFAULTS` for ``bits``):
 
@@ -591,32 +469,26 @@ def quant_block_lse_parts(
       queries one ``[GP, D]`` tile (``GP``: ``G`` rounded up to 16, the smallest ``tl.dot``); each block is
       ``8 // bits`` products ``[GP, W] x [W, BS]`` of the step-scaled queries with the codes, in TF32 on a GPU (the
       codes are exact there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks).
-    - ``"tile"`` (:func:`quant_block_lse_tile_kernel`, the default with 4 blocks and 4 warps): ``tpp`` blocks' keys
-      dequantized in registers, one ``tl.dot`` a slice for all of them (TF32 on a GPU); one tile a program.
-    - ``"wide"`` (:func:`quant_block_lse_wide_kernel`): the same tile unpacked to all ``D`` channels, one ``tl.dot``
-      of depth ``D`` (TF32); not timed yet.
-    - ``"loop"`` (:func:`quant_block_lse_loop_kernel`): up to ``programs`` programs per (sequence, KV head) row
-      (default from the shapes alone: :func:`loop_split`, ~:data:`LOOP_PROGRAMS` in all), each walking its contiguous range of
-      tiles of ``tpp`` blocks with the tile layout's math, in a loop software-pipelined over ``stages`` stages
-      (1: no overlap), and writing its range's partial ``(max, sum of exp)`` per query head: the tail's first pass,
-      so the whole scoring is two launches. Not timed yet.
+    - ``"tile"`` (:func:`quant_block_lse_tile_kernel`): ``tpp`` blocks' keys dequantized in registers, one
+      ``tl.dot`` a slice for all of them (TF32 on a GPU).
+    - ``"wide"`` (:func:`quant_block_lse_wide_kernel`, the default with 4 blocks and 4 warps): the same tile
+      unpacked to all ``D`` channels, one ``tl.dot`` of depth ``D`` (TF32).
 
-    ``dot`` (``"tile"`` and ``"loop"`` only): ``"tf32"`` (the default, what every quality figure used) or ``"bf16"``
-    (the dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32 accumulate): a timing probe of
+    ``dot`` (``"tile"`` only): ``"tf32"`` (the default, what every quality figure used) or ``"bf16"`` (the
+    dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32 accumulate): a timing probe of
     whether the products bound the kernel; it changes the ranking's precision (~4e-3 relative on the logits, against
     ~1e-3 for TF32) and was not used for any quality figure.
 
-    On an H200 at 1 x 128K (benchmarks/RESULTS.md, 2026-12-01): tile 4 / 4 166 us at 2 bits, 150 at 4 bits; slices
-    1 / 1 174 / 155: 6-11 x the time of their bytes, latency-bound (one tile a program: nothing overlaps a
-    program's loads with its math, what ``"loop"`` is for).
+    2026-12-01 sweep on an H200 (benchmarks/RESULTS.md): wide 4 / 4 127.6 us at 2 bits, 131.4 at 4 bits at
+    1 x 128K, 8.1x / 5.6x the time of their bytes (tile 4 / 4: 196.3 / 150.4). A pipelined multi-tile loop layout
+    (a few programs a row, each walking a range of tiles, partials merged by the tail) was timed slower than wide at
+    every point of its sweep and removed.
     """
     reference.quant_levels(bits)  # raises for a width other than 2 or 4
     knobs = LSE_DEFAULTS[bits]
     layout = knobs["layout"] if layout is None else layout
     tpp = knobs["tpp"] if tpp is None else tpp
     num_warps = knobs["num_warps"] if num_warps is None else num_warps
-    stages = knobs.get("stages", 2) if stages is None else stages
-    total = knobs.get("per_sm", LOOP_PROGRAMS // SMS) * SMS
     B, HQ, D = q.shape
     NB, H, BS, W = codes.shape
     assert W == D * bits // 8 and codes.dtype == torch.uint8 and kmin.shape == kmax.shape == (NB, H, D)
@@ -627,40 +499,27 @@ def quant_block_lse_parts(
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     if layout != "slices" and triton.next_power_of_2(tpp) != tpp:
         raise ValueError(f"layout={layout!r} takes a power-of-two tpp (blocks a tile), not {tpp}")
-    if dot not in DOTS or (dot != "tf32" and layout not in ("tile", "loop")):
-        raise ValueError(f"dot must be one of {DOTS} ('bf16' for the tile and loop layouts), not {dot!r} ({layout})")
-    if stages < 1 or (programs is not None and programs < 1):
-        raise ValueError(f"stages and programs must be at least 1, not {stages} / {programs}")
+    if dot not in DOTS or (dot != "tf32" and layout != "tile"):
+        raise ValueError(f"dot must be one of {DOTS} ('bf16' for the tile layout), not {dot!r} ({layout})")
     MB = block_table.shape[1]
     out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
     if B == 0 or MB == 0:
-        return out, None
+        return out
     G = HQ // H
     args = (
         q.contiguous(), codes, kmin, kmax, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
+        codes.stride(0), kmin.stride(0), float(scale), MB,
     )  # fmt: skip
-    scalars = (codes.stride(0), kmin.stride(0), float(scale), MB)
     shape = {"HQ": HQ, "H": H, "G": G, "D": D, "W": W, "BS": BS, "BITS": bits}
     grid = (triton.cdiv(MB, tpp), B * H)
     GP = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
-    bf16 = dot == "bf16"
-    if layout == "loop":
-        NT = triton.cdiv(MB, tpp)
-        NP, TPR = loop_split(B * H, NT, programs, total)
-        part_m = torch.empty(B, HQ, NP, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        quant_block_lse_loop_kernel[(NP, B * H)](
-            *args, part_m, part_l, *scalars, NT, TPR, **shape, GP=GP, BM=tpp, BF16=bf16, STAGES=stages,
-            num_warps=num_warps, num_stages=stages,
-        )  # fmt: skip
-        return out, (part_m, part_l)
     if layout == "tile":
-        quant_block_lse_tile_kernel[grid](*args, *scalars, **shape, GP=GP, BM=tpp, BF16=bf16, num_warps=num_warps)
+        quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
     elif layout == "wide":
-        quant_block_lse_wide_kernel[grid](*args, *scalars, **shape, GP=GP, BM=tpp, num_warps=num_warps)
+        quant_block_lse_wide_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
     else:
-        quant_block_lse_kernel[grid](*args, *scalars, **shape, GP=GP, TPP=tpp, num_warps=num_warps)
-    return out, None
+        quant_block_lse_kernel[grid](*args, **shape, GP=GP, TPP=tpp, num_warps=num_warps)
+    return out
 
 
 def quant_lse_mass(
@@ -673,18 +532,14 @@ def quant_lse_mass(
     sink: int = 0,
     window: int | None = None,
     block_c: int | None = None,
-    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The tail of :func:`quant_block_scores` (the Triton twin of ``reference.lse_block_mass``): ``lse [B, Hq, MB]``
-    -> ``[B, Hkv, MB]`` float32, each block's softmax share summed over the GQA group, ``+inf`` at forced blocks
-    still held when ``window`` is given, ``-inf`` at blocks not in use.
+    """The tail of :func:`quant_block_scores` in two launches (the Triton twin of ``reference.lse_block_mass``):
+    ``lse [B, Hq, MB]`` -> ``[B, Hkv, MB]`` float32, each block's softmax share summed over the GQA group, ``+inf``
+    at forced blocks still held when ``window`` is given, ``-inf`` at blocks not in use.
 
-    The per-head normalisation is a reduction over all ``MB`` blocks in two passes. Pass 1, partial ``(max, sum of
-    exp)`` per head over a split of the blocks: ``partials`` when given (``(part_m, part_l)``, each ``[B, Hq, NP]``
-    float32 for any ``NP >= 1`` split, e.g. :func:`quant_block_lse_parts`' from the ``"loop"`` layout: then one
-    launch), else :func:`quant_lse_stats_kernel` over chunks of ``block_c`` blocks (default ``TAIL_TILE // G``
-    rounded to powers of two). Pass 2, :func:`quant_mass_kernel` (grid: chunk of ``block_c`` blocks x (sequence,
-    KV head)) merges them and writes its chunk.
+    The per-head normalisation is a reduction over all ``MB`` blocks, split in chunks of ``block_c`` (default
+    ``TAIL_TILE // G`` rounded to powers of two): :func:`quant_lse_stats_kernel` takes each chunk's ``(max, sum of
+    exp)`` per head, :func:`quant_mass_kernel` (grid: chunk x (sequence, KV head)) merges them and writes its chunk.
     """
     B, HQ, MB = lse.shape
     H = num_kv_heads
@@ -699,18 +554,12 @@ def quant_lse_mass(
     assert triton.next_power_of_2(BC) == BC and BC >= 16, f"block_c must be a power of two >= 16, got {BC}"
     NC = triton.cdiv(MB, BC)
     lse = lse.contiguous()
-    if partials is None:
-        part_m = torch.empty(B, HQ, NC, dtype=torch.float32, device=lse.device)
-        part_l = torch.empty_like(part_m)
-        quant_lse_stats_kernel[(NC, B * H)](lse, part_m, part_l, MB, NC, G=G, BG=BG, BC=BC, num_warps=4)
-    else:
-        part_m, part_l = (t.contiguous() for t in partials)
-        assert part_m.shape == part_l.shape and part_m.shape[:2] == (B, HQ) and part_m.shape[2] >= 1, part_m.shape
-        assert part_m.dtype == part_l.dtype == torch.float32
-    NP = part_m.shape[2]
+    part_m = torch.empty(B, HQ, NC, dtype=torch.float32, device=lse.device)
+    part_l = torch.empty_like(part_m)
+    quant_lse_stats_kernel[(NC, B * H)](lse, part_m, part_l, MB, NC, G=G, BG=BG, BC=BC, num_warps=4)
     quant_mass_kernel[(NC, B * H)](
-        lse, part_m, part_l, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, MB, NP,
-        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=triton.next_power_of_2(NP), BS=block_size,
+        lse, part_m, part_l, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, MB, NC,
+        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=triton.next_power_of_2(NC), BS=block_size,
         FORCE=window is not None, num_warps=4,
     )  # fmt: skip
     return out
@@ -732,25 +581,21 @@ def quant_block_scores(
     layout: str | None = None,
     tpp: int | None = None,
     num_warps: int | None = None,
-    stages: int | None = None,
-    programs: int | None = None,
     dot: str = "tf32",
     block_c: int | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the quantized keys, summed over each GQA group: ``[B, Hkv, MB]`` float32
     (the contract of ``reference.quant_block_scores``: with ``window`` given, forced blocks still held score
-    ``+inf``): :func:`quant_block_lse_parts` then :func:`quant_lse_mass`, three launches (two with
-    ``layout="loop"``, whose scoring kernel gives the tail its partials). ``layout``, ``tpp``, ``num_warps``,
-    ``stages``, ``programs``, ``dot`` (the scoring kernel's, default :data:`LSE_DEFAULTS`) and ``block_c`` (the
-    tail's) are tuning knobs. Blocks of fewer than 16 tokens or fewer than 16 code bytes per key (``D * bits <
-    128``), below ``tl.dot``'s smallest tile, run the reference (tensor ops, no host sync)."""
+    ``+inf``), in three launches: :func:`quant_block_lse` then :func:`quant_lse_mass`. ``layout``, ``tpp``,
+    ``num_warps`` (the scoring kernel's, default :data:`LSE_DEFAULTS`), ``dot`` (its products' precision) and
+    ``block_c`` (the tail's) are tuning knobs. Blocks of fewer than 16 tokens or fewer than 16 code bytes per key
+    (``D * bits < 128``), below ``tl.dot``'s smallest tile, run the reference (tensor ops, no host sync)."""
     H, BS, W = codes.shape[1], codes.shape[2], codes.shape[3]
     if BS < 16 or W < 16:
         return reference.quant_block_scores(
             q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window
         )
-    lse, parts = quant_block_lse_parts(
-        q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout,
-        stages=stages, programs=programs, dot=dot,
-    )  # fmt: skip
-    return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window, block_c, parts)
+    lse = quant_block_lse(
+        q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout, dot=dot
+    )
+    return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window, block_c)
