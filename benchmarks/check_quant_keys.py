@@ -39,7 +39,7 @@ from common import bench, env_info, hbm_bandwidth, print_table, write_csv
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 
-# (layout, blocks per tile, warps, other knobs) per width and shape: 11 points, 44 in all, each timed twice (the
+# (layout, blocks per tile, warps, other knobs) per width and shape: 13 points, 52 in all, each timed twice (the
 # kernel, the whole scoring). Around tile 4 / 4 and wide 4 / 4 (the 2026-12-01 default), and bf16 products (``dot``:
 # a timing probe, not a quality setting). The FMA layout and the pipelined loop layout, both timed slower, are gone.
 GRID = (
@@ -54,12 +54,15 @@ GRID = (
     ("wide", 4, 4, {}),
     ("wide", 4, 8, {}),
     ("wide", 8, 8, {}),
+    ("wide", 4, 4, {"dot": "bf16"}),
+    ("wide", 8, 8, {"dot": "bf16"}),
 )
 SMOKE_GRID = (
     ("slices", 2, 1, {}),
     ("tile", 4, 4, {}),
     ("tile", 4, 4, {"dot": "bf16"}),
     ("wide", 2, 4, {}),
+    ("wide", 2, 4, {"dot": "bf16"}),
 )
 SHAPES = ((1, 8200), (8, 2048))  # (sequences, blocks each): 1 x 128K and 8 x 32K at block size 16
 SMOKE_SHAPES = ((1, 12), (2, 5))

@@ -207,6 +207,7 @@ def cases():
                 ("wide", 1, 4, {}),
                 ("wide", 4, 4, {}),
                 ("wide", 8, 8, {}),
+                ("wide", 4, 4, {"dot": "bf16"}),
             ):
                 lse = partial(quant_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout, **knobs)
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))

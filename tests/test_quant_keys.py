@@ -242,6 +242,7 @@ def test_triton_tail_matches_reference(G, window):
         ("wide", 1, 4, {}),
         ("wide", 4, 4, {}),
         ("tile", 4, 4, {"dot": "bf16"}),
+        ("wide", 2, 4, {"dot": "bf16"}),
     ],
 )
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
@@ -285,3 +286,5 @@ def test_bad_layouts_are_refused():
         quant_block_lse(*args, layout="slices", dot="bf16")
     with pytest.raises(ValueError, match="dot"):
         quant_block_lse(*args, layout="tile", dot="fp8")
+    with pytest.raises(ValueError, match="dot"):
+        quant_block_lse(*args, layout="wide", dot="fp16")

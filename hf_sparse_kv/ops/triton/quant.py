@@ -22,8 +22,8 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
   wide at every point and removed too (benchmarks/RESULTS.md). It reads the codes (``bits / 16`` of 16-bit keys) and
   the blocks' min / max. The tail turns the ``[B, Hq, MB]`` log-sum-exps into each head's softmax shares summed over
   the group (the reference's mass), with the forced blocks at ``+inf``, in two launches over chunks of blocks
-  (:func:`quant_lse_stats_kernel`, :func:`quant_mass_kernel`). ``dot="bf16"`` (tile) rounds the ``tl.dot`` operands
-  to bf16 instead of TF32: a timing probe only.
+  (:func:`quant_lse_stats_kernel`, :func:`quant_mass_kernel`). ``dot="bf16"`` (tile, wide) rounds the ``tl.dot``
+  operands to bf16 instead of TF32: a timing probe only (wide's untimed).
 """
 
 from __future__ import annotations
@@ -319,12 +319,13 @@ def quant_block_lse_wide_kernel(
     BS: tl.constexpr,
     BM: tl.constexpr,
     BITS: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """``layout="wide"``: ``BM`` blocks a program, every channel at once. The packed codes ``[BM, BS, W]`` are
     unpacked to ``[BM, BS, PER, W]`` (byte ``w`` holds channels ``w, w + W, ...``: the reshape to ``[BM, BS, D]`` is
     the channels' own order), dequantized on each block's ``[D]`` min / max (one load each) and multiplied by the
     group's queries in a single ``[GP, D] x [D, BM * BS]`` ``tl.dot`` (``tile`` takes ``PER`` products of depth
-    ``W``)."""
+    ``W``); TF32, or with ``BF16`` both operands rounded to bf16 first (float32 accumulate; untimed)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     L: tl.constexpr = (1 << BITS) - 1
@@ -343,7 +344,11 @@ def quant_block_lse_wide_kernel(
     m_g = o_g < G
     p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
     b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, D]
-    s = tl.dot(b_q, tl.trans(tl.reshape(b_k, (BM * BS, D))), input_precision="tf32")  # [GP, BM * BS]
+    b_k = tl.trans(tl.reshape(b_k, (BM * BS, D)))  # [D, BM * BS]
+    if BF16:
+        s = tl.dot(b_q.to(tl.bfloat16), b_k.to(tl.bfloat16), out_dtype=tl.float32)  # [GP, BM * BS]
+    else:
+        s = tl.dot(b_q, b_k, input_precision="tf32")
     _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, i_b * HQ + i_h * G, MB, GP, BM, BS)
 
 
@@ -430,7 +435,7 @@ def quant_mass_kernel(
 
 
 LAYOUTS = ("slices", "tile", "wide")
-DOTS = ("tf32", "bf16")  # the tile layout's tl.dot precision (``dot=``); the others take TF32 only
+DOTS = ("tf32", "bf16")  # the tile and wide layouts' tl.dot precision (``dot=``); slices takes TF32 only
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
@@ -474,7 +479,7 @@ def quant_block_lse(
     - ``"wide"`` (:func:`quant_block_lse_wide_kernel`, the default with 4 blocks and 4 warps): the same tile
       unpacked to all ``D`` channels, one ``tl.dot`` of depth ``D`` (TF32).
 
-    ``dot`` (``"tile"`` only): ``"tf32"`` (the default, what every quality figure used) or ``"bf16"`` (the
+    ``dot`` (``"tile"`` and ``"wide"``): ``"tf32"`` (the default, what every quality figure used) or ``"bf16"`` (the
     dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32 accumulate): a timing probe of
     whether the products bound the kernel; it changes the ranking's precision (~4e-3 relative on the logits, against
     ~1e-3 for TF32) and was not used for any quality figure.
@@ -499,8 +504,8 @@ def quant_block_lse(
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     if layout != "slices" and triton.next_power_of_2(tpp) != tpp:
         raise ValueError(f"layout={layout!r} takes a power-of-two tpp (blocks a tile), not {tpp}")
-    if dot not in DOTS or (dot != "tf32" and layout != "tile"):
-        raise ValueError(f"dot must be one of {DOTS} ('bf16' for the tile layout), not {dot!r} ({layout})")
+    if dot not in DOTS or (dot != "tf32" and layout == "slices"):
+        raise ValueError(f"dot must be one of {DOTS} ('bf16' for the tile and wide layouts), not {dot!r} ({layout})")
     MB = block_table.shape[1]
     out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
     if B == 0 or MB == 0:
@@ -516,7 +521,7 @@ def quant_block_lse(
     if layout == "tile":
         quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
     elif layout == "wide":
-        quant_block_lse_wide_kernel[grid](*args, **shape, GP=GP, BM=tpp, num_warps=num_warps)
+        quant_block_lse_wide_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
     else:
         quant_block_lse_kernel[grid](*args, **shape, GP=GP, TPP=tpp, num_warps=num_warps)
     return out
