@@ -234,14 +234,24 @@ def _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, row0, MB, GP: tl.constexpr
 
 
 @triton.jit
+def _dot(a, b, BF16: tl.constexpr):
+    """``a [M, K] x b [K, N]`` float32, the precision the ``dot`` knob names: TF32 on a GPU, or with ``BF16`` both
+    operands rounded to bf16 first (float32 accumulate: a timing probe, ~4e-3 relative on the logits)."""
+    if BF16:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, b, input_precision="tf32")
+    return out
+
+
+@triton.jit
 def _tile_logits(
     q, kmin, kmax, p_m, m_live, b_c, row0, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     """``[GP, BM * BS]`` float32 unscaled logits of the group's query heads (rows ``row0 + g`` of ``q [B, HQ, D]``,
     ``G`` real ones, zeros up to ``GP``) with a tile's keys: per slice ``j`` the keys dequantized in registers
-    (:func:`_dequant_slice`) and one ``[GP, W] x [W, BM * BS]`` ``tl.dot``, TF32 on a GPU; with ``BF16`` both
-    operands rounded to bf16 first (float32 accumulate: a timing probe, ~4e-3 relative on the logits)."""
+    (:func:`_dequant_slice`) and one ``[GP, W] x [W, BM * BS]`` product (:func:`_dot`)."""
     PER: tl.constexpr = 8 // BITS
     o_w = tl.arange(0, W)
     o_g = tl.arange(0, GP)
@@ -251,10 +261,7 @@ def _tile_logits(
         b_k = _dequant_slice(kmin, kmax, p_m, m_live, b_c, j, W, BS, BM, BITS)  # [BM * BS, W]
         # [GP, W]
         b_q = tl.load(p_q[:, None] + j * W + o_w[None, :], mask=(o_g < G)[:, None], other=0.0).to(tl.float32)
-        if BF16:
-            s += tl.dot(b_q.to(tl.bfloat16), tl.trans(b_k.to(tl.bfloat16)), out_dtype=tl.float32)
-        else:
-            s += tl.dot(b_q, tl.trans(b_k), input_precision="tf32")
+        s += _dot(b_q, tl.trans(b_k), BF16)
     return s
 
 
@@ -325,7 +332,7 @@ def quant_block_lse_wide_kernel(
     unpacked to ``[BM, BS, PER, W]`` (byte ``w`` holds channels ``w, w + W, ...``: the reshape to ``[BM, BS, D]`` is
     the channels' own order), dequantized on each block's ``[D]`` min / max (one load each) and multiplied by the
     group's queries in a single ``[GP, D] x [D, BM * BS]`` ``tl.dot`` (``tile`` takes ``PER`` products of depth
-    ``W``); TF32, or with ``BF16`` both operands rounded to bf16 first (float32 accumulate; untimed)."""
+    ``W``), in the precision of :func:`_dot` (bf16 untimed here)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     L: tl.constexpr = (1 << BITS) - 1
@@ -344,11 +351,7 @@ def quant_block_lse_wide_kernel(
     m_g = o_g < G
     p_q = q + (i_b * HQ + i_h * G + o_g) * D  # [GP]
     b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)  # [GP, D]
-    b_k = tl.trans(tl.reshape(b_k, (BM * BS, D)))  # [D, BM * BS]
-    if BF16:
-        s = tl.dot(b_q.to(tl.bfloat16), b_k.to(tl.bfloat16), out_dtype=tl.float32)  # [GP, BM * BS]
-    else:
-        s = tl.dot(b_q, b_k, input_precision="tf32")
+    s = _dot(b_q, tl.trans(tl.reshape(b_k, (BM * BS, D))), BF16)  # [GP, BM * BS]
     _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, i_b * HQ + i_h * G, MB, GP, BM, BS)
 
 
