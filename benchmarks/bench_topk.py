@@ -11,12 +11,10 @@ Rows are (rows R = batch × KV heads, entries N per row, k): the shapes a Llama-
 batch 8 and 4 of the same (64, 32 rows), 1 × 32K (8 × 2048 blocks), token-mode selection over 128K positions at
 1/16 (8 × 131073, k 8192) and batch 8 × 32K tokens (64 × 32769, k 2048). Providers: ``row`` (one program per row;
 ``n/a`` past 24576 entries), ``row_all_steps`` (the same without the early stop of its radix select: all 16 steps,
-the kernel before it), ``sample`` (one program per row, its select on a sampled bracket of keys), ``chunks`` (the multi-program select at its default chunking), ``b256`` ... ``b2048``
+the kernel before it), ``chunks`` (the multi-program select at its default chunking), ``b256`` ... ``b2048``
 (the same with that many lanes per chunk), ``auto`` (what the launcher picks from the shape, as shipped), ``torch``
-(``torch.topk`` + sort: ``reference.topk_indices``), ``old`` (what the launcher ran before ``sample`` and ``chunks``:
-``row`` up to 24576 entries, ``torch`` past). ``--knobs`` adds the one-program kernel's knobs (one tile, 4 / 8 / 16
-warps) and ``sample``'s (``s256`` / ``s1024``: that many sample lanes; ``s512c1024``: 1024 bracket lanes; ``m2`` /
-``m4``: the bracket's margin in standard deviations; ``s_w8``: 8 warps).
+(``torch.topk`` + sort: ``reference.topk_indices``), ``old`` (what the launcher ran before ``chunks``: ``row`` up to
+24576 entries, ``torch`` past). ``--knobs`` adds the one-program kernel's knobs (one tile, 4 / 8 / 16 warps).
 
 Checked first, on every shape, for every provider: the same indices as the reference on random scores (with forced
 ``+inf`` and past-the-end ``-inf`` entries); on integer scores (ties everywhere) the same as the reference on those
@@ -63,14 +61,6 @@ def providers(N: int, knobs: bool, sweep: bool) -> dict:
     if N <= TOPK_MAX_N:
         ops["row"] = partial(topk_indices, method="row")
         ops["row_all_steps"] = partial(topk_indices, method="row", early=False)  # before the early stop
-        ops["sample"] = partial(topk_indices, method="sample")
-        if knobs:
-            ops["s256"] = partial(topk_indices, method="sample", sample=256)
-            ops["s1024"] = partial(topk_indices, method="sample", sample=1024)
-            ops["s512c1024"] = partial(topk_indices, method="sample", cap=1024)
-            ops["m2"] = partial(topk_indices, method="sample", margin=2.0)
-            ops["m4"] = partial(topk_indices, method="sample", margin=4.0)
-            ops["s_w8"] = partial(topk_indices, method="sample", num_warps=8)
     ops["chunks"] = partial(topk_indices, method="chunks")
     for lanes in LANES if sweep else ():
         ops[f"b{lanes}"] = partial(topk_indices, method="chunks", chunks=cdiv(N, lanes))
@@ -122,16 +112,16 @@ def main() -> None:
         row = {"R": R, "N": N, "k": k, "auto is": topk_method(N), "chunks of": f"{C}x{block}"}
         for name, op in ops.items():
             row[name] = bench([partial(op, s, k) for s in scores], rep=args.rep, flush=False)[0]
-        row["old"] = row.get("row", row["torch"])  # before "sample": "row" up to 24576 entries
+        row["old"] = row.get("row", row["torch"])
         row["old/auto"] = row["old"] / row["auto"]
         row["torch/auto"] = row["torch"] / row["auto"]
         rows.append(row)
         print(row, flush=True)
     if args.out:
         write_csv(args.out, rows)
-    columns = ["R", "N", "k", "auto is", "chunks of", "row", "sample", "chunks"]
+    columns = ["R", "N", "k", "auto is", "chunks of", "row", "chunks"]
     columns += [] if args.no_sweep else [f"b{lanes}" for lanes in LANES]
-    columns += ["one_tile", "w4", "w8", "w16", "s256", "s1024", "s512c1024", "m2", "m4", "s_w8"] if args.knobs else []
+    columns += ["one_tile", "w4", "w8", "w16"] if args.knobs else []
     columns += ["auto", "torch", "old", "old/auto", "torch/auto"]
     print_table(rows, columns, title=f"top-k, µs per call (median, CUDA graph of {LAYERS} calls), checked first")
 

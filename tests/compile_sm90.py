@@ -217,10 +217,6 @@ def cases():
         scores = torch.randn(2, n, generator=g)
         out.append((f"topk_indices N={n}", partial(topk_indices, scores, n // 16, method="row")))
     out.append(("topk_indices N=20000 all steps", partial(topk_indices, scores, 512, method="row", early=False)))
-    for n in (4096, 8200, 20000):  # "sample": one tile; two tiles (8192 + 16); 16384 + 4096 lanes
-        scores = torch.randn(2, n, generator=g)
-        out.append((f"topk_indices sample N={n}", partial(topk_indices, scores, n // 16, method="sample")))
-    out.append(("topk_indices sample 1024/4096", partial(topk_indices, scores, 600, method="sample", sample=1024)))
     counts = torch.tensor([3, 0])
     out.append(("topk_indices row counts", partial(topk_indices, torch.randn(2, 2, 500, generator=g), 40, counts)))
     for n, k, chunks in ((8193, 512, None), (131073, 8192, None), (3000, 100, 4)):  # 256, 4096, 1024 lanes a chunk

@@ -19,8 +19,7 @@ from hf_sparse_kv.ops.triton.topk import TOPK_MAX_N, chunk_tiles, row_tiles, top
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INF = float("inf")
-# (the interpreter runs a program in ~0.2 s for "row" and "sample", ~0.07 s for "chunks")
-METHODS = [("row", None), ("sample", None), ("chunks", 4)]
+METHODS = [("row", None), ("chunks", 4)]  # (the interpreter runs a program in ~0.2 s for "row", ~0.07 s for "chunks")
 
 
 def by_index(s: torch.Tensor) -> torch.Tensor:
@@ -112,7 +111,7 @@ def test_all_equal_rows_and_empty_shapes():
 
 @pytest.mark.parametrize("N,k", [(8193, 512), (TOPK_MAX_N + 1, 600)])
 def test_long_rows(N, k):
-    """A 128K prompt's blocks (8193: every method, the default chunking of 33 chunks a row) and a row longer than
+    """A 128K prompt's blocks (8193: both methods, the default chunking of 33 chunks a row) and a row longer than
     ``"row"`` holds (``"auto"`` takes ``"chunks"``, here in 4 chunks of 8192; before, such rows went to
     ``torch.topk``)."""
     s = scores((1, 2, N), N, pos_inf=0.001)
@@ -120,16 +119,14 @@ def test_long_rows(N, k):
     assert torch.equal(topk_indices(s, k, chunks=None if N <= TOPK_MAX_N else 3), ref)
     if N <= TOPK_MAX_N:
         assert torch.equal(topk_indices(s, k, method="row"), ref)
-        assert torch.equal(topk_indices(s, k, method="sample"), ref)
     else:
         with pytest.raises(ValueError, match="at most"):
             topk_indices(s, k, method="row")
 
 
 def test_the_choice_depends_on_the_shape_only():
-    assert topk_method(8193) == "sample" and topk_method(131073) == "chunks"
-    assert topk_method(2048) == "row" and topk_method(4096) == "sample"
-    assert topk_method(24576) == "sample" and topk_method(24577) == "chunks"
+    assert topk_method(8193) == "row" and topk_method(131073) == "chunks"
+    assert topk_method(2048) == "row" and topk_method(24576) == "row" and topk_method(24577) == "chunks"
     assert chunk_tiles(8, 8193) == (256, 33)  # 264 programs on 132 SMs
     assert chunk_tiles(64, 8193) == (2048, 5) and chunk_tiles(8, 131073) == (2048, 65)
     assert chunk_tiles(1, 100, chunks=8) == (16, 7) and chunk_tiles(1, 5, chunks=8) == (16, 1)
@@ -150,7 +147,7 @@ def test_cuda_full_size(rows, N, k):
     """The benchmark's shapes, compiled: both methods (and the lanes-per-chunk extremes) on random and tied rows,
     with per-sequence counts (0, below k, k, above k)."""
     methods = [("chunks", None), ("chunks", -(-N // 256)), ("chunks", -(-N // 2048))]
-    methods += [("row", None), ("sample", None)] if N <= TOPK_MAX_N else []
+    methods += [("row", None)] if N <= TOPK_MAX_N else []
     s = scores((rows // 2, 2, N), rows + N, pos_inf=0.0005, neg_inf=0.05)
     ties = scores((rows // 2, 2, N), rows + N, ties=True, pos_inf=0.0005, neg_inf=0.05)
     counts = torch.tensor([(0, k // 3, k, k + 5)[b % 4] for b in range(rows // 2)], device=DEVICE)
@@ -160,78 +157,3 @@ def test_cuda_full_size(rows, N, k):
         assert torch.equal(topk_indices(s, k, method=method, chunks=chunks), want), (method, chunks)
         assert torch.equal(topk_indices(ties, k, method=method, chunks=chunks), want_ties), (method, chunks)
         assert torch.equal(topk_indices(ties, k, counts, method=method, chunks=chunks), want_counts), (method, chunks)
-
-
-SAMPLE_ROWS = [  # (rows, N, k, kind): the bracket holds on random and trending rows; ties and constant rows fail it
-    (2, 1000, 60, "randn"),
-    (3, 3000, 190, "trend"),
-    (2, 1200, 1, "randn"),
-    (2, 1200, 1100, "randn"),
-    (2, 700, 700, "randn"),
-    (2, 1500, 90, "ties"),
-    (2, 1500, 90, "const"),
-    (1, 2049, 128, "sorted"),
-]
-
-
-def sample_scores(rows, N, kind, seed):
-    """Scores of one ``kind``, sink lanes ``+inf``, the last three ``-inf``, part of row 0 ``-inf``."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "ties":
-        s = torch.randint(-3, 4, (rows, N), generator=g).float()
-    elif kind == "const":
-        s = torch.ones(rows, N)
-    else:
-        s = torch.randn(rows, N, generator=g)
-    if kind == "trend":
-        s += torch.linspace(0, 4, N)
-    if kind == "sorted":
-        s = s.sort(-1).values
-    s[:, :4], s[:, -3:] = INF, -INF
-    s[0, 10:200] = -INF
-    return s.to(DEVICE)
-
-
-@pytest.mark.parametrize("rows,N,k,kind", SAMPLE_ROWS)
-def test_sample_equals_the_reference(rows, N, k, kind):
-    """``"sample"`` (its select on a sampled bracket of keys, the row's select where the bracket fails): the
-    reference's indices, ties to the lowest indices; the same with the bracket forced to fail (``margin=0`` with a
-    one-lane sample, ``cap=16``) and without the early stop."""
-    s = sample_scores(rows, N, kind, N + k)
-    ref = R.topk_indices(by_index(s), k)
-    assert torch.equal(topk_indices(s, k, method="sample"), ref)
-    assert torch.equal(topk_indices(s, k, method="sample", sample=16, cap=16, margin=0.0), ref)
-    assert torch.equal(topk_indices(s, k, method="sample", early=False), ref)
-
-
-@pytest.mark.parametrize("kind,holds", [("randn", True), ("trend", True), ("const", False)])
-def test_sample_runs_its_bracket(kind, holds):
-    """The fast path runs: on random rows the workspace holds the bracketed keys (between the selected and the
-    rest: every key in it is one of the row's, and the k-th largest key is among them); on a constant row the
-    bracket cannot hold (every key ties) and the workspace is left as it was."""
-    rows, N, k = 2, 2000, 120
-    s = sample_scores(rows, N, kind, 5)
-    work = torch.full((rows, 512), -7, dtype=torch.int32, device=DEVICE)
-    out = topk_indices(s, k, method="sample", sample=128, cap=512, work=work)
-    assert torch.equal(out, R.topk_indices(by_index(s), k))
-    if not holds:
-        assert (work == -7).all()
-        return
-    for r in range(rows):
-        kept = work[r][work[r] != -7]
-        assert 0 < kept.numel() < N // 4
-        bits = s[r].contiguous().view(torch.int32)
-        keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) ^ -(2**31)  # the kernel's keys, as int32 bits
-        assert torch.isin(kept, keys).all()
-        kth = keys[out[r][out[r] >= 0]].min()
-        assert (kept == kth).any()
-
-
-def test_sample_bad_knobs():
-    s = torch.randn(2, 300, device=DEVICE)
-    with pytest.raises(ValueError, match="powers of two"):
-        topk_indices(s, 10, method="sample", sample=100)
-    with pytest.raises(ValueError, match="work must be"):
-        topk_indices(s, 10, method="sample", sample=16, cap=32, work=torch.zeros(2, 16, dtype=torch.int32))
-    with pytest.raises(ValueError, match="at most"):
-        topk_indices(torch.randn(1, TOPK_MAX_N + 1, device=DEVICE), 10, method="sample")

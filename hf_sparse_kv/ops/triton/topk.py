@@ -1,6 +1,6 @@
 """Top-k indices of each row of scores (the selection's last step): the Triton twin of ``reference.topk_indices``.
 
-Three methods, one contract (ascending indices, ties at the threshold to the lowest indices, ``-1`` for ``-inf``),
+Two methods, one contract (ascending indices, ties at the threshold to the lowest indices, ``-1`` for ``-inf``),
 chosen from the shape alone (:func:`topk_method`; a CUDA graph replays the choice):
 
 ``"row"``: one program per row holds the whole row in registers: a radix select finds the ``k``-th largest score,
@@ -10,14 +10,6 @@ per-element work grew more than the reductions saved; benchmarks/RESULTS.md.) Th
 lanes, or two (``BN`` + ``BN2``) when that wastes fewer lanes than rounding the row up to a power of two: a row of
 8193 blocks (a 128K prompt in 16-token blocks, plus the decoded tokens) is 8192 + 16 lanes instead of 16384.
 Fast for many rows; few long rows leave most SMs idle behind 16 sequential reductions.
-
-``"sample"``: ``"row"`` with its select on a few hundred keys instead of the row's thousands. ``S`` lanes spread
-evenly over the row are selected twice (ranks ``r -/+ SAMPLE_MARGIN`` standard deviations of a binomial rank,
-``r = k S / N``): two keys ``lo <= hi`` that bracket the ``k``-th key with high probability. One block-wide count
-over the row checks the bracket (fewer than ``k`` keys ``>= hi``, at least ``k`` keys ``>= lo``, at most ``CAP``
-between), the keys in ``[lo, hi)`` are compacted into a ``[R, CAP]`` workspace, and the radix select runs there. A
-bracket that fails the check (any data can make one fail: a row whose large keys all sit between the sampled lanes)
-runs the select on the whole row: the same threshold, hence the same indices, only slower. The write is ``"row"``'s.
 
 ``"chunks"``: a row is cut into ``C`` chunks of ``BLOCK`` lanes, one program per (row, chunk), and the ``k``-th key
 is found 11 + 11 + 10 bits at a time in four launches with no grid-wide sync (the grid depends on the shape only):
@@ -40,9 +32,6 @@ from ..layout import cdiv
 
 TOPK_MAX_N = 24576  # the longest row "row" holds in registers (16384 + 8192 lanes); longer rows go to "chunks"
 DEFAULT_SMS = 132  # an H100 / H200, for the heuristic off CUDA
-SAMPLE_MIN_N = 4096  # rows from this length take "sample" (its sample and bracket pay for a shorter select)
-SAMPLE_LANES = 512  # "sample": lanes of the sample that brackets the k-th key
-SAMPLE_MARGIN = 3.0  # "sample": the bracket's half width, in standard deviations of the k-th key's rank in the sample
 
 # "chunks": the key's digits (11 + 11 + 10 bits), the histograms' bins, and a row's histograms in the workspace
 _B1: tl.constexpr = tl.constexpr(2048)
@@ -102,47 +91,10 @@ def _store_selected(out_row, o_n, b_s, b_key, t, N, KK, n_gt, eq_before, sel_bef
 
 
 @triton.jit
-def _select_threshold(b_key, b_key2, kk, lanes, run, TWO: tl.constexpr, EARLY: tl.constexpr):
-    """Radix select over the keys of one or two tiles (``b_key2`` only if ``TWO``; ``lanes`` lanes in all): the
-    largest ``t`` with ``count(key >= t) >= kk`` (the kk-th largest key), two bits at a time from the top; with
-    ``EARLY`` it stops as soon as exactly ``kk`` keys are ``>= t`` (the same set of keys ``>= t``). ``kk = 0`` ends
-    at ``t = 2^32 - 1``. Nothing runs (``t = 0``) unless ``run``. A uint32 scalar.
-
-    A step counts the keys ``>= t + j 2^shift`` for j = 1, 2, 3 in one block-wide reduction; the two bits taken are
-    the number of j whose count reaches kk (the counts fall with j). EARLY: the remaining steps would raise t to the
-    kk-th key with no tie at it left out, so the set is the same; continuous scores separate the kk-th key from the
-    next within ~20 of the 32 bits."""
-    t = tl.zeros([], dtype=tl.uint32)
-    n_t = lanes + tl.zeros([], dtype=tl.int32)  # count(key >= 0): every lane
-    shift = tl.where(run, 30, -2) + tl.zeros([], dtype=tl.int32)
-    n_stop = kk if EARLY else kk - kk - 1  # -1: never
-    while (shift >= 0) & (n_t != n_stop):
-        one = tl.full([], 1, tl.uint32) << shift.to(tl.uint32)
-        n_ge = _counts_ge3(b_key, t, one)
-        if TWO:
-            n_ge += _counts_ge3(b_key2, t, one)
-        c1, c2, c3 = (n_ge & 0x1FFFFF).to(tl.int32), ((n_ge >> 21) & 0x1FFFFF).to(tl.int32), (n_ge >> 42).to(tl.int32)
-        inc = (c1 >= kk).to(tl.uint32) + (c2 >= kk).to(tl.uint32) + (c3 >= kk).to(tl.uint32)
-        n_t = tl.where(inc == 3, c3, tl.where(inc == 2, c2, tl.where(inc == 1, c1, n_t)))
-        t += inc << shift.to(tl.uint32)
-        shift -= 2
-    return t
-
-
-@triton.jit
-def _compact(p_out, b_key, m_c, before):
-    """Store the keys of ``b_key`` where ``m_c`` to ``p_out`` from slot ``before`` on, in lane order; their count."""
-    o_slot = before + tl.cumsum(m_c.to(tl.int32), 0) - 1
-    tl.store(p_out + o_slot, b_key.to(tl.int32, bitcast=True), mask=m_c)
-    return tl.sum(m_c.to(tl.int32), 0)
-
-
-@triton.jit
 def topk_indices_kernel(
     scores,  # [R, N] float32
     counts,  # [B] int64, rows_per_seq rows per sequence (read only if HAS_COUNTS)
     out,  # [R, K] int32
-    work,  # [R, CAP] int32: the bracketed keys (only if S > 0)
     N,
     K,
     KK,  # min(K, N)
@@ -152,53 +104,35 @@ def topk_indices_kernel(
     BN2: tl.constexpr,  # lanes of the second tile (0: none)
     BK: tl.constexpr,
     EARLY: tl.constexpr,  # stop the radix select once exactly kk keys are above its threshold (same result)
-    S: tl.constexpr,  # "sample": lanes of the sample that brackets the k-th key (0: "row", the select on the row)
-    CAP: tl.constexpr,  # "sample": lanes of the bracketed keys' select
-    MARGIN: tl.constexpr,  # "sample": the bracket's half width in standard deviations of the sample's rank
 ):
     i_r = tl.program_id(0).to(tl.int64)
     kk = _row_k(KK, counts, i_r, rows_per_seq, HAS_COUNTS)
     row = scores + i_r * N
     o_n = tl.arange(0, BN)
     b_s, b_key = _row_keys(row, o_n, N)
-    b_s2, b_key2 = b_s, b_key
     if BN2 > 0:
         o_n2 = BN + tl.arange(0, BN2)
         b_s2, b_key2 = _row_keys(row, o_n2, N)
-    if S > 0:
-        # "sample": the keys of S lanes spread evenly over the row give a bracket [lo, hi) that holds the kk-th key
-        # with high probability: the sample's keys at ranks r -/+ MARGIN sd (r = kk S / N, the sd of a binomial
-        # rank). One count over the row checks it (fewer than kk keys >= hi, at least kk >= lo, at most CAP between);
-        # then the keys in the bracket are compacted into `work` and the select runs on CAP lanes instead of the
-        # row's. A bracket that fails (rare on any data, always possible) runs the select on the row: the same t.
-        o_s = tl.arange(0, S)
-        _, b_ks = _row_keys(row, (o_s * N) // S, N)
-        f = kk.to(tl.float32) / N
-        r = f * S
-        m = MARGIN * tl.sqrt(r * (1.0 - f)) + 2.0
-        rank_hi = tl.floor(r - m).to(tl.int32)
-        rank_lo = tl.minimum(tl.ceil(r + m), S).to(tl.int32)
-        hi = _select_threshold(b_ks, b_ks, rank_hi, S, rank_hi >= 1, False, True)
-        hi = tl.where(rank_hi >= 1, hi, tl.full([], 4294967295, tl.uint32))
-        lo = _select_threshold(b_ks, b_ks, rank_lo, S, rank_lo < S, False, True)  # rank_lo = S: lo = 0, all keys
-        n_ge = tl.sum((b_key >= hi).to(tl.int64) + ((b_key >= lo).to(tl.int64) << 21), 0)
+    # radix select: the largest t with count(key >= t) >= kk (the kk-th largest key), two bits at a time from the
+    # top. A step counts the keys >= t + j 2^shift for j = 1, 2, 3 in one block-wide reduction; the two bits taken
+    # are the number of j whose count reaches kk (the counts fall with j). kk = 0 ends at t = 2^32 - 1: nothing.
+    # EARLY: stop as soon as exactly kk keys are >= t (n_t): those are the kk largest, a set the remaining steps
+    # would not change (they would raise t to the kk-th key, with no tie at it left out), so the selection is the
+    # same; continuous scores separate the kk-th key from the next within ~20 of the 32 bits.
+    t = tl.zeros([], dtype=tl.uint32)
+    n_t = (BN + BN2) + tl.zeros([], dtype=tl.int32)  # count(key >= 0): every lane
+    shift = 30 + tl.zeros([], dtype=tl.int32)
+    n_stop = kk if EARLY else kk - kk - 1  # -1: never
+    while (shift >= 0) & (n_t != n_stop):
+        one = tl.full([], 1, tl.uint32) << shift.to(tl.uint32)
+        n_ge = _counts_ge3(b_key, t, one)
         if BN2 > 0:
-            n_ge += tl.sum((b_key2 >= hi).to(tl.int64) + ((b_key2 >= lo).to(tl.int64) << 21), 0)
-        c_hi, c_lo = (n_ge & 0x1FFFFF).to(tl.int32), (n_ge >> 21).to(tl.int32)
-        ok = (c_hi < kk) & (c_lo >= kk) & (c_lo - c_hi <= CAP)
-        p_work = work + i_r * CAP
-        n_c = _compact(p_work, b_key, ok & (b_key >= lo) & (b_key < hi), 0)
-        if BN2 > 0:
-            _compact(p_work, b_key2, ok & (b_key2 >= lo) & (b_key2 < hi), n_c)
-        tl.debug_barrier()
-        o_c = tl.arange(0, CAP)
-        b_kc = tl.load(p_work + o_c, mask=ok & (o_c < c_lo - c_hi), other=0).to(tl.uint32, bitcast=True)
-        # the bracketed keys' select; its padding lanes (key 0) count only at t = 0, where every bracketed key is
-        # taken: lo is then the same threshold
-        t_c = tl.maximum(_select_threshold(b_kc, b_kc, kk - c_hi, CAP, ok, False, EARLY), lo)
-        t = tl.where(ok, t_c, _select_threshold(b_key, b_key2, kk, BN + BN2, ~ok, BN2 > 0, EARLY))
-    else:
-        t = _select_threshold(b_key, b_key2, kk, BN + BN2, kk >= 0, BN2 > 0, EARLY)  # kk >= 0: always
+            n_ge += _counts_ge3(b_key2, t, one)
+        c1, c2, c3 = (n_ge & 0x1FFFFF).to(tl.int32), ((n_ge >> 21) & 0x1FFFFF).to(tl.int32), (n_ge >> 42).to(tl.int32)
+        inc = (c1 >= kk).to(tl.uint32) + (c2 >= kk).to(tl.uint32) + (c3 >= kk).to(tl.uint32)
+        n_t = tl.where(inc == 3, c3, tl.where(inc == 2, c2, tl.where(inc == 1, c1, n_t)))
+        t += inc << shift.to(tl.uint32)
+        shift -= 2
     # everything above t, then the first (by index) of the ties at t, never a -inf score; the second tile continues
     # both ranks (ties, selected) where the first ends
     n_gt = tl.sum((b_key > t).to(tl.int32), 0)
@@ -361,26 +295,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def topk_method(N: int) -> str:
-    """``"chunks"`` for rows too long to hold in registers (``N > TOPK_MAX_N``), ``"sample"`` from
-    ``SAMPLE_MIN_N`` entries, ``"row"`` below. Shapes only: a captured step replays the same choice. (Measured on an
-    H200, benchmarks/RESULTS.md: at 8 rows x 8193 blocks "chunks" took 22.4-23.0 us in isolation against 24.6 for
-    "row", and a Quest selection in the per-layer graph with the L2 flushed took 49.7 us against 38.4 with "row"; at
-    32 and 64 rows "row" is 1.4-1.8x faster. Past 24576 lanes "chunks" is 1.2-3.9x faster than ``torch.topk``, which
-    those rows used before.)"""
-    if N > TOPK_MAX_N:
-        return "chunks"
-    return "sample" if N >= SAMPLE_MIN_N else "row"
-
-
-def sample_tiles(N: int, sample: int | None = None, cap: int | None = None) -> tuple[int, int]:
-    """Lanes of ``"sample"``'s sample and of its bracketed keys' select ``(S, CAP)`` for rows of ``N``: by default
-    ``S = SAMPLE_LANES`` (fewer for short rows: at most ``N / 4``, at least 16) and ``CAP = 4 S`` (the bracket
-    holds about ``6 sqrt(k N / S)`` keys: ~600 for 512 of 8193, ~1100 for half of them)."""
-    S = sample or min(SAMPLE_LANES, max(16, triton.next_power_of_2(N) // 8))
-    CAP = cap or 4 * S
-    if S & (S - 1) or CAP & (CAP - 1) or S < 16 or CAP < 16:
-        raise ValueError(f"sample and cap must be powers of two >= 16, not {S} and {CAP}")
-    return S, CAP
+    """``"chunks"`` for rows too long to hold in registers (``N > TOPK_MAX_N``), ``"row"`` otherwise. Shapes only:
+    a captured step replays the same choice. (Measured on an H200, benchmarks/RESULTS.md: at 8 rows x 8193 blocks
+    "chunks" took 22.4-23.0 us in isolation against 24.6 for "row", and a Quest selection in the per-layer graph
+    with the L2 flushed took 49.7 us against 38.4 with "row"; at 32 and 64 rows "row" is 1.4-1.8x faster. Past
+    24576 lanes "chunks" is 1.2-3.9x faster than ``torch.topk``, which those rows used before.)"""
+    return "chunks" if N > TOPK_MAX_N else "row"
 
 
 def chunk_tiles(R: int, N: int, sms: int = DEFAULT_SMS, chunks: int | None = None) -> tuple[int, int]:
@@ -423,24 +343,16 @@ def topk_indices(
     method: str = "auto",
     chunks: int | None = None,
     early: bool = True,
-    sample: int | None = None,
-    cap: int | None = None,
-    margin: float = SAMPLE_MARGIN,
-    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-``k`` indices along the last dim, ascending, ``-1`` where the score is ``-inf``: ``[..., N] -> [..., k]``.
 
     Ties at the threshold go to the lowest indices (``torch.topk`` leaves that order unspecified). ``k`` may exceed
     ``N`` (the extra slots are ``-1``). ``counts [B]`` (``B`` the leading dim, e.g. ``[B, H, N]`` scores): the rows
     of sequence ``b`` keep ``min(k, counts[b])`` entries, read on the device (no host sync). ``method``: ``"auto"``
-    (:func:`topk_method` on the shape), ``"row"`` (one program per row, ``N <= TOPK_MAX_N``), ``"sample"`` (the
-    same, its select on a sampled bracket of keys) or ``"chunks"`` (about ``chunks`` programs per row,
-    :func:`chunk_tiles`). Tuning knobs (the benchmark's): ``num_warps``, ``split`` (``"row"``: False = one
-    power-of-two tile per row), ``chunks``, ``early`` (``"row"``, ``"sample"``: False = all 16 steps of the radix
-    select, the kernel before the early stop; the same result), ``sample``, ``cap``, ``margin`` (``"sample"``:
-    :func:`sample_tiles`, :data:`SAMPLE_MARGIN`), ``work`` (``"sample"``: its ``[R, cap]`` int32 scratch, allocated
-    when ``None``; after the call row ``r`` starts with the keys of its bracket where the bracket held, its other
-    entries untouched).
+    (:func:`topk_method` on the shape), ``"row"`` (one program per row, ``N <= TOPK_MAX_N``) or ``"chunks"`` (about
+    ``chunks`` programs per row, :func:`chunk_tiles`). Tuning knobs (the benchmark's): ``num_warps``, ``split``
+    (``"row"``: False = one power-of-two tile per row), ``chunks``, ``early`` (``"row"``: False = all 16 steps of
+    the radix select, the kernel before the early stop; the same result).
     """
     *lead, N = scores.shape
     if N == 0 or k == 0:
@@ -462,21 +374,14 @@ def topk_indices(
     if method == "chunks":
         _topk_chunks(x, out.view(R, k), k, counts, rows_per_seq, chunks, num_sms(scores.device), num_warps)
         return out
-    if method not in ("row", "sample"):
-        raise ValueError(f"method must be 'auto', 'row', 'sample' or 'chunks', not {method!r}")
+    if method != "row":
+        raise ValueError(f"method must be 'auto', 'row' or 'chunks', not {method!r}")
     if N > TOPK_MAX_N:
-        raise ValueError(f"method={method!r} holds rows of at most {TOPK_MAX_N} entries, not {N}: use 'chunks'")
+        raise ValueError(f"method='row' holds rows of at most {TOPK_MAX_N} entries, not {N}: use 'chunks'")
     BN, BN2 = row_tiles(N, split)
-    S = CAP = 0
-    if method == "sample":
-        S, CAP = sample_tiles(N, sample, cap)
-        if work is None:
-            work = torch.empty(R, CAP, dtype=torch.int32, device=x.device)
-        elif work.shape != (R, CAP) or work.dtype != torch.int32 or not work.is_contiguous():
-            raise ValueError(f"work must be a contiguous [{R}, {CAP}] int32 tensor, not {tuple(work.shape)}")
     topk_indices_kernel[(R,)](
-        x, counts if counts is not None else x, out, x if work is None else work, N, k, min(k, N), rows_per_seq,
-        HAS_COUNTS=counts is not None, BN=BN, BN2=BN2, BK=max(16, min(1024, triton.next_power_of_2(k))), EARLY=early,
-        S=S, CAP=CAP, MARGIN=margin, num_warps=num_warps or max(4, min(16, (BN + BN2) // 512)),
+        x, counts if counts is not None else x, out, N, k, min(k, N), rows_per_seq, HAS_COUNTS=counts is not None,
+        BN=BN, BN2=BN2, BK=max(16, min(1024, triton.next_power_of_2(k))), EARLY=early,
+        num_warps=num_warps or max(4, min(16, (BN + BN2) // 512)),
     )  # fmt: skip
     return out
