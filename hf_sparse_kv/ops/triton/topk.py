@@ -382,6 +382,6 @@ def topk_indices(
     topk_indices_kernel[(R,)](
         x, counts if counts is not None else x, out, N, k, min(k, N), rows_per_seq, HAS_COUNTS=counts is not None,
         BN=BN, BN2=BN2, BK=max(16, min(1024, triton.next_power_of_2(k))), EARLY=early,
-        num_warps=num_warps or max(4, min(16, (BN + BN2) // 512)),
+        num_warps=num_warps or max(4, min(8, (BN + BN2) // 512)),
     )  # fmt: skip
     return out
