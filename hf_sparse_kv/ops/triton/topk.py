@@ -379,6 +379,8 @@ def topk_indices(
     if N > TOPK_MAX_N:
         raise ValueError(f"method='row' holds rows of at most {TOPK_MAX_N} entries, not {N}: use 'chunks'")
     BN, BN2 = row_tiles(N, split)
+    # warps: 4 up to 2048 lanes, 8 from 4096 (H200: 8 beat 16 by 10-20 % from 8192 lanes since the early stop;
+    # benchmarks/RESULTS.md, "The top-k taken apart")
     topk_indices_kernel[(R,)](
         x, counts if counts is not None else x, out, N, k, min(k, N), rows_per_seq, HAS_COUNTS=counts is not None,
         BN=BN, BN2=BN2, BK=max(16, min(1024, triton.next_power_of_2(k))), EARLY=early,
