@@ -4,7 +4,7 @@ One command, a table printed last::
 
     python benchmarks/probe_topk.py [--shapes 8x8193x512,...] [--out probe_topk.csv]
 
-Each part is its own kernel built from the shipped kernel's helpers (``_row_keys``, ``_counts_ge3``,
+Each part is its own kernel built from the shipped kernel's helpers (``_row_keys``, ``_select_threshold``,
 ``_store_selected``), one program per row, timed like ``bench_topk.py`` (a CUDA graph of 4 calls, median µs per
 call, no flush) at 4, 8 and 16 warps:
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench, env_info, print_table, write_csv
 
 from hf_sparse_kv.ops import reference
-from hf_sparse_kv.ops.triton.topk import _counts_ge3, _row_keys, _store_selected, row_tiles, topk_indices
+from hf_sparse_kv.ops.triton.topk import _row_keys, _select_threshold, _store_selected, row_tiles, topk_indices
 
 LAYERS = 4
 WARPS = (4, 8, 16)
@@ -53,18 +53,7 @@ def probe_kernel(scores, thresholds, out, N, K, KK, BN: tl.constexpr, BK: tl.con
     if PART == 0:
         tl.store(out + i_r * K, tl.max(b_key, 0).to(tl.int32, bitcast=True))
     elif PART == 1:
-        t = tl.zeros([], dtype=tl.uint32)
-        n_t = BN + tl.zeros([], dtype=tl.int32)
-        shift = 30 + tl.zeros([], dtype=tl.int32)
-        while (shift >= 0) & (n_t != kk):
-            one = tl.full([], 1, tl.uint32) << shift.to(tl.uint32)
-            n_ge = _counts_ge3(b_key, t, one)
-            c1, c2 = (n_ge & 0x1FFFFF).to(tl.int32), ((n_ge >> 21) & 0x1FFFFF).to(tl.int32)
-            c3 = (n_ge >> 42).to(tl.int32)
-            inc = (c1 >= kk).to(tl.uint32) + (c2 >= kk).to(tl.uint32) + (c3 >= kk).to(tl.uint32)
-            n_t = tl.where(inc == 3, c3, tl.where(inc == 2, c2, tl.where(inc == 1, c1, n_t)))
-            t += inc << shift.to(tl.uint32)
-            shift -= 2
+        t = _select_threshold(b_key, b_key, kk, BN, False, True)
         tl.store(out + i_r * K, t.to(tl.int32, bitcast=True))
     else:
         t = tl.load(thresholds + i_r).to(tl.uint32, bitcast=True)

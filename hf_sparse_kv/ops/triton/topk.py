@@ -91,6 +91,34 @@ def _store_selected(out_row, o_n, b_s, b_key, t, N, KK, n_gt, eq_before, sel_bef
 
 
 @triton.jit
+def _select_threshold(b_key, b_key2, kk, lanes, TWO: tl.constexpr, EARLY: tl.constexpr):
+    """Radix select over the keys of one tile, or two (``b_key2`` only if ``TWO``; ``lanes`` lanes in all): the
+    largest ``t`` with ``count(key >= t) >= kk`` (the kk-th largest key), two bits at a time from the top. A uint32
+    scalar; ``kk = 0`` ends at ``t = 2^32 - 1`` (nothing).
+
+    A step counts the keys ``>= t + j 2^shift`` for j = 1, 2, 3 in one block-wide reduction; the two bits taken are
+    the number of j whose count reaches kk (the counts fall with j). ``EARLY``: stop as soon as exactly kk keys are
+    ``>= t`` (n_t): those are the kk largest, a set the remaining steps would not change (they would raise t to the
+    kk-th key, with no tie at it left out), so the selection is the same; continuous scores separate the kk-th key
+    from the next within ~20 of the 32 bits."""
+    t = tl.zeros([], dtype=tl.uint32)
+    n_t = lanes + tl.zeros([], dtype=tl.int32)  # count(key >= 0): every lane
+    shift = 30 + tl.zeros([], dtype=tl.int32)
+    n_stop = kk if EARLY else kk - kk - 1  # -1: never
+    while (shift >= 0) & (n_t != n_stop):
+        one = tl.full([], 1, tl.uint32) << shift.to(tl.uint32)
+        n_ge = _counts_ge3(b_key, t, one)
+        if TWO:
+            n_ge += _counts_ge3(b_key2, t, one)
+        c1, c2, c3 = (n_ge & 0x1FFFFF).to(tl.int32), ((n_ge >> 21) & 0x1FFFFF).to(tl.int32), (n_ge >> 42).to(tl.int32)
+        inc = (c1 >= kk).to(tl.uint32) + (c2 >= kk).to(tl.uint32) + (c3 >= kk).to(tl.uint32)
+        n_t = tl.where(inc == 3, c3, tl.where(inc == 2, c2, tl.where(inc == 1, c1, n_t)))
+        t += inc << shift.to(tl.uint32)
+        shift -= 2
+    return t
+
+
+@triton.jit
 def topk_indices_kernel(
     scores,  # [R, N] float32
     counts,  # [B] int64, rows_per_seq rows per sequence (read only if HAS_COUNTS)
@@ -110,29 +138,11 @@ def topk_indices_kernel(
     row = scores + i_r * N
     o_n = tl.arange(0, BN)
     b_s, b_key = _row_keys(row, o_n, N)
+    b_s2, b_key2 = b_s, b_key  # (unused unless BN2 > 0)
     if BN2 > 0:
         o_n2 = BN + tl.arange(0, BN2)
         b_s2, b_key2 = _row_keys(row, o_n2, N)
-    # radix select: the largest t with count(key >= t) >= kk (the kk-th largest key), two bits at a time from the
-    # top. A step counts the keys >= t + j 2^shift for j = 1, 2, 3 in one block-wide reduction; the two bits taken
-    # are the number of j whose count reaches kk (the counts fall with j). kk = 0 ends at t = 2^32 - 1: nothing.
-    # EARLY: stop as soon as exactly kk keys are >= t (n_t): those are the kk largest, a set the remaining steps
-    # would not change (they would raise t to the kk-th key, with no tie at it left out), so the selection is the
-    # same; continuous scores separate the kk-th key from the next within ~20 of the 32 bits.
-    t = tl.zeros([], dtype=tl.uint32)
-    n_t = (BN + BN2) + tl.zeros([], dtype=tl.int32)  # count(key >= 0): every lane
-    shift = 30 + tl.zeros([], dtype=tl.int32)
-    n_stop = kk if EARLY else kk - kk - 1  # -1: never
-    while (shift >= 0) & (n_t != n_stop):
-        one = tl.full([], 1, tl.uint32) << shift.to(tl.uint32)
-        n_ge = _counts_ge3(b_key, t, one)
-        if BN2 > 0:
-            n_ge += _counts_ge3(b_key2, t, one)
-        c1, c2, c3 = (n_ge & 0x1FFFFF).to(tl.int32), ((n_ge >> 21) & 0x1FFFFF).to(tl.int32), (n_ge >> 42).to(tl.int32)
-        inc = (c1 >= kk).to(tl.uint32) + (c2 >= kk).to(tl.uint32) + (c3 >= kk).to(tl.uint32)
-        n_t = tl.where(inc == 3, c3, tl.where(inc == 2, c2, tl.where(inc == 1, c1, n_t)))
-        t += inc << shift.to(tl.uint32)
-        shift -= 2
+    t = _select_threshold(b_key, b_key2, kk, BN + BN2, BN2 > 0, EARLY)
     # everything above t, then the first (by index) of the ties at t, never a -inf score; the second tile continues
     # both ranks (ties, selected) where the first ends
     n_gt = tl.sum((b_key > t).to(tl.int32), 0)
