@@ -9,7 +9,8 @@ Each part is its own kernel built from the shipped kernel's helpers (``_row_keys
 call, no flush) at 4, 8 and 16 warps:
 
 - ``load``: load the row and its keys, store the row's largest key (the launch and the row's load);
-- ``select``: ``load`` + the radix select with its early stop, store the threshold (the 16 two-bit steps' share);
+- ``select``: ``load`` + the radix select with its early stop, store the threshold (the two-bit steps' share: ~10
+  of the 16 on random scores);
 - ``write``: ``load`` + the write of the selected indices (two block-wide prefix sums and the ``-1`` padding) from a
   threshold given as input (the k-th largest key, computed by torch beforehand);
 - ``write1``: ``write`` with one prefix sum (every key ``>= t`` selected: right when no tie at ``t`` is left out);
