@@ -74,6 +74,7 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -322,26 +323,37 @@ def compile_options(device: str) -> dict:
     return {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager"}
 
 
-def patched_decode_row(model, paged, row, args, shape, weights, bandwidth, compiled=None) -> dict:
-    """Time one patched row ``(name, policy, mode, cuda_graph)`` on the filled cache ``paged`` (cropped back after);
-    ``compiled``: ``"graph"`` (the captured step compiled) or ``"reduce-overhead"`` (the user's compiled forward)."""
-    name, policy, mode, graph = row
-    batch, length, base_ms, kv_held = shape
+@contextmanager
+def patched(model, paged, row, args, compiled: str | None = None, tokens: int = 0):
+    """The model patched as ``row`` ``(name, policy, mode, cuda_graph)`` inside the ``with`` block, unpatched after
+    (and dynamo reset when ``compiled``). ``compiled``: ``"graph"`` (the captured step compiled) or
+    ``"reduce-overhead"`` (the user's way: ``paged`` reserved for ``tokens`` more tokens, the model's forward
+    compiled)."""
+    _, policy, mode, graph = row
     patch_row(model, policy, mode, args, graph, compiled)
-    if compiled == "reduce-overhead":  # the user's way: a reserved cache, the model's forward compiled
-        paged.reserve_static(length + args.steps + args.warmup + 1)
-        model.forward = torch.compile(model.forward, fullgraph=True, **compile_options(args.device))
-    reset_peak()
-    read0, steps0, auto0 = int(paged.kv_bytes_read), paged.decode_steps, paged.auto_steps
     try:
-        t = time_decode(model, paged, batch, length, args.steps, args.warmup)
-        ms = 1000 * statistics.median(t)
+        if compiled == "reduce-overhead":
+            paged.reserve_static(paged.get_seq_length() + tokens)
+            model.forward = torch.compile(model.forward, fullgraph=True, **compile_options(args.device))
+        yield
     finally:
         if compiled == "reduce-overhead":
-            del model.forward
+            vars(model).pop("forward", None)  # the compiled forward (unset if the reservation failed)
         unpatch_model(model)
         if compiled:
             torch._dynamo.reset()
+
+
+def patched_decode_row(model, paged, row, args, shape, weights, bandwidth, compiled=None) -> dict:
+    """Time one patched row ``(name, policy, mode, cuda_graph)`` on the filled cache ``paged`` (cropped back after);
+    ``compiled``: ``"graph"`` (the captured step compiled) or ``"reduce-overhead"`` (the user's compiled forward)."""
+    name, policy, mode, _ = row
+    batch, length, base_ms, kv_held = shape
+    with patched(model, paged, row, args, compiled, args.steps + args.warmup + 1):
+        reset_peak()
+        read0, steps0, auto0 = int(paged.kv_bytes_read), paged.decode_steps, paged.auto_steps
+        t = time_decode(model, paged, batch, length, args.steps, args.warmup)
+        ms = 1000 * statistics.median(t)
     steps = max(paged.decode_steps - steps0, 1)
     read = (int(paged.kv_bytes_read) - read0) / steps
     sparse_layers = model.config.num_hidden_layers - 2  # the default dense layers (0, 1)
