@@ -135,11 +135,14 @@ def ours(name: str) -> str | None:
 
 def category(name: str) -> str:
     """The category of a kernel (or, in the CPU dry run, an op) by its name."""
-    hit, low = ours(name), name.lower()
+    low = name.lower()
+    # inductor first: triton_poi_ / triton_red_ / triton_per_ (triton_tem_ is a GEMM template); its fused kernels are
+    # named after the ops they feed, ours included (the rotary before paged_write: "..._cos_mul_neg_paged_write_1")
+    if low.startswith("triton_"):
+        return "matmul" if low.startswith("triton_tem") else "fused"
+    hit = ours(name)
     if hit:
         return hit
-    if low.startswith("triton_"):  # inductor: triton_poi_ / triton_red_ / triton_per_; triton_tem_ is a GEMM template
-        return "matmul" if low.startswith("triton_tem") else "fused"
     if any(s in low for s in SDPA):
         return "attention"
     return "matmul" if any(s in low for s in MATMUL) else "rest"

@@ -40,6 +40,9 @@ def test_every_triton_kernel_of_ours_has_its_category():
         ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", "fused"),
         ("triton_per_fused_add_mean_2", "fused"),
         ("triton_tem_fused_mm_3", "matmul"),  # inductor's GEMM template
+        # inductor's kernels named after the op of ours they feed (seen on the H200): fused, not write / attention
+        ("triton_poi_fused__to_copy__unsafe_view_add_bmm_cat_cos_mul_neg_paged_write_4", "fused"),
+        ("triton_poi_fused__to_copy__unsafe_view_add_arange_cat_clone_cos_decode_blocks_2", "fused"),
         ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "matmul"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1", "matmul"),
         ("void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false>", "matmul"),
