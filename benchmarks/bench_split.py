@@ -13,7 +13,7 @@ graph+compile: patched Dense,graph+compile: Quest 1/16 block" --out benchmarks/r
 
 Rows. ``--rows`` names them: ``unpatched sdpa`` (the model on a ``DynamicCache``) and any row of ``bench_e2e.ROWS``
 (eager ``...`` and captured ``graph: ...``) or ``bench_e2e.COMPILED_ROWS`` (``graph+compile: ...``, the captured step
-compiled by inductor; ``reduce-overhead: ...``, the user's compiled forward on a reserved cache), patched as
+compiled by inductor, ``graph+compile+freezing: ...`` with its freezing; ``reduce-overhead: ...``, the user's compiled forward on a reserved cache), patched as
 ``bench_e2e`` patches them (``bench_e2e.patched``). The default is the eager rows: unpatched sdpa, patched Dense,
 Quest 1/8 and 1/16 block, Quest 1/16 token, SinkWindow 1/16 block. Patched rows keep ``patch_model``'s default dense
 layers (0 and 1: no selection there). At each shape the unpatched row runs first, then the others in the given order.
@@ -24,14 +24,15 @@ graphs and compile. Then ``--steps`` more steps (the next positions: no capture 
 ``torch.profiler`` (CPU and CUDA activities), and every GPU activity (kernels, memcpy, memset) is put into one
 category by its name (``category``), case-insensitive, the first rule that matches:
 
+- fused: inductor's generated kernels (names starting with ``triton_``: ``triton_poi_``, ``triton_red_``,
+  ``triton_per_``), except its GEMM templates (``triton_tem_``), which are matmul; first, because inductor names a
+  fused kernel after the ops it feeds, ours included (``..._cos_mul_neg_paged_write_1``: the rotary before the write)
 - selection, attention, write: our Triton kernels (``OURS``, substrings of the kernel names of
   ``hf_sparse_kv/ops/triton/*.py``; a test checks that every kernel there is listed): the scoring
   (``block_scores_kernel``, ``projected_scores_kernel``, ``candidate_*_kernel``, ``quant_block_lse*_kernel``,
   ``quant_lse_stats_kernel``, ``quant_mass_kernel``) and the top-k (``topk_indices_kernel``, ``topk_radix_*_kernel``)
   are selection; ``sparse_decode_fwd_kernel`` and ``merge_partials_kernel`` attention; ``paged_write_kernel`` and the
   declared state's refresh (``projected_write_kernel``, ``quant_write_kernel``) write
-- fused: inductor's generated kernels (names starting with ``triton_``: ``triton_poi_``, ``triton_red_``,
-  ``triton_per_``), except its GEMM templates (``triton_tem_``), which are matmul
 - attention: SDPA's kernels in the unpatched row (names containing flash, fmha, attention, sdpa, efficient, cudnn)
 - matmul: cuBLAS / CUTLASS kernels (names containing gemm, gemv, cublas, cutlass, nvjet, xmma): the weights
 - rest: everything else: the norms, rope, SiLU and residual adds of the eager steps, the argmax of the next token, the
