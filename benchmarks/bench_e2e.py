@@ -19,10 +19,6 @@ captured steps (``--crossover`` names another): dense below the table's crossove
 
 Rows named ``graph+compile: ...`` patch with ``cuda_graph=True, compile="inductor"``: the static decode step is
 compiled (``fullgraph=True``; inductor fuses the model's own norms, rotary, SiLU) and the compiled step captured.
-Rows named ``graph+compile+freezing: ...`` pass ``compile={"backend": "inductor", "options": {"freezing": True}}``:
-the weights become constants of the compiled step, and inductor's concat-linear pass turns the matmuls that share an
-input (q / k / v, gate / up) into one matmul each over a concatenated copy of their weights (held beside the model's:
-the ``peak_gb`` column shows it).
 Rows named ``reduce-overhead: ...`` are the user's way: the patched model's cache reserved (``reserve_static``) and
 ``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``.
 The row ``unpatched StaticCache + compile`` is what the transformers docs recommend for fast decoding: the unpatched
@@ -259,14 +255,10 @@ ROWS = [  # (name, policy, mode, cuda_graph)
     ("graph: SinkWindow 1/16 block", SinkWindow(sink=4, budget=0.0625), "block", True),
     ("graph: Quest 1/16 auto", Quest(budget=0.0625), "auto", True),
 ]
-COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compile="inductor"; "graph-freezing" = the
-    # same with inductor's freezing (weights as constants: its concat-linear pass fuses the projections that share an
-    # input, q/k/v and gate/up, into one matmul each, holding the concatenated weights beside the model's); "reduce-
-    # overhead" = the cache reserved (reserve_static) and model.forward = torch.compile(model.forward, mode=...)
+COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compile="inductor"; "reduce-overhead" =
+    # the cache reserved (reserve_static) and model.forward = torch.compile(model.forward, mode="reduce-overhead")
     ("graph+compile: patched Dense", Dense(), "block", "graph"),
     ("graph+compile: Quest 1/16 block", Quest(budget=0.0625), "block", "graph"),
-    ("graph+compile+freezing: patched Dense", Dense(), "block", "graph-freezing"),
-    ("graph+compile+freezing: Quest 1/16 block", Quest(budget=0.0625), "block", "graph-freezing"),
     ("reduce-overhead: patched Dense", Dense(), "block", "reduce-overhead"),
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
 ]
@@ -315,18 +307,14 @@ class Report:
         write_csv(self.out, self.rows)
 
 
-def compile_backend(device: str, freezing: bool = False) -> str | dict:
-    """What compiles a captured step (``patch_model``'s ``compile``): inductor on CUDA (with ``freezing``: its
-    ``freezing`` option on), ``aot_eager`` on the CPU (a dry run)."""
-    if device != "cuda":
-        return "aot_eager"
-    return {"backend": "inductor", "options": {"freezing": True}} if freezing else "inductor"
+def compile_backend(device: str) -> str:
+    """The backend that compiles a captured step: inductor on CUDA, ``aot_eager`` on the CPU (a dry run)."""
+    return "inductor" if device == "cuda" else "aot_eager"
 
 
 def patch_row(model, policy, mode: str, args, graph: bool, compiled: str | None = None) -> None:
     table = {"crossover": args.crossover} if mode == "auto" else {}
-    graph_compiled = compiled in ("graph", "graph-freezing")
-    backend = compile_backend(args.device, compiled == "graph-freezing") if graph_compiled else None
+    backend = compile_backend(args.device) if compiled == "graph" else None
     patch_model(model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph, compile=backend, **table)
 
 

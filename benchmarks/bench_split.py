@@ -13,7 +13,7 @@ graph+compile: patched Dense,graph+compile: Quest 1/16 block" --out benchmarks/r
 
 Rows. ``--rows`` names them: ``unpatched sdpa`` (the model on a ``DynamicCache``) and any row of ``bench_e2e.ROWS``
 (eager ``...`` and captured ``graph: ...``) or ``bench_e2e.COMPILED_ROWS`` (``graph+compile: ...``, the captured step
-compiled by inductor, ``graph+compile+freezing: ...`` with its freezing; ``reduce-overhead: ...``, the user's compiled forward on a reserved cache), patched as
+compiled by inductor; ``reduce-overhead: ...``, the user's compiled forward on a reserved cache), patched as
 ``bench_e2e`` patches them (``bench_e2e.patched``). The default is the eager rows: unpatched sdpa, patched Dense,
 Quest 1/8 and 1/16 block, Quest 1/16 token, SinkWindow 1/16 block. Patched rows keep ``patch_model``'s default dense
 layers (0 and 1: no selection there). At each shape the unpatched row runs first, then the others in the given order.

@@ -41,6 +41,7 @@ compiled) step here keys the graphs on the plan the step already has.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -50,12 +51,35 @@ from .attention import StaticPlan, padding_starts, static_counters, static_plan
 from .cache import PagedKVCache, PagedLayer, WindowRing
 from .patched import cache_kwarg, patch_state
 
+FREEZING_ERROR = (
+    "inductor's freezing cannot compile a static decode step of hf_sparse_kv: it makes every tensor marked as a static "
+    "address a constant of the compiled step, and the paged cache's pools and the step's device buffers are such "
+    "tensors, written at every step (the logits go wrong from the second step on). Turn it off "
+    "(torch._inductor.config.freezing = False; no 'freezing' in compile's options)."
+)
+
+
+def refuse_freezing(compile: str | dict | None) -> None:
+    """Raise :data:`FREEZING_ERROR` (``ValueError``) when ``compile`` (``patch_model``'s / :class:`DecodeGraphs`'
+    argument) asks inductor for ``freezing``; :func:`begin_static_step` refuses the global flag itself."""
+    if isinstance(compile, dict) and dict(compile.get("options") or {}).get("freezing"):
+        raise ValueError(FREEZING_ERROR)
+
+
+def _inductor_freezing() -> bool:
+    """Whether inductor's global ``freezing`` flag is on (inductor's config is not imported for the question)."""
+    config = sys.modules.get("torch._inductor.config")
+    return bool(getattr(config, "freezing", False))
+
 
 def begin_static_step(config, cache: PagedKVCache, positions: torch.Tensor | None = None) -> StaticPlan:
     """The host part of a static decode step on a reserved ``cache``, before the step runs: plan it at its lengths,
     fill the device buffers (``positions`` ``[B, 1]``: the step's position ids, default ``generate()``'s), move the
     layers' lengths on by the new token and count the step (as the eager step would). Returns the step's plan (the
-    key of its graph)."""
+    key of its graph). Refuses to run (``RuntimeError``, before anything changes) while inductor's global
+    ``freezing`` flag is on: a frozen compile of the step would read the cache as constants."""
+    if _inductor_freezing():
+        raise RuntimeError(FREEZING_ERROR)
     static = cache.static
     frame = cache.get_seq_length()  # tokens before this one, in transformers' frame
     if frame + 1 > static.max_length:
@@ -93,6 +117,7 @@ class DecodeGraphs:
         forward: Callable | None = None,
         compile: str | dict | None = None,
     ):
+        refuse_freezing(compile)
         config = patch_state(model).config
         self.cache_name = cache_kwarg(model)
         if len({str(layer.device) for layer in cache.paged_layers}) > 1:

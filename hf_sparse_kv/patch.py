@@ -37,7 +37,7 @@ from .attention import (
 )
 from .cache import PagedKVCache, PagedLayer, check_block_size
 from .crossover import CrossoverTable
-from .graphs import begin_static_step, captured_step
+from .graphs import begin_static_step, captured_step, refuse_freezing
 from .ops import BACKENDS
 from .patched import STATE_ATTR, PatchState, cache_kwarg
 from .policies import Dense, Policy
@@ -284,6 +284,8 @@ def patch_model(
         compile: with ``cuda_graph=True``, compile each static step with ``torch.compile(fullgraph=True)`` before
             capturing it: a backend name (``"inductor"``) or a dict of ``torch.compile`` keyword arguments (inductor
             fuses the model's own small kernels: norms, rotary, SiLU; the first step of each plan compiles).
+            Inductor's ``freezing`` is refused (``ValueError`` here, ``RuntimeError`` at a static step while its
+            global flag is on): it would compile the cache's pools into the step as constants.
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -306,6 +308,7 @@ def patch_model(
         raise ValueError("compile= compiles the captured static step: pass cuda_graph=True with it")
     if compile is not None and not isinstance(compile, (str, dict)):
         raise TypeError(f"compile must be a torch.compile backend name or a dict of its arguments, got {compile!r}")
+    refuse_freezing(compile)
     table = None
     if mode == "auto":
         timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's

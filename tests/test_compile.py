@@ -14,6 +14,7 @@ from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.ops.layout import cdiv
+from hf_sparse_kv.patched import STATE_ATTR
 from hf_sparse_kv.policies import (
     BlockTopK,
     Counts,
@@ -164,6 +165,40 @@ def test_compiled_selector_step_equals_eager(name, mode):
     torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
     assert runner.static.plan.counts is not None, "the last step ran the selector (not dense)"
     assert selector_ops <= seen, f"ops traced as Python instead of custom ops: {sorted(selector_ops - seen)}"
+
+
+def test_inductor_freezing_is_refused():
+    """Inductor's ``freezing`` turns every tensor marked as a static address into a constant of the compiled step,
+    the cache's pools and the step's buffers included (on the CPU: right logits at the first step, wrong from the
+    second). ``patch_model`` refuses it in ``compile``'s options before patching; :class:`DecodeGraphs` refuses it
+    before reserving; a static step refuses to begin while the global flag is on, on the captured path and on a
+    user's own compiled forward, and runs again once it is off."""
+    import torch._inductor.config as inductor_config
+
+    model = tiny_model("llama")
+    freezing = {"backend": "inductor", "options": {"freezing": True}}
+    with pytest.raises(ValueError, match="freezing"):
+        patch_model(model, policy=Quest(budget=16), cuda_graph=True, compile=freezing)
+    assert not hasattr(model, STATE_ATTR), "a refused patch left the model patched"
+    ids = prompt(30, batch=2)
+    _patch(model, Quest(budget=16, sink=4, window=8), "block")
+    cache = PagedKVCache(model.config, block_size=8)
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        with pytest.raises(ValueError, match="freezing"):
+            DecodeGraphs(model, cache, 40, capture=False, compile=freezing)
+        assert cache.static is None, "a refused runner reserved the cache"
+        runner = DecodeGraphs(model, cache, 40, capture=False)
+        n = cache.get_seq_length()
+        with inductor_config.patch(freezing=True):
+            with pytest.raises(RuntimeError, match="freezing"):
+                runner.step(logits.argmax(-1))
+            assert cache.get_seq_length() == n, "a refused step moved the cache on"
+            cache.session.set_graphs(None)  # a user's own forward on the reserved cache: the patch's hook refuses too
+            with pytest.raises(RuntimeError, match="freezing"):
+                model(logits.argmax(-1), **{cache_kwarg(model): cache})
+        assert model(logits.argmax(-1), **{cache_kwarg(model): cache}).logits.shape[1] == 1  # the flag off again
+    unpatch_model(model)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
