@@ -125,14 +125,18 @@ def build_model(layers: int, device: str, config: LlamaConfig | None = None) -> 
     return model.eval()
 
 
+DECODE_ROOM = 256  # tokens a filled cache can still take: the decode steps a row times after its context
+
+
 def fill_caches(
     model, batch: int, length: int, block_size: int, device: str, kv_heads: int | None = None, cache_cls=PagedKVCache
 ):
     """A DynamicCache and a ``cache_cls`` (a PagedKVCache) holding the same random ``length`` tokens per sequence,
-    for ``kv_heads`` KV heads per layer (default the config's; under tensor parallelism, a rank's share)."""
+    for ``kv_heads`` KV heads per layer (default the config's; under tensor parallelism, a rank's share), the paged
+    one with room for :data:`DECODE_ROOM` more."""
     cfg = model.config
     dense = DynamicCache(config=cfg)
-    paged = cache_cls(cfg, block_size=block_size, max_length=length + 256)
+    paged = cache_cls(cfg, block_size=block_size, max_length=length + DECODE_ROOM)
     g = torch.Generator(device=device).manual_seed(0)
     for i in range(cfg.num_hidden_layers):
         shape = (batch, kv_heads or cfg.num_key_value_heads, length, cfg.head_dim)

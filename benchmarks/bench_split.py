@@ -81,6 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_e2e import (
     COMPILED_ROWS,
+    DECODE_ROOM,
     ROWS,
     build_model,
     empty_cache,
@@ -125,7 +126,6 @@ PATCHED = {r[0]: (r, None) for r in ROWS}  # name -> ((name, policy, mode, cuda_
 PATCHED |= {name: ((name, policy, mode, how != "reduce-overhead"), how) for name, policy, mode, how in COMPILED_ROWS}
 DEFAULT_ROWS = (UNPATCHED, "patched Dense", "Quest 1/8 block", "Quest 1/16 block", "Quest 1/16 token")
 DEFAULT_ROWS += ("SinkWindow 1/16 block",)
-EXTRA_TOKENS = 256  # bench_e2e.fill_caches makes room for this many decoded tokens
 
 
 def ours(name: str) -> str | None:
@@ -276,8 +276,8 @@ def main() -> None:
         raise SystemExit(
             f"--rows: unknown {sorted(set(rows) - {UNPATCHED, *PATCHED})}; rows are {[UNPATCHED, *PATCHED]}"
         )
-    if args.warmup + 2 * args.steps >= EXTRA_TOKENS:
-        raise SystemExit(f"--warmup + 2 --steps must stay below {EXTRA_TOKENS} (the room the caches have)")
+    if args.warmup + 2 * args.steps >= DECODE_ROOM:
+        raise SystemExit(f"--warmup + 2 --steps must stay below {DECODE_ROOM} (the room the caches have)")
     device = args.device
     print(env_info(), flush=True)
     if device == "cuda":
