@@ -113,10 +113,10 @@ def main() -> None:
         xf = torch.randn(B, dims["down"][1], generator=g, device=args.device).to(torch.bfloat16)
         err = check(x, layers[0])
         timed = {}
-        for row in rows_for(x, xf, layers[0]):
-            calls = [rows_for(x, xf, w)[row][0] for w in layers]
-            us, mode = bench(calls, rep=args.rep)
-            nbytes = sum(layers[0][n].numel() * 2 for n in rows_for(x, xf, layers[0])[row][1])
+        per_layer = [rows_for(x, xf, w) for w in layers]
+        for row, (_, names) in per_layer[0].items():
+            us, mode = bench([rows[row][0] for rows in per_layer], rep=args.rep)
+            nbytes = sum(layers[0][n].numel() * 2 for n in names)
             gbs = nbytes / (us * 1e-6) / 1e9
             timed[row] = us
             out = {"B": B, "row": row, "us_per_layer": us, "weight_mb": nbytes / 1e6, "GBps": gbs, "timing": mode}
