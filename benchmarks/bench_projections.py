@@ -10,7 +10,8 @@ Method. Per batch ``B`` (``--batches``): an input ``x [B, 4096]`` (and ``[B, 143
 layer's weights on their own memory, ``--layers`` layers (32: a decode step's worth), and the merged weights of
 each layer as separate tensors (``cat`` of q, k, v and of gate, up). ``common.bench`` times one call per layer in
 sequence inside one CUDA graph, the L2 flushed by reads before each replay, and returns the median per layer. Rows:
-``q+k+v`` (three ``F.linear``) against ``qkv`` (one, its output split as views), ``gate+up`` against ``gate_up``, and
+``q+k+v`` (three ``F.linear``) against ``qkv`` (one, its output split as views), ``gate+up`` against ``gate_up``, each of ``q``, ``k``, ``o``, ``gate``, ``down`` alone (where the bandwidth
+is lost), and
 the whole layer, ``layer: separate`` (q, k, v, o, gate, up, down: 7 matmuls) against ``layer: merged`` (qkv, o,
 gate_up, down: 4). Checked first: the merged outputs equal the separate ones within bf16 rounding. Columns: µs per
 layer, the weights' bytes, GB/s and the fraction of the copy bandwidth measured in the same run (``common.
@@ -74,7 +75,9 @@ def check(x: torch.Tensor, w: dict) -> float:
 
 def rows_for(x: torch.Tensor, xf: torch.Tensor, w: dict) -> dict[str, tuple]:
     """``row -> (function of one layer, weight names it reads)``; ``xf`` is the down projection's input."""
+    alone = {n: (lambda n=n: F.linear(xf if n == "down" else x, w[n]), (n,)) for n in ("q", "k", "o", "gate", "down")}
     return {
+        **alone,
         "q+k+v": (lambda: separate(x, w, GROUPS["qkv"]), GROUPS["qkv"]),
         "qkv": (lambda: merged(x, w, "qkv"), ("qkv",)),
         "gate+up": (lambda: separate(x, w, GROUPS["gate_up"]), GROUPS["gate_up"]),

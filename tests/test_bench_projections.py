@@ -31,7 +31,7 @@ def test_dry_run_writes_every_row_paired(monkeypatch, tmp_path):
     bp.main()
     with open(out) as f:
         rows = list(csv.DictReader(f))
-    names = ["q+k+v", "qkv", "gate+up", "gate_up", "layer: separate", "layer: merged"]
+    names = ["q", "k", "o", "gate", "down", "q+k+v", "qkv", "gate+up", "gate_up", "layer: separate", "layer: merged"]
     assert [(r["B"], r["row"]) for r in rows] == [(b, n) for b in ("1", "8") for n in names]
     by = {(r["B"], r["row"]): r for r in rows}
     dims = bp.shapes(tiny=True)
