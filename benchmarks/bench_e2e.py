@@ -259,10 +259,13 @@ ROWS = [  # (name, policy, mode, cuda_graph)
     ("graph: SinkWindow 1/16 block", SinkWindow(sink=4, budget=0.0625), "block", True),
     ("graph: Quest 1/16 auto", Quest(budget=0.0625), "auto", True),
 ]
-COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compile="inductor"; "reduce-overhead" =
-    # the cache reserved (reserve_static) and model.forward = torch.compile(model.forward, mode="reduce-overhead")
+COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compile="inductor"; "graph+merged": the
+    # same with merge_projections=True; "reduce-overhead" = the cache reserved (reserve_static) and
+    # model.forward = torch.compile(model.forward, mode="reduce-overhead")
     ("graph+compile: patched Dense", Dense(), "block", "graph"),
     ("graph+compile: Quest 1/16 block", Quest(budget=0.0625), "block", "graph"),
+    ("graph+compile+merged: patched Dense", Dense(), "block", "graph+merged"),
+    ("graph+compile+merged: Quest 1/16 block", Quest(budget=0.0625), "block", "graph+merged"),
     ("reduce-overhead: patched Dense", Dense(), "block", "reduce-overhead"),
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
 ]
@@ -318,8 +321,17 @@ def compile_backend(device: str) -> str:
 
 def patch_row(model, policy, mode: str, args, graph: bool, compiled: str | None = None) -> None:
     table = {"crossover": args.crossover} if mode == "auto" else {}
-    backend = compile_backend(args.device) if compiled == "graph" else None
-    patch_model(model, policy=policy, mode=mode, block_size=args.block_size, cuda_graph=graph, compile=backend, **table)
+    backend = compile_backend(args.device) if compiled in ("graph", "graph+merged") else None
+    patch_model(
+        model,
+        policy=policy,
+        mode=mode,
+        block_size=args.block_size,
+        cuda_graph=graph,
+        compile=backend,
+        merge_projections=compiled == "graph+merged",
+        **table,
+    )
 
 
 def compile_options(device: str) -> dict:
@@ -330,7 +342,8 @@ def compile_options(device: str) -> dict:
 @contextmanager
 def patched(model, paged, row, args, compiled: str | None = None, tokens: int = 0):
     """The model patched as ``row`` ``(name, policy, mode, cuda_graph)`` inside the ``with`` block, unpatched after
-    (and dynamo reset when ``compiled``). ``compiled``: ``"graph"`` (the captured step compiled) or
+    (and dynamo reset when ``compiled``). ``compiled``: ``"graph"`` (the captured step compiled), ``"graph+merged"``
+    (the same with ``merge_projections=True``) or
     ``"reduce-overhead"`` (the user's way: ``paged`` reserved for ``tokens`` more tokens, the model's forward
     compiled)."""
     _, policy, mode, graph = row

@@ -124,7 +124,7 @@ class DecodeGraphs:
             raise ValueError("static decoding needs the whole cache on one device (device_map put it on several)")
         if config.policy.frees_blocks:
             raise ValueError("static decoding needs a policy that does not free blocks (its block table changes)")
-        self.model, self.config = model, config
+        self.model, self.config, self.state = model, config, patch_state(model)
         self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
         self.capture = capture and torch.cuda.is_available()
         self.static = cache.reserve_static(max_length)
@@ -179,7 +179,15 @@ class DecodeGraphs:
         return graph, logits
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode one token per sequence: ``input_ids [B, 1]`` -> logits ``[B, 1, V]`` (a fresh tensor)."""
+        """Decode one token per sequence: ``input_ids [B, 1]`` -> logits ``[B, 1, V]`` (a fresh tensor).
+
+        Raises ``RuntimeError`` (before anything changes) when the model was patched again or unpatched since these
+        steps were set up: their graphs would read the old settings and weights' addresses."""
+        if patch_state(self.model) is not self.state:
+            raise RuntimeError(
+                "the model was patched again (or unpatched) after this cache's static steps were set up: they would "
+                "replay its old settings and weights. Call cache.reset() and prefill again."
+            )
         plan = begin_static_step(self.config, self.cache, position_ids)
         self.ids.copy_(input_ids)
         if not self.capture:

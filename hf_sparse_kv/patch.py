@@ -9,7 +9,9 @@ What patching does, all undone by :func:`unpatch_model`:
    the attention function as keyword arguments;
 3. adds a forward pre-hook on the model that refuses ``output_attentions`` and foreign caches, and builds a
    :class:`PagedKVCache` when a forward wants a cache and got none;
-4. wraps the model's ``_prepare_cache_for_generation`` so ``generate()`` builds a :class:`PagedKVCache` too.
+4. wraps the model's ``_prepare_cache_for_generation`` so ``generate()`` builds a :class:`PagedKVCache` too;
+5. with ``merge_projections=True``, runs each attention's q/k/v and each MLP's gate/up as one matmul
+   (:mod:`hf_sparse_kv.merge`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .attention import (
 from .cache import PagedKVCache, PagedLayer, check_block_size
 from .crossover import CrossoverTable
 from .graphs import begin_static_step, captured_step, refuse_freezing
+from .merge import merge, unmerge
 from .ops import BACKENDS
 from .patched import STATE_ATTR, PatchState, cache_kwarg
 from .policies import Dense, Policy
@@ -261,6 +264,7 @@ def patch_model(
     crossover: CrossoverTable | str | None = None,
     cuda_graph: bool = False,
     compile: str | dict | None = None,
+    merge_projections: bool = False,
 ):
     """Make ``model``'s decode steps physically sparse; ``generate()`` keeps working as before.
 
@@ -286,6 +290,12 @@ def patch_model(
             fuses the model's own small kernels: norms, rotary, SiLU; the first step of each plan compiles).
             Inductor's ``freezing`` is refused (``ValueError`` here, ``RuntimeError`` at a static step while its
             global flag is on): it would compile the cache's pools into the step as constants.
+        merge_projections: run each attention's ``q_proj``/``k_proj``/``v_proj`` and each MLP's
+            ``gate_proj``/``up_proj`` as one matmul (:mod:`hf_sparse_kv.merge`): the same outputs, the same weight
+            names and memory (each layer's weight becomes a view of its group's merged tensor), fewer and larger
+            matmuls, which at decode read the weights closer to the memory bandwidth (~0.6 ms a step on an 8B model
+            on an H200). Layers that are not plain ``nn.Linear`` (quantized, parallel, hooked) stay as they are.
+            Undone by :func:`unpatch_model` (each weight its own storage again).
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -309,6 +319,8 @@ def patch_model(
     if compile is not None and not isinstance(compile, (str, dict)):
         raise TypeError(f"compile must be a torch.compile backend name or a dict of its arguments, got {compile!r}")
     refuse_freezing(compile)
+    if not isinstance(merge_projections, bool):
+        raise TypeError(f"merge_projections must be True or False, got {merge_projections!r}")
     table = None
     if mode == "auto":
         timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's
@@ -319,6 +331,8 @@ def patch_model(
     _register()
     saved = _Settings(model)
     handles = []
+    kept = previous.merged if previous else []
+    merged = []
     try:  # a previous patch stays in force until this one is complete
         # the model hook plans a static step on the host: never traced (generate() compiles model.__call__)
         handles.append(model.register_forward_pre_hook(torch.compiler.disable(_model_pre_hook), with_kwargs=True))
@@ -331,14 +345,19 @@ def patch_model(
         if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
             original_forward = type(model).forward.__get__(model)
             model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
+        if merge_projections and not kept:
+            merged = merge(model)
     except BaseException:
         for h in handles:
             h.remove()
+        unmerge(merged)
         saved.restore(model)
         raise
     for handle in previous.handles if previous else ():
         handle.remove()  # replaced by this patch's hooks
-    setattr(model, STATE_ATTR, PatchState(config, handles))
+    if kept and not merge_projections:
+        unmerge(kept)
+    setattr(model, STATE_ATTR, PatchState(config, handles, merged or (kept if merge_projections else [])))
     if cuda_graph and not any(p.is_cuda for p in model.parameters()):
         warnings.warn(
             "cuda_graph=True: the model is not on a CUDA device, so its decode steps run eagerly (CUDA graphs "
@@ -359,6 +378,7 @@ def unpatch_model(model: torch.nn.Module):
         return model
     for handle in state.handles:
         handle.remove()
+    unmerge(state.merged)
     model.__dict__.pop("_prepare_cache_for_generation", None)
     model.__dict__.pop("forward", None)
     model.set_attn_implementation(state.config.original_attn)

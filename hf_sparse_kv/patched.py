@@ -8,7 +8,7 @@ captured-graph decoder (:mod:`hf_sparse_kv.graphs`) reads it through :func:`patc
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,11 +17,12 @@ STATE_ATTR = "_hf_sparse_kv"
 
 @dataclass
 class PatchState:
-    """What unpatching needs, and what the decode side reads: the model's :class:`SparseConfig` and the hooks to
-    remove."""
+    """What unpatching needs, and what the decode side reads: the model's :class:`SparseConfig`, the hooks to
+    remove and the merged projections to unmerge."""
 
     config: object  # hf_sparse_kv.attention.SparseConfig
     handles: list
+    merged: list = field(default_factory=list)  # hf_sparse_kv.merge.MergedGroup, merge_projections=True
 
 
 def patch_state(model: torch.nn.Module) -> PatchState | None:

@@ -30,6 +30,7 @@ ALLOWED = {
         "hf_sparse_kv.ops",
     ),
     "hf_sparse_kv.patched": (),
+    "hf_sparse_kv.merge": (),
     "hf_sparse_kv.graphs": ("hf_sparse_kv.attention", "hf_sparse_kv.cache", "hf_sparse_kv.patched", "hf_sparse_kv.runtime"),
     "hf_sparse_kv.calibrate": ("hf_sparse_kv.attention", "hf_sparse_kv.crossover", "hf_sparse_kv.ops", "hf_sparse_kv.policies"),
     "hf_sparse_kv.calibrate_selector": ("hf_sparse_kv.policies",),
@@ -119,13 +120,15 @@ def test_layers_import_only_downwards():
 
 def test_no_module_writes_another_modules_objects():
     """Attribute writes on anything but ``self`` happen only where docs/ARCHITECTURE.md allows them: the cache module
-    on its own BlockTable and layers, the patch on the model it patches (and its configs, restored on failure)."""
+    on its own BlockTable and layers, the patch on the model it patches (and its configs, restored on failure), the
+    merge on the linear layers it merges for the patch."""
     allowed = {
         ("hf_sparse_kv.cache", "t"),
         ("hf_sparse_kv.cache", "layer"),
         ("hf_sparse_kv.patch", "model"),
         ("hf_sparse_kv.patch", "config"),
         ("hf_sparse_kv.patch", "generation_config"),  # the patch's own copy of it
+        ("hf_sparse_kv.merge", "m"),  # the projections the patch merges (patch_model(merge_projections=True))
     }
     found = set()
     for mod, path in _modules().items():

@@ -347,10 +347,12 @@ def test_device_candidate_counts_equal_the_host_formula(candidates):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor + CUDA-graph capture of the compiled step: CUDA")
+@pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_captured_inductor_step_equals_eager_on_cuda(arch):
+def test_captured_inductor_step_equals_eager_on_cuda(arch, merged):
     """``DecodeGraphs(compile="inductor")`` (what ``patch_model(cuda_graph=True, compile="inductor")`` runs): the
-    step compiled by inductor, then captured and replayed, on a left-padded batch."""
+    step compiled by inductor, then captured and replayed, on a left-padded batch; with ``merge_projections`` too
+    (the reference: generate() without merging)."""
     torch._dynamo.reset()
     model = tiny_model(arch)
     ids = prompt(30, batch=2)
@@ -364,6 +366,9 @@ def test_captured_inductor_step_equals_eager_on_cuda(arch):
         gen = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
         ref = torch.stack(gen.logits[1:], 1)  # the decode steps' raw logits (the first came from the prefill)
+        if merged:
+            patch_model(model, policy=Quest(budget=16, sink=4, window=8), block_size=8, dense_layers=(0,),
+                        merge_projections=True)  # fmt: skip
         model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **kw)  # prefill
         runner = DecodeGraphs(model, cache, 30 + STEPS, capture=True, compile="inductor")
         for i in range(STEPS):  # generate()'s own tokens: min_new_tokens masks EOS, so an argmax here could differ

@@ -1,0 +1,103 @@
+"""Merged projections (``patch_model(merge_projections=True)``) checked on the 8B shape before they are timed: the
+logits of compiled, captured decode steps with and without merging, against the unpatched model in float32.
+
+    python benchmarks/check_merge.py --out benchmarks/results/check_merge.csv      # CUDA; a few minutes
+    python benchmarks/check_merge.py --device cpu --tiny                            # a dry run (no graph, aot_eager)
+
+Method: the Llama-3.1-8B shape with ``--layers`` layers and random weights (bf16; a float32 copy is the reference),
+a real prefill of ``B x --context`` random tokens, then ``--steps`` decode steps fed the same fixed tokens (teacher
+forcing, so that a near tie in random logits cannot fork the rows). Rows: the unpatched float32 model (the
+reference), the unpatched bf16 model, and patched ``Dense`` and ``Quest 1/16`` with ``cuda_graph=True,
+compile="inductor"``, each unmerged and merged. Columns: the largest relative error of each row's logits against
+the reference (``max |d| / max |ref|`` over all steps), the same against the row's unmerged twin, the greedy
+tokens of each step equal to the twin's, NaN seen, the steps replayed from graphs. Printed last as a table; the
+script exits with status 1 when a merged row differs from its twin by more than ``--tol`` (bf16: 1e-2) or has NaN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_e2e import build_model, tiny_config
+from common import env_info, print_table, write_csv
+
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.policies import Dense, Quest
+
+
+def decode(model, ids, steps: torch.Tensor, cache=None) -> torch.Tensor:
+    """Logits ``[B, S, V]`` (float32) of the ``S`` decode steps after prefilling ``ids [B, L]``, step ``i`` fed
+    ``steps[:, i]``."""
+    kw = {cache_kwarg(model): cache} if cache is not None else {}
+    out = []
+    with torch.no_grad():
+        res = model(ids, use_cache=True, **kw)
+        past = res.past_key_values if cache is None else cache
+        for i in range(steps.shape[1]):
+            res = model(steps[:, i : i + 1], use_cache=True, **{cache_kwarg(model): past})
+            out.append(res.logits[:, -1].float())
+    return torch.stack(out, 1)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--tol", type=float, default=1e-2)
+    p.add_argument("--tiny", action="store_true", help="a tiny config (a dry run)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="benchmarks/results/check_merge.csv")
+    args = p.parse_args()
+    print(env_info(), flush=True)
+    model = build_model(args.layers, args.device, tiny_config() if args.tiny else None)
+    g = torch.Generator(device=args.device).manual_seed(0)
+    V = model.config.vocab_size
+    ids = torch.randint(3, V, (args.batch, args.context), generator=g, device=args.device)
+    steps = torch.randint(3, V, (args.batch, args.steps), generator=g, device=args.device)
+    reference = decode(model.float(), ids, steps)
+    model.to(torch.bfloat16)
+    results = [{"row": "unpatched bf16", "vs_fp32": rel(decode(model, ids, steps), reference)}]
+    compile_backend = "inductor" if args.device == "cuda" else "aot_eager"
+    failed = False
+    for name, policy in (("Dense", Dense()), ("Quest 1/16", Quest(budget=0.0625))):
+        twin = None
+        for merged in (False, True):
+            patch_model(model, policy=policy, cuda_graph=True, compile=compile_backend, merge_projections=merged)
+            cache = PagedKVCache(model.config, max_length=args.context + args.steps + 1)
+            try:
+                logits = decode(model, ids, steps, cache)
+            finally:
+                unpatch_model(model)
+                torch._dynamo.reset()
+            runner = cache.session.graphs
+            row = {"row": f"graph+compile{'+merged' if merged else ''}: {name}", "vs_fp32": rel(logits, reference)}
+            row["nan"] = bool(torch.isnan(logits).any())
+            row["replayed"] = runner.replays if runner else 0
+            if twin is not None:
+                row["vs_unmerged"] = rel(logits, twin)
+                row["same_argmax"] = bool(torch.equal(logits.argmax(-1), twin.argmax(-1)))
+                failed |= row["nan"] or row["vs_unmerged"] > args.tol
+            twin = logits
+            print(row, flush=True)
+            results.append(row)
+    write_csv(args.out, results)
+    table = [{k: f"{v:.2e}" if k.startswith("vs_") else v for k, v in r.items()} for r in results]
+    print_table(table, ["row", "vs_fp32", "vs_unmerged", "same_argmax", "nan", "replayed"], title="merged projections")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Merged projections: sibling ``nn.Linear`` layers that their module feeds the same input, run as one matmul.
+
+A decode step is a matrix-vector product per weight; at batch 1-8 each is bound by the bytes of its weight, and a
+small one (an 8B model's k/v projections, 8 MB each) reaches ~30 % of the HBM bandwidth where a merged q/k/v
+reaches ~80 % (benchmarks/RESULTS.md, ``bench_projections.py``). Merging reads the same bytes in fewer, larger
+matmuls. Groups, found by name on any module that holds all of a group's layers: ``q_proj, k_proj, v_proj``
+(attention) and ``gate_proj, up_proj`` (MLP).
+
+How, without changing what the model computes or how its weights are named:
+
+- the group's weights (and biases) move into one tensor ``[sum(out), in]``; each layer's ``weight`` stays the same
+  ``Parameter`` object, its ``data`` a view of its rows (no memory added: the old storages are freed);
+- each layer's ``forward`` is set on the instance: the first layer of the group called with an input computes the
+  merged product and keeps it; the others, called with the *same* tensor, return their columns of it (views);
+  called with another tensor (or with gradients wanted), a layer computes its own ``F.linear`` as before;
+- :func:`unmerge` gives every layer its own storage back (copies of its rows, the same values) and removes the
+  instance ``forward``: the model is as it was, bit for bit.
+
+A group is merged only where that is plainly safe: exact ``nn.Linear`` layers (not quantized or parallel
+subclasses), plain tensors of one dtype and device (not DTensor, not ``meta``), no forward hooks of their own or
+accelerate's ``_hf_hook``, the same ``in_features``, biases on all or none. The rest stay as they are.
+
+Nothing here is module-level state: what a merge keeps lives on its :class:`MergedGroup`, which the patch keeps in
+its :class:`~hf_sparse_kv.patched.PatchState`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class MergedGroup:
+    """One merged group: its layers, the merged weight ``[sum(out), in]`` (and bias ``[sum(out)]``), each layer's
+    columns of the merged output, and the product of the last input (``[..., sum(out)]``) until every layer took
+    its part."""
+
+    def __init__(self, layers: list[torch.nn.Linear]):
+        self.layers = layers
+        self.sizes = [m.out_features for m in layers]
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight.detach() for m in layers])
+            self.bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
+        self.last: tuple[torch.Tensor, list[torch.Tensor], list[bool]] | None = None
+        start = 0
+        for i, (m, n) in enumerate(zip(layers, self.sizes)):
+            m.weight.data = self.weight[start : start + n]
+            if self.bias is not None:
+                m.bias.data = self.bias[start : start + n]
+            m.forward = partial(self.part, i)
+            start += n
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s output for ``x [..., in]``: its columns of the merged product ``[..., out]``."""
+        layer = self.layers[index]
+        if torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad):
+            return F.linear(x, layer.weight, layer.bias)  # autograd reaches the parameters through their own views
+        if self.last is None or self.last[0] is not x or self.last[2][index]:
+            self.last = (
+                x,
+                list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)),
+                [False] * len(self.sizes),
+            )
+        _, outs, taken = self.last
+        taken[index] = True
+        out = outs[index]
+        if all(taken):
+            self.last = None  # every layer had its part: keep nothing between forwards
+        return out
+
+    def unmerge(self) -> None:
+        """Each layer its own storage again (a copy of its rows) and its class's ``forward``."""
+        self.last = None
+        for m in self.layers:
+            m.__dict__.pop("forward", None)
+            with torch.no_grad():
+                m.weight.data = m.weight.data.clone()
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.clone()
+        self.weight = self.bias = None
+
+
+def _mergeable(layers: list) -> bool:
+    if not all(type(m) is torch.nn.Linear for m in layers):
+        return False
+    first = layers[0].weight
+    for m in layers:
+        tensors = [m.weight] + ([m.bias] if m.bias is not None else [])
+        if any(
+            type(t.data) is not torch.Tensor or t.is_meta or t.dtype != first.dtype or t.device != first.device
+            for t in tensors
+        ):
+            return False
+        if m.in_features != layers[0].in_features or (m.bias is None) != (layers[0].bias is None):
+            return False
+        if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") or "forward" in m.__dict__:
+            return False
+    return True
+
+
+def merge(model: torch.nn.Module) -> list[MergedGroup]:
+    """Merge every group of :data:`GROUPS` that ``model``'s modules hold and that is safe to merge (module
+    docstring); returns the groups, for :func:`unmerge`. On an error, what was merged is unmerged again."""
+    groups: list[MergedGroup] = []
+    try:
+        for module in model.modules():
+            for names in GROUPS:
+                layers = [getattr(module, n, None) for n in names]
+                if all(isinstance(m, torch.nn.Module) for m in layers) and _mergeable(layers):
+                    groups.append(MergedGroup(layers))
+    except BaseException:
+        unmerge(groups)
+        raise
+    return groups
+
+
+def unmerge(groups: list[MergedGroup]) -> None:
+    """Undo :func:`merge`: every layer as it was (its own storage, the same values, its class's ``forward``)."""
+    for group in groups:
+        group.unmerge()

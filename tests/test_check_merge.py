@@ -1,0 +1,49 @@
+"""benchmarks/check_merge.py on the CPU at a tiny shape (a dry run of the GPU check): every row written, a merged row
+equal to its unmerged twin, the exit status 0; the same script fails (status 1) when a merged row differs."""
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import check_merge
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _run(monkeypatch, tmp_path):
+    out = tmp_path / "m.csv"
+    argv = ["check_merge.py", "--device", "cpu", "--tiny", "--layers", "2", "--context", "48", "--steps", "3", "--out",
+            str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        check_merge.main()
+    with open(out) as f:
+        return exit_.value.code, {r["row"]: r for r in csv.DictReader(f)}
+
+
+def test_dry_run_checks_every_merged_row(monkeypatch, tmp_path):
+    code, rows = _run(monkeypatch, tmp_path)
+    assert code == 0
+    assert list(rows) == ["unpatched bf16", "graph+compile: Dense", "graph+compile+merged: Dense",
+                          "graph+compile: Quest 1/16", "graph+compile+merged: Quest 1/16"]  # fmt: skip
+    for name in ("graph+compile+merged: Dense", "graph+compile+merged: Quest 1/16"):
+        assert float(rows[name]["vs_unmerged"]) < 1e-2 and rows[name]["same_argmax"] == "True"
+    assert 0 < float(rows["graph+compile: Dense"]["vs_fp32"]) < 5e-2  # bf16 against float32
+
+
+def test_a_merged_row_that_differs_fails_the_check(monkeypatch, tmp_path):
+    decode = check_merge.decode
+    calls = []
+
+    def skewed(model, ids, steps, cache=None):
+        calls.append(cache)
+        logits = decode(model, ids, steps, cache)
+        return logits * 1.5 if len(calls) == 4 else logits  # the 4th decode: the merged Dense row
+
+    monkeypatch.setattr(check_merge, "decode", skewed)
+    code, rows = _run(monkeypatch, tmp_path)
+    assert code == 1 and float(rows["graph+compile+merged: Dense"]["vs_unmerged"]) > 0.1

@@ -1,0 +1,218 @@
+"""Merged projections (hf_sparse_kv.merge, ``patch_model(merge_projections=True)``): q/k/v and gate/up as one matmul
+give the unmerged outputs eagerly, under a compiled static step (with fewer matmuls traced), and under autograd;
+weight names, objects and memory are kept; a layer fed another input computes its own; what is not safe to merge
+stays as it is; re-patching and unpatching restore the separate weights bit for bit; captured steps refuse a model
+patched again under them."""
+
+import pytest
+import torch
+from tiny_models import ARCHS, greedy, prompt, tiny_model
+
+import hf_sparse_kv.patch as patch_module
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.graphs import DecodeGraphs
+from hf_sparse_kv.merge import GROUPS, merge, unmerge
+from hf_sparse_kv.patched import STATE_ATTR
+from hf_sparse_kv.policies import Dense, Quest
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _projections(model) -> dict[str, torch.nn.Linear]:
+    names = {n for group in GROUPS for n in group}
+    return {k: m for k, m in model.named_modules() if k.rsplit(".", 1)[-1] in names}
+
+
+def _storages(model) -> set[int]:
+    return {m.weight.untyped_storage().data_ptr() for m in _projections(model).values()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_merged_patch_generates_the_unmerged_tokens_and_unpatch_restores_every_weight(arch):
+    model = tiny_model(arch)
+    ids = prompt(40, batch=2)
+    params = {k: (p, p.detach().clone()) for k, p in model.named_parameters()}
+    patch_model(model, policy=Quest(budget=24, sink=4, window=8), block_size=8, dense_layers=(0,))
+    ref_tokens, ref_scores = greedy(model, ids, new_tokens=8)
+    n_proj = len(_projections(model))
+    patch_model(
+        model, policy=Quest(budget=24, sink=4, window=8), block_size=8, dense_layers=(0,), merge_projections=True
+    )
+    groups = getattr(model, STATE_ATTR).merged
+    assert len(groups) == 2 * model.config.num_hidden_layers, "q/k/v and gate/up in every layer"
+    assert len(_storages(model)) == len(groups), "each group's weights share one storage"
+    assert dict(model.named_parameters()).keys() == params.keys()
+    assert all(p is params[k][0] for k, p in model.named_parameters()), "the same Parameter objects"
+    tokens, scores = greedy(model, ids, new_tokens=8)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(scores, ref_scores, rtol=0, atol=1e-5)
+    unpatch_model(model)
+    assert len(_storages(model)) == n_proj, "every projection its own storage again"
+    for k, p in model.named_parameters():
+        assert p is params[k][0] and torch.equal(p, params[k][1]), k
+    assert all("forward" not in m.__dict__ for m in _projections(model).values())
+
+
+def _linears(seen: list):
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        seen.append(sum(n.op == "call_function" and "linear" in str(n.target) for n in gm.graph.nodes))
+        return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_compiled_static_step_traces_one_matmul_per_group(merged):
+    """A compiled static step of a merged model equals the unmerged eager steps and traces 4 matmuls a layer
+    (qkv, o, gate_up, down) where the unmerged one traces 7."""
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids, steps = prompt(37, batch=2), 6
+    patch_model(model, policy=Quest(budget=24, sink=4, window=8), block_size=8, dense_layers=(0,))
+    cache = PagedKVCache(model.config, block_size=8)
+    ref = []
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        for _ in range(steps):
+            logits = model(logits.argmax(-1), **{cache_kwarg(model): cache}).logits
+            ref.append(logits)
+    patch_model(
+        model, policy=Quest(budget=24, sink=4, window=8), block_size=8, dense_layers=(0,), merge_projections=merged
+    )
+    cache, out, seen = PagedKVCache(model.config, block_size=8), [], []
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, 37 + steps, capture=False, compile={"backend": _linears(seen)})
+        for _ in range(steps):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    torch.testing.assert_close(torch.cat(out, 1), torch.cat(ref, 1), rtol=0, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    assert seen and set(seen) == {layers * (4 if merged else 7) + 1}, seen  # + the LM head
+    assert all(group.last is None for group in getattr(model, STATE_ATTR).merged), "nothing kept between steps"
+    unpatch_model(model)
+
+
+def test_gradients_reach_the_parameters_as_unmerged():
+    model = tiny_model("qwen2")  # q/k/v with biases
+    ids = prompt(12)
+    model.zero_grad()
+    model(ids).logits.square().mean().backward()
+    ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    groups = merge(model)
+    model(ids).logits.square().mean().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[k], rtol=1e-5, atol=1e-6, msg=k)
+    unmerge(groups)
+
+
+class _Cross(torch.nn.Module):
+    """Calls q_proj on one input and k_proj / v_proj on another, then q_proj twice on the same input."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, n, bias=False) for n in (8, 4, 4))
+
+    def forward(self, x, y):
+        return self.q_proj(x), self.k_proj(y), self.v_proj(y), self.q_proj(x), self.q_proj(x)
+
+
+def test_a_layer_fed_another_input_computes_its_own():
+    torch.manual_seed(0)
+    module = _Cross().eval()
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    with torch.no_grad():
+        ref = module(x, y)
+        groups = merge(module)
+        assert len(groups) == 1
+        got = module(x, y)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    unmerge(groups)
+
+
+class _Hooked(torch.nn.Module):
+    def __init__(self, linear=torch.nn.Linear):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (linear(8, 8) for _ in range(3))
+
+
+class _Sub(torch.nn.Linear):
+    pass
+
+
+def test_what_is_not_plainly_safe_is_left_alone():
+    torch.manual_seed(0)
+    cases = [_Hooked(_Sub), _Hooked(), _Hooked(), _Hooked()]
+    cases[1].k_proj.register_forward_hook(lambda *a: None)
+    cases[2].v_proj.to(torch.float64)
+    cases[3].v_proj.bias = None
+    for module in cases:
+        before = [m.weight.untyped_storage().data_ptr() for m in (module.q_proj, module.k_proj, module.v_proj)]
+        assert merge(module) == []
+        assert [m.weight.untyped_storage().data_ptr() for m in (module.q_proj, module.k_proj, module.v_proj)] == before
+
+
+def test_repatching_keeps_or_undoes_the_merge_and_a_refused_patch_changes_nothing():
+    model = tiny_model("llama")
+    n_proj = len(_projections(model))
+    patch_model(model, policy=Dense(), merge_projections=True)
+    groups = getattr(model, STATE_ATTR).merged
+    patch_model(model, policy=Quest(budget=48), merge_projections=True)
+    assert getattr(model, STATE_ATTR).merged is groups, "kept, not merged twice"
+    with pytest.raises(ValueError):
+        patch_model(model, policy=Dense(), mode="nope", merge_projections=False)
+    assert getattr(model, STATE_ATTR).merged is groups and len(_storages(model)) == len(groups)
+    with pytest.raises(TypeError, match="merge_projections"):
+        patch_model(model, merge_projections="yes")
+    patch_model(model, policy=Dense(), merge_projections=False)
+    assert getattr(model, STATE_ATTR).merged == [] and len(_storages(model)) == n_proj
+    unpatch_model(model)
+
+
+def test_a_patch_failing_after_merging_unmerges(monkeypatch):
+    model = tiny_model("llama")
+    n_proj = len(_projections(model))
+
+    def boom(model):
+        groups = merge(model)
+        unmerge(groups)  # what merge() itself does when it fails half-way
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(patch_module, "merge", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        patch_model(model, merge_projections=True)
+    assert not hasattr(model, STATE_ATTR) and len(_storages(model)) == n_proj
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_save_pretrained_of_a_merged_model_loads_back(tmp_path):
+    model = tiny_model("llama")
+    ids = prompt(10)
+    patch_model(model, merge_projections=True)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    loaded.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+    unpatch_model(model)
+
+
+def test_static_steps_refuse_a_model_patched_again_under_them():
+    model = tiny_model("llama")
+    ids = prompt(20)
+    patch_model(model, policy=Quest(budget=48, sink=4, window=8), block_size=8)
+    cache = PagedKVCache(model.config, block_size=8)
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, 30, capture=False)
+        runner.step(logits.argmax(-1))
+        patch_model(model, policy=Quest(budget=48, sink=4, window=8), block_size=8, merge_projections=True)
+        length = cache.get_seq_length()
+        with pytest.raises(RuntimeError, match="patched again"):
+            runner.step(logits.argmax(-1))
+        assert cache.get_seq_length() == length, "nothing moved"
+    unpatch_model(model)
