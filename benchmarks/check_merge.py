@@ -4,14 +4,17 @@ logits of compiled, captured decode steps with and without merging, against the 
     python benchmarks/check_merge.py --out benchmarks/results/check_merge.csv      # CUDA; a few minutes
     python benchmarks/check_merge.py --device cpu --tiny                            # a dry run (no graph, aot_eager)
 
-Method: the Llama-3.1-8B shape with ``--layers`` layers and random weights (bf16; a float32 copy is the reference),
-a real prefill of ``B x --context`` random tokens, then ``--steps`` decode steps fed the same fixed tokens (teacher
-forcing, so that a near tie in random logits cannot fork the rows). Rows: the unpatched float32 model (the
-reference), the unpatched bf16 model, and patched ``Dense`` and ``Quest 1/16`` with ``cuda_graph=True,
-compile="inductor"``, each unmerged and merged. Columns: the largest relative error of each row's logits against
-the reference (``max |d| / max |ref|`` over all steps), the same against the row's unmerged twin, the greedy
-tokens of each step equal to the twin's, NaN seen, the steps replayed from graphs. Printed last as a table; the
-script exits with status 1 when a merged row differs from its twin by more than ``--tol`` (bf16: 1e-2) or has NaN.
+Method: the Llama-3.1-8B shape with ``--layers`` layers and random weights, a real prefill of ``B x --context``
+random tokens, then ``--steps`` decode steps fed the same fixed tokens (teacher forcing, so that a near tie in random
+logits cannot fork the rows). Per dtype (``--dtypes``): the unpatched model, then patched ``Dense`` and ``Quest
+1/16`` with ``cuda_graph=True, compile="inductor"``, each unmerged and merged. Columns: the largest relative error
+(``max |d| / max |ref|`` over all steps) of each row's logits against the unpatched float32 model (``vs_fp32``), and
+of a merged row against its unmerged twin of the same dtype (``vs_unmerged``), the greedy tokens of each step equal
+to the twin's, NaN seen, the steps replayed from graphs. Merging changes only the order of the matmuls' sums, so in
+float32 (TF32 off) a merged row must match its twin within ``--tol`` (1e-4); in bf16 a random-weight model amplifies
+any rounding difference (on 2026-12-01 the unpatched bf16 model was 1.26 away from the float32 one at 8 layers:
+random weights, not a fault), so bf16 rows are reported (``vs_unmerged``, argmax, NaN), and fail only on NaN.
+Printed last as a table; the script exits with status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--tol", type=float, default=1e-2)
+    p.add_argument("--tol", type=float, default=1e-4, help="float32: merged against unmerged")
+    p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--tiny", action="store_true", help="a tiny config (a dry run)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="benchmarks/results/check_merge.csv")
@@ -67,32 +71,36 @@ def main() -> None:
     V = model.config.vocab_size
     ids = torch.randint(3, V, (args.batch, args.context), generator=g, device=args.device)
     steps = torch.randint(3, V, (args.batch, args.steps), generator=g, device=args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
     reference = decode(model.float(), ids, steps)
-    model.to(torch.bfloat16)
-    results = [{"row": "unpatched bf16", "vs_fp32": rel(decode(model, ids, steps), reference)}]
+    results = []
     compile_backend = "inductor" if args.device == "cuda" else "aot_eager"
     failed = False
-    for name, policy in (("Dense", Dense()), ("Quest 1/16", Quest(budget=0.0625))):
-        twin = None
-        for merged in (False, True):
-            patch_model(model, policy=policy, cuda_graph=True, compile=compile_backend, merge_projections=merged)
-            cache = PagedKVCache(model.config, max_length=args.context + args.steps + 1)
-            try:
-                logits = decode(model, ids, steps, cache)
-            finally:
-                unpatch_model(model)
-                torch._dynamo.reset()
-            runner = cache.session.graphs
-            row = {"row": f"graph+compile{'+merged' if merged else ''}: {name}", "vs_fp32": rel(logits, reference)}
-            row["nan"] = bool(torch.isnan(logits).any())
-            row["replayed"] = runner.replays if runner else 0
-            if twin is not None:
-                row["vs_unmerged"] = rel(logits, twin)
-                row["same_argmax"] = bool(torch.equal(logits.argmax(-1), twin.argmax(-1)))
-                failed |= row["nan"] or row["vs_unmerged"] > args.tol
-            twin = logits
-            print(row, flush=True)
-            results.append(row)
+    for dtype in args.dtypes.split(","):
+        model.to(getattr(torch, dtype))
+        results.append({"row": f"{dtype}: unpatched", "vs_fp32": rel(decode(model, ids, steps), reference)})
+        for name, policy in (("Dense", Dense()), ("Quest 1/16", Quest(budget=0.0625))):
+            twin = None
+            for merged in (False, True):
+                patch_model(model, policy=policy, cuda_graph=True, compile=compile_backend, merge_projections=merged)
+                cache = PagedKVCache(model.config, max_length=args.context + args.steps + 1)
+                try:
+                    logits = decode(model, ids, steps, cache)
+                finally:
+                    unpatch_model(model)
+                    torch._dynamo.reset()
+                runner = cache.session.graphs
+                row = {"row": f"{dtype}: graph+compile{'+merged' if merged else ''}: {name}"}
+                row.update(vs_fp32=rel(logits, reference), nan=bool(torch.isnan(logits).any()))
+                row["replayed"] = runner.replays if runner else 0
+                failed |= row["nan"]
+                if twin is not None:
+                    row["vs_unmerged"] = rel(logits, twin)
+                    row["same_argmax"] = bool(torch.equal(logits.argmax(-1), twin.argmax(-1)))
+                    failed |= dtype == "float32" and row["vs_unmerged"] > args.tol
+                twin = logits
+                print(row, flush=True)
+                results.append(row)
     write_csv(args.out, results)
     table = [{k: f"{v:.2e}" if k.startswith("vs_") else v for k, v in r.items()} for r in results]
     print_table(table, ["row", "vs_fp32", "vs_unmerged", "same_argmax", "nan", "replayed"], title="merged projections")

@@ -194,7 +194,7 @@ def test_save_pretrained_of_a_merged_model_loads_back(tmp_path):
     ids = prompt(10)
     patch_model(model, merge_projections=True)
     model.save_pretrained(tmp_path)
-    loaded = type(model).from_pretrained(tmp_path).eval()
+    loaded = type(model).from_pretrained(tmp_path).to(model.device).eval()
     loaded.set_attn_implementation("sdpa")
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
