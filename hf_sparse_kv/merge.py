@@ -12,7 +12,9 @@ How, without changing what the model computes or how its weights are named:
   ``Parameter`` object, its ``data`` a view of its rows (no memory added: the old storages are freed);
 - each layer's ``forward`` is set on the instance: the first layer of the group called with an input computes the
   merged product and keeps it; the others, called with the *same* tensor, return their columns of it (views);
-  called with another tensor (or with gradients wanted), a layer computes its own ``F.linear`` as before;
+  called with another tensor (or with gradients wanted, or given another ``Parameter`` since), a layer computes its
+  own ``F.linear`` as before; a parameter whose ``data`` was replaced is refused by :func:`check`, which the patch
+  runs before every forward of more than one token;
 - :func:`unmerge` gives every layer its own storage back (copies of its rows, the same values) and removes the
   instance ``forward``: the model is as it was, bit for bit.
 
@@ -53,11 +55,33 @@ class MergedGroup:
                 m.bias.data = self.bias[start : start + n]
             m.forward = partial(self.part, i)
             start += n
+        self.params = [(m.weight, m.bias) for m in layers]  # a layer given another Parameter computes its own
+        self.ptrs = [tuple(t.data_ptr() for t in pair if t is not None) for pair in self.params]
+
+    def _ptrs(self, m) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (m.weight, m.bias) if t is not None)
+
+    def intact(self) -> bool:
+        """Whether every layer still holds its own ``Parameter``s, views of the merged tensors (re-patching keeps
+        such a group; any other is merged afresh)."""
+        return all(
+            m.weight is pair[0] and m.bias is pair[1] and self._ptrs(m) == ptrs
+            for m, pair, ptrs in zip(self.layers, self.params, self.ptrs)
+        )
+
+    def stale(self) -> bool:
+        """Whether a layer holds its ``Parameter``s but their ``data`` was replaced (``param.data = ...``): the
+        merged product would not see it. (A layer given another ``Parameter`` computes its own product.)"""
+        return any(
+            m.weight is pair[0] and m.bias is pair[1] and self._ptrs(m) != ptrs
+            for m, pair, ptrs in zip(self.layers, self.params, self.ptrs)
+        )
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``index``'s output for ``x [..., in]``: its columns of the merged product ``[..., out]``."""
         layer = self.layers[index]
-        if torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad):
+        replaced = layer.weight is not self.params[index][0] or layer.bias is not self.params[index][1]
+        if replaced or (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
             return F.linear(x, layer.weight, layer.bias)  # autograd reaches the parameters through their own views
         if self.last is None or self.last[0] is not x or self.last[2][index]:
             self.last = (
@@ -116,6 +140,18 @@ def merge(model: torch.nn.Module) -> list[MergedGroup]:
         unmerge(groups)
         raise
     return groups
+
+
+def check(groups: list[MergedGroup]) -> None:
+    """Raise ``RuntimeError`` when a merged layer's parameter ``data`` was replaced (the merged product would use
+    the old values): a host check, for forwards that are not static steps."""
+    stale = [g for g in groups if g.stale()]
+    if stale:
+        raise RuntimeError(
+            f"the data of {len(stale)} merged projection group(s) was replaced after patch_model(merge_projections="
+            "True) (e.g. param.data = ...): the merged matmuls would use the old weights. Patch the model again (it "
+            "merges the new weights), or unpatch it."
+        )
 
 
 def unmerge(groups: list[MergedGroup]) -> None:

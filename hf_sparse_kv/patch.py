@@ -40,7 +40,7 @@ from .attention import (
 from .cache import PagedKVCache, PagedLayer, check_block_size
 from .crossover import CrossoverTable
 from .graphs import begin_static_step, captured_step, refuse_freezing
-from .merge import merge, unmerge
+from .merge import check, merge, unmerge
 from .ops import BACKENDS
 from .patched import STATE_ATTR, PatchState, cache_kwarg
 from .policies import Dense, Policy
@@ -145,12 +145,18 @@ def _foreign_cache_error(cache) -> TypeError:
 
 
 def _model_pre_hook(model, args, kwargs):
-    config: SparseConfig = getattr(model, STATE_ATTR).config
+    state: PatchState = getattr(model, STATE_ATTR)
+    config: SparseConfig = state.config
     if kwargs.get("output_attentions") or getattr(model.config, "output_attentions", False):
         raise ValueError(
             "output_attentions=True is not supported on a model patched by hf_sparse_kv: sparse decode never forms "
             "the attention matrix. Call unpatch_model(model) to get attention weights."
         )
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+    one = isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1
+    if not one:
+        check(state.merged)  # a prefill: the merged projections still hold the model's weights
     _name, cache = _find_cache(kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
@@ -160,9 +166,6 @@ def _model_pre_hook(model, args, kwargs):
         mask = kwargs.get("attention_mask")
         if not cache.paged_layers and not cache.get_seq_length() and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             _declare_padding(cache, mask)  # no paged layer declares it: a static step's sliding rings need it
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ids = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
-        one = isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1
         if one and cache.static_decoding and cache.static is None and cache.get_seq_length():
             cache.reserve_static(cache.max_length)  # the first decode step of a cache built for static decoding
         if cache.static is not None and not cache.session.graphs and one:  # reserved by the user: a static step
@@ -331,7 +334,8 @@ def patch_model(
     _register()
     saved = _Settings(model)
     handles = []
-    kept = previous.merged if previous else []
+    old = previous.merged if previous else []
+    keep = merge_projections and bool(old) and all(g.intact() for g in old)  # stale groups are merged afresh
     merged = []
     try:  # a previous patch stays in force until this one is complete
         # the model hook plans a static step on the host: never traced (generate() compiles model.__call__)
@@ -345,8 +349,9 @@ def patch_model(
         if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
             original_forward = type(model).forward.__get__(model)
             model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
-        if merge_projections and not kept:
-            merged = merge(model)
+        if merge_projections and not keep:
+            unmerge(old)  # none, or stale: each layer its own (current) weights, then merged anew
+            old, merged = [], merge(model)
     except BaseException:
         for h in handles:
             h.remove()
@@ -355,9 +360,9 @@ def patch_model(
         raise
     for handle in previous.handles if previous else ():
         handle.remove()  # replaced by this patch's hooks
-    if kept and not merge_projections:
-        unmerge(kept)
-    setattr(model, STATE_ATTR, PatchState(config, handles, merged or (kept if merge_projections else [])))
+    if old and not keep:
+        unmerge(old)
+    setattr(model, STATE_ATTR, PatchState(config, handles, old if keep else merged))
     if cuda_graph and not any(p.is_cuda for p in model.parameters()):
         warnings.warn(
             "cuda_graph=True: the model is not on a CUDA device, so its decode steps run eagerly (CUDA graphs "

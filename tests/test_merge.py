@@ -216,3 +216,33 @@ def test_static_steps_refuse_a_model_patched_again_under_them():
             runner.step(logits.argmax(-1))
         assert cache.get_seq_length() == length, "nothing moved"
     unpatch_model(model)
+
+
+def test_a_replaced_weight_is_used_or_refused_never_ignored():
+    """A layer given a new ``Parameter`` after merging computes its own product (the right output); a parameter
+    whose ``data`` was replaced is refused at the next prefill, and patching again merges the new weights."""
+    model = tiny_model("llama")
+    ids = prompt(16)
+    patch_model(model, merge_projections=True)
+    k_proj = model.model.layers[1].self_attn.k_proj
+    with torch.no_grad():
+        new = torch.nn.Parameter(torch.randn_like(k_proj.weight))
+        k_proj.weight = new
+        unmerged = tiny_model("llama")
+        unmerged.model.layers[1].self_attn.k_proj.weight = torch.nn.Parameter(new.detach().clone())
+        torch.testing.assert_close(model(ids).logits, unmerged(ids).logits, rtol=0, atol=1e-5)
+        groups = getattr(model, STATE_ATTR).merged
+        assert [g.intact() for g in groups].count(False) == 1 and not any(g.stale() for g in groups)
+        up = model.model.layers[0].mlp.up_proj
+        up.weight.data = torch.randn_like(up.weight)
+        with pytest.raises(RuntimeError, match="was replaced"):
+            model(ids)
+        unmerged.model.layers[0].mlp.up_proj.weight.data = up.weight.detach().clone()
+        patch_model(model, merge_projections=True)
+        assert all(g.intact() for g in getattr(model, STATE_ATTR).merged)
+        assert (
+            up.weight.untyped_storage().data_ptr()
+            == model.model.layers[0].mlp.gate_proj.weight.untyped_storage().data_ptr()
+        )
+        torch.testing.assert_close(model(ids).logits, unmerged(ids).logits, rtol=0, atol=1e-5)
+    unpatch_model(model)
