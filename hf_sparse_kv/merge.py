@@ -43,7 +43,7 @@ class MergedGroup:
 
     def __init__(self, layers: list[torch.nn.Linear]):
         self.layers = layers
-        self.sizes = [m.out_features for m in layers]
+        self.sizes = [m.weight.shape[0] for m in layers]  # a layer's own rows (a shard's, not out_features)
         with torch.no_grad():
             self.weight = torch.cat([m.weight.detach() for m in layers])
             self.bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
@@ -119,7 +119,7 @@ def _mergeable(layers: list) -> bool:
             for t in tensors
         ):
             return False
-        if m.in_features != layers[0].in_features or (m.bias is None) != (layers[0].bias is None):
+        if m.weight.shape[1] != first.shape[1] or (m.bias is None) != (layers[0].bias is None):
             return False
         if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") or "forward" in m.__dict__:
             return False
