@@ -1,8 +1,8 @@
 """Merged projections: sibling ``nn.Linear`` layers that their module feeds the same input, run as one matmul.
 
 A decode step is a matrix-vector product per weight; at batch 1-8 each is bound by the bytes of its weight, and a
-small one (an 8B model's k/v projections, 8 MB each) reaches ~30 % of the HBM bandwidth where a merged q/k/v
-reaches ~80 % (benchmarks/RESULTS.md, ``bench_projections.py``). Merging reads the same bytes in fewer, larger
+small one (an 8B model's k/v projections, 8 MB each) reaches ~26 % of the HBM bandwidth on an H200 where the merged
+q/k/v reaches ~77 % (benchmarks/RESULTS.md, ``bench_projections.py``). Merging reads the same bytes in fewer, larger
 matmuls. Groups, found by name on any module that holds all of a group's layers: ``q_proj, k_proj, v_proj``
 (attention) and ``gate_proj, up_proj`` (MLP).
 
@@ -20,7 +20,7 @@ How, without changing what the model computes or how its weights are named:
 
 A group is merged only where that is plainly safe: exact ``nn.Linear`` layers (not quantized or parallel
 subclasses), plain tensors of one dtype and device (not DTensor, not ``meta``), no forward hooks of their own or
-accelerate's ``_hf_hook``, the same ``in_features``, biases on all or none. The rest stay as they are.
+accelerate's ``_hf_hook``, the same input width, biases on all or none. The rest stay as they are.
 
 Nothing here is module-level state: what a merge keeps lives on its :class:`MergedGroup`, which the patch keeps in
 its :class:`~hf_sparse_kv.patched.PatchState`.

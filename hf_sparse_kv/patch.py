@@ -296,8 +296,8 @@ def patch_model(
         merge_projections: run each attention's ``q_proj``/``k_proj``/``v_proj`` and each MLP's
             ``gate_proj``/``up_proj`` as one matmul (:mod:`hf_sparse_kv.merge`): the same outputs, the same weight
             names and memory (each layer's weight becomes a view of its group's merged tensor), fewer and larger
-            matmuls, which at decode read the weights closer to the memory bandwidth (~0.6 ms a step on an 8B model
-            on an H200). Layers that are not plain ``nn.Linear`` (quantized, parallel, hooked) stay as they are.
+            matmuls, which at decode read the weights closer to the memory bandwidth (0.4-0.6 ms a step on an 8B
+            model on an H200). Layers that are not plain ``nn.Linear`` (quantized, parallel, hooked) stay as they are.
             Undone by :func:`unpatch_model` (each weight its own storage again).
 
     Returns:
