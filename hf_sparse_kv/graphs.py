@@ -72,13 +72,16 @@ def _inductor_freezing() -> bool:
     return bool(getattr(config, "freezing", False))
 
 
-def begin_static_step(config, cache: PagedKVCache, positions: torch.Tensor | None = None) -> StaticPlan:
+def begin_static_step(
+    config, cache: PagedKVCache, positions: torch.Tensor | None = None, compiled: bool = True
+) -> StaticPlan:
     """The host part of a static decode step on a reserved ``cache``, before the step runs: plan it at its lengths,
     fill the device buffers (``positions`` ``[B, 1]``: the step's position ids, default ``generate()``'s), move the
     layers' lengths on by the new token and count the step (as the eager step would). Returns the step's plan (the
-    key of its graph). Refuses to run (``RuntimeError``, before anything changes) while inductor's global
-    ``freezing`` flag is on: a frozen compile of the step would read the cache as constants."""
-    if _inductor_freezing():
+    key of its graph). ``compiled``: whether the step may run compiled (``False`` only for a :class:`DecodeGraphs`
+    without ``compile``); such a step refuses to run (``RuntimeError``, before anything changes) while inductor's
+    global ``freezing`` flag is on: a frozen compile of the step would read the cache as constants."""
+    if compiled and _inductor_freezing():
         raise RuntimeError(FREEZING_ERROR)
     static = cache.static
     frame = cache.get_seq_length()  # tokens before this one, in transformers' frame
@@ -130,6 +133,7 @@ class DecodeGraphs:
         self.static = cache.reserve_static(max_length)
         cache.session.set_graphs(self)  # the patch's model hook leaves this cache's steps to this runner
         fn = forward or type(model).forward.__get__(model)
+        self.compiled = compile is not None
         if compile is not None:
             options = {"backend": compile} if isinstance(compile, str) else dict(compile)
             fn = torch.compile(fn, fullgraph=True, **options)
@@ -188,7 +192,7 @@ class DecodeGraphs:
                 "the model was patched again (or unpatched) after this cache's static steps were set up: they would "
                 "replay its old settings and weights. Call cache.reset() and prefill again."
             )
-        plan = begin_static_step(self.config, self.cache, position_ids)
+        plan = begin_static_step(self.config, self.cache, position_ids, compiled=self.compiled)
         self.ids.copy_(input_ids)
         if not self.capture:
             return self._forward().clone()

@@ -171,8 +171,9 @@ def test_inductor_freezing_is_refused():
     """Inductor's ``freezing`` turns every tensor marked as a static address into a constant of the compiled step,
     the cache's pools and the step's buffers included (on the CPU: right logits at the first step, wrong from the
     second). ``patch_model`` refuses it in ``compile``'s options before patching; :class:`DecodeGraphs` refuses it
-    before reserving; a static step refuses to begin while the global flag is on, on the captured path and on a
-    user's own compiled forward, and runs again once it is off."""
+    before reserving; a static step that may compile refuses to begin while the global flag is on, on the compiled
+    captured path and on a user's own (maybe compiled) forward, and runs again once it is off; a runner that never
+    compiles is not refused."""
     import torch._inductor.config as inductor_config
 
     model = tiny_model("llama")
@@ -188,12 +189,16 @@ def test_inductor_freezing_is_refused():
         with pytest.raises(ValueError, match="freezing"):
             DecodeGraphs(model, cache, 40, capture=False, compile=freezing)
         assert cache.static is None, "a refused runner reserved the cache"
-        runner = DecodeGraphs(model, cache, 40, capture=False)
+        runner = DecodeGraphs(model, cache, 40, capture=False, compile="aot_eager")
         n = cache.get_seq_length()
         with inductor_config.patch(freezing=True):
             with pytest.raises(RuntimeError, match="freezing"):
                 runner.step(logits.argmax(-1))
             assert cache.get_seq_length() == n, "a refused step moved the cache on"
+            uncompiled = DecodeGraphs(model, cache, 40, capture=False)  # a step that never compiles: not refused
+            assert uncompiled.step(logits.argmax(-1)).shape[1] == 1 and cache.get_seq_length() == n + 1
+            cache.crop(n)
+            cache.reserve_static(40)
             cache.session.set_graphs(None)  # a user's own forward on the reserved cache: the patch's hook refuses too
             with pytest.raises(RuntimeError, match="freezing"):
                 model(logits.argmax(-1), **{cache_kwarg(model): cache})
