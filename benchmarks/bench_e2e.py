@@ -19,6 +19,8 @@ captured steps (``--crossover`` names another): dense below the table's crossove
 
 Rows named ``graph+compile: ...`` patch with ``cuda_graph=True, compile="inductor"``: the static decode step is
 compiled (``fullgraph=True``; inductor fuses the model's own norms, rotary, SiLU) and the compiled step captured.
+Rows named ``graph+compile+merged: ...`` (and ``generate: graph+compile+merged: ...``) do the same with
+``merge_projections=True`` (q/k/v and gate/up as one matmul each).
 Rows named ``reduce-overhead: ...`` are the user's way: the patched model's cache reserved (``reserve_static``) and
 ``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``.
 The row ``unpatched StaticCache + compile`` is what the transformers docs recommend for fast decoding: the unpatched
@@ -270,13 +272,15 @@ COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compi
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
 ]
 STATIC_ROW = "unpatched StaticCache + compile"
-GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments, the captured step compiled)
-    ("generate: unpatched sdpa", None, {}, False),
-    ("generate: unpatched StaticCache + compile", None, {"cache_implementation": "static"}, False),
-    ("generate: graph: patched Dense", Dense(), {}, False),
-    ("generate: graph: Quest 1/16 block", Quest(budget=0.0625), {}, False),
-    ("generate: graph+compile: patched Dense", Dense(), {}, True),
-    ("generate: graph+compile: Quest 1/16 block", Quest(budget=0.0625), {}, True),
+GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments, how the captured step is
+    # compiled: None (not), "graph" (inductor), "graph+merged" (inductor, merge_projections=True))
+    ("generate: unpatched sdpa", None, {}, None),
+    ("generate: unpatched StaticCache + compile", None, {"cache_implementation": "static"}, None),
+    ("generate: graph: patched Dense", Dense(), {}, None),
+    ("generate: graph: Quest 1/16 block", Quest(budget=0.0625), {}, None),
+    ("generate: graph+compile: patched Dense", Dense(), {}, "graph"),
+    ("generate: graph+compile: Quest 1/16 block", Quest(budget=0.0625), {}, "graph"),
+    ("generate: graph+compile+merged: Quest 1/16 block", Quest(budget=0.0625), {}, "graph+merged"),
 ]
 
 
@@ -287,7 +291,7 @@ def static_row(row) -> bool:
 
 def compiles(row) -> bool:
     """Whether a ``GENERATE_ROWS`` row compiles (it runs in the ``compiled`` phase)."""
-    return static_row(row) or row[3]
+    return static_row(row) or row[3] is not None
 
 
 PHASES = ("decode", "generate", "compiled")  # the order of a run: cheap rows first, the compiles last
@@ -511,13 +515,19 @@ def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None
             if keep("generate: floor: dense") and not compiled:
                 report.add({"batch": batch, "context": length, "row": "generate: floor: dense" + suffix,
                             "kv_mb_per_step": dense_kv / 1e6, **floor_fields(0.0, weights + dense_kv, bandwidth)})  # fmt: skip
-            for name, policy, extra, compile_step in rows:
+            for name, policy, extra, how in rows:
                 report.say(f"{batch}x{length}{suffix}: {name}")
                 cache, extra = None, dict(extra)
                 if policy is not None:
-                    backend = compile_backend(args.device) if compile_step else None
+                    backend = compile_backend(args.device) if how else None
                     patch_model(
-                        model, policy=policy, mode="block", block_size=args.block_size, cuda_graph=True, compile=backend
+                        model,
+                        policy=policy,
+                        mode="block",
+                        block_size=args.block_size,
+                        cuda_graph=True,
+                        compile=backend,
+                        merge_projections=how == "graph+merged",
                     )
                     cache = PagedKVCache(model.config, block_size=args.block_size, max_length=length + args.new_tokens)
                     extra[cache_kwarg(model)] = cache

@@ -67,15 +67,17 @@ def test_bench_e2e_compiled_generate_rows_run_in_the_compiled_phase(monkeypatch,
 
 
 def test_bench_e2e_merged_rows_run_compiled(monkeypatch, tmp_path):
-    """The ``graph+compile+merged:`` rows patch with ``merge_projections=True`` and run (``aot_eager`` on the CPU)."""
+    """The ``graph+compile+merged:`` rows (filled-cache steps and generate()) patch with ``merge_projections=True``
+    and run (``aot_eager`` on the CPU)."""
     calls = []
     patch_model = bench_e2e.patch_model
     monkeypatch.setattr(bench_e2e, "patch_model", lambda *a, **kw: calls.append(kw) or patch_model(*a, **kw))
     row = "graph+compile+merged: Quest 1/16 block"
-    _run(monkeypatch, tmp_path, "--rows", f"graph+compile: Quest 1/16 block,{row}", "--generate", "", "--phases",
-         "compiled", "--no-static")  # fmt: skip
+    generate = "generate: graph+compile+merged: Quest 1/16 block"
+    _run(monkeypatch, tmp_path, "--rows", f"graph+compile: Quest 1/16 block,{row},{generate}", "--phases", "compiled",
+         "--no-static")  # fmt: skip
     with open(tmp_path / "e2e.csv") as f:
         rows = {r["row"]: r for r in csv.DictReader(f)}
-    assert list(rows) == ["graph+compile: Quest 1/16 block", row]
-    assert float(rows[row]["ms_per_token"]) > 0
-    assert [kw["merge_projections"] for kw in calls] == [False, True]
+    assert list(rows) == ["graph+compile: Quest 1/16 block", row, generate, f"{generate} (left-padded)"]
+    assert float(rows[row]["ms_per_token"]) > 0 and float(rows[generate]["ms_per_token"]) > 0
+    assert [kw["merge_projections"] for kw in calls] == [False, True, True, True]
