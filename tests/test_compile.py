@@ -206,16 +206,20 @@ def test_inductor_freezing_is_refused():
     unpatch_model(model)
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_users_compiled_forward_on_a_reserved_cache_equals_eager(arch):
+def test_users_compiled_forward_on_a_reserved_cache_equals_eager(arch, merged):
     """``model.forward = torch.compile(model.forward, fullgraph=True)`` after the prefill, on a cache reserved with
     ``reserve_static``: the patch's model hook (outside the compiled forward) begins each static step and passes
-    its position ids."""
+    its position ids; with ``merge_projections`` too (the reference: eager steps without merging)."""
     torch._dynamo.reset()
     model = tiny_model(arch)
     ids = prompt(30, batch=2)
     _patch(model, Quest(budget=16, sink=4, window=8), "block")
     _, ref = _eager(model, ids, STEPS)
+    if merged:
+        patch_model(model, policy=Quest(budget=16, sink=4, window=8), block_size=8, dense_layers=(0,),
+                    merge_projections=True)  # fmt: skip
     cache, out = PagedKVCache(model.config, block_size=8), []
     with torch.no_grad():
         logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
