@@ -20,7 +20,8 @@ captured steps (``--crossover`` names another): dense below the table's crossove
 Rows named ``graph+compile: ...`` patch with ``cuda_graph=True, compile="inductor"``: the static decode step is
 compiled (``fullgraph=True``; inductor fuses the model's own norms, rotary, SiLU) and the compiled step captured.
 Rows named ``graph+compile+merged: ...`` (and ``generate: graph+compile+merged: ...``) do the same with
-``merge_projections=True`` (q/k/v and gate/up as one matmul each).
+``merge_projections=True`` (q/k/v and gate/up as one matmul each); ``graph+compile+merged+autotune: ...`` also
+compiles with inductor's ``mode="max-autotune-no-cudagraphs"`` (each matmul's kernel chosen by timing; minutes).
 Rows named ``reduce-overhead: ...`` are the user's way: the patched model's cache reserved (``reserve_static``) and
 ``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``.
 The row ``unpatched StaticCache + compile`` is what the transformers docs recommend for fast decoding: the unpatched
@@ -262,12 +263,17 @@ ROWS = [  # (name, policy, mode, cuda_graph)
     ("graph: Quest 1/16 auto", Quest(budget=0.0625), "auto", True),
 ]
 COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compile="inductor"; "graph+merged": the
-    # same with merge_projections=True; "reduce-overhead" = the cache reserved (reserve_static) and
+    # same with merge_projections=True; "graph+merged+autotune": and inductor's mode="max-autotune-no-cudagraphs";
+    # "reduce-overhead" = the cache reserved (reserve_static) and
     # model.forward = torch.compile(model.forward, mode="reduce-overhead")
     ("graph+compile: patched Dense", Dense(), "block", "graph"),
     ("graph+compile: Quest 1/16 block", Quest(budget=0.0625), "block", "graph"),
     ("graph+compile+merged: patched Dense", Dense(), "block", "graph+merged"),
     ("graph+compile+merged: Quest 1/16 block", Quest(budget=0.0625), "block", "graph+merged"),
+    # inductor's max-autotune picks each matmul's kernel by timing cuBLAS against its Triton templates (minutes of
+    # compile): whether o_proj (60 % of the bandwidth under cuBLAS at batch 1) and the rest get faster kernels
+    ("graph+compile+merged+autotune: patched Dense", Dense(), "block", "graph+merged+autotune"),
+    ("graph+compile+merged+autotune: Quest 1/16 block", Quest(budget=0.0625), "block", "graph+merged+autotune"),
     ("reduce-overhead: patched Dense", Dense(), "block", "reduce-overhead"),
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
 ]
@@ -323,17 +329,26 @@ def compile_backend(device: str) -> str:
     return "inductor" if device == "cuda" else "aot_eager"
 
 
+def step_compile(device: str, how: str | None) -> str | dict | None:
+    """``patch_model``'s ``compile`` for a row's ``how``: ``None`` (not compiled), the backend name (``"graph"``,
+    ``"graph+merged"``) or, for ``"graph+merged+autotune"`` on CUDA, inductor with ``max-autotune-no-cudagraphs``."""
+    if how not in ("graph", "graph+merged", "graph+merged+autotune"):
+        return None
+    if how.endswith("autotune") and device == "cuda":
+        return {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}
+    return compile_backend(device)
+
+
 def patch_row(model, policy, mode: str, args, graph: bool, compiled: str | None = None) -> None:
     table = {"crossover": args.crossover} if mode == "auto" else {}
-    backend = compile_backend(args.device) if compiled in ("graph", "graph+merged") else None
     patch_model(
         model,
         policy=policy,
         mode=mode,
         block_size=args.block_size,
         cuda_graph=graph,
-        compile=backend,
-        merge_projections=compiled == "graph+merged",
+        compile=step_compile(args.device, compiled),
+        merge_projections=compiled in ("graph+merged", "graph+merged+autotune"),
         **table,
     )
 
@@ -519,15 +534,14 @@ def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None
                 report.say(f"{batch}x{length}{suffix}: {name}")
                 cache, extra = None, dict(extra)
                 if policy is not None:
-                    backend = compile_backend(args.device) if how else None
                     patch_model(
                         model,
                         policy=policy,
                         mode="block",
                         block_size=args.block_size,
                         cuda_graph=True,
-                        compile=backend,
-                        merge_projections=how == "graph+merged",
+                        compile=step_compile(args.device, how),
+                        merge_projections=how in ("graph+merged", "graph+merged+autotune"),
                     )
                     cache = PagedKVCache(model.config, block_size=args.block_size, max_length=length + args.new_tokens)
                     extra[cache_kwarg(model)] = cache

@@ -73,11 +73,26 @@ def test_bench_e2e_merged_rows_run_compiled(monkeypatch, tmp_path):
     patch_model = bench_e2e.patch_model
     monkeypatch.setattr(bench_e2e, "patch_model", lambda *a, **kw: calls.append(kw) or patch_model(*a, **kw))
     row = "graph+compile+merged: Quest 1/16 block"
+    autotune = "graph+compile+merged+autotune: Quest 1/16 block"
     generate = "generate: graph+compile+merged: Quest 1/16 block"
-    _run(monkeypatch, tmp_path, "--rows", f"graph+compile: Quest 1/16 block,{row},{generate}", "--phases", "compiled",
-         "--no-static")  # fmt: skip
+    _run(monkeypatch, tmp_path, "--rows", f"graph+compile: Quest 1/16 block,{row},{autotune},{generate}", "--phases",
+         "compiled", "--no-static")  # fmt: skip
     with open(tmp_path / "e2e.csv") as f:
         rows = {r["row"]: r for r in csv.DictReader(f)}
-    assert list(rows) == ["graph+compile: Quest 1/16 block", row, generate, f"{generate} (left-padded)"]
-    assert float(rows[row]["ms_per_token"]) > 0 and float(rows[generate]["ms_per_token"]) > 0
-    assert [kw["merge_projections"] for kw in calls] == [False, True, True, True]
+    assert list(rows) == ["graph+compile: Quest 1/16 block", row, autotune, generate, f"{generate} (left-padded)"]
+    assert all(float(rows[name]["ms_per_token"]) > 0 for name in (row, autotune, generate))
+    assert [kw["merge_projections"] for kw in calls] == [False, True, True, True, True]
+
+
+def test_step_compile_names_each_rows_compile():
+    """Each compiled row's ``compile=``: the backend name, inductor's max-autotune for the autotune rows on CUDA
+    (``aot_eager`` for every compiled row on the CPU), nothing for rows that do not compile."""
+    assert bench_e2e.step_compile("cuda", None) is None and bench_e2e.step_compile("cuda", "reduce-overhead") is None
+    assert bench_e2e.step_compile("cuda", "graph") == bench_e2e.step_compile("cuda", "graph+merged") == "inductor"
+    assert bench_e2e.step_compile("cuda", "graph+merged+autotune") == {
+        "backend": "inductor",
+        "mode": "max-autotune-no-cudagraphs",
+    }
+    assert {bench_e2e.step_compile("cpu", h) for h in ("graph", "graph+merged", "graph+merged+autotune")} == {
+        "aot_eager"
+    }
