@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.patched import STATE_ATTR
 from hf_sparse_kv.policies import Dense, Quest
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
@@ -52,3 +53,19 @@ def test_smollm2_dense_and_quest(smollm2):
     )
     assert forced_agree >= 0.75
     assert torch.equal(_greedy(model, ids, 4), ref[:4])  # unpatched again
+
+
+def test_smollm2_merged_projections_generate_the_same_tokens(smollm2):
+    """The real model loaded from GGUF merges (its q/k/v and gate/up are plain linears): every group merged, the same
+    greedy tokens as unmerged under Quest, and unpatching gives back the same weights."""
+    model, ids = smollm2
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    patch_model(model, policy=Quest(budget=0.25), mode="block")
+    ref = _greedy(model, ids, 16)
+    patch_model(model, policy=Quest(budget=0.25), mode="block", merge_projections=True)
+    groups = len(getattr(model, STATE_ATTR).merged)
+    merged = _greedy(model, ids, 16)
+    unpatch_model(model)
+    assert groups == 2 * model.config.num_hidden_layers
+    assert torch.equal(merged, ref)
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
