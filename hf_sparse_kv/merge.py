@@ -149,8 +149,8 @@ def check(groups: list[MergedGroup]) -> None:
     if stale:
         raise RuntimeError(
             f"the data of {len(stale)} merged projection group(s) was replaced after patch_model(merge_projections="
-            "True) (e.g. param.data = ...): the merged matmuls would use the old weights. Patch the model again (it "
-            "merges the new weights), or unpatch it."
+            "True) (model.to(...) / .half() after patching, or param.data = ...): the merged matmuls would use the old "
+            "weights. Patch the model again (it merges the new weights), or unpatch it."
         )
 
 

@@ -245,4 +245,9 @@ def test_a_replaced_weight_is_used_or_refused_never_ignored():
             == model.model.layers[0].mlp.gate_proj.weight.untyped_storage().data_ptr()
         )
         torch.testing.assert_close(model(ids).logits, unmerged(ids).logits, rtol=0, atol=1e-5)
+        model.to(torch.float64)  # converts every parameter's data: the merged tensors are left behind
+        with pytest.raises(RuntimeError, match=r"model\.to"):
+            model(ids)
+        patch_model(model, merge_projections=True)
+        torch.testing.assert_close(model(ids).logits, unmerged.to(torch.float64)(ids).logits, rtol=0, atol=1e-10)
     unpatch_model(model)
