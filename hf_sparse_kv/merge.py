@@ -13,8 +13,8 @@ How, without changing what the model computes or how its weights are named:
 - each layer's ``forward`` is set on the instance: the first layer of the group called with an input computes the
   merged product and keeps it; the others, called with the *same* tensor, return their columns of it (views);
   called with another tensor (or with gradients wanted, or given another ``Parameter`` since), a layer computes its
-  own ``F.linear`` as before; a parameter whose ``data`` was replaced is refused by :func:`check`, which the patch
-  runs before every forward of more than one token;
+  own ``F.linear`` as before; a group whose ``data`` was replaced (``model.to(...)`` after patching) is merged again
+  from the current weights by :func:`refresh`, which the patch runs before every forward of more than one token;
 - :func:`unmerge` gives every layer its own storage back (copies of its rows, the same values) and removes the
   instance ``forward``: the model is as it was, bit for bit.
 
@@ -44,19 +44,27 @@ class MergedGroup:
     def __init__(self, layers: list[torch.nn.Linear]):
         self.layers = layers
         self.sizes = [m.weight.shape[0] for m in layers]  # a layer's own rows (a shard's, not out_features)
+        self.last: tuple[torch.Tensor, list[torch.Tensor], list[bool]] | None = None
+        self.active = True
+        self.remerge()
+        for i, m in enumerate(layers):
+            m.forward = partial(self.part, i)
+
+    def remerge(self) -> None:
+        """The layers' current weights (and biases) into one tensor each, every layer's data a view of its rows."""
+        layers = self.layers
         with torch.no_grad():
             self.weight = torch.cat([m.weight.detach() for m in layers])
             self.bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
-        self.last: tuple[torch.Tensor, list[torch.Tensor], list[bool]] | None = None
         start = 0
-        for i, (m, n) in enumerate(zip(layers, self.sizes)):
+        for m, n in zip(layers, self.sizes):
             m.weight.data = self.weight[start : start + n]
             if self.bias is not None:
                 m.bias.data = self.bias[start : start + n]
-            m.forward = partial(self.part, i)
             start += n
         self.params = [(m.weight, m.bias) for m in layers]  # a layer given another Parameter computes its own
         self.ptrs = [tuple(t.data_ptr() for t in pair if t is not None) for pair in self.params]
+        self.last = None
 
     def _ptrs(self, m) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in (m.weight, m.bias) if t is not None)
@@ -64,7 +72,7 @@ class MergedGroup:
     def intact(self) -> bool:
         """Whether every layer still holds its own ``Parameter``s, views of the merged tensors (re-patching keeps
         such a group; any other is merged afresh)."""
-        return all(
+        return self.active and all(
             m.weight is pair[0] and m.bias is pair[1] and self._ptrs(m) == ptrs
             for m, pair, ptrs in zip(self.layers, self.params, self.ptrs)
         )
@@ -72,7 +80,7 @@ class MergedGroup:
     def stale(self) -> bool:
         """Whether a layer holds its ``Parameter``s but their ``data`` was replaced (``param.data = ...``): the
         merged product would not see it. (A layer given another ``Parameter`` computes its own product.)"""
-        return any(
+        return self.active and any(
             m.weight is pair[0] and m.bias is pair[1] and self._ptrs(m) != ptrs
             for m, pair, ptrs in zip(self.layers, self.params, self.ptrs)
         )
@@ -98,7 +106,7 @@ class MergedGroup:
 
     def unmerge(self) -> None:
         """Each layer its own storage again (a copy of its rows) and its class's ``forward``."""
-        self.last = None
+        self.active, self.last = False, None
         for m in self.layers:
             m.__dict__.pop("forward", None)
             with torch.no_grad():
@@ -108,17 +116,22 @@ class MergedGroup:
         self.weight = self.bias = None
 
 
+def _uniform(layers: list) -> bool:
+    """Plain tensors (not DTensor, not ``meta``) of one dtype and device in every layer's weight and bias."""
+    first = layers[0].weight
+    return all(
+        type(t.data) is torch.Tensor and not t.is_meta and t.dtype == first.dtype and t.device == first.device
+        for m in layers
+        for t in (m.weight, m.bias)
+        if t is not None
+    )
+
+
 def _mergeable(layers: list) -> bool:
-    if not all(type(m) is torch.nn.Linear for m in layers):
+    if not all(type(m) is torch.nn.Linear for m in layers) or not _uniform(layers):
         return False
     first = layers[0].weight
     for m in layers:
-        tensors = [m.weight] + ([m.bias] if m.bias is not None else [])
-        if any(
-            type(t.data) is not torch.Tensor or t.is_meta or t.dtype != first.dtype or t.device != first.device
-            for t in tensors
-        ):
-            return False
         if m.weight.shape[1] != first.shape[1] or (m.bias is None) != (layers[0].bias is None):
             return False
         if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") or "forward" in m.__dict__:
@@ -142,16 +155,18 @@ def merge(model: torch.nn.Module) -> list[MergedGroup]:
     return groups
 
 
-def check(groups: list[MergedGroup]) -> None:
-    """Raise ``RuntimeError`` when a merged layer's parameter ``data`` was replaced (the merged product would use
-    the old values): a host check, for forwards that are not static steps."""
+def refresh(groups: list[MergedGroup]) -> int:
+    """Merge again every group whose layers' ``data`` was replaced since (``model.to(...)`` or ``.half()`` after
+    patching, ``param.data = ...``), so that the merged product is the layers' current weights (a group whose layers
+    now differ in dtype or device is unmerged instead); returns how many groups it touched. The patch runs it before
+    every forward of more than one token (a prefill)."""
     stale = [g for g in groups if g.stale()]
-    if stale:
-        raise RuntimeError(
-            f"the data of {len(stale)} merged projection group(s) was replaced after patch_model(merge_projections="
-            "True) (model.to(...) / .half() after patching, or param.data = ...): the merged matmuls would use the old "
-            "weights. Patch the model again (it merges the new weights), or unpatch it."
-        )
+    for group in stale:
+        if _uniform(group.layers):
+            group.remerge()
+        else:  # its layers now differ in dtype or device: each computes its own product from now on
+            group.unmerge()
+    return len(stale)
 
 
 def unmerge(groups: list[MergedGroup]) -> None:

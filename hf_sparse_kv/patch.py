@@ -40,7 +40,7 @@ from .attention import (
 from .cache import PagedKVCache, PagedLayer, check_block_size
 from .crossover import CrossoverTable
 from .graphs import begin_static_step, captured_step, refuse_freezing
-from .merge import check, merge, unmerge
+from .merge import merge, refresh, unmerge
 from .ops import BACKENDS
 from .patched import STATE_ATTR, PatchState, cache_kwarg
 from .policies import Dense, Policy
@@ -156,7 +156,7 @@ def _model_pre_hook(model, args, kwargs):
     ids = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
     one = isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1
     if not one:
-        check(state.merged)  # a prefill: the merged projections still hold the model's weights
+        refresh(state.merged)  # a prefill: the merged projections hold the model's current weights
     _name, cache = _find_cache(kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)

@@ -218,12 +218,15 @@ def test_static_steps_refuse_a_model_patched_again_under_them():
     unpatch_model(model)
 
 
-def test_a_replaced_weight_is_used_or_refused_never_ignored():
-    """A layer given a new ``Parameter`` after merging computes its own product (the right output); a parameter
-    whose ``data`` was replaced is refused at the next prefill, and patching again merges the new weights."""
+def test_a_replaced_weight_is_used_never_ignored():
+    """A layer given a new ``Parameter`` after merging computes its own product; a group whose ``data`` was
+    replaced (``param.data = ...``, ``model.to(...)`` after patching) is merged again from the current weights at the
+    next prefill; a group whose layers come to differ in dtype is unmerged instead. Every output is the unmerged
+    model's."""
     model = tiny_model("llama")
     ids = prompt(16)
     patch_model(model, merge_projections=True)
+    groups = getattr(model, STATE_ATTR).merged
     k_proj = model.model.layers[1].self_attn.k_proj
     with torch.no_grad():
         new = torch.nn.Parameter(torch.randn_like(k_proj.weight))
@@ -231,23 +234,24 @@ def test_a_replaced_weight_is_used_or_refused_never_ignored():
         unmerged = tiny_model("llama")
         unmerged.model.layers[1].self_attn.k_proj.weight = torch.nn.Parameter(new.detach().clone())
         torch.testing.assert_close(model(ids).logits, unmerged(ids).logits, rtol=0, atol=1e-5)
-        groups = getattr(model, STATE_ATTR).merged
         assert [g.intact() for g in groups].count(False) == 1 and not any(g.stale() for g in groups)
-        up = model.model.layers[0].mlp.up_proj
+        up, gate = model.model.layers[0].mlp.up_proj, model.model.layers[0].mlp.gate_proj
         up.weight.data = torch.randn_like(up.weight)
-        with pytest.raises(RuntimeError, match="was replaced"):
-            model(ids)
         unmerged.model.layers[0].mlp.up_proj.weight.data = up.weight.detach().clone()
-        patch_model(model, merge_projections=True)
-        assert all(g.intact() for g in getattr(model, STATE_ATTR).merged)
-        assert (
-            up.weight.untyped_storage().data_ptr()
-            == model.model.layers[0].mlp.gate_proj.weight.untyped_storage().data_ptr()
-        )
-        torch.testing.assert_close(model(ids).logits, unmerged(ids).logits, rtol=0, atol=1e-5)
-        model.to(torch.float64)  # converts every parameter's data: the merged tensors are left behind
-        with pytest.raises(RuntimeError, match=r"model\.to"):
+        torch.testing.assert_close(model(ids).logits, unmerged(ids).logits, rtol=0, atol=1e-5)  # merged again
+        assert up.weight.untyped_storage().data_ptr() == gate.weight.untyped_storage().data_ptr()
+        model.to(torch.float64)  # converts every parameter's data: the merged tensors are left behind, then rebuilt
+        unmerged.to(torch.float64)
+        torch.testing.assert_close(model(ids).logits, unmerged(ids).logits, rtol=0, atol=1e-10)
+        assert all(g.intact() for g in groups), "all merged again (k_proj's group adopting its new Parameter)"
+        v_proj = model.model.layers[2].self_attn.v_proj
+        v_proj.to(torch.float32)  # one layer of a group in another dtype: that group is unmerged
+        unmerged.model.layers[2].self_attn.v_proj.to(torch.float32)
+        model.model.layers[2].self_attn.q_proj.weight.data = model.model.layers[2].self_attn.q_proj.weight.clone()
+        with pytest.raises(RuntimeError):  # float32 v_proj in a float64 model: both models refuse alike
+            unmerged(ids)
+        with pytest.raises(RuntimeError):
             model(ids)
-        patch_model(model, merge_projections=True)
-        torch.testing.assert_close(model(ids).logits, unmerged.to(torch.float64)(ids).logits, rtol=0, atol=1e-10)
+        assert sum(g.active for g in groups) == len(groups) - 1
+        assert "forward" not in v_proj.__dict__
     unpatch_model(model)
