@@ -339,6 +339,12 @@ def step_compile(device: str, how: str | None) -> str | dict | None:
     return compile_backend(device)
 
 
+def step_options(device: str, how: str | None) -> dict:
+    """``patch_model``'s ``compile`` and ``merge_projections`` for a row's ``how`` (``COMPILED_ROWS``,
+    ``GENERATE_ROWS``)."""
+    return {"compile": step_compile(device, how), "merge_projections": how in ("graph+merged", "graph+merged+autotune")}
+
+
 def patch_row(model, policy, mode: str, args, graph: bool, compiled: str | None = None) -> None:
     table = {"crossover": args.crossover} if mode == "auto" else {}
     patch_model(
@@ -347,8 +353,7 @@ def patch_row(model, policy, mode: str, args, graph: bool, compiled: str | None 
         mode=mode,
         block_size=args.block_size,
         cuda_graph=graph,
-        compile=step_compile(args.device, compiled),
-        merge_projections=compiled in ("graph+merged", "graph+merged+autotune"),
+        **step_options(args.device, compiled),
         **table,
     )
 
@@ -362,7 +367,7 @@ def compile_options(device: str) -> dict:
 def patched(model, paged, row, args, compiled: str | None = None, tokens: int = 0):
     """The model patched as ``row`` ``(name, policy, mode, cuda_graph)`` inside the ``with`` block, unpatched after
     (and dynamo reset when ``compiled``). ``compiled``: ``"graph"`` (the captured step compiled), ``"graph+merged"``
-    (the same with ``merge_projections=True``) or
+    (the same with ``merge_projections=True``), ``"graph+merged+autotune"`` (and inductor's max-autotune) or
     ``"reduce-overhead"`` (the user's way: ``paged`` reserved for ``tokens`` more tokens, the model's forward
     compiled)."""
     _, policy, mode, graph = row
@@ -382,7 +387,7 @@ def patched(model, paged, row, args, compiled: str | None = None, tokens: int = 
 
 def patched_decode_row(model, paged, row, args, shape, weights, bandwidth, compiled=None) -> dict:
     """Time one patched row ``(name, policy, mode, cuda_graph)`` on the filled cache ``paged`` (cropped back after);
-    ``compiled``: ``"graph"`` (the captured step compiled) or ``"reduce-overhead"`` (the user's compiled forward)."""
+    ``compiled``: a ``COMPILED_ROWS`` row's ``how`` (see :func:`patched`)."""
     name, policy, mode, _ = row
     batch, length, base_ms, kv_held = shape
     with patched(model, paged, row, args, compiled, args.steps + args.warmup + 1):
@@ -540,8 +545,7 @@ def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None
                         mode="block",
                         block_size=args.block_size,
                         cuda_graph=True,
-                        compile=step_compile(args.device, how),
-                        merge_projections=how in ("graph+merged", "graph+merged+autotune"),
+                        **step_options(args.device, how),
                     )
                     cache = PagedKVCache(model.config, block_size=args.block_size, max_length=length + args.new_tokens)
                     extra[cache_kwarg(model)] = cache

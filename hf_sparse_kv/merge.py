@@ -63,33 +63,32 @@ class MergedGroup:
                 m.bias.data = self.bias[start : start + n]
             start += n
         self.params = [(m.weight, m.bias) for m in layers]  # a layer given another Parameter computes its own
-        self.ptrs = [tuple(t.data_ptr() for t in pair if t is not None) for pair in self.params]
+        self.ptrs = [_data_ptrs(m) for m in layers]
         self.last = None
 
-    def _ptrs(self, m) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in (m.weight, m.bias) if t is not None)
+    def _holds(self, index: int) -> bool:
+        """Whether layer ``index`` still holds the ``Parameter``s it was merged with."""
+        m, (weight, bias) = self.layers[index], self.params[index]
+        return m.weight is weight and m.bias is bias
 
     def intact(self) -> bool:
         """Whether every layer still holds its own ``Parameter``s, views of the merged tensors (re-patching keeps
         such a group; any other is merged afresh)."""
         return self.active and all(
-            m.weight is pair[0] and m.bias is pair[1] and self._ptrs(m) == ptrs
-            for m, pair, ptrs in zip(self.layers, self.params, self.ptrs)
+            self._holds(i) and _data_ptrs(m) == ptrs for i, (m, ptrs) in enumerate(zip(self.layers, self.ptrs))
         )
 
     def stale(self) -> bool:
         """Whether a layer holds its ``Parameter``s but their ``data`` was replaced (``param.data = ...``): the
         merged product would not see it. (A layer given another ``Parameter`` computes its own product.)"""
         return self.active and any(
-            m.weight is pair[0] and m.bias is pair[1] and self._ptrs(m) != ptrs
-            for m, pair, ptrs in zip(self.layers, self.params, self.ptrs)
+            self._holds(i) and _data_ptrs(m) != ptrs for i, (m, ptrs) in enumerate(zip(self.layers, self.ptrs))
         )
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``index``'s output for ``x [..., in]``: its columns of the merged product ``[..., out]``."""
         layer = self.layers[index]
-        replaced = layer.weight is not self.params[index][0] or layer.bias is not self.params[index][1]
-        if replaced or (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
+        if not self._holds(index) or (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
             return F.linear(x, layer.weight, layer.bias)  # autograd reaches the parameters through their own views
         if self.last is None or self.last[0] is not x or self.last[2][index]:
             self.last = (
@@ -114,6 +113,11 @@ class MergedGroup:
                 if m.bias is not None:
                     m.bias.data = m.bias.data.clone()
         self.weight = self.bias = None
+
+
+def _data_ptrs(m: torch.nn.Linear) -> tuple[int, ...]:
+    """Where a layer's weight (and bias) data live."""
+    return tuple(t.data_ptr() for t in (m.weight, m.bias) if t is not None)
 
 
 def _uniform(layers: list) -> bool:
@@ -155,18 +159,18 @@ def merge(model: torch.nn.Module) -> list[MergedGroup]:
     return groups
 
 
-def refresh(groups: list[MergedGroup]) -> int:
+def refresh(groups: list[MergedGroup]) -> None:
     """Merge again every group whose layers' ``data`` was replaced since (``model.to(...)`` or ``.half()`` after
     patching, ``param.data = ...``), so that the merged product is the layers' current weights (a group whose layers
-    now differ in dtype or device is unmerged instead); returns how many groups it touched. The patch runs it before
-    every forward of more than one token (a prefill)."""
-    stale = [g for g in groups if g.stale()]
-    for group in stale:
+    now differ in dtype or device is unmerged instead). The patch runs it before every forward of more than one token
+    (a prefill)."""
+    for group in groups:
+        if not group.stale():
+            continue
         if _uniform(group.layers):
             group.remerge()
         else:  # its layers now differ in dtype or device: each computes its own product from now on
             group.unmerge()
-    return len(stale)
 
 
 def unmerge(groups: list[MergedGroup]) -> None:
