@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -45,11 +46,25 @@ def test_a_merged_row_that_differs_fails_the_check(monkeypatch, tmp_path):
     decode = check_merge.decode
     calls = []
 
-    def skewed(model, ids, steps, cache=None):
+    def skewed(model, ids, steps, cache=None, times=None):
         calls.append(cache)
-        logits = decode(model, ids, steps, cache)
+        logits = decode(model, ids, steps, cache, times)
         return logits * (1 + 1e-3) if len(calls) == 4 else logits  # the 4th decode: float32's merged Dense row
 
     monkeypatch.setattr(check_merge, "decode", skewed)
     code, rows = _run(monkeypatch, tmp_path)
     assert code == 1 and float(rows["float32: graph+compile+merged: Dense"]["vs_unmerged"]) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_real_inputs_are_consecutive_text_windows():
+    """``--model``: the real model in float32 and ``B`` windows of the essays, each step the text's next token."""
+    from evaluation.assets import load_model
+    from evaluation.text import essay_tokens
+
+    model, ids, steps = check_merge.real_inputs("smollm2", 2, 40, 5, "cpu")
+    assert ids.shape == (2, 40) and steps.shape == (2, 5) and next(model.parameters()).dtype == torch.float32
+    _, tok = load_model("smollm2")
+    text = essay_tokens(tok, 90)
+    assert ids[0].tolist() == text[:40] and steps[0].tolist() == text[40:45] and ids[1].tolist() == text[45:85]
