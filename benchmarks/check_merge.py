@@ -78,11 +78,13 @@ def real_model(name: str, dtype: torch.dtype, device: str):
 def real_inputs(name: str, batch: int, context: int, steps: int, device: str):
     """(float32 model, ids ``[B, context]``, steps ``[B, steps]``): the asset ``name`` and ``B`` consecutive windows
     of the essays, each followed by its next ``steps`` tokens."""
+    from evaluation.suite import suite_text
     from evaluation.text import essay_tokens
 
     model, tok = real_model(name, torch.float32, device)
     n = context + steps
-    rows = [essay_tokens(tok, n, offset=i * n) for i in range(batch)]
+    essays = suite_text("essays")  # $HF_SPARSE_KV_ASSETS/essays.txt where staged (a machine without network)
+    rows = [essay_tokens(tok, n, offset=i * n, essays=essays) for i in range(batch)]
     t = torch.tensor(rows, device=device)
     return model, t[:, :context].contiguous(), t[:, context:].contiguous()
 
