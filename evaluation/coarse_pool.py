@@ -31,6 +31,7 @@ import torch
 from hf_sparse_kv.policies import Dense, OracleBlockTopK, QuantBlockTopK, Quest, TopPBlockTopK
 
 from .assets import load_essays, load_model
+from .channel_quant import ChannelQuantBlockTopK
 from .perplexity import nll_of
 from .simulate import SimulateSession
 from .stats import delta_ppl, t_interval
@@ -40,10 +41,18 @@ COARSE = ("quest", "quest_heads", "quest_heads_max")
 
 
 def cells(
-    budget: float, sink: int, window: int, candidates: list[float], coarse: list[str], bits: tuple[int, ...] = ()
+    budget: float,
+    sink: int,
+    window: int,
+    candidates: list[float],
+    coarse: list[str],
+    bits: tuple[int, ...] = (),
+    channels: tuple[str, ...] = (),
 ) -> dict:
     """label -> policy: dense, oracle, quest, then ``<coarse>_c<c>`` for every coarse pass and candidate factor, then
-    ``quant<b>`` (:class:`QuantBlockTopK`: the oracle's mass under ``b``-bit keys) for every width in ``bits``."""
+    ``quant<b>`` (:class:`QuantBlockTopK`: the oracle's mass under ``b``-bit keys) for every width in ``bits``, then
+    ``quant4_r<r>_<rest>`` (:class:`~evaluation.channel_quant.ChannelQuantBlockTopK`) for every ``"r:rest"`` of
+    ``channels``."""
     out = {
         "dense": Dense(),
         "oracle": OracleBlockTopK(budget=budget, sink=sink, window=window),
@@ -56,6 +65,10 @@ def cells(
             )
     for b in bits:
         out[f"quant{b}"] = QuantBlockTopK(budget=budget, sink=sink, window=window, bits=b)
+    for spec in channels:
+        r, _, rest = spec.partition(":")
+        policy = ChannelQuantBlockTopK(budget=budget, sink=sink, window=window, channels=int(r), rest=rest or "mean")
+        out[f"quant4_r{int(r)}_{policy.rest}"] = policy
     return out
 
 
@@ -165,12 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--candidates", type=float, nargs="+", default=[2, 4, 8])
     ap.add_argument("--coarse", nargs="+", default=list(COARSE), choices=COARSE)
     ap.add_argument("--bits", type=int, nargs="*", default=[], help="QuantBlockTopK cells (quant<b>) at these widths")
+    ap.add_argument(
+        "--channels", nargs="*", default=[], help="ChannelQuantBlockTopK cells, each 'r:rest' (rest: mean, block, none)"
+    )
     ap.add_argument("--only", nargs="*", default=None, help="run only these cell labels (dense and oracle always)")
     ap.add_argument("--chunk", type=int, default=64)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     budget = float(Fraction(args.budget))
-    grid = cells(budget, args.sink, args.window, args.candidates, args.coarse, tuple(args.bits))
+    grid = cells(budget, args.sink, args.window, args.candidates, args.coarse, tuple(args.bits), tuple(args.channels))
     if args.only:
         grid = {k: v for k, v in grid.items() if k in {"dense", "oracle", *args.only}}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,118 @@
+"""Issue 13, an experiment on the CPU: the oracle's mass from 4-bit keys read on only ``r`` channels per step.
+
+``QuantBlockTopK(bits=4)`` ranks blocks as the oracle does (each query head's softmax mass per block, summed over
+the GQA group) within noise on every model measured, but its scoring reads 4-bit codes of every channel of every
+key (1/4 of K's bytes plus the blocks' min / max) and its kernel is bound by the per-channel work of unpacking them
+(benchmarks/RESULTS.md, "Low-bit keys"). SparQ Attention (Ribar et al., https://arxiv.org/abs/2312.04985) scores
+keys on the ``r`` channels where the query is largest; :class:`ChannelQuantBlockTopK` does that on the 4-bit codes:
+
+- per KV head, the ``r`` channels of the largest ``sum_g |q_g|`` over its group (one channel set per group, so
+  that the group's heads share the reads), ``S``;
+- each token's logit ``q_S . k_hat_S + q_rest . m`` with ``k_hat`` the dequantized keys and ``m`` either the mean
+  key of the head over its live blocks (``rest="mean"``: one ``[D]`` vector per head, no per-block bytes) or the
+  block's own mean key (``rest="block"``: the cache's ``kmean``, ``D`` values a block); ``rest="none"`` drops the
+  other channels and scales the logits by SparQ's ``1 / sqrt(||q_S||_1 / ||q||_1)``;
+- then the oracle's mass and top-k, as ``QuantBlockTopK``.
+
+A kernel would read ``r / D`` of the codes (at ``r = D / 4``: 1/16 of K's bytes) and the min / max of those
+channels. This module is the PyTorch reference only, for :mod:`evaluation.coarse_pool`'s ``simulate`` screen: no
+Triton kernel, not registered as a policy of the library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_sparse_kv.ops.reference import dequantize_keys, lse_block_mass
+from hf_sparse_kv.policies import QuantBlockTopK
+from hf_sparse_kv.policies.base import DecodeState
+
+RESTS = ("mean", "block", "none")
+
+
+def channel_mask(q: torch.Tensor, num_kv_heads: int, channels: int) -> torch.Tensor:
+    """``[B, Hkv, D]`` float32, 1 on the ``channels`` channels of the largest ``sum_g |q_g|`` of each KV head's group
+    (``q [B, Hq, D]``), 0 elsewhere."""
+    B, Hq, D = q.shape
+    if not 0 < channels <= D:
+        raise ValueError(f"channels must be in 1..{D}, not {channels}")
+    pooled = q.float().view(B, num_kv_heads, Hq // num_kv_heads, D).abs().sum(2)
+    return torch.zeros_like(pooled).scatter_(-1, pooled.topk(channels, -1).indices, 1.0)
+
+
+def channel_quant_block_lse(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+    channels: int,
+    rest: str,
+) -> torch.Tensor:
+    """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp over the block's valid positions
+    of the approximate logits of the module docstring (``-inf`` where no position is valid).
+
+    Args: ``q [B, Hq, D]``; ``codes [NB, Hkv, BS, D * bits // 8]`` uint8; ``kmin``, ``kmax``, ``kmean``
+    ``[NB, Hkv, D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; ``channels`` (``r``); ``rest``
+    (one of :data:`RESTS`).
+    """
+    if rest not in RESTS:
+        raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
+    B, MB = block_table.shape
+    H, BS = codes.shape[1], codes.shape[2]
+    D = q.shape[-1]
+    qg = q.float().view(B, H, -1, D)  # [B, Hkv, G, D]
+    m = channel_mask(q, H, channels)[:, :, None, :]  # [B, Hkv, 1, D]
+    phys = block_table.long().clamp(min=0)
+    keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
+    s = torch.einsum("bhgd,bmhtd->bhgmt", qg * m, keys)  # [B, Hkv, G, MB, BS]
+    pos = torch.arange(MB * BS, device=q.device).view(MB, BS)
+    ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (block_table >= 0).unsqueeze(-1)
+    if rest == "none":  # SparQ's temperature: the share of |q| kept, per query head
+        kept = (qg.abs() * m).sum(-1) / qg.abs().sum(-1).clamp(min=1e-30)  # [B, Hkv, G]
+        s = s / kept.clamp(min=1e-6).sqrt()[..., None, None]
+    else:
+        means = kmean[phys].float()  # [B, MB, Hkv, D]
+        if rest == "block":
+            s = s + torch.einsum("bhgd,bmhd->bhgm", qg * (1 - m), means)[..., None]
+        else:
+            live = ok.any(-1).float()  # [B, MB]: blocks with a valid position
+            head_mean = torch.einsum("bm,bmhd->bhd", live, means) / live.sum(-1).clamp(min=1).view(B, 1, 1)
+            s = s + torch.einsum("bhgd,bhd->bhg", qg * (1 - m), head_mean)[..., None, None]
+    s = s * scale
+    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), float("-inf")).logsumexp(-1).flatten(1, 2)
+
+
+@dataclass
+class ChannelQuantBlockTopK(QuantBlockTopK):
+    """``QuantBlockTopK`` scored on the ``channels`` channels of the largest pooled ``|q|`` (module docstring).
+
+    Args: as :class:`~hf_sparse_kv.policies.QuantBlockTopK`, plus ``channels`` (``r``) and ``rest`` (the other
+    channels: ``"mean"``, ``"block"`` or ``"none"``). Reference ops only (an experiment)."""
+
+    bits: int = 4
+    channels: int = 16
+    rest: str = "mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rest not in RESTS:
+            raise ValueError(f"rest must be one of {RESTS}, not {self.rest!r}")
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        """``[B, Hkv, nblk]`` the approximate mass per block, ``+inf`` for the forced blocks, ``-inf`` off use."""
+        lse = channel_quant_block_lse(
+            state.q, self.codes(state), state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens,
+            state.start, state.scale, self.bits, self.channels, self.rest,
+        )  # fmt: skip
+        H = state.k_pool.shape[1]
+        return lse_block_mass(
+            lse, state.block_table, state.seq_lens, state.start, state.block_size, H, self.sink, self.window
+        )
