@@ -121,10 +121,13 @@ def main() -> None:
     results = []
     compile_backend = "inductor" if args.device == "cuda" else "aot_eager"
     failed = False
+    reference_model = model if args.model else None  # a GGUF model refuses .to(dtype): loaded once per other dtype
     for dtype in args.dtypes.split(","):
         if not args.model:
             model.to(getattr(torch, dtype))
-        elif dtype != "float32":
+        elif dtype == "float32":
+            model = reference_model
+        else:
             del model
             model = real_model(args.model, getattr(torch, dtype), args.device)[0]
         results.append({"row": f"{dtype}: unpatched", "vs_fp32": rel(decode(model, ids, steps), reference)})

@@ -58,13 +58,30 @@ def test_a_merged_row_that_differs_fails_the_check(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_real_inputs_are_consecutive_text_windows():
-    """``--model``: the real model in float32 and ``B`` windows of the essays, each step the text's next token."""
-    from evaluation.assets import load_model
+def test_real_model_rows_load_each_dtype(monkeypatch, tmp_path):
+    """``--model``: ``B`` consecutive windows of the essays, each step the text's next token; with bf16 first, the
+    float32 rows after it run the float32 reference model again (a GGUF model refuses ``.to(dtype)``: bf16 is loaded
+    once more), so they match the float32 reference; every merged row has its twin's argmax."""
     from evaluation.text import essay_tokens
 
-    model, ids, steps = check_merge.real_inputs("smollm2", 2, 40, 5, "cpu")
-    assert ids.shape == (2, 40) and steps.shape == (2, 5) and next(model.parameters()).dtype == torch.float32
-    _, tok = load_model("smollm2")
-    text = essay_tokens(tok, 90)
-    assert ids[0].tolist() == text[:40] and steps[0].tolist() == text[40:45] and ids[1].tolist() == text[45:85]
+    loaded, inputs = [], []
+    real_model, real_inputs = check_merge.real_model, check_merge.real_inputs
+    monkeypatch.setattr(check_merge, "real_model", lambda *a: loaded.append(real_model(*a)) or loaded[-1])
+    monkeypatch.setattr(check_merge, "real_inputs", lambda *a: inputs.append(real_inputs(*a)) or inputs[-1])
+    out = tmp_path / "real.csv"
+    argv = ["check_merge.py", "--device", "cpu", "--model", "smollm2", "--batch", "2", "--context", "24", "--steps", "2",
+            "--dtypes", "bfloat16,float32", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        check_merge.main()
+    with open(out) as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    assert exit_.value.code == 0 and len(rows) == 10
+    assert [next(m.parameters()).dtype for m, _ in loaded] == [torch.float32, torch.bfloat16]
+    _, ids, steps = inputs[0]
+    text = essay_tokens(loaded[0][1], 52)
+    assert ids.tolist() == [text[:24], text[26:50]] and steps.tolist() == [text[24:26], text[50:52]]
+    assert float(rows["float32: unpatched"]["vs_fp32"]) == 0.0 < float(rows["bfloat16: unpatched"]["vs_fp32"])
+    assert float(rows["float32: graph+compile+merged: Dense"]["vs_unmerged"]) < 1e-4
+    assert all(r["same_argmax"] == "True" for name, r in rows.items() if "merged" in name)
+    assert all(float(r["ms_step"]) > 0 for name, r in rows.items() if "graph" in name)
