@@ -32,14 +32,17 @@ from hf_sparse_kv.policies.base import DecodeState
 RESTS = ("mean", "block", "none")
 
 
-def channel_mask(q: torch.Tensor, num_kv_heads: int, channels: int) -> torch.Tensor:
+def channel_mask(q: torch.Tensor, num_kv_heads: int, channels: int, group: int = 1) -> torch.Tensor:
     """``[B, Hkv, D]`` float32, 1 on the ``channels`` channels of the largest ``sum_g |q_g|`` of each KV head's group
-    (``q [B, Hq, D]``), 0 elsewhere."""
+    (``q [B, Hq, D]``), 0 elsewhere; with ``group > 1``, the ``channels / group`` runs of ``group`` consecutive
+    channels of the largest such sums (a kernel reads memory in 32-byte sectors: at 4 bits a block's row of one
+    channel is 8 bytes, so only runs of 4 channels cut the bytes read in proportion)."""
     B, Hq, D = q.shape
-    if not 0 < channels <= D:
-        raise ValueError(f"channels must be in 1..{D}, not {channels}")
-    pooled = q.float().view(B, num_kv_heads, Hq // num_kv_heads, D).abs().sum(2)
-    return torch.zeros_like(pooled).scatter_(-1, pooled.topk(channels, -1).indices, 1.0)
+    if not 0 < channels <= D or group < 1 or channels % group or D % group:
+        raise ValueError(f"channels must be in 1..{D} and a multiple of group, not {channels} (group {group})")
+    pooled = q.float().view(B, num_kv_heads, Hq // num_kv_heads, D // group, group).abs().sum((2, 4))
+    runs = torch.zeros_like(pooled).scatter_(-1, pooled.topk(channels // group, -1).indices, 1.0)
+    return runs.repeat_interleave(group, -1)  # [B, Hkv, D]
 
 
 def channel_quant_block_lse(
@@ -55,13 +58,14 @@ def channel_quant_block_lse(
     bits: int,
     channels: int,
     rest: str,
+    group: int = 1,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp over the block's valid positions
     of the approximate logits of the module docstring (``-inf`` where no position is valid).
 
     Args: ``q [B, Hq, D]``; ``codes [NB, Hkv, BS, D * bits // 8]`` uint8; ``kmin``, ``kmax``, ``kmean``
     ``[NB, Hkv, D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; ``channels`` (``r``); ``rest``
-    (one of :data:`RESTS`).
+    (one of :data:`RESTS`); ``group`` (runs of channels, :func:`channel_mask`).
     """
     if rest not in RESTS:
         raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
@@ -69,7 +73,7 @@ def channel_quant_block_lse(
     H, BS = codes.shape[1], codes.shape[2]
     D = q.shape[-1]
     qg = q.float().view(B, H, -1, D)  # [B, Hkv, G, D]
-    m = channel_mask(q, H, channels)[:, :, None, :]  # [B, Hkv, 1, D]
+    m = channel_mask(q, H, channels, group)[:, :, None, :]  # [B, Hkv, 1, D]
     phys = block_table.long().clamp(min=0)
     keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
     s = torch.einsum("bhgd,bmhtd->bhgmt", qg * m, keys)  # [B, Hkv, G, MB, BS]
@@ -94,12 +98,14 @@ def channel_quant_block_lse(
 class ChannelQuantBlockTopK(QuantBlockTopK):
     """``QuantBlockTopK`` scored on the ``channels`` channels of the largest pooled ``|q|`` (module docstring).
 
-    Args: as :class:`~hf_sparse_kv.policies.QuantBlockTopK`, plus ``channels`` (``r``) and ``rest`` (the other
-    channels: ``"mean"``, ``"block"`` or ``"none"``). Reference ops only (an experiment)."""
+    Args: as :class:`~hf_sparse_kv.policies.QuantBlockTopK`, plus ``channels`` (``r``), ``rest`` (the other
+    channels: ``"mean"``, ``"block"`` or ``"none"``) and ``group`` (runs of consecutive channels chosen together).
+    Reference ops only (an experiment)."""
 
     bits: int = 4
     channels: int = 16
     rest: str = "mean"
+    group: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,7 +116,7 @@ class ChannelQuantBlockTopK(QuantBlockTopK):
         """``[B, Hkv, nblk]`` the approximate mass per block, ``+inf`` for the forced blocks, ``-inf`` off use."""
         lse = channel_quant_block_lse(
             state.q, self.codes(state), state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens,
-            state.start, state.scale, self.bits, self.channels, self.rest,
+            state.start, state.scale, self.bits, self.channels, self.rest, self.group,
         )  # fmt: skip
         H = state.k_pool.shape[1]
         return lse_block_mass(

@@ -51,8 +51,8 @@ def cells(
 ) -> dict:
     """label -> policy: dense, oracle, quest, then ``<coarse>_c<c>`` for every coarse pass and candidate factor, then
     ``quant<b>`` (:class:`QuantBlockTopK`: the oracle's mass under ``b``-bit keys) for every width in ``bits``, then
-    ``quant4_r<r>_<rest>`` (:class:`~evaluation.channel_quant.ChannelQuantBlockTopK`) for every ``"r:rest"`` of
-    ``channels``."""
+    ``quant4_r<r>_<rest>[_g<group>]`` (:class:`~evaluation.channel_quant.ChannelQuantBlockTopK`) for every
+    ``"r:rest[:group]"`` of ``channels``."""
     out = {
         "dense": Dense(),
         "oracle": OracleBlockTopK(budget=budget, sink=sink, window=window),
@@ -66,9 +66,12 @@ def cells(
     for b in bits:
         out[f"quant{b}"] = QuantBlockTopK(budget=budget, sink=sink, window=window, bits=b)
     for spec in channels:
-        r, _, rest = spec.partition(":")
-        policy = ChannelQuantBlockTopK(budget=budget, sink=sink, window=window, channels=int(r), rest=rest or "mean")
-        out[f"quant4_r{int(r)}_{policy.rest}"] = policy
+        r, rest, group = (spec.split(":") + ["", ""])[:3]
+        policy = ChannelQuantBlockTopK(
+            budget=budget, sink=sink, window=window, channels=int(r), rest=rest or "mean", group=int(group or 1)
+        )
+        suffix = f"_g{policy.group}" if policy.group > 1 else ""
+        out[f"quant4_r{int(r)}_{policy.rest}{suffix}"] = policy
     return out
 
 
@@ -179,7 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--coarse", nargs="+", default=list(COARSE), choices=COARSE)
     ap.add_argument("--bits", type=int, nargs="*", default=[], help="QuantBlockTopK cells (quant<b>) at these widths")
     ap.add_argument(
-        "--channels", nargs="*", default=[], help="ChannelQuantBlockTopK cells, each 'r:rest' (rest: mean, block, none)"
+        "--channels",
+        nargs="*",
+        default=[],
+        help="ChannelQuantBlockTopK cells, each 'r:rest[:group]' (rest: mean, block, none)",
     )
     ap.add_argument("--only", nargs="*", default=None, help="run only these cell labels (dense and oracle always)")
     ap.add_argument("--chunk", type=int, default=64)

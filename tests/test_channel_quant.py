@@ -51,6 +51,11 @@ def test_channel_mask_takes_the_groups_largest_pooled_magnitudes():
     assert torch.equal(channel_mask(q, H, 1)[0, 0].nonzero().flatten(), torch.tensor([3]))
     with pytest.raises(ValueError, match="channels"):
         channel_mask(q, H, D + 1)
+    runs = channel_mask(q, H, 8, group=4)  # group 0: runs [0, 4) (2.5 at channel 3) and [4, 8) (2.0 at 7)
+    assert runs[0, 0].nonzero().flatten().tolist() == list(range(8))
+    assert runs[0, 1].sum() == 8 and runs[0, 1, 8:12].sum() == 4  # group 1: the run holding channel 9, and one more
+    with pytest.raises(ValueError, match="group"):
+        channel_mask(q, H, 6, group=4)
 
 
 def test_block_means_fill_in_channels_that_are_constant_within_each_block():
@@ -73,6 +78,11 @@ def test_block_means_fill_in_channels_that_are_constant_within_each_block():
 def test_bad_rest_is_refused_and_cells_come_from_specs():
     with pytest.raises(ValueError, match="rest"):
         ChannelQuantBlockTopK(budget=64, rest="median")
-    grid = cells(1 / 16, 4, 32, [8], ["quest"], (4,), ("16:mean", "8:block", "32"))
-    made = {k: (v.channels, v.rest) for k, v in grid.items() if isinstance(v, ChannelQuantBlockTopK)}
-    assert made == {"quant4_r16_mean": (16, "mean"), "quant4_r8_block": (8, "block"), "quant4_r32_mean": (32, "mean")}
+    grid = cells(1 / 16, 4, 32, [8], ["quest"], (4,), ("16:mean", "8:block", "32", "16:block:4"))
+    made = {k: (v.channels, v.rest, v.group) for k, v in grid.items() if isinstance(v, ChannelQuantBlockTopK)}
+    assert made == {
+        "quant4_r16_mean": (16, "mean", 1),
+        "quant4_r8_block": (8, "block", 1),
+        "quant4_r32_mean": (32, "mean", 1),
+        "quant4_r16_block_g4": (16, "block", 4),
+    }
