@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_sparse_kv.ops.reference import dequantize_keys, lse_block_mass
+from hf_sparse_kv.ops.reference import lse_block_mass, quant_block_lse
 from hf_sparse_kv.policies import QuantBlockTopK
 from hf_sparse_kv.policies.base import DecodeState
 
@@ -69,29 +69,29 @@ def channel_quant_block_lse(
     """
     if rest not in RESTS:
         raise ValueError(f"rest must be one of {RESTS}, not {rest!r}")
-    B, MB = block_table.shape
-    H, BS = codes.shape[1], codes.shape[2]
-    D = q.shape[-1]
+    B = block_table.shape[0]
+    H, D = codes.shape[1], q.shape[-1]
     qg = q.float().view(B, H, -1, D)  # [B, Hkv, G, D]
     m = channel_mask(q, H, channels, group)[:, :, None, :]  # [B, Hkv, 1, D]
-    phys = block_table.long().clamp(min=0)
-    keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
-    s = torch.einsum("bhgd,bmhtd->bhgmt", qg * m, keys)  # [B, Hkv, G, MB, BS]
-    pos = torch.arange(MB * BS, device=q.device).view(MB, BS)
-    ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (block_table >= 0).unsqueeze(-1)
+    q_kept = qg * m
     if rest == "none":  # SparQ's temperature: the share of |q| kept, per query head
         kept = (qg.abs() * m).sum(-1) / qg.abs().sum(-1).clamp(min=1e-30)  # [B, Hkv, G]
-        s = s / kept.clamp(min=1e-6).sqrt()[..., None, None]
+        q_kept = q_kept / kept.clamp(min=1e-6).sqrt()[..., None]
+    # the kept channels' logits: QuantBlockTopK's log-sum-exp of the masked queries
+    lse = quant_block_lse(q_kept.flatten(1, 2), codes, kmin, kmax, block_table, seq_lens, start, scale, bits)
+    if rest == "none":
+        return lse
+    # the other channels add one logit per block ("block") or per head ("mean"): the same to each of the block's
+    # positions, so the same to its log-sum-exp (a block without a valid position stays -inf)
+    means = kmean[block_table.long().clamp(min=0)].float()  # [B, MB, Hkv, D]
+    q_rest = qg * (1 - m)
+    if rest == "block":
+        extra = torch.einsum("bhgd,bmhd->bhgm", q_rest, means)  # [B, Hkv, G, MB]
     else:
-        means = kmean[phys].float()  # [B, MB, Hkv, D]
-        if rest == "block":
-            s = s + torch.einsum("bhgd,bmhd->bhgm", qg * (1 - m), means)[..., None]
-        else:
-            live = ok.any(-1).float()  # [B, MB]: blocks with a valid position
-            head_mean = torch.einsum("bm,bmhd->bhd", live, means) / live.sum(-1).clamp(min=1).view(B, 1, 1)
-            s = s + torch.einsum("bhgd,bhd->bhg", qg * (1 - m), head_mean)[..., None, None]
-    s = s * scale
-    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), float("-inf")).logsumexp(-1).flatten(1, 2)
+        live = lse[:, 0].isfinite().float()  # [B, MB]: blocks with a valid position
+        head_mean = torch.einsum("bm,bmhd->bhd", live, means) / live.sum(-1).clamp(min=1).view(B, 1, 1)
+        extra = torch.einsum("bhgd,bhd->bhg", q_rest, head_mean)[..., None]
+    return lse + scale * extra.flatten(1, 2)
 
 
 @dataclass
