@@ -69,8 +69,7 @@ def decode(model, ids, steps: torch.Tensor, cache=None, times: list[float] | Non
 
 def real_model(name: str, dtype: torch.dtype, device: str):
     """(model, tokenizer): the asset ``name`` loaded in ``dtype`` (a GGUF model refuses ``.to(dtype)``)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from evaluation.assets import load_model
+    from evaluation.assets import load_model  # the repository root is on sys.path (top of this file)
 
     return load_model(name, dtype=dtype, device=device)
 
