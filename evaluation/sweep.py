@@ -108,7 +108,9 @@ class PolicyCell:
 def policy_grid(specs: list[dict[str, Any]], budgets: list[Any]) -> list[PolicyCell]:
     """Every policy spec (``{"name": "quest", "sink": 4, ...}``) at every budget; ``dense`` once, without one.
 
-    A spec may carry its own ``budgets`` list. Names are those of :data:`hf_sparse_kv.policies.POLICIES`. A
+    A spec may carry its own ``budgets`` list. Names are those of :data:`hf_sparse_kv.policies.POLICIES`, or
+    ``"module:Class"`` for a :class:`~hf_sparse_kv.policies.Policy` defined elsewhere (an experiment such as
+    ``evaluation.channel_quant:ChannelQuantBlockTopK``; its label defaults to the class name). A
     ``snapkv`` spec may nest a query-aware policy, ``then: {name: quest, ...}``: the grid's budget goes to SnapKV,
     or to the nested policy when the spec fixes SnapKV's own ``budget`` (compress to it, then select per step).
     """
@@ -116,7 +118,8 @@ def policy_grid(specs: list[dict[str, Any]], budgets: list[Any]) -> list[PolicyC
     for spec in specs:
         spec = dict(spec) if isinstance(spec, dict) else {"name": spec}
         cls = _policy_class(spec.pop("name", None))
-        name = next(key for key, value in POLICIES.items() if value is cls)  # "Quest" is labelled "quest"
+        # "Quest" is labelled "quest"; a class from elsewhere by its own name
+        name = next((key for key, value in POLICIES.items() if value is cls), cls.__name__)
         label = spec.pop("label", name)
         if cls is Dense:
             cells.append(PolicyCell(label, None, Dense()))
@@ -143,12 +146,24 @@ def _nested_policy(spec: dict[str, Any], budget: float | None) -> Policy:
 
 
 def _policy_class(name: str) -> type[Policy]:
-    """The policy class of ``name``: a key of :data:`~hf_sparse_kv.policies.POLICIES` (``"sink_window"``) or the
-    class's own name (``"SinkWindow"``)."""
+    """The policy class of ``name``: a key of :data:`~hf_sparse_kv.policies.POLICIES` (``"sink_window"``), the
+    class's own name (``"SinkWindow"``), or ``"module:Class"`` naming a :class:`Policy` subclass elsewhere."""
+    if isinstance(name, str) and ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"policy {name!r}: cannot import {attr!r} from {module!r} ({e})") from e
+        if not (isinstance(cls, type) and issubclass(cls, Policy)):
+            raise ValueError(f"policy {name!r} is not a hf_sparse_kv Policy subclass")
+        return cls
     by_class = {cls.__name__: cls for cls in POLICIES.values()}
     if name not in POLICIES and name not in by_class:
         raise ValueError(
-            f"unknown policy {name!r}; known: {', '.join(POLICIES)} (or the class names {', '.join(by_class)})"
+            f"unknown policy {name!r}; known: {', '.join(POLICIES)} (or the class names {', '.join(by_class)}, "
+            "or 'module:Class')"
         )
     return POLICIES.get(name) or by_class[name]
 

@@ -121,6 +121,25 @@ def test_policy_grid_and_budgets():
         policy_grid([{"name": "nope"}], [0.1])
 
 
+def test_policy_grid_takes_a_policy_class_from_another_module():
+    (cell,) = policy_grid(
+        [{"name": "evaluation.channel_quant:ChannelQuantBlockTopK", "channels": 32, "rest": "block"}], ["1/16"]
+    )
+    assert cell.key == ("ChannelQuantBlockTopK", "1/16") and type(cell.policy).__name__ == "ChannelQuantBlockTopK"
+    assert cell.policy.channels == 32 and cell.policy.rest == "block" and cell.policy.budget == 0.0625
+    plain, named = policy_grid(
+        [{"name": "hf_sparse_kv.policies:Quest"}, {"name": "hf_sparse_kv.policies:Quest", "label": "q"}], ["1/8"]
+    )
+    assert plain.key == ("quest", "1/8") and named.key == ("q", "1/8")  # a library class keeps its registry name
+    for bad, match in (
+        ("evaluation.channel_quant:Nope", "cannot import"),
+        ("no_such_module_xyz:Thing", "cannot import"),
+        ("evaluation.channel_quant:channel_mask", "not a hf_sparse_kv Policy"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            policy_grid([{"name": bad}], ["1/16"])
+
+
 def test_policy_grid_nests_a_query_aware_policy_under_snapkv():
     alone, composed = policy_grid(
         [

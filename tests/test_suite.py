@@ -130,3 +130,24 @@ def test_summary_compares_each_selector_with_the_oracle_on_the_same_windows():
     assert mass["vs_oracle_low"] < mass["vs_oracle_pct"] < mass["vs_oracle_high"] < expected + 0.1
     for key in (("dense", "-"), ("oracle", "1/16"), ("mass", "1/8")):
         assert out[key]["vs_oracle_pct"] is None
+
+
+def test_suite_runs_a_policy_named_by_module_and_class(tmp_path):
+    """A policy outside the library's registry (``module:Class``, here issue 13's channel experiment) runs every
+    task of the suite: perplexity with fidelity the ``simulate`` way, needles through ``patch_model``."""
+    cfg = _tiny_cfg("qwen2.5")
+    cfg.update(budgets=["1/8"], decisive={"policies": ["dense", "chq"], "budgets": ["1/8"]}, qa=None)
+    cfg["policies"] = [
+        {"name": "dense"},
+        {"name": "evaluation.channel_quant:ChannelQuantBlockTopK", "label": "chq", "sink": 2, "window": 8,
+         "channels": 8, "rest": "block", "group": 4},
+    ]  # fmt: skip
+    cfg["perplexity"] = {**cfg["perplexity"], "windows": 1}
+    cfg["needle"] = {**cfg["needle"], "trials": 2, "hard": {}, "start": None}
+    model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
+    texts = {"essays": make_essays(400), "kjv": make_essays(500)[5000:]}
+    assert run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)["finished"]
+    rows = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    mine = [r for r in rows if r["policy"] == "chq"]
+    assert {r["task"] for r in mine} == {"perplexity", "needle"} and len(mine) == 3
+    assert all(0.0 <= r["hit_rate"] <= 1.0 for r in mine if r["task"] == "perplexity")
