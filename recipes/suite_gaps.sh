@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The suite invocations of the 2026-12-01 (afternoon) GPU session that filled gaps of issues 12 and 13 (evaluation/RESULTS.md);
+# each PART is one `hf-sparse-kv suite` call with --set overrides. Carried to the device as .stage/extras/gaps.sh.
+# usage: gaps.sh RESULTS_DIR PART TIME_LIMIT [suite args...]   (run from the repository root on the device)
+set -u
+R=$1; PART=$2; T=$3; shift 3
+O='{name: oracle_block_topk, label: oracle, sink: 4, window: 32}'
+QU='{name: quest, sink: 4, window: 32}'
+Q4='{name: quant_block_topk, label: quant4, sink: 4, window: 32, bits: 4}'
+TT='{name: token_topk, label: token_topk, sink: 4, window: 32}'
+CH='name: "evaluation.channel_quant:ChannelQuantBlockTopK", sink: 4, window: 32, bits: 4, rest: block'
+run() { python3 -m evaluation.cli suite "$@" --time-limit "$T"; }
+case $PART in
+  qwen_channels)  # issue 13: a quarter of the channels (r = 32 of D = 128) at 32K, 1/16: ppl, single + multi-key needles
+    C1="{$CH, label: chq4_quarter_block, channels: 32}"; C4="{$CH, label: chq4_quarter_block_g4, channels: 32, group: 4}"
+    run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/16"]' \
+      --set "policies=[{name: dense}, $O, $Q4, $C1, $C4]" \
+      --set 'decisive={policies: [dense, oracle, quant4, chq4_quarter_block, chq4_quarter_block_g4], budgets: ["1/16"]}' \
+      --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}' \
+      --set 'qa=null' "$@" ;;
+  qwen_needles_short)  # issue 12: Qwen2.5's needles at 8K and 16K (single, multi-key), 1/16
+    run qwen2.5 --out "$R" --set 'lengths=[8192, 16384]' --set 'budgets=["1/16"]' \
+      --set "policies=[{name: dense}, $O, $QU, $Q4, $TT]" \
+      --set 'decisive={policies: [dense, oracle, quest, quant4, token_topk], budgets: ["1/16"]}' \
+      --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {8192: 16, 16384: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}' \
+      --set 'qa=null' "$@" ;;
+  qwen_ppl_rest)  # issue 12: BlockTopK, SinkWindow, SnapKV, SnapKV 1/4 + Quest perplexity at 1/16 (no needles)
+    run qwen2.5 --out "$R" --set 'budgets=["1/16"]' \
+      --set "policies=[{name: dense}, {name: block_topk, sink: 4, window: 32}, {name: sink_window, sink: 4}, {name: snapkv, sink: 4, window: 32, observe: 32}, {name: snapkv, label: snapkv1/4+quest, budget: \"1/4\", sink: 4, window: 32, observe: 32, then: $QU}]" \
+      --set 'decisive={policies: [dense], budgets: ["1/16"]}' --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
+  gemma_channels)  # issue 13: a quarter of the channels (r = 64 of D = 256) at 32K, 1/16: ppl, single needle
+    C1="{$CH, label: chq4_quarter_block, channels: 64}"; C4="{$CH, label: chq4_quarter_block_g4, channels: 64, group: 4}"
+    run gemma3 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/16"]' \
+      --set "policies=[{name: dense}, $O, $Q4, $C1, $C4]" \
+      --set 'decisive={policies: [dense, oracle, quant4, chq4_quarter_block, chq4_quarter_block_g4], budgets: ["1/16"]}' \
+      --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 4}}' \
+      --set 'qa=null' "$@" ;;
+  *) echo "unknown part $PART"; exit 2 ;;
+esac
