@@ -336,7 +336,7 @@ def patch_model(
     handles = []
     old = previous.merged if previous else []
     keep = merge_projections and bool(old) and all(g.intact() for g in old)  # stale groups are merged afresh
-    merged = []
+    merged, undone = [], []
     try:  # a previous patch stays in force until this one is complete
         # the model hook plans a static step on the host: never traced (generate() compiles model.__call__)
         handles.append(model.register_forward_pre_hook(torch.compiler.disable(_model_pre_hook), with_kwargs=True))
@@ -351,12 +351,18 @@ def patch_model(
             model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
         if merge_projections and not keep:
             unmerge(old)  # none, or stale: each layer its own (current) weights, then merged anew
-            old, merged = [], merge(model)
+            undone, old = old, []
+            merged = merge(model)
     except BaseException:
         for h in handles:
             h.remove()
         unmerge(merged)
         saved.restore(model)
+        if undone:  # the previous patch's (stale) groups were unmerged above: merge them again for it
+            try:
+                previous.merged[:] = merge(model)
+            except RuntimeError:  # (out of memory, most likely) it then runs unmerged: the same outputs, slower
+                previous.merged.clear()
         raise
     for handle in previous.handles if previous else ():
         handle.remove()  # replaced by this patch's hooks

@@ -255,3 +255,34 @@ def test_a_replaced_weight_is_used_never_ignored():
         assert sum(g.active for g in groups) == len(groups) - 1
         assert "forward" not in v_proj.__dict__
     unpatch_model(model)
+
+
+def test_a_refused_repatch_leaves_the_previous_patch_merged(monkeypatch):
+    """Re-patching with stale merged groups unmerges them before merging afresh; when that merge fails, the previous
+    patch stays in force with its groups merged again (from the current weights) and the unmerged model's outputs."""
+    model = tiny_model("llama")
+    ids = prompt(16)
+    patch_model(model, policy=Dense(), merge_projections=True)
+    state = getattr(model, STATE_ATTR)
+    up, gate = model.model.layers[0].mlp.up_proj, model.model.layers[0].mlp.gate_proj
+    with torch.no_grad():
+        up.weight.data = torch.randn_like(up.weight)  # a stale group: re-patching merges every group afresh
+    real_merge, calls = patch_module.merge, []
+
+    def fail_once(model):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real_merge(model)
+
+    monkeypatch.setattr(patch_module, "merge", fail_once)
+    with pytest.raises(RuntimeError, match="boom"):
+        patch_model(model, policy=Quest(budget=48), merge_projections=True)
+    assert getattr(model, STATE_ATTR) is state and state.config.policy == Dense() and len(calls) == 2
+    assert state.merged and all(g.intact() for g in state.merged)
+    assert up.weight.untyped_storage().data_ptr() == gate.weight.untyped_storage().data_ptr()
+    reference = tiny_model("llama")
+    reference.load_state_dict(model.state_dict())  # the current (replaced) weights, unmerged
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    unpatch_model(model)
