@@ -218,7 +218,7 @@ def test_long_dense_generation_equals_unpatched():
 @pytest.mark.slow
 def test_8k_dense_generation_equals_unpatched():
     """The issue's 8K new tokens (batch 1, block mode) through two layers (the paged path over 512 blocks is the same
-    per layer; the 2048-token test above runs three): ~65 s on a 2-core CPU, 90 s with three layers)."""
+    per layer; the 2048-token test above runs three): ~65 s on a 2-core CPU, 90 s with three layers."""
     long_generation_matches_unpatched(8192, "block", batch=1, layers=2)
 
 
