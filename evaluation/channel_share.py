@@ -1,0 +1,135 @@
+"""Issue 13: how much of ``q . k`` the ``r`` channels of the largest ``|q|`` carry, per model (why scoring on a
+quarter of the channels works on one model and not on another).
+
+:mod:`evaluation.channel_quant` scores keys on the ``r`` channels where the GQA group's pooled ``|q|`` is largest
+(SparQ's choice). On the H200 (evaluation/RESULTS.md, 2026-12-01 ~17:12 UTC) ``r = D / 4`` with the blocks' mean keys
+for the other channels was the oracle within noise on Qwen2.5 at 32K and 27-33 points of perplexity over it on
+Gemma-3. This module measures, on real prefills (post-RoPE queries and keys of every full-attention layer, the last
+``--queries`` positions against all earlier ones, CPU float32):
+
+- ``share``: ``sum_S |q_d k_d| / sum_d |q_d k_d|``, the kept channels' part of the dot product's magnitude;
+- ``corr``: the Pearson correlation over keys between the exact logit ``q . k`` and the kept channels' ``q_S . k_S``
+  (what a ranking sees), averaged over query heads and positions;
+- ``recall``: the share of the exact top ``1/16`` keys of each query head that the kept channels' top ``1/16`` holds.
+
+    python -m evaluation.channel_share --models smollm2 gemma3-270m qwen2.5-coder-1.5b --length 2048 \\
+        --out evaluation/results/channel_share_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hf_sparse_kv.calibrate_selector import record_qk
+
+from .channel_quant import channel_mask
+
+
+def channel_share(
+    q: torch.Tensor, k: torch.Tensor, channels: int, group: int = 1, queries: int = 64, top: float = 1 / 16
+) -> dict[str, float]:
+    """``share``, ``corr`` and ``recall`` (module docstring) of one layer.
+
+    Args: ``q [Hq, N, D]`` and ``k [Hkv, N, D]`` (post-RoPE, one sequence); ``channels`` (``r``) and ``group``
+    (runs of channels) as :func:`evaluation.channel_quant.channel_mask`; the last ``queries`` positions are scored
+    against the ``N - queries`` positions before them; ``top``: the share of those keys ``recall`` compares.
+    """
+    Hq, N = q.shape[:2]
+    Hkv = k.shape[0]
+    if not 0 < queries < N:
+        raise ValueError(f"queries must be in 1..{N - 1}, not {queries}")
+    qs = q[:, N - queries :].float()  # [Hq, Q, D]
+    ks = k[:, : N - queries].float().repeat_interleave(Hq // Hkv, 0)  # [Hq, K, D]
+    mask = channel_mask(qs.transpose(0, 1), Hkv, channels, group)  # [Q, Hkv, D]
+    mask = mask.repeat_interleave(Hq // Hkv, 1).transpose(0, 1)  # [Hq, Q, D]
+    kept = torch.einsum("hqd,hkd->hqk", qs.abs() * mask, ks.abs())
+    whole = torch.einsum("hqd,hkd->hqk", qs.abs(), ks.abs())
+    exact = torch.einsum("hqd,hkd->hqk", qs, ks)
+    part = torch.einsum("hqd,hkd->hqk", qs * mask, ks)
+    e, p = exact - exact.mean(-1, keepdim=True), part - part.mean(-1, keepdim=True)
+    corr = (e * p).sum(-1) / (e.norm(dim=-1) * p.norm(dim=-1)).clamp(min=1e-30)  # [Hq, Q]
+    n_top = max(1, round(top * ks.shape[1]))
+    want = torch.zeros_like(exact).scatter_(-1, exact.topk(n_top, -1).indices, 1.0)
+    got = torch.zeros_like(part).scatter_(-1, part.topk(n_top, -1).indices, 1.0)
+    return {
+        "share": float((kept.sum(-1) / whole.sum(-1).clamp(min=1e-30)).mean()),
+        "corr": float(corr.mean()),
+        "recall": float(((want * got).sum(-1) / n_top).mean()),
+    }
+
+
+def full_attention_layers(config) -> list[int]:
+    """Indices of the layers a policy makes sparse: all, or those ``layer_types`` marks ``full_attention``."""
+    cfg = getattr(config, "text_config", config)
+    types = getattr(cfg, "layer_types", None)
+    n = cfg.num_hidden_layers
+    return [i for i in range(n) if types is None or types[i] == "full_attention"]
+
+
+def measure(model, ids: torch.Tensor, fractions: list[float], group: int = 1, queries: int = 64) -> list[dict]:
+    """One row per (full-attention layer, fraction of channels ``r / D``) of :func:`channel_share` over the
+    prefill ``ids [1, N]``."""
+    record = record_qk(model, ids)
+    rows = []
+    for layer in full_attention_layers(model.config):
+        q, k = record[layer]
+        D = q.shape[-1]
+        for f in fractions:
+            r = max(group, round(f * D / group) * group)
+            rows.append({"layer": layer, "channels": r, "of": D, **channel_share(q, k, r, group, queries)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2"])
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--queries", type=int, default=64)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
+    ap.add_argument("--group", type=int, default=1)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    from .assets import load_model
+    from .suite import suite_text
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "rows.jsonl"
+    done = (
+        {(r["model"], r["group"]) for r in map(json.loads, path.read_text().splitlines())} if path.exists() else set()
+    )
+    for name in args.models:
+        if (name, args.group) in done:  # a rerun adds only what is missing
+            continue
+        t0 = time.perf_counter()
+        model, tok = load_model(name)
+        for text in ("essays", "kjv"):
+            body = suite_text(text)
+            start = len(body) // 2  # one window from the middle of each haystack
+            ids = tok.encode(body[start : start + 8 * args.length], add_special_tokens=False)[: args.length]
+            for row in measure(model, torch.tensor([ids]), args.fractions, args.group, args.queries):
+                row = {"model": name, "text": text, "length": len(ids), "group": args.group, **row}
+                with open(path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        del model
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    table = ["| model | r / D | share | corr | recall of the top 1/16 | layers × windows |", "| --- " * 6 + "|"]
+    keys = sorted({(r["model"], r["channels"], r["of"], r["group"]) for r in rows}, key=lambda x: (x[0], x[1]))
+    for model, r, D, g in keys:
+        mine = [x for x in rows if (x["model"], x["channels"], x["of"], x["group"]) == (model, r, D, g)]
+        mean = {m: sum(x[m] for x in mine) / len(mine) for m in ("share", "corr", "recall")}
+        runs = f" (runs of {g})" if g > 1 else ""
+        table.append(
+            f"| {model} | {r}/{D}{runs} | {mean['share']:.3f} | {mean['corr']:.3f} | {mean['recall']:.3f} | {len(mine)} |"
+        )
+    (args.out / "table.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
