@@ -2,9 +2,9 @@
 quarter of the channels works on one model and not on another).
 
 :mod:`evaluation.channel_quant` scores keys on the ``r`` channels where the GQA group's pooled ``|q|`` is largest
-(SparQ's choice). On the H200 (evaluation/RESULTS.md, 2026-12-01 17:07-17:32 UTC) ``r = D / 4`` with the blocks' mean keys
-for the other channels was the oracle within noise on Qwen2.5 at 32K and 27-33 points of perplexity over it on
-Gemma-3. This module measures, on real prefills (post-RoPE queries and keys of every full-attention layer, the last
+(SparQ's choice). On the H200 (evaluation/RESULTS.md, 2026-12-01 17:07-17:32 UTC) ``r = D / 4`` with the blocks'
+mean keys for the other channels was the oracle within noise on Qwen2.5 at 32K and 27-33 points of perplexity over
+it on Gemma-3. This module measures, on real prefills (post-RoPE queries and keys of every full-attention layer, the last
 ``--queries`` positions against all earlier ones, CPU float32):
 
 - ``share``: ``sum_S |q_d k_d| / sum_d |q_d k_d|``, the kept channels' part of the dot product's magnitude;
@@ -124,9 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         mine = [x for x in rows if (x["model"], x["channels"], x["of"], x["group"]) == (model, r, D, g)]
         mean = {m: sum(x[m] for x in mine) / len(mine) for m in ("share", "corr", "recall")}
         runs = f" (runs of {g})" if g > 1 else ""
-        table.append(
-            f"| {model} | {r}/{D}{runs} | {mean['share']:.3f} | {mean['corr']:.3f} | {mean['recall']:.3f} | {len(mine)} |"
-        )
+        cells = " | ".join(f"{mean[m]:.3f}" for m in ("share", "corr", "recall"))
+        table.append(f"| {model} | {r}/{D}{runs} | {cells} | {len(mine)} |")
     (args.out / "table.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
 

@@ -358,11 +358,12 @@ def patch_model(
             h.remove()
         unmerge(merged)
         saved.restore(model)
-        if undone:  # the previous patch's (stale) groups were unmerged above: merge them again for it
-            try:
-                previous.merged[:] = merge(model)
+        if undone:  # the previous patch's (stale) groups were unmerged above: merged again for it, as a new state
+            try:  # (the weights moved: static steps set up before must refuse, as after any re-patch)
+                regrouped = merge(model)
             except RuntimeError:  # (out of memory, most likely) it then runs unmerged: the same outputs, slower
-                previous.merged.clear()
+                regrouped = []
+            setattr(model, STATE_ATTR, PatchState(previous.config, previous.handles, regrouped))
         raise
     for handle in previous.handles if previous else ():
         handle.remove()  # replaced by this patch's hooks
