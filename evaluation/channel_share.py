@@ -4,8 +4,8 @@ quarter of the channels works on one model and not on another).
 :mod:`evaluation.channel_quant` scores keys on the ``r`` channels where the GQA group's pooled ``|q|`` is largest
 (SparQ's choice). On the H200 (evaluation/RESULTS.md, 2026-12-01 17:07-17:32 UTC) ``r = D / 4`` with the blocks'
 mean keys for the other channels was the oracle within noise on Qwen2.5 at 32K and 27-33 points of perplexity over
-it on Gemma-3. This module measures, on real prefills (post-RoPE queries and keys of every full-attention layer, the last
-``--queries`` positions against all earlier ones, CPU float32):
+it on Gemma-3. This module measures, on real prefills (post-RoPE queries and keys of every full-attention layer,
+the last ``--queries`` positions against all earlier ones, CPU float32):
 
 - ``share``: ``sum_S |q_d k_d| / sum_d |q_d k_d|``, the kept channels' part of the dot product's magnitude;
 - ``corr``: the Pearson correlation over keys between the exact logit ``q . k`` and the kept channels' ``q_S . k_S``
