@@ -265,20 +265,30 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
                 done.add(("perplexity", job.length, w, *cell.key))
 
 
-def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
-    n = cfg.get("needle", {})
-    variant = job.params["variant"]
+def _needle_params(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
+    """The needle settings of ``variant`` (``single``, ``single_start`` or a hard one): defaults, then the config's."""
+    n = cfg.get("needle") or {}
     if variant == "single":
-        p = {"trials": 100, "depths": [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], "new_tokens": 8, **n}
-    elif variant == "single_start":
-        p = {"trials": 100, "new_tokens": 8, **n, **n.get("start", {})}
-    else:
-        p = {"trials": 100, "depths": [0.1, 0.5, 0.9], "new_tokens": 8, "n_needles": 4, **n, **n.get("hard", {})}
-        p = {**p, **p.get(variant, {})}
-    names = list(texts)
+        return {"trials": 100, "depths": [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], "new_tokens": 8, **n}
+    if variant == "single_start":
+        return {"trials": 100, "new_tokens": 8, **n, **(n.get("start") or {})}
+    p = {"trials": 100, "depths": [0.1, 0.5, 0.9], "new_tokens": 8, "n_needles": 4, **n, **(n.get("hard") or {})}
+    return {**p, **p.get(variant, {})}
+
+
+def _with_dense(cells: list[PolicyCell], job: Job) -> list[PolicyCell]:
+    """The job's cells, dense first when none of them is (needle and QA trials pair every policy with dense)."""
     chosen = _select(cells, job)
     if not any(c.budget is None for c in chosen):
         chosen = [c for c in cells if c.budget is None] + chosen
+    return chosen
+
+
+def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
+    variant = job.params["variant"]
+    p = _needle_params(cfg, variant)
+    names = list(texts)
+    chosen = _with_dense(cells, job)
     pending = []
     for trial in range(int(p["trials"])):
         todo = [c for c in chosen if ("needle", job.length, variant, trial, *c.key) not in done]
@@ -341,12 +351,15 @@ def _generate(model, prompts: list[list[int]], todo: list[PolicyCell], cfg, new_
     return gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3)
 
 
+def _qa_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The QA settings: defaults, then the config's."""
+    return {"tasks": ["variable_tracking", "fact", "common_words"], "items": 100, "new_tokens": 8, **cfg["qa"]}
+
+
 def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
-    p = {"tasks": ["variable_tracking", "fact", "common_words"], "items": 100, "new_tokens": 8, **cfg["qa"]}
+    p = _qa_params(cfg)
     names = list(texts)
-    chosen = _select(cells, job)
-    if not any(c.budget is None for c in chosen):
-        chosen = [c for c in cells if c.budget is None] + chosen
+    chosen = _with_dense(cells, job)
     pending = []
     for i in range(int(p["items"])):
         for task in p["tasks"]:
@@ -462,12 +475,69 @@ def run_suite(
 SHAPES = {"smollm2": (30, 0.135e9), "gemma3-270m": (18, 0.27e9), "qwen2.5-coder-1.5b": (28, 1.54e9)}
 
 
-def estimate(cfg: dict[str, Any], step_ms_per_layer: float = 1.6, tflops: float = 150.0) -> list[tuple[Job, float]]:
-    """Rough device seconds per job, for planning a GPU session (not a measurement).
+def _units(cfg: dict[str, Any], job: Job, cells: list[PolicyCell]) -> list[tuple]:
+    """Every (unit, cell) the job runs, as :func:`_done_keys` writes them: (window, cell) for perplexity, (trial,
+    cell) for needles, (task, item, cell) for QA."""
+    if job.task == "perplexity":
+        p = {"windows": 16, **(cfg.get("perplexity") or {})}
+        mine = _select(cells, job)
+        decode = any(c.policy.compresses for c in mine)  # the decode way scores dense beside, without its row
+        mine = [c for c in mine if c.budget is not None or (c.label == "dense" and not decode)]
+        return [("perplexity", job.length, w, *c.key) for w in range(int(p["windows"])) for c in mine]
+    chosen = _with_dense(cells, job)
+    if job.task == "needle":
+        v = job.params["variant"]
+        return [
+            ("needle", job.length, v, t, *c.key) for t in range(int(_needle_params(cfg, v)["trials"])) for c in chosen
+        ]
+    p = _qa_params(cfg)
+    return [("qa", job.length, t, i, *c.key) for i in range(int(p["items"])) for t in p["tasks"] for c in chosen]
 
-    Assumes eager decode steps bound by the host at ``step_ms_per_layer`` per layer whatever the batch (about what
+
+def _measure_key(job_or_row, cells: list[PolicyCell] | None = None) -> tuple:
+    """What a unit's time depends on: (task, length, needle variant or perplexity way)."""
+    if isinstance(job_or_row, Job):
+        job = job_or_row
+        if job.task == "perplexity":
+            way = "decode" if any(c.policy.compresses for c in _select(cells, job)) else "simulate"
+            return ("perplexity", job.length, way)
+        return (job.task, job.length, job.params.get("variant", ""))
+    r = job_or_row
+    extra = r.get("way", "simulate") if r["task"] == "perplexity" else r.get("variant", "")
+    return (r["task"], r["length"], extra)
+
+
+def measured_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """Median ``seconds`` per (unit, cell) of the finished cells (what the machine that ran them took; a row
+    without ``seconds`` is left out), by :func:`_measure_key` and by that key plus the policy's label."""
+    import statistics
+
+    by: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("task") in ("perplexity", "needle", "qa") and isinstance(r.get("seconds"), (int, float)):
+            key = _measure_key(r)
+            by.setdefault(key, []).append(float(r["seconds"]))
+            by.setdefault((*key, r.get("policy")), []).append(float(r["seconds"]))
+    return {k: statistics.median(v) for k, v in by.items()}
+
+
+def estimate(
+    cfg: dict[str, Any],
+    step_ms_per_layer: float = 1.6,
+    tflops: float = 150.0,
+    rows: list[dict[str, Any]] | None = None,
+) -> list[tuple[Job, float, bool]]:
+    """Rough device seconds per job, for planning a GPU session (not a measurement): ``(job, seconds, measured)``.
+
+    Counts only the (unit, cell) pairs still to run: not in ``rows`` (the results folder's finished cells) and not
+    run by an earlier job of the plan (the tiers repeat cells). A job whose kind of unit (:func:`_measure_key`) has
+    finished cells in ``rows`` is priced at their median seconds per unit, the policy's own median where it has some
+    (``measured``: True); otherwise a model:
+    eager decode steps bound by the host at ``step_ms_per_layer`` per layer whatever the batch (about what
     ``benchmarks/RESULTS.md`` measured on the H200: 50-60 ms per step of a 32-layer model), prefills at ``tflops``
-    effective, a ``simulate`` cell at 3 ms per layer (twice that with fidelity)."""
+    effective, a ``simulate`` cell at 3 ms per layer (twice that with fidelity), scaled by the share of the job's
+    units left. Policies scored with reference ops (an experiment named ``module:Class``) run slower than the model
+    says; their measured rows say by how much."""
     layers, params = SHAPES.get(cfg["model"], (32, 1e9))
     step = layers * step_ms_per_layer / 1000
 
@@ -475,8 +545,17 @@ def estimate(cfg: dict[str, Any], step_ms_per_layer: float = 1.6, tflops: float 
         return 2 * params * tokens / (tflops * 1e12) + layers * 0.002
 
     cells = cells_of(cfg)
+    done = _done_keys(rows or [])
+    measured = measured_seconds(rows or [])
     out = []
     for job in plan(cfg):
+        units = _units(cfg, job, cells)
+        left = [u for u in units if u not in done]
+        done.update(left)
+        key = _measure_key(job, cells)
+        if key in measured:  # each unit at its policy's median when that policy has finished cells of this kind
+            out.append((job, sum(measured.get((*key, u[-2]), measured[key]) for u in left), True))
+            continue
         mine = [c for c in _select(cells, job) if c.budget is not None]
         if job.task == "perplexity":
             p = {"windows": 16, "scored": 256, "batch": 1, "fidelity": True, **cfg.get("perplexity", {})}
@@ -488,24 +567,15 @@ def estimate(cfg: dict[str, Any], step_ms_per_layer: float = 1.6, tflops: float 
                 sim = layers * 0.003 * (2 if p["fidelity"] else 1)
                 sec = p["windows"] * (prefill(job.length) + (1 + len(mine)) * sim)
         else:
-            n = cfg.get("needle", {}) if job.task == "needle" else cfg.get("qa", {})
-            variant = job.params.get("variant", "")
-            part = (
-                {**n, **n.get("hard", {}), **n.get("hard", {}).get(variant, {})} if variant.startswith("multi") else n
-            )
-            part = {**n, **n.get("start", {})} if variant == "single_start" else part
-            units = (
-                int(part.get("trials", 100))
-                if job.task == "needle"
-                else int(n.get("items", 100)) * len(n.get("tasks", [1, 2, 3]))
-            )
+            part = _needle_params(cfg, job.params["variant"]) if job.task == "needle" else _qa_params(cfg)
+            units_per_cell = int(part["trials"]) if job.task == "needle" else int(part["items"]) * len(part["tasks"])
             b = batch_size(part.get("batch"), job.length)
             new = int(part.get("new_tokens", 8)) + 1
             compress = sum(c.policy.compresses for c in mine)
             dense_here = "dense" in job.labels and job.labels[0] == "dense" and len(job.budgets) == 1
             per_batch = prefill(b * job.length) * (1 + compress) + (len(mine) + dense_here) * new * step
-            sec = cdiv(units, b) * per_batch
-        out.append((job, sec))
+            sec = cdiv(units_per_cell, b) * per_batch
+        out.append((job, sec * len(left) / max(1, len(units)), False))
     return out
 
 
@@ -520,7 +590,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="results folder (cells.jsonl, summary.md, plots); resumes")
     p.add_argument("--time-limit", type=float, help="seconds; the run stops cleanly before the next unit after it")
     p.add_argument("--summarize", action="store_true", help="only write tables and plots from DIR/cells.jsonl")
-    p.add_argument("--estimate", action="store_true", help="print rough device minutes per job (no model loaded)")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="print rough device minutes per job still to run (no model loaded; priced from --out's finished cells)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (YAML)")
     a = p.parse_args(argv)
     overrides = {}
@@ -529,13 +603,15 @@ def main(argv: list[str] | None = None) -> None:
         overrides[k] = yaml.safe_load(v)
     cfg = load_suite(a.model, overrides)
     if a.estimate:
+        rows = ResultsDir(a.out).rows() if any(Path(a.out).glob("cells*.jsonl")) else []
         total = 0.0
-        for job, sec in estimate(cfg):
+        for job, sec, from_rows in estimate(cfg, rows=rows):
             total += sec
             what = job.params.get("variant", "")
+            how = "measured" if from_rows else "model"
             print(
                 f"{job.task:10} {job.length:6} {what:13} {len(job.labels)} policies @ {','.join(job.budgets):14} "
-                f"{sec / 60:6.1f} min  (cumulative {total / 60:6.1f})"
+                f"{sec / 60:6.1f} min  (cumulative {total / 60:6.1f}; {how})"
             )
         return
     if not a.summarize:

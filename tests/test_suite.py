@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 from test_assets_text import make_essays
@@ -151,3 +152,39 @@ def test_suite_runs_a_policy_named_by_module_and_class(tmp_path):
     mine = [r for r in rows if r["policy"] == "chq"]
     assert {r["task"] for r in mine} == {"perplexity", "needle"} and len(mine) == 3
     assert all(0.0 <= r["hit_rate"] <= 1.0 for r in mine if r["task"] == "perplexity")
+
+
+def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
+    """The estimate counts each (unit, cell) once across the plan's tiers, skips the finished ones, and prices a kind
+    of unit from the finished cells' median seconds when there are some."""
+    from evaluation.suite import _units, estimate
+
+    cfg = _tiny_cfg("qwen2.5")
+    cells = cells_of(cfg)
+    fresh = estimate(cfg)
+    assert all(not measured for *_, measured in fresh) and sum(s for _, s, _ in fresh) > 0
+    jobs = plan(cfg)
+    unique = {u for job in jobs for u in _units(cfg, job, cells)}
+    single = next(j for j in jobs if j.task == "needle" and j.params["variant"] == "single")
+    first = _units(cfg, single, cells)
+    price = {c.label: 1.0 + i for i, c in enumerate(cells)}  # each policy's own seconds a trial
+    rows = [  # the first trial of every cell of that job finished
+        {"task": "needle", "length": u[1], "variant": u[2], "trial": u[3], "policy": u[4], "budget": u[5],
+         "seconds": price[u[4]]}
+        for u in first if u[3] == 0
+    ]  # fmt: skip
+    est = estimate(cfg, rows=rows)
+    same = [(s, m) for job, s, m in est if job.task == "needle" and job.params["variant"] == "single"]
+    assert all(m for _, m in same)
+    single_units = {u for j in jobs if j.task == "needle" for u in _units(cfg, j, cells) if u[2] == "single"}
+    finished = {("needle", r["length"], r["variant"], r["trial"], r["policy"], r["budget"]) for r in rows}
+    seen = {r["policy"] for r in rows}  # a policy without finished cells: the median of all of them
+    fallback = statistics.median(r["seconds"] for r in rows)
+    want = sum(price[u[4]] if u[4] in seen else fallback for u in single_units - finished)  # each unit left once
+    assert sum(s for s, _ in same) == pytest.approx(want)
+
+    def multi_key(estimates):  # a kind of unit without finished cells: the model, as without rows
+        return sum(s for job, s, m in estimates if job.task == "needle" and job.params["variant"] == "multi_key")
+
+    assert multi_key(fresh) > 0 and multi_key(est) == pytest.approx(multi_key(fresh))
+    assert len(unique) < sum(len(_units(cfg, j, cells)) for j in jobs)  # the tiers repeat cells: counted once
