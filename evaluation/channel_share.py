@@ -13,7 +13,7 @@ the last ``--queries`` positions against all earlier ones, CPU float32):
 - ``recall``: the share of the exact top ``1/16`` keys of each query head that the kept channels' top ``1/16`` holds.
 
     python -m evaluation.channel_share --models smollm2 gemma3-270m qwen2.5-coder-1.5b --length 2048 \\
-        --out evaluation/results/channel_share_cpu
+        --out evaluation/results/channel_share_cpu        # --at projection / norm: before RoPE (and QK-norm)
 """
 
 from __future__ import annotations
@@ -71,17 +71,55 @@ def full_attention_layers(config) -> list[int]:
     return [i for i in range(n) if types is None or types[i] == "full_attention"]
 
 
-def measure(model, ids: torch.Tensor, fractions: list[float], group: int = 1, queries: int = 64) -> list[dict]:
+POINTS = ("attention", "projection", "norm")
+
+
+def record_at(model, ids: torch.Tensor, at: str = "attention") -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each attention layer's queries ``[Hq, N, D]`` and keys ``[Hkv, N, D]`` (float32) over the prefill
+    ``ids [1, N]``, taken ``at``: ``"attention"`` (what attention sees: after any QK-norm and RoPE),
+    ``"projection"`` (the outputs of ``q_proj`` / ``k_proj``: before both) or ``"norm"`` (the outputs of ``q_norm`` /
+    ``k_norm``, Gemma-3's and Qwen3's per-head RMSNorm with learned per-channel scales: before RoPE)."""
+    if at not in POINTS:
+        raise ValueError(f"at must be one of {POINTS}, not {at!r}")
+    if at == "attention":
+        return record_qk(model, ids)
+    names = ("q_proj", "k_proj") if at == "projection" else ("q_norm", "k_norm")
+    attn = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "k_proj")]
+    if not all(hasattr(m, n) for m in attn for n in names):
+        raise ValueError(f"{type(model).__name__}'s attention has no {names[0]} / {names[1]} to record at {at!r}")
+    record: dict[int, list] = {m.layer_idx: [None, None] for m in attn}
+    handles = []
+    for m in attn:
+        D = m.head_dim
+        for i, n in enumerate(names):
+
+            def hook(_mod, _inp, out, layer=m.layer_idx, i=i, D=D):
+                x = out.detach().float()[0]  # projection: [N, H * D]; norm: [H, N, D]
+                record[layer][i] = x.view(x.shape[0], -1, D).transpose(0, 1) if at == "projection" else x
+
+            handles.append(getattr(m, n).register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {layer: (q, k) for layer, (q, k) in record.items()}
+
+
+def measure(
+    model, ids: torch.Tensor, fractions: list[float], group: int = 1, queries: int = 64, at: str = "attention"
+) -> list[dict]:
     """One row per (full-attention layer, fraction of channels ``r / D``) of :func:`channel_share` over the
-    prefill ``ids [1, N]``."""
-    record = record_qk(model, ids)
+    prefill ``ids [1, N]``, the queries and keys taken ``at`` (:func:`record_at`)."""
+    record = record_at(model, ids, at)
     rows = []
     for layer in full_attention_layers(model.config):
         q, k = record[layer]
         D = q.shape[-1]
         for f in fractions:
             r = max(group, round(f * D / group) * group)
-            rows.append({"layer": layer, "channels": r, "of": D, **channel_share(q, k, r, group, queries)})
+            rows.append({"layer": layer, "at": at, "channels": r, "of": D, **channel_share(q, k, r, group, queries)})
     return rows
 
 
@@ -92,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     ap.add_argument("--group", type=int, default=1)
+    ap.add_argument("--at", choices=POINTS, default="attention", help="where queries and keys are taken (record_at)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     from .assets import load_model
@@ -99,11 +138,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "rows.jsonl"
-    done = (
-        {(r["model"], r["group"]) for r in map(json.loads, path.read_text().splitlines())} if path.exists() else set()
-    )
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    done = {(r["model"], r["group"], r.get("at", "attention")) for r in rows}
     for name in args.models:
-        if (name, args.group) in done:  # a rerun adds only what is missing
+        if (name, args.group, args.at) in done:  # a rerun adds only what is missing
             continue
         t0 = time.perf_counter()
         model, tok = load_model(name)
@@ -111,21 +149,27 @@ def main(argv: list[str] | None = None) -> None:
             body = suite_text(text)
             start = len(body) // 2  # one window from the middle of each haystack
             ids = tok.encode(body[start : start + 8 * args.length], add_special_tokens=False)[: args.length]
-            for row in measure(model, torch.tensor([ids]), args.fractions, args.group, args.queries):
+            for row in measure(model, torch.tensor([ids]), args.fractions, args.group, args.queries, args.at):
                 row = {"model": name, "text": text, "length": len(ids), "group": args.group, **row}
                 with open(path, "a") as f:
                     f.write(json.dumps(row) + "\n")
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
         del model
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    table = ["| model | r / D | share | corr | recall of the top 1/16 | layers × windows |", "| --- " * 6 + "|"]
-    keys = sorted({(r["model"], r["channels"], r["of"], r["group"]) for r in rows}, key=lambda x: (x[0], x[1]))
-    for model, r, D, g in keys:
-        mine = [x for x in rows if (x["model"], x["channels"], x["of"], x["group"]) == (model, r, D, g)]
+    table = [
+        "| model | taken at | r / D | share | corr | recall of the top 1/16 | layers × windows |",
+        "| --- " * 7 + "|",
+    ]
+
+    def key(x: dict) -> tuple:
+        return x["model"], x.get("at", "attention"), x["channels"], x["of"], x["group"]
+
+    for model, at, r, D, g in sorted({key(x) for x in rows}, key=lambda k: (k[0], POINTS.index(k[1]), k[2])):
+        mine = [x for x in rows if key(x) == (model, at, r, D, g)]
         mean = {m: sum(x[m] for x in mine) / len(mine) for m in ("share", "corr", "recall")}
         runs = f" (runs of {g})" if g > 1 else ""
         cells = " | ".join(f"{mean[m]:.3f}" for m in ("share", "corr", "recall"))
-        table.append(f"| {model} | {r}/{D}{runs} | {cells} | {len(mine)} |")
+        table.append(f"| {model} | {at} | {r}/{D}{runs} | {cells} | {len(mine)} |")
     (args.out / "table.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
 

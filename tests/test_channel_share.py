@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny_models import prompt, tiny_model
 
-from evaluation.channel_share import channel_share, full_attention_layers, measure
+from evaluation.channel_share import channel_share, full_attention_layers, measure, record_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,3 +41,28 @@ def test_measure_covers_the_full_attention_layers(arch):
     assert [r["layer"] for r in rows] == [x for x in layers for _ in range(2)]
     assert all(0 < r["share"] <= 1 + 1e-6 and -1 <= r["corr"] <= 1 + 1e-6 and 0 <= r["recall"] <= 1 for r in rows)
     assert {r["channels"] for r in rows} == {4, 8} and {r["of"] for r in rows} == {16}
+
+
+def test_queries_and_keys_are_recorded_before_rope_and_qk_norm():
+    """``projection``: ``q_proj`` / ``k_proj`` outputs as heads; ``norm``: Gemma-3's ``q_norm`` / ``k_norm`` outputs;
+    ``attention``: after both, with RoPE: the same shapes; position 0 (rotated by angle 0) is the same before and
+    after RoPE, a later one differs."""
+    ids = prompt(24)
+    llama = tiny_model("llama")
+    proj, seen = record_at(llama, ids, "projection"), record_at(llama, ids, "attention")
+    layer = llama.model.layers[1].self_attn
+    q_heads, D = llama.config.num_attention_heads, layer.head_dim
+    assert proj[1][0].shape == seen[1][0].shape == (q_heads, 24, D)
+    assert proj[1][1].shape == seen[1][1].shape == (llama.config.num_key_value_heads, 24, D)
+    torch.testing.assert_close(proj[1][1][:, 0], seen[1][1][:, 0])
+    assert not torch.allclose(proj[1][1][:, 5], seen[1][1][:, 5])
+    with pytest.raises(ValueError, match="no q_norm"):
+        record_at(llama, ids, "norm")
+    with pytest.raises(ValueError, match="at must be"):
+        record_at(llama, ids, "nowhere")
+    gemma = tiny_model("gemma3")
+    normed, attended = record_at(gemma, ids, "norm"), record_at(gemma, ids, "attention")
+    assert normed[1][0].shape == attended[1][0].shape
+    torch.testing.assert_close(normed[1][0][:, 0], attended[1][0][:, 0])  # RoPE at position 0 is the identity
+    rows = measure(gemma, ids, [0.5], queries=8, at="norm")
+    assert {r["at"] for r in rows} == {"norm"} and [r["layer"] for r in rows] == [1, 3]
