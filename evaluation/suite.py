@@ -494,28 +494,29 @@ def _units(cfg: dict[str, Any], job: Job, cells: list[PolicyCell]) -> list[tuple
     return [("qa", job.length, t, i, *c.key) for i in range(int(p["items"])) for t in p["tasks"] for c in chosen]
 
 
-def _measure_key(job_or_row, cells: list[PolicyCell] | None = None) -> tuple:
-    """What a unit's time depends on: (task, length, needle variant or perplexity way)."""
-    if isinstance(job_or_row, Job):
-        job = job_or_row
-        if job.task == "perplexity":
-            way = "decode" if any(c.policy.compresses for c in _select(cells, job)) else "simulate"
-            return ("perplexity", job.length, way)
-        return (job.task, job.length, job.params.get("variant", ""))
-    r = job_or_row
+def _job_kind(job: Job, cells: list[PolicyCell]) -> tuple:
+    """What a job's units take time by: (task, length, needle variant or perplexity way)."""
+    if job.task == "perplexity":
+        way = "decode" if any(c.policy.compresses for c in _select(cells, job)) else "simulate"
+        return ("perplexity", job.length, way)
+    return (job.task, job.length, job.params.get("variant", ""))
+
+
+def _row_kind(r: dict[str, Any]) -> tuple:
+    """:func:`_job_kind` of the job that wrote the finished cell ``r``."""
     extra = r.get("way", "simulate") if r["task"] == "perplexity" else r.get("variant", "")
     return (r["task"], r["length"], extra)
 
 
 def measured_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     """Median ``seconds`` per (unit, cell) of the finished cells (what the machine that ran them took; a row
-    without ``seconds`` is left out), by :func:`_measure_key` and by that key plus the policy's label."""
+    without ``seconds`` is left out), by :func:`_row_kind` and by that kind plus the policy's label."""
     import statistics
 
     by: dict[tuple, list[float]] = {}
     for r in rows:
         if r.get("task") in ("perplexity", "needle", "qa") and isinstance(r.get("seconds"), (int, float)):
-            key = _measure_key(r)
+            key = _row_kind(r)
             by.setdefault(key, []).append(float(r["seconds"]))
             by.setdefault((*key, r.get("policy")), []).append(float(r["seconds"]))
     return {k: statistics.median(v) for k, v in by.items()}
@@ -530,7 +531,7 @@ def estimate(
     """Rough device seconds per job, for planning a GPU session (not a measurement): ``(job, seconds, measured)``.
 
     Counts only the (unit, cell) pairs still to run: not in ``rows`` (the results folder's finished cells) and not
-    run by an earlier job of the plan (the tiers repeat cells). A job whose kind of unit (:func:`_measure_key`) has
+    run by an earlier job of the plan (the tiers repeat cells). A job whose kind of unit (:func:`_job_kind`) has
     finished cells in ``rows`` is priced at their median seconds per unit, the policy's own median where it has some
     (``measured``: True); otherwise a model:
     eager decode steps bound by the host at ``step_ms_per_layer`` per layer whatever the batch (about what
@@ -552,7 +553,7 @@ def estimate(
         units = _units(cfg, job, cells)
         left = [u for u in units if u not in done]
         done.update(left)
-        key = _measure_key(job, cells)
+        key = _job_kind(job, cells)
         if key in measured:  # each unit at its policy's median when that policy has finished cells of this kind
             out.append((job, sum(measured.get((*key, u[-2]), measured[key]) for u in left), True))
             continue
