@@ -25,7 +25,7 @@ import torch
 from .environment import environment
 from .needle import NAMES, _insert_needles, generate_cells
 from .plots import metric_vs_budget
-from .sweep import budget_label, policy_grid, progress, stable_seed
+from .sweep import budget_label, decoded_cells, policy_grid, progress, stable_seed
 
 TASKS = ("variable_tracking", "fact", "common_words")
 CITIES = (
@@ -277,7 +277,7 @@ def score_item(generated: str, item: dict[str, Any]) -> bool:
 def run_qa(cfg, model, tok, text, results, shard) -> None:
     """Per task × length × item: one prefill, then the greedy answer under dense and every (policy, budget)."""
     p = {"tasks": list(TASKS), "items": 4, "new_tokens": 8, "max_offset": 20000, "longbench": None, **cfg.get("qa", {})}
-    cells = policy_grid(cfg["policies"], cfg["budgets"])
+    cells = decoded_cells(policy_grid(cfg["policies"], cfg["budgets"]))
     if not any(c.budget is None for c in cells):
         cells = [policy_grid([{"name": "dense"}], [])[0], *cells]
     done = results.done(("task", "length", "item", "policy", "budget"))

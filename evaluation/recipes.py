@@ -31,6 +31,7 @@ from .sweep import (
     budget_label,
     budget_value,
     check_config,
+    decoded_cells,
     load_config,
     perplexity_row,
     policy_grid,
@@ -103,8 +104,10 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
             if session is not None and cell.policy.compresses:
                 way = "decode"  # freeing prompt blocks cannot be replayed chunk-wise; the two ways agree (tested)
             if session is not None and way == "simulate":
-                lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=fidelity and cell.budget is not None)
+                want = fidelity and cell.budget is not None
+                lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
             else:
+                decoded_cells([cell])  # reused selections: the simulate way only
                 mode = "token" if cell.policy.granularity == "token" and cfg["mode"] == "block" else cfg["mode"]
                 lp = decode_logprobs(model, ids, p["scored"], cell.policy, cfg["dense_layers"], cfg["block_size"], mode)
             if cell.budget is None:
@@ -197,7 +200,7 @@ def run_needle(cfg, model, tok, text, results: ResultsDir, shard: Shard) -> None
         "max_offset": 20000,
         **cfg.get("needle", {}),
     }
-    cells = policy_grid(cfg["policies"], cfg["budgets"])
+    cells = decoded_cells(policy_grid(cfg["policies"], cfg["budgets"]))
     if not any(c.budget is None for c in cells):
         cells = [policy_grid([{"name": "dense"}], [])[0], *cells]  # a dense run beside every sparse one
     done = results.done(("length", "depth", "trial", "policy", "budget"))

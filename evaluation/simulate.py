@@ -70,6 +70,7 @@ class SimulateContext:
     oracle: Policy | None = None
     mode: str = "block"
     extra: dict = field(default_factory=dict)
+    reuse: int = 1  # the policy selects at every reuse-th decode step; the steps between reuse it (_reused)
 
 
 def oracle_for(policy: Policy) -> Policy | None:
@@ -89,6 +90,12 @@ class _GivenScores(OracleBlockTopK):
 
     def mass(self, state: DecodeState) -> torch.Tensor:
         return self.given
+
+
+def check_reuse(reuse) -> None:
+    """Raise a ``ValueError`` unless ``reuse`` (decode steps per selection) is a positive int."""
+    if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 1:
+        raise ValueError(f"reuse (decode steps per selection) must be a positive int, got {reuse!r}")
 
 
 def full_attention_layers(config) -> frozenset[int]:
@@ -124,6 +131,71 @@ def _decode_state(**fields) -> DecodeState:
     return DecodeState(**{k: v for k, v in fields.items() if k in names})
 
 
+def _state_at(ctx: SimulateContext, q_all, idx, positions, pooled, scale, layer_idx, ops) -> DecodeState:
+    """The :class:`DecodeState` of the decode steps of the scored queries ``idx [Q]`` (increasing indices into
+    ``q_all [Tq, Hq, D]`` and ``positions [Tq]``), batched as sequences: each sees the blocks filled before its
+    position and its own current block (``pooled``: :func:`_block_metadata`'s output)."""
+    blocks, meta, cur, cmeta = pooled
+    BS, nb = ctx.block_size, blocks.shape[0]
+    pos = positions[idx]
+    Q = idx.shape[0]
+    seq_lens = (pos + 1).int()
+    b = pos // BS
+    MB = int(b.max()) + 1
+    col = torch.arange(MB, device=pos.device).view(1, -1)
+    own = (nb + torch.arange(Q, device=pos.device)).view(-1, 1)
+    table = torch.where(col < b.view(-1, 1), col, torch.where(col == b.view(-1, 1), own, -1)).int()
+    return _decode_state(
+        q=q_all[idx],
+        k_pool=torch.cat([blocks, cur[idx]]),
+        kmin=torch.cat([meta[0], cmeta[0][idx]]),
+        kmax=torch.cat([meta[1], cmeta[1][idx]]),
+        kmean=torch.cat([meta[2], cmeta[2][idx]]),
+        block_table=table,
+        seq_lens=seq_lens,
+        start=torch.zeros_like(seq_lens),
+        lens=tuple(int(n) for n in seq_lens.tolist()),
+        length=int(pos[-1]) + 1,
+        block_size=BS,
+        scale=scale,
+        mode=ctx.mode,
+        ops=ops,
+        layer=layer_idx,
+    )
+
+
+def _selection_mask(ops, selection, state: DecodeState) -> torch.Tensor:
+    """``[Q, Hkv, state.length]`` bool: what ``selection`` lets each query of ``state`` attend."""
+    return ops.selection_to_mask(
+        selection.indices, selection.kind, state.block_size, state.length, state.seq_lens, state.start,
+        selection.ex_lo, selection.ex_hi,
+    )  # fmt: skip
+
+
+def _reused(ctx: SimulateContext, state: DecodeState, q_all, idx, positions, pooled, scale, layer_idx, ops):
+    """The masks ``[Q, Hkv, L]`` and blocks ``[Q, Hkv, nb]`` of the queries ``idx`` (``state``'s) when the policy
+    selects only every ``ctx.reuse``-th decode step (the anchors: scored queries ``0, r, 2r, ...``) and the steps in
+    between reuse their anchor's selection: the anchor at position ``t0`` selects from what it sees, and a step at
+    ``t`` attends that plus every position in ``(t0, t]`` (the tokens decoded since, which a block-granular reuse
+    reads as its current block). Also returns the anchors' selection (for ``dense``)."""
+    r = ctx.reuse
+    i0 = int(idx[0])
+    anchors = torch.arange(i0, int(idx[-1]) + 1, r, device=idx.device)
+    a_state = _state_at(ctx, q_all, anchors, positions, pooled, scale, layer_idx, ops)
+    a_sel = ctx.policy.select(a_state)
+    a_mask = _selection_mask(ops, a_sel, a_state)  # [Qa, Hkv, a_len]
+    which = (idx - i0) // r  # [Q] each query's anchor
+    t0, t = positions[anchors][which], positions[idx]
+    L, BS = state.length, state.block_size
+    col = torch.arange(L, device=idx.device).view(1, -1)
+    fresh = (col > t0.view(-1, 1)) & (col <= t.view(-1, 1))  # [Q, L]
+    mask = torch.nn.functional.pad(a_mask, (0, L - a_mask.shape[-1]))[which] | fresh.unsqueeze(1)
+    nb = cdiv(L, BS)
+    fresh_blocks = torch.nn.functional.pad(fresh, (0, nb * BS - L)).view(-1, nb, BS).any(-1)  # [Q, nb]
+    blocks = _block_set(a_sel.indices, a_sel.kind, BS, nb)[which] | fresh_blocks.unsqueeze(1)
+    return mask, blocks, a_sel
+
+
 def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> torch.Tensor:
     """query ``[1, Hq, Tq, D]`` at the last ``Tq`` positions of key/value ``[1, Hkv, L, D]`` -> ``[1, Tq, Hq, D]``."""
     if query.shape[0] != 1:
@@ -137,52 +209,39 @@ def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> to
     sparse = layer_idx not in ctx.dense_layers
     positions = torch.arange(L - Tq, L, device=query.device)
     k, v = key[0].float(), value[0].float()  # [Hkv, L, D]
-    blocks, meta, cur, cmeta = _block_metadata(key[0], BS, positions)
-    nb = blocks.shape[0]
+    pooled = _block_metadata(key[0], BS, positions)
+    q_all = query[0].transpose(0, 1)  # [Tq, Hq, D]
     out = torch.empty(Tq, Hq, D, dtype=torch.float32, device=query.device)
-    for i0 in range(0, Tq, ctx.chunk):
-        i1 = min(i0 + ctx.chunk, Tq)
-        pos = positions[i0:i1]
-        Q = i1 - i0
-        length = int(pos[-1]) + 1
-        q = query[0, :, i0:i1].transpose(0, 1)  # [Q, Hq, D]
-        seq_lens = (pos + 1).int()
-        start = torch.zeros_like(seq_lens)
-        b = pos // BS
-        MB = int(b.max()) + 1
-        col = torch.arange(MB, device=q.device).view(1, -1)
-        own = (nb + torch.arange(Q, device=q.device)).view(-1, 1)
-        table = torch.where(col < b.view(-1, 1), col, torch.where(col == b.view(-1, 1), own, -1)).int()
-        state = _decode_state(
-            q=q,
-            k_pool=torch.cat([blocks, cur[i0:i1]]),
-            kmin=torch.cat([meta[0], cmeta[0][i0:i1]]),
-            kmax=torch.cat([meta[1], cmeta[1][i0:i1]]),
-            kmean=torch.cat([meta[2], cmeta[2][i0:i1]]),
-            block_table=table,
-            seq_lens=seq_lens,
-            start=start,
-            lens=tuple(int(n) for n in seq_lens.tolist()),
-            length=length,
-            block_size=BS,
-            scale=scale,
-            mode=ctx.mode,
-            ops=ops,
-            layer=layer_idx,
-        )
-        selection = ctx.policy.select(state) if sparse else Policy.dense_selection(state)
-        ex_lo, ex_hi = selection.ex_lo, selection.ex_hi
-        mask = ops.selection_to_mask(selection.indices, selection.kind, BS, length, seq_lens, start, ex_lo, ex_hi)
+    r = ctx.reuse
+    step = ctx.chunk if r == 1 else max(r, ctx.chunk // r * r)  # a chunk holds whole runs of one anchor
+    for i0 in range(0, Tq, step):
+        idx = torch.arange(i0, min(i0 + step, Tq), device=query.device)
+        Q = idx.shape[0]
+        state = _state_at(ctx, q_all, idx, positions, pooled, scale, layer_idx, ops)
+        length = state.length
+        q = state.q
+        blocks = None
+        if not sparse:
+            selection = Policy.dense_selection(state)
+        elif r > 1:
+            mask, blocks, selection = _reused(ctx, state, q_all, idx, positions, pooled, scale, layer_idx, ops)
+        else:
+            selection = ctx.policy.select(state)
+        if blocks is None:
+            mask = _selection_mask(ops, selection, state)
         logits = torch.einsum("qhgd,hld->qhgl", q.float().view(Q, Hkv, G, D), k[:, :length]) * scale
         p = logits.masked_fill(~mask.unsqueeze(2), float("-inf")).softmax(-1)
-        out[i0:i1] = torch.einsum("qhgl,hld->qhgd", p, v[:, :length]).reshape(Q, Hq, D)
+        out[idx] = torch.einsum("qhgl,hld->qhgd", p, v[:, :length]).reshape(Q, Hq, D)
         if sparse and ctx.fidelity is not None and not selection.dense:
-            _measure(ctx, state, selection, mask, logits)
+            if blocks is None:
+                blocks = _block_set(selection.indices, selection.kind, BS, cdiv(length, BS))
+            _measure(ctx, state, blocks, mask, logits)
     return out.to(query.dtype).unsqueeze(0)
 
 
-def _measure(ctx: SimulateContext, state: DecodeState, selection, mask, logits) -> None:
-    """Add this chunk's attention recall and oracle block hit rate to ``ctx.fidelity``."""
+def _measure(ctx: SimulateContext, state: DecodeState, s_blocks, mask, logits) -> None:
+    """Add this chunk's attention recall and oracle block hit rate to ``ctx.fidelity``; ``s_blocks [Q, Hkv, nb]``
+    the blocks the policy's queries read, ``mask [Q, Hkv, L]`` the positions they attend."""
     Q, Hkv, _G, length = logits.shape
     BS = state.block_size
     pos = torch.arange(length, device=logits.device).view(1, -1)
@@ -201,7 +260,6 @@ def _measure(ctx: SimulateContext, state: DecodeState, selection, mask, logits) 
     oracle.given = mass.masked_fill(~in_use.unsqueeze(1), float("-inf"))
     o_sel = oracle.select(state)
     o_blocks = _block_set(o_sel.indices, o_sel.kind, BS, nb)
-    s_blocks = _block_set(selection.indices, selection.kind, BS, nb)
     hit = (o_blocks & s_blocks).sum(-1).float() / o_blocks.sum(-1).clamp(min=1)
     fid.hit_sum += float(hit.sum())
     fid.hit_count += hit.numel()
@@ -281,7 +339,14 @@ class SimulateSession:
             model(ids[:, :split], **{cache_kwarg(model): self.cache}, use_cache=True, logits_to_keep=1)
         self.split = split
 
-    def run(self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False) -> tuple[torch.Tensor, Fidelity | None]:
+    def run(
+        self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False, reuse: int = 1
+    ) -> tuple[torch.Tensor, Fidelity | None]:
+        """Score the window under ``policy``; with ``reuse = r > 1`` the policy selects only at every ``r``-th
+        decode step (the first scored one, then every ``r``) and each step in between attends its anchor's
+        selection plus the tokens decoded since (:func:`_reused`): what a selection computed once per ``r`` steps
+        would cost in quality."""
+        check_reuse(reuse)
         if policy.compresses:
             raise ValueError(
                 f"{type(policy).__name__} frees prompt blocks after the prefill, which the simulate way cannot "
@@ -297,6 +362,7 @@ class SimulateSession:
             self.chunk,
             fid,
             oracle_for(policy) if fidelity else None,
+            reuse=reuse,
         )
         cache = copy.deepcopy(self.cache)
         with torch.no_grad(), simulating(self.model, ctx):

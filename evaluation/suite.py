@@ -194,7 +194,7 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
             else:
                 session = session or SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"])
                 want = bool(p["fidelity"]) and cell.budget is not None
-                lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want)
+                lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
             if cell.budget is None:
                 dense_lp = lp
                 if ("perplexity", job.length, w, *cell.key) in done:
@@ -277,8 +277,9 @@ def _needle_params(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
 
 
 def _with_dense(cells: list[PolicyCell], job: Job) -> list[PolicyCell]:
-    """The job's cells, dense first when none of them is (needle and QA trials pair every policy with dense)."""
-    chosen = _select(cells, job)
+    """The job's cells, dense first when none of them is (needle and QA trials pair every policy with dense); cells
+    that reuse selections are left out (the simulate way scores them: perplexity and fidelity only)."""
+    chosen = [c for c in _select(cells, job) if c.reuse == 1]
     if not any(c.budget is None for c in chosen):
         chosen = [c for c in cells if c.budget is None] + chosen
     return chosen

@@ -19,6 +19,8 @@ from typing import Any
 
 from hf_sparse_kv.policies import POLICIES, Dense, Policy
 
+from .simulate import check_reuse
+
 RECIPES = ("perplexity", "fidelity", "needle", "qa")
 
 DEFAULTS: dict[str, Any] = {
@@ -79,6 +81,7 @@ def perplexity_row(
         "recall": fidelity.recall if fidelity else None,
         "hit_rate": fidelity.hit_rate if fidelity else None,
         "seconds": seconds,
+        **({"reuse": cell.reuse} if cell.reuse > 1 else {}),
     }
 
 
@@ -94,11 +97,14 @@ def budget_label(budget: float | None) -> str:
 
 @dataclass
 class PolicyCell:
-    """One (policy, budget) of the grid; ``label`` names the policy (``name`` from the YAML or its registry name)."""
+    """One (policy, budget) of the grid; ``label`` names the policy (``name`` from the YAML or its registry name).
+    ``reuse``: the policy selects at every ``reuse``-th decode step only, the steps in between reuse that selection
+    (an experiment the ``simulate`` way scores: ``SimulateSession.run(reuse=...)``; no decode path runs it)."""
 
     label: str
     budget: int | float | None
     policy: Policy
+    reuse: int = 1
 
     @property
     def key(self) -> tuple[str, str]:
@@ -113,6 +119,8 @@ def policy_grid(specs: list[dict[str, Any]], budgets: list[Any]) -> list[PolicyC
     ``evaluation.channel_quant:ChannelQuantBlockTopK``; its label defaults to the class name). A
     ``snapkv`` spec may nest a query-aware policy, ``then: {name: quest, ...}``: the grid's budget goes to SnapKV,
     or to the nested policy when the spec fixes SnapKV's own ``budget`` (compress to it, then select per step).
+    ``reuse: r`` (a positive int) makes the cells :attr:`PolicyCell.reuse` (label default ``<name>_r<r>``): scored
+    the ``simulate`` way only, refused for Dense and for policies that compress the prompt.
     """
     cells = []
     for spec in specs:
@@ -120,7 +128,11 @@ def policy_grid(specs: list[dict[str, Any]], budgets: list[Any]) -> list[PolicyC
         cls = _policy_class(spec.pop("name", None))
         # "Quest" is labelled "quest"; a class from elsewhere by its own name
         name = next((key for key, value in POLICIES.items() if value is cls), cls.__name__)
-        label = spec.pop("label", name)
+        reuse = spec.pop("reuse", 1)
+        check_reuse(reuse)
+        if reuse > 1 and (cls is Dense or cls.compresses):
+            raise ValueError(f"reuse applies to a query-aware selection, not to {cls.__name__}")
+        label = spec.pop("label", name if reuse == 1 else f"{name}_r{reuse}")
         if cls is Dense:
             cells.append(PolicyCell(label, None, Dense()))
             continue
@@ -131,7 +143,19 @@ def policy_grid(specs: list[dict[str, Any]], budgets: list[Any]) -> list[PolicyC
             kwargs = {**spec, "budget": parse_budget(spec["budget"]) if fixed else b}
             if then is not None:
                 kwargs["then"] = _nested_policy(then, b if fixed else None)
-            cells.append(PolicyCell(label, b, cls(**kwargs)))
+            cells.append(PolicyCell(label, b, cls(**kwargs), reuse))
+    return cells
+
+
+def decoded_cells(cells: list[PolicyCell]) -> list[PolicyCell]:
+    """``cells`` for a runner that decodes through the patched model (needles, QA): raises a ``ValueError`` naming a
+    cell with ``reuse`` (scored the ``simulate`` way only)."""
+    for c in cells:
+        if c.reuse > 1:
+            raise ValueError(
+                f"cell {c.label!r} reuses selections (reuse={c.reuse}), which only the simulate way scores "
+                "(perplexity and fidelity); no decode path runs it"
+            )
     return cells
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The suite invocations of the 2026-12-01 (afternoon) GPU session that filled gaps of issues 12 and 13 (evaluation/RESULTS.md);
+# The suite invocations of the 2026-12-01 GPU sessions that filled gaps of issues 12 and 13 (evaluation/RESULTS.md);
 # each PART is one `hf-sparse-kv suite` call with --set overrides. Carried to the device as .stage/extras/gaps.sh.
 # usage: gaps.sh RESULTS_DIR PART TIME_LIMIT [suite args...]   (run from the repository root on the device)
 set -u
@@ -35,5 +35,22 @@ case $PART in
       --set 'decisive={policies: [dense, oracle, quant4, chq4_quarter_block, chq4_quarter_block_g4], budgets: ["1/16"]}' \
       --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 4}}' \
       --set 'qa=null' "$@" ;;
+  reuse_*)  # issue 13: a selection reused for r decode steps (simulated: perplexity + fidelity only), 1/16, every length
+    M=${PART#reuse_}
+    RU=""
+    for r in 2 4 8 16; do
+      RU="$RU, {name: oracle_block_topk, label: oracle_r$r, sink: 4, window: 32, reuse: $r}"
+      RU="$RU, {name: quant_block_topk, label: quant4_r$r, sink: 4, window: 32, bits: 4, reuse: $r}"
+    done
+    RU="$RU, {name: quant_block_topk, label: quant2_r4, sink: 4, window: 32, bits: 2, reuse: 4}"
+    RU="$RU, {name: quest, label: quest_r4, sink: 4, window: 32, reuse: 4}"
+    run "$M" --out "$R" --set 'budgets=["1/16"]' --set "policies=[{name: dense}, $O, $Q4, $QU$RU]" \
+      --set 'decisive={policies: [dense], budgets: ["1/16"]}' --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
+  qwen_multikey_budgets)  # issue 12: Qwen2.5's 8-key needles at 32K at 1/8 and 1/32 (the oracle, Quest, quant4)
+    run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/32"]' \
+      --set "policies=[{name: dense}, $O, $QU, $Q4]" \
+      --set 'decisive={policies: [dense, oracle, quest, quant4], budgets: ["1/32"]}' \
+      --set 'needle={trials: 0, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}' \
+      --set 'perplexity={windows: 0}' --set 'qa=null' "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
