@@ -428,27 +428,29 @@ def run_suite(
     """Run the suite's jobs in order into ``out/cells.jsonl`` until done or ``time_limit`` seconds have passed.
 
     Returns ``{"finished": bool, "jobs_done": int, "jobs": int, "seconds": float}``; a stopped run resumes where it
-    stopped when called again with the same ``out``."""
+    stopped when called again with the same ``out``. Jobs whose every unit is in ``out`` already are skipped before
+    anything loads: a finished suite called again loads neither the model nor the texts."""
     t0 = time.monotonic()
     deadline = Deadline(time_limit)
     results = ResultsDir(out)
     import yaml
 
     (results.path / "suite.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    if model is None:
+    cells = cells_of(cfg)
+    done = _done_keys(results.rows())
+    jobs = plan(cfg)
+    todo = [job for job in jobs if any(u not in done for u in _units(cfg, job, cells))]
+    if todo and model is None:
         from .assets import load_model
 
         device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = load_model(cfg["model"], dtype=getattr(torch, cfg.get("dtype", "float32")), device=device)
-    if texts is None:
+    if todo and texts is None:
         texts = {name: suite_text(name) for name in cfg.get("texts", ["essays", "kjv"])}
     torch.manual_seed(cfg.get("seed", 0))
-    cells = cells_of(cfg)
-    done = _done_keys(results.rows())
-    jobs = plan(cfg)
     cache: dict = {}
-    finished = 0
-    for job in jobs:
+    finished = len(jobs) - len(todo)
+    for job in todo:
         if deadline.passed():
             break
         print(f"[suite] {job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}")

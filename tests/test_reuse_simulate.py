@@ -78,6 +78,19 @@ def test_reused_selection_equals_a_decode_that_reuses(inner, every):
     assert (fresh - fast).abs().max() > 1e-4  # the steps between anchors attend something else: not vacuous
 
 
+def test_reused_selection_on_sliding_window_layers():
+    """Gemma-3's shape (sliding layers untouched, the global ones sparse) in the mask mode: the same agreement."""
+    model = tiny_model("gemma3")
+    ids = prompt(120)
+    n, inner = 16, Quest(budget=48, sink=4, window=8)
+    session = SimulateSession(model, ids, n, block_size=8, chunk=6)
+    fast = session.nll(session.run(inner, dense_layers=(0,), reuse=4)[0])
+    wrapper = _ReusingDecode(inner=inner, every=4, first=ids.shape[1] - n - 1)
+    exact = nll_of(decode_logprobs(model, ids, n, wrapper, dense_layers=(0,), block_size=8, mode="mask"), ids)
+    assert torch.allclose(exact, fast, atol=1e-4, rtol=0), (exact - fast).abs().max()
+    assert (session.nll(session.run(inner, dense_layers=(0,))[0]) - fast).abs().max() > 1e-4
+
+
 def test_reuse_fidelity_and_checks():
     model = tiny_model("llama")
     session = SimulateSession(model, prompt(128), 32, block_size=8)

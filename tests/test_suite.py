@@ -67,7 +67,7 @@ def test_plan_runs_the_decisive_cells_first():
     assert {j.length for j in first} == {8192, 16384, 32768}
 
 
-def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path):
+def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path, monkeypatch):
     cfg = _tiny_cfg("qwen2.5")
     model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
     texts = {"essays": make_essays(400), "kjv": make_essays(500)[5000:]}
@@ -100,6 +100,13 @@ def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path):
     n = len(rows)
     again = run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)
     assert again["finished"] and len((tmp_path / "cells.jsonl").read_text().splitlines()) == n  # nothing redone
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a finished suite loaded its model")
+
+    monkeypatch.setattr("evaluation.assets.load_model", no_load)
+    monkeypatch.setattr("evaluation.suite.suite_text", no_load)
+    assert run_suite(cfg, tmp_path)["finished"]  # every unit done: nothing loads
     md = summarize(tmp_path, "tiny")
     assert "Δppl % [95% CI]" in md and "McNemar p" in md and "accuracy [95% CI]" in md
     summary = json.loads((tmp_path / "summary.json").read_text())
