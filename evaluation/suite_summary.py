@@ -82,9 +82,52 @@ def perplexity_rows(rows: list[dict[str, Any]], oracle: str = "oracle") -> list[
                 "kl_mean": mean("kl_mean"),
                 "recall": mean("recall"),
                 "hit_rate": mean("hit_rate"),
+                "reuse": mine[0].get("reuse", 1),
             }
         )
     return out
+
+
+def reuse_plot(ppl: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Perplexity against the oracle (fresh, same budget) as a function of ``reuse`` (decode steps per selection),
+    one line per (policy, budget): a cell labelled ``<base>_r<r>`` is ``<base>`` reusing its selection ``r`` steps,
+    drawn at ``r`` beside ``<base>`` itself at 1 (the oracle at 1: 0). ``None`` (no file) without reused cells."""
+    reused = [r for r in ppl if r.get("reuse", 1) > 1 and r["vs_oracle_pct"] is not None]
+    if not reused:
+        return None
+    by = {(r["policy"], r["budget"]): r for r in ppl}
+    lines = defaultdict(list)
+    for r in reused:
+        base = r["policy"].removesuffix(f"_r{r['reuse']}")
+        lines[(base, r["budget"])].append((r["reuse"], r["vs_oracle_pct"], r["vs_oracle_low"], r["vs_oracle_high"]))
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    for i, ((base, budget), pts) in enumerate(sorted(lines.items())):
+        fresh = by.get((base, budget))
+        if fresh is not None and fresh["reuse"] == 1:
+            v = fresh["vs_oracle_pct"]
+            pts.append((1, 0.0, 0.0, 0.0) if v is None else (1, v, fresh["vs_oracle_low"], fresh["vs_oracle_high"]))
+        pts.sort()
+        shift = 2 ** (0.04 * (i - (len(lines) - 1) / 2))
+        ax.errorbar(
+            [p[0] * shift for p in pts],
+            [p[1] for p in pts],
+            yerr=[[max(0.0, p[1] - p[2]) for p in pts], [max(0.0, p[3] - p[1]) for p in pts]],
+            marker="o",
+            capsize=3,
+            label=f"{base} @ {budget}",
+        )
+    ax.axhline(0.0, linestyle="--", color="gray", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode steps per selection (reuse)")
+    ax.set_ylabel("Δppl vs the fresh oracle, % (95% CI)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def accuracy_rows(rows: list[dict[str, Any]], task: str) -> list[dict[str, Any]]:
@@ -226,7 +269,12 @@ def summarize(out: str | Path, title: str = "") -> str:
             )
         )
         for length in sorted({r["length"] for r in ppl}):
-            mine = [r for r in ppl if r["length"] == length]
+            mine = [r for r in ppl if r["length"] == length and r["reuse"] == 1]
+            reuse_plot(
+                [r for r in ppl if r["length"] == length],
+                results.path / f"reuse_{length}.png",
+                f"{title} · a selection reused for r decode steps, at {length}",
+            )
             errorbar_plot(
                 mine,
                 "dppl_pct",

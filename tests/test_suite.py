@@ -161,6 +161,33 @@ def test_suite_runs_a_policy_named_by_module_and_class(tmp_path):
     assert all(0.0 <= r["hit_rate"] <= 1.0 for r in mine if r["task"] == "perplexity")
 
 
+def test_suite_scores_reused_selections_by_perplexity_only_and_plots_them(tmp_path):
+    """A spec with ``reuse`` runs its perplexity cells (the simulate way) and no needle; the summary carries the
+    reuse and draws it against the oracle (``reuse_<length>.png``), the budget plot leaves it out."""
+    cfg = _tiny_cfg("qwen2.5")
+    cfg.update(budgets=["1/8"], decisive={"policies": ["dense"], "budgets": ["1/8"]}, qa=None)
+    q = {"name": "quest", "sink": 2, "window": 8}
+    cfg["policies"] = [
+        {"name": "dense"}, {"name": "oracle_block_topk", "label": "oracle", "sink": 2, "window": 8}, q,
+        {**q, "reuse": 2}, {**q, "reuse": 4},
+    ]  # fmt: skip
+    cfg["perplexity"] = {**cfg["perplexity"], "windows": 2}
+    cfg["needle"] = {**cfg["needle"], "trials": 1, "hard": {}, "start": None}
+    model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
+    texts = {"essays": make_essays(400), "kjv": make_essays(500)[5000:]}
+    assert run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)["finished"]
+    rows = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    reused = [r for r in rows if r["policy"] in ("quest_r2", "quest_r4")]
+    assert {r["task"] for r in reused} == {"perplexity"} and len(reused) == 4
+    assert {r["reuse"] for r in reused} == {2, 4} and all(r["way"] == "simulate" for r in reused)
+    assert {r["policy"] for r in rows if r["task"] == "needle"} == {"dense", "oracle", "quest"}
+    summarize(tmp_path, "tiny")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    by = {r["policy"]: r for r in summary["perplexity"]}
+    assert by["quest_r4"]["reuse"] == 4 and by["quest"]["reuse"] == 1 and by["quest_r4"]["vs_oracle_pct"] is not None
+    assert (tmp_path / "reuse_640.png").is_file() and (tmp_path / "dppl_vs_budget_640.png").is_file()
+
+
 def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     """The estimate counts each (unit, cell) once across the plan's tiers, skips the finished ones, and prices a kind
     of unit from the finished cells' median seconds when there are some."""
