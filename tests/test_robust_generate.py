@@ -182,24 +182,32 @@ def teacher_forced_logits(model, seqs: torch.Tensor, mask: torch.Tensor, prompt_
     return torch.cat(logits, 1)[:, prompt_len - 1 :]
 
 
-def long_generation_matches_unpatched(new_tokens: int, mode: str, batch: int, layers: int = 3) -> None:
+def long_generation_matches_unpatched(
+    new_tokens: int, mode: str, batch: int, layers: int = 3, against_generate: bool = True
+) -> None:
     """Greedy generation under Dense() against the unpatched model: every step's logits equal (to 1e-4) the unpatched
     model's on the same prefix, and the tokens equal the unpatched generation's up to the first step where its top two
-    logits tie within 1e-5 (a near-tie that rounding may break either way; the tokens after it cannot be compared)."""
+    logits tie within 1e-5 (a near-tie that rounding may break either way; the tokens after it cannot be compared).
+    ``against_generate=False`` skips the unpatched generation (half the time): each patched step's logits equal to
+    the unpatched model's on the same prefix already make every patched token its argmax up to a 1e-4 tie."""
     P = 23
     model = tiny_model("llama", max_position_embeddings=new_tokens + 64, num_hidden_layers=layers)
     ids, mask, _ = left_padded(random.Random(new_tokens), batch, P)
     kw = {"attention_mask": mask, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
     kw.update(output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        ref = model.generate(ids, **kw)
+        ref = model.generate(ids, **kw) if against_generate else None
         patch_model(model, policy=Dense(), mode=mode, block_size=16)
         out = model.generate(ids, **kw)
         unpatch_model(model)
         forced = teacher_forced_logits(model, out.sequences, mask, P)
-    assert out.sequences.shape == ref.sequences.shape == (batch, P + new_tokens)
-    got, ref_logits = torch.stack(out.logits, 1), torch.stack(ref.logits, 1)  # [B, N, V]
+    assert out.sequences.shape == (batch, P + new_tokens)
+    got = torch.stack(out.logits, 1)  # [B, N, V]
     torch.testing.assert_close(got, forced, rtol=0, atol=1e-4)
+    if ref is None:
+        return
+    ref_logits = torch.stack(ref.logits, 1)
+    assert ref.sequences.shape == out.sequences.shape
     differ = (out.sequences[:, P:] != ref.sequences[:, P:]).any(0).nonzero()
     t = int(differ[0]) if len(differ) else new_tokens
     torch.testing.assert_close(got[:, :t], ref_logits[:, :t], rtol=0, atol=1e-4)
@@ -218,8 +226,9 @@ def test_long_dense_generation_equals_unpatched():
 @pytest.mark.slow
 def test_8k_dense_generation_equals_unpatched():
     """The issue's 8K new tokens (batch 1, block mode) through two layers (the paged path over 512 blocks is the same
-    per layer; the 2048-token test above runs three): ~65 s on a 2-core CPU, 90 s with three layers."""
-    long_generation_matches_unpatched(8192, "block", batch=1, layers=2)
+    per layer; the 2048-token test above runs three), each step's logits against the unpatched model's on the same
+    prefix (the 2048-token test also compares with the unpatched generation): ~45 s on a 2-core CPU."""
+    long_generation_matches_unpatched(8192, "block", batch=1, layers=2, against_generate=False)
 
 
 @pytest.mark.parametrize("mode", ["mask", "token", "block"])
