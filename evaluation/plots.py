@@ -17,6 +17,22 @@ def _plt():
     return plt
 
 
+def finish(
+    fig, ax, path: Path, xlabel: str, ylabel: str, title: str, title_size: int = 10, legend: bool = True
+) -> Path:
+    """Label ``ax``, add its legend (``legend``) and grid, write ``fig`` to ``path`` (PNG, 110 dpi), close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=title_size)
+    if legend:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def _budget_x(row: dict[str, Any]) -> float:
     return float(row["budget_value"])
 
@@ -58,16 +74,7 @@ def metric_vs_budget(
         )
     if log_x and lines:
         ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (fraction of the context)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    if lines:
-        ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish(fig, ax, path, "budget (fraction of the context)", ylabel, title, legend=bool(lines))
 
 
 def heatmap(grid: dict[tuple[int, float], float], path: Path, title: str) -> Path:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .plots import _plt, heatmap
+from .plots import _plt, finish, heatmap
 from .recipes import file_part
 from .stats import delta_ppl, paired, wilson
 from .sweep import ResultsDir
@@ -119,15 +119,8 @@ def reuse_plot(ppl: list[dict[str, Any]], path: Path, title: str) -> Path | None
         )
     ax.axhline(0.0, linestyle="--", color="gray", linewidth=1)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("decode steps per selection (reuse)")
-    ax.set_ylabel("Δppl vs the fresh oracle, % (95% CI)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    ylabel = "Δppl vs the fresh oracle, % (95% CI)"
+    return finish(fig, ax, path, "decode steps per selection (reuse)", ylabel, title, title_size=9)
 
 
 def accuracy_rows(rows: list[dict[str, Any]], task: str) -> list[dict[str, Any]]:
@@ -228,14 +221,7 @@ def errorbar_plot(rows, metric, low, high, group, path: Path, ylabel: str, title
     if lines:
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=6, ncol=2)
-    ax.set_xlabel("budget (fraction of the context)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish(fig, ax, path, "budget (fraction of the context)", ylabel, title, title_size=9, legend=False)
 
 
 def summarize(out: str | Path, title: str = "") -> str:

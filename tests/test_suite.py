@@ -45,6 +45,14 @@ def _tiny_cfg(name: str) -> dict:
     return cfg
 
 
+def _run_tiny(cfg: dict, out) -> list[dict]:
+    """Run ``cfg`` to the end on a tiny random Llama (character tokens, synthetic haystacks); the cells written."""
+    model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
+    texts = {"essays": make_essays(400), "kjv": make_essays(500)[5000:]}
+    assert run_suite(cfg, out, model=model, tokenizer=tok, texts=texts)["finished"]
+    return [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.parametrize("name", sorted(SUITES))
 def test_every_suite_recipe_builds_its_policies(name):
     """Each shipped suite's policy specs build (unknown keys or bad values raise in the policies' checks) and its
@@ -152,10 +160,7 @@ def test_suite_runs_a_policy_named_by_module_and_class(tmp_path):
     ]  # fmt: skip
     cfg["perplexity"] = {**cfg["perplexity"], "windows": 1}
     cfg["needle"] = {**cfg["needle"], "trials": 2, "hard": {}, "start": None}
-    model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
-    texts = {"essays": make_essays(400), "kjv": make_essays(500)[5000:]}
-    assert run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)["finished"]
-    rows = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    rows = _run_tiny(cfg, tmp_path)
     mine = [r for r in rows if r["policy"] == "chq"]
     assert {r["task"] for r in mine} == {"perplexity", "needle"} and len(mine) == 3
     assert all(0.0 <= r["hit_rate"] <= 1.0 for r in mine if r["task"] == "perplexity")
@@ -173,10 +178,7 @@ def test_suite_scores_reused_selections_by_perplexity_only_and_plots_them(tmp_pa
     ]  # fmt: skip
     cfg["perplexity"] = {**cfg["perplexity"], "windows": 2}
     cfg["needle"] = {**cfg["needle"], "trials": 1, "hard": {}, "start": None}
-    model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
-    texts = {"essays": make_essays(400), "kjv": make_essays(500)[5000:]}
-    assert run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)["finished"]
-    rows = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    rows = _run_tiny(cfg, tmp_path)
     reused = [r for r in rows if r["policy"] in ("quest_r2", "quest_r4")]
     assert {r["task"] for r in reused} == {"perplexity"} and len(reused) == 4
     assert {r["reuse"] for r in reused} == {2, 4} and all(r["way"] == "simulate" for r in reused)
