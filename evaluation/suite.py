@@ -175,13 +175,11 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
     p = {"windows": 16, "scored": 256, "chunk": 64, "fidelity": True, **cfg.get("perplexity", {})}
     from hf_sparse_kv.policies import Dense
 
-    todo_cells = [c for c in _select(cells, job) if c.budget is not None or c.label == "dense"]
-    for w, (text_name, window) in enumerate(_windows(tok, texts, job.length, p["windows"], cache)):
-        todo = [c for c in todo_cells if ("perplexity", job.length, w, *c.key) not in done]
-        if not todo:
-            continue
+    windows = _windows(tok, texts, job.length, p["windows"], cache)
+    for (_, _, w), todo in _pending(cfg, job, cells, done):
         if deadline.passed():
             return
+        text_name, window = windows[w]
         ids = torch.tensor([window], device=model.device)
         session = None
         dense_lp = None
@@ -235,11 +233,9 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
     from hf_sparse_kv.policies import Dense
 
     p = {"windows": 16, "scored": 256, "batch": 1, **cfg.get("perplexity", {})}
-    todo_cells = [c for c in _select(cells, job) if c.budget is not None]
+    todo_cells = next((mine for _, mine in _job_units(cfg, job, cells)), [])  # the budgeted cells
     windows = _windows(tok, texts, job.length, p["windows"], cache)
-    pending = [
-        w for w in range(len(windows)) if any(("perplexity", job.length, w, *c.key) not in done for c in todo_cells)
-    ]
+    pending = [w for (_, _, w), _ in _pending(cfg, job, cells, done)]
     batch = batch_size(p["batch"], job.length)
     for b0 in range(0, len(pending), batch):
         if deadline.passed():
@@ -290,11 +286,7 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
     p = _needle_params(cfg, variant)
     names = list(texts)
     chosen = _with_dense(cells, job)
-    pending = []
-    for trial in range(int(p["trials"])):
-        todo = [c for c in chosen if ("needle", job.length, variant, trial, *c.key) not in done]
-        if todo:
-            pending.append((trial, todo))
+    pending = [(u[3], todo) for u, todo in _pending(cfg, job, cells, done)]
     batch = batch_size(p.get("batch"), job.length)
     for b0 in range(0, len(pending), batch):
         if deadline.passed():
@@ -361,12 +353,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
     p = _qa_params(cfg)
     names = list(texts)
     chosen = _with_dense(cells, job)
-    pending = []
-    for i in range(int(p["items"])):
-        for task in p["tasks"]:
-            todo = [c for c in chosen if ("qa", job.length, task, i, *c.key) not in done]
-            if todo:
-                pending.append((task, i, todo))
+    pending = [(u[2], u[3], todo) for u, todo in _pending(cfg, job, cells, done)]
     batch = batch_size(p.get("batch"), job.length)
     for b0 in range(0, len(pending), batch):
         if deadline.passed():
@@ -478,23 +465,38 @@ def run_suite(
 SHAPES = {"smollm2": (30, 0.135e9), "gemma3-270m": (18, 0.27e9), "qwen2.5-coder-1.5b": (28, 1.54e9)}
 
 
-def _units(cfg: dict[str, Any], job: Job, cells: list[PolicyCell]) -> list[tuple]:
-    """Every (unit, cell) the job runs, as :func:`_done_keys` writes them: (window, cell) for perplexity, (trial,
-    cell) for needles, (task, item, cell) for QA."""
+def _job_units(cfg: dict[str, Any], job: Job, cells: list[PolicyCell]) -> list[tuple[tuple, list[PolicyCell]]]:
+    """The job's units in the order its runner takes them, each with the cells it runs: ``("perplexity", length,
+    window)``, ``("needle", length, variant, trial)`` or ``("qa", length, task, item)``. A cell of a unit is done when
+    ``(*unit, *cell.key)`` is among :func:`_done_keys`; the runners, the skip of finished jobs and the estimate all
+    read this one enumeration."""
     if job.task == "perplexity":
         p = {"windows": 16, **(cfg.get("perplexity") or {})}
         mine = _select(cells, job)
         decode = any(c.policy.compresses for c in mine)  # the decode way scores dense beside, without its row
         mine = [c for c in mine if c.budget is not None or (c.label == "dense" and not decode)]
-        return [("perplexity", job.length, w, *c.key) for w in range(int(p["windows"])) for c in mine]
+        return [(("perplexity", job.length, w), mine) for w in range(int(p["windows"]))]
     chosen = _with_dense(cells, job)
     if job.task == "needle":
         v = job.params["variant"]
-        return [
-            ("needle", job.length, v, t, *c.key) for t in range(int(_needle_params(cfg, v)["trials"])) for c in chosen
-        ]
+        return [(("needle", job.length, v, t), chosen) for t in range(int(_needle_params(cfg, v)["trials"]))]
     p = _qa_params(cfg)
-    return [("qa", job.length, t, i, *c.key) for i in range(int(p["items"])) for t in p["tasks"] for c in chosen]
+    return [(("qa", job.length, t, i), chosen) for i in range(int(p["items"])) for t in p["tasks"]]
+
+
+def _units(cfg: dict[str, Any], job: Job, cells: list[PolicyCell]) -> list[tuple]:
+    """Every (unit, cell) the job runs, as :func:`_done_keys` writes them."""
+    return [(*u, *c.key) for u, mine in _job_units(cfg, job, cells) for c in mine]
+
+
+def _pending(cfg: dict[str, Any], job: Job, cells: list[PolicyCell], done: set) -> list[tuple[tuple, list]]:
+    """:func:`_job_units` with each unit's cells not in ``done``; units with none left are dropped."""
+    out = []
+    for u, mine in _job_units(cfg, job, cells):
+        todo = [c for c in mine if (*u, *c.key) not in done]
+        if todo:
+            out.append((u, todo))
+    return out
 
 
 def _job_kind(job: Job, cells: list[PolicyCell]) -> tuple:
