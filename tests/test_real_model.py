@@ -11,11 +11,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.network]
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from evaluation.assets import load_model
+def smollm2(smollm2_fp32):
     from evaluation.text import essay_tokens
 
-    model, tok = load_model("smollm2")
+    model, tok = smollm2_fp32  # loaded once for the session (conftest)
     ids = torch.tensor([essay_tokens(tok, 2048, offset=1000)])
     return model, ids
 
