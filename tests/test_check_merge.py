@@ -58,15 +58,23 @@ def test_a_merged_row_that_differs_fails_the_check(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_real_model_rows_load_each_dtype(monkeypatch, tmp_path):
+def test_real_model_rows_load_each_dtype(monkeypatch, tmp_path, smollm2_fp32):
     """``--model``: ``B`` consecutive windows of the essays, each step the text's next token; with bf16 first, the
     float32 rows after it run the float32 reference model again (a GGUF model refuses ``.to(dtype)``: bf16 is loaded
-    once more), so they match the float32 reference; every merged row has its twin's argmax."""
+    once more), so they match the float32 reference; every merged row has its twin's argmax. The float32 load is the
+    session's SmolLM2 (conftest), which the check leaves unpatched."""
     from evaluation.text import essay_tokens
+    from hf_sparse_kv import is_patched
 
     loaded, inputs = [], []
     real_model, real_inputs = check_merge.real_model, check_merge.real_inputs
-    monkeypatch.setattr(check_merge, "real_model", lambda *a: loaded.append(real_model(*a)) or loaded[-1])
+
+    def load(name, dtype, device):
+        shared = name == "smollm2" and dtype == torch.float32 and device == "cpu"
+        loaded.append(smollm2_fp32 if shared else real_model(name, dtype, device))
+        return loaded[-1]
+
+    monkeypatch.setattr(check_merge, "real_model", load)
     monkeypatch.setattr(check_merge, "real_inputs", lambda *a: inputs.append(real_inputs(*a)) or inputs[-1])
     out = tmp_path / "real.csv"
     argv = ["check_merge.py", "--device", "cpu", "--model", "smollm2", "--batch", "2", "--context", "24", "--steps", "2",
@@ -85,3 +93,4 @@ def test_real_model_rows_load_each_dtype(monkeypatch, tmp_path):
     assert float(rows["float32: graph+compile+merged: Dense"]["vs_unmerged"]) < 1e-4
     assert all(r["same_argmax"] == "True" for name, r in rows.items() if "merged" in name)
     assert all(float(r["ms_step"]) > 0 for name, r in rows.items() if "graph" in name)
+    assert not is_patched(smollm2_fp32[0])
