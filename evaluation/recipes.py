@@ -81,6 +81,8 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
     p = {"way": "simulate", "windows": 2, "scored": 256, "offset": 0, "chunk": 64, **cfg.get("perplexity", {})}
     fidelity = fidelity or bool(p.get("fidelity", False))
     cells = policy_grid(cfg["policies"], cfg["budgets"])
+    if p["way"] != "simulate":
+        decoded_cells(cells)  # reused selections: the simulate way only (refused before anything runs)
     lengths = [int(n) for n in cfg["lengths"]]
     need = p["offset"] + p["windows"] * max(lengths)
     ids_all = torch.tensor(_tokens(tok, text, need), device=model.device)
@@ -107,7 +109,6 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
                 want = fidelity and cell.budget is not None
                 lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
             else:
-                decoded_cells([cell])  # reused selections: the simulate way only
                 mode = "token" if cell.policy.granularity == "token" and cfg["mode"] == "block" else cfg["mode"]
                 lp = decode_logprobs(model, ids, p["scored"], cell.policy, cfg["dense_layers"], cfg["block_size"], mode)
             if cell.budget is None:

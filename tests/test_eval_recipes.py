@@ -171,6 +171,28 @@ def test_perplexity_recipe_scores_snapkv_the_decode_way(tmp_path, essays):
     assert ways == {"dense": "simulate", "quest": "simulate", "snapkv": "decode"}
 
 
+@pytest.mark.parametrize("recipe", ["perplexity", "needle", "qa"])
+def test_reused_cells_only_in_the_simulate_way(tmp_path, essays, recipe):
+    """A spec with ``reuse`` scores in the perplexity recipe's simulate way; the decode way, needles and QA refuse
+    it before writing anything."""
+    model, tok = tiny_model("llama", max_position_embeddings=2048), CharTokenizer()
+    policies = [{"name": "dense"}, {"name": "quest", "window": 16, "reuse": 2}]
+    if recipe == "perplexity":
+        cfg = _tiny_cfg(recipe, tmp_path / "sim", policies=policies, perplexity={"windows": 1, "scored": 8})
+        run_recipe(cfg, model=model, tokenizer=tok, text=essays)
+        assert {r["policy"]: r.get("reuse") for r in ResultsDir(tmp_path / "sim").rows()} == {
+            "dense": None,
+            "quest_r2": 2,
+        }
+        extra = {"perplexity": {"windows": 1, "scored": 8, "way": "decode"}}
+    else:
+        extra = {"needle": {"trials": 1}} if recipe == "needle" else {"qa": {"items": 1}}
+    out = tmp_path / "decoded"
+    with pytest.raises(ValueError, match="simulate way"):
+        run_recipe(_tiny_cfg(recipe, out, policies=policies, **extra), model=model, tokenizer=tok, text=essays)
+    assert ResultsDir(out).rows() == []
+
+
 def _tiny_cfg(recipe: str, out: Path, **extra) -> dict:
     return {
         "recipe": recipe,
