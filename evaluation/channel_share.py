@@ -28,6 +28,7 @@ import torch
 from hf_sparse_kv.calibrate_selector import record_qk
 
 from .channel_quant import channel_mask
+from .simulate import full_attention_layers
 
 
 def channel_share(
@@ -61,14 +62,6 @@ def channel_share(
         "corr": float(corr.mean()),
         "recall": float(((want * got).sum(-1) / n_top).mean()),
     }
-
-
-def full_attention_layers(config) -> list[int]:
-    """Indices of the layers a policy makes sparse: all, or those ``layer_types`` marks ``full_attention``."""
-    cfg = getattr(config, "text_config", config)
-    types = getattr(cfg, "layer_types", None)
-    n = cfg.num_hidden_layers
-    return [i for i in range(n) if types is None or types[i] == "full_attention"]
 
 
 POINTS = ("attention", "projection", "norm")
@@ -114,7 +107,7 @@ def measure(
     prefill ``ids [1, N]``, the queries and keys taken ``at`` (:func:`record_at`)."""
     record = record_at(model, ids, at)
     rows = []
-    for layer in full_attention_layers(model.config):
+    for layer in sorted(full_attention_layers(model.config)):  # the layers a paged cache (a policy) covers
         q, k = record[layer]
         D = q.shape[-1]
         for f in fractions:

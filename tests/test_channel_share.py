@@ -5,7 +5,8 @@ import pytest
 import torch
 from tiny_models import prompt, tiny_model
 
-from evaluation.channel_share import channel_share, full_attention_layers, measure, record_at
+from evaluation.channel_share import channel_share, measure, record_at
+from evaluation.simulate import full_attention_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,7 +36,7 @@ def test_few_channels_of_spread_queries_carry_little():
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_measure_covers_the_full_attention_layers(arch):
     model = tiny_model(arch)
-    layers = full_attention_layers(model.config)
+    layers = sorted(full_attention_layers(model.config))
     assert layers == ([1, 3] if arch == "gemma3" else [0, 1, 2])
     rows = measure(model, prompt(48), [0.25, 0.5], queries=8)
     assert [r["layer"] for r in rows] == [x for x in layers for _ in range(2)]
