@@ -13,6 +13,7 @@ import copy
 import random
 import re
 import time
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -178,6 +179,29 @@ def generate_cells(model, ids: torch.Tensor, todo: list, cfg: dict, new_tokens: 
     return gens, round((time.perf_counter() - t0) / len(todo), 2)
 
 
+class PhaseClock:
+    """Wall seconds spent in named phases (``prefill``, ``copy``, ``decode``), summed over calls: each phase starts
+    and ends with a device synchronisation, so that GPU work queued inside it is charged to it and to no other."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.seconds: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
 def own_prefill(policy: Policy) -> bool:
     """Whether ``policy`` needs a prefill of its own instead of a copy of the shared dense one: it compresses the
     prompt while prefilling (SnapKV). A policy keeping per-token state (compressed keys, low-bit codes) takes the
@@ -195,17 +219,20 @@ def greedy_under_policies(
     block_size: int = 16,
     mode: str = "block",
     eos: int | None = None,
+    clock: PhaseClock | None = None,
 ) -> dict[Any, list[int]]:
     """Greedy continuations of ``ids [1, L]`` under each policy through the patched model, one prefill shared.
 
     Returns ``{key: generated token ids}``; every generated token comes from a decode step that ran the policy.
-    A policy for which :func:`own_prefill` holds prefills on its own.
+    A policy for which :func:`own_prefill` holds prefills on its own. ``clock`` (when given) gets the seconds of the
+    phases ``prefill`` (the shared one and the policies' own), ``copy`` (of the shared cache) and ``decode``.
     """
     kw = {"use_cache": True}
+    clock = clock or PhaseClock(ids.device)
     patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
     try:
         prefix = PagedKVCache(model.config, block_size=block_size)
-        with torch.no_grad():
+        with torch.no_grad(), clock.phase("prefill"):
             model(ids[:, :-1], **{cache_kwarg(model): prefix}, **kw, logits_to_keep=1)  # the cache, not logits
         out = {}
         for key, policy in policies.items():
@@ -214,12 +241,13 @@ def greedy_under_policies(
             )
             if own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
-                with torch.no_grad():
+                with torch.no_grad(), clock.phase("prefill"):
                     model(ids[:, :-1], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)
             else:
-                cache = copy.deepcopy(prefix)
+                with clock.phase("copy"):
+                    cache = copy.deepcopy(prefix)
             token, gen = ids[:, -1:], []
-            with torch.no_grad():
+            with torch.no_grad(), clock.phase("decode"):
                 for _ in range(new_tokens):
                     logits = model(token, **{cache_kwarg(model): cache}, **kw).logits[0, -1]
                     nxt = int(logits.argmax())
@@ -242,15 +270,17 @@ def greedy_batch(
     block_size: int = 16,
     mode: str = "block",
     pad_id: int = 0,
+    clock: PhaseClock | None = None,
 ) -> list[dict[Any, list[int]]]:
     """:func:`greedy_under_policies` for several prompts at once: left-padded into one batch, one shared prefill,
     then every policy decodes all of them together (the patched attention stores no padding and runs each
     sequence's policy at its own length). Returns one ``{key: generated token ids}`` per prompt (``new_tokens``
-    each). One prompt takes the batch-1 path itself."""
+    each). One prompt takes the batch-1 path itself. ``clock``: as in :func:`greedy_under_policies`."""
     device = model.device
+    clock = clock or PhaseClock(device)
     if len(prompts) == 1:
         ids = torch.tensor([prompts[0]], device=device)
-        return [greedy_under_policies(model, ids, policies, new_tokens, dense_layers, block_size, mode)]
+        return [greedy_under_policies(model, ids, policies, new_tokens, dense_layers, block_size, mode, clock=clock)]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -258,7 +288,7 @@ def greedy_batch(
     kw = {"use_cache": True}
 
     def prefill(cache: PagedKVCache) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), clock.phase("prefill"):
             model(
                 ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
                 **{cache_kwarg(model): cache}, **kw, logits_to_keep=1,
@@ -277,16 +307,17 @@ def greedy_batch(
                 cache = PagedKVCache(model.config, block_size=block_size)
                 prefill(cache)
             else:
-                cache = copy.deepcopy(prefix)
+                with clock.phase("copy"):
+                    cache = copy.deepcopy(prefix)
             token, m, p, gen = ids[:, -1:], mask, pos[:, -1:], []
-            with torch.no_grad():
+            with torch.no_grad(), clock.phase("decode"):
                 for _ in range(new_tokens):
                     logits = model(token, attention_mask=m, position_ids=p, **{cache_kwarg(model): cache}, **kw).logits
                     token = logits[:, -1].argmax(-1, keepdim=True)
                     gen.append(token)
                     m = torch.cat([m, torch.ones_like(token)], 1)
                     p = p + 1
-            tokens = torch.cat(gen, 1).tolist()
+                tokens = torch.cat(gen, 1).tolist()
             for i in range(len(prompts)):
                 out[i][key] = tokens[i]
     finally:

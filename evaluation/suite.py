@@ -32,7 +32,7 @@ import torch
 from hf_sparse_kv.ops.layout import cdiv
 
 from .environment import environment
-from .needle import greedy_batch, needle_trial, score_trial
+from .needle import PhaseClock, greedy_batch, needle_trial, score_trial
 from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
 from .simulate import SimulateSession
@@ -293,7 +293,7 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
             return
         group = pending[b0 : b0 + batch]
         todo = [c for c in chosen if any(c in t for _, t in group)]
-        trials = []
+        t0, trials = time.perf_counter(), []
         for trial, _ in group:
             seed = stable_seed(cfg.get("seed", 0), job.length, variant, trial)
             depth = float(p["depths"][trial % len(p["depths"])])
@@ -305,7 +305,9 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
                 tok, job.length, depth, base, seed, offset, int(p.get("n_needles", 4)), texts[text_name], phrasing
             )
             trials.append((trial, depth, text_name, phrasing, t))
-        gens, sec = _generate(model, [tok.encode(t["text"]) for *_, t in trials], todo, cfg, int(p["new_tokens"]))
+        prompts = [tok.encode(t["text"]) for *_, t in trials]
+        gens, sec, phases = _generate(model, prompts, todo, cfg, int(p["new_tokens"]), time.perf_counter() - t0)
+        _log_batch(job, len(group), len(todo), phases)
         for (trial, depth, text_name, phrasing, t), (_, mine), gen in zip(trials, group, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])
@@ -328,20 +330,31 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
                         "n_tokens": t["n_tokens"],
                         "batch": len(group),
                         "seconds": sec,
+                        "phases": phases,
                     }
                 )
                 done.add(("needle", job.length, variant, trial, *c.key))
 
 
-def _generate(model, prompts: list[list[int]], todo: list[PolicyCell], cfg, new_tokens: int):
+def _generate(model, prompts: list[list[int]], todo: list[PolicyCell], cfg, new_tokens: int, build: float):
     """Greedy answers of ``prompts`` (one left-padded batch) under the cells ``todo``; (per prompt ``{key: ids}``,
-    seconds per cell and prompt)."""
+    seconds per cell and prompt, the batch's seconds per phase: ``build`` (given: making and encoding the prompts),
+    then :class:`~evaluation.needle.PhaseClock`'s ``prefill``, ``copy`` and ``decode``)."""
     t0 = time.perf_counter()
     policies = {c.key: c.policy for c in todo}
+    clock = PhaseClock(model.device)
     gens = greedy_batch(
-        model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block")
-    )
-    return gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3)
+        model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block"),
+        clock=clock,
+    )  # fmt: skip
+    phases = {k: round(v, 3) for k, v in {"build": build, **clock.seconds}.items()}
+    return gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3), phases
+
+
+def _log_batch(job: Job, n_prompts: int, n_cells: int, phases: dict[str, float]) -> None:
+    """One log line per needle or QA batch: where its wall time went."""
+    split = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+    print(f"[suite]   {job.task} {job.length}: {n_prompts} prompts x {n_cells} cells: {split}", flush=True)
 
 
 def _qa_params(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -360,14 +373,15 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
             return
         group = pending[b0 : b0 + batch]
         todo = [c for c in chosen if any(c in t for *_, t in group)]
-        items = []
+        t0, items = time.perf_counter(), []
         for task, i, _ in group:
             seed = stable_seed(cfg.get("seed", 0), task, job.length, i)
             offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 20000))))
             text_name = names[i % len(names)]
             items.append((text_name, make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)))
         prompts = [tok.encode(item["prompt"])[-job.length :] for _, item in items]
-        gens, sec = _generate(model, prompts, todo, cfg, int(p["new_tokens"]))
+        gens, sec, phases = _generate(model, prompts, todo, cfg, int(p["new_tokens"]), time.perf_counter() - t0)
+        _log_batch(job, len(group), len(todo), phases)
         for (task, i, mine), (text_name, item), gen in zip(group, items, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])
@@ -386,6 +400,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
                         "correct": bool(score_item(g, item)),
                         "batch": len(group),
                         "seconds": sec,
+                        "phases": phases,
                     }
                 )
                 done.add(("qa", job.length, task, i, *c.key))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from evaluation.needle import greedy_batch, greedy_under_policies
+from evaluation.needle import PhaseClock, greedy_batch, greedy_under_policies
 from hf_sparse_kv import is_patched
 from hf_sparse_kv.policies import Dense, OracleBlockTopK, Quest, SnapKV, TokenTopK
 
@@ -24,11 +24,25 @@ def test_batched_greedy_equals_one_at_a_time(arch):
     if arch == "gemma3":  # sliding + global layers: the padding must reach both kinds of mask
         policies = {k: policies[k] for k in ("dense", "quest", "snapkv")}
     mode = "block" if arch == "llama" else "mask"
-    batched = greedy_batch(model, prompts, policies, 6, dense_layers=(0,), block_size=8, mode=mode)
+    clock = PhaseClock()
+    batched = greedy_batch(model, prompts, policies, 6, dense_layers=(0,), block_size=8, mode=mode, clock=clock)
     for prompt, got in zip(prompts, batched):
         one = greedy_under_policies(model, torch.tensor([prompt]), policies, 6, (0,), 8, mode)
         assert got == one
     assert not is_patched(model)
+    # the clock saw each phase: the shared prefill and SnapKV's own, a copy per other policy, every decode
+    assert set(clock.seconds) == {"prefill", "copy", "decode"}
+    assert all(v > 0 for v in clock.seconds.values())
+
+
+def test_phase_clock_sums_phases_and_survives_errors():
+    clock = PhaseClock("cpu")
+    for _ in range(2):
+        with clock.phase("a"):
+            torch.ones(4).sum()
+    with pytest.raises(RuntimeError), clock.phase("b"):
+        raise RuntimeError("inside")
+    assert set(clock.seconds) == {"a", "b"} and clock.seconds["a"] > 0
 
 
 def test_stateful_selector_beside_dense(monkeypatch):

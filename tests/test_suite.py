@@ -104,6 +104,9 @@ def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path, monkeypatch):
         "single_start",
     }
     assert {r["text"] for r in rows if r["task"] == "needle"} == {"essays", "kjv"}
+    for r in rows:  # every needle and QA cell carries where its batch's time went
+        if r["task"] != "perplexity":
+            assert set(r["phases"]) >= {"build", "prefill", "decode"} and min(r["phases"].values()) >= 0
     assert any(r["hit_rate"] is not None for r in rows if r["task"] == "perplexity")
     n = len(rows)
     again = run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)

@@ -1,0 +1,97 @@
+"""Where one batch of needle trials spends its time: building the trials, the left-padded prefill, the cache copies,
+the decoding, for a real model (issue 12: a batch of 8 trials at 32K took ~10.5 s on the H200 whatever the number of
+policies, so a fixed cost dominates the needle cells).
+
+    python benchmarks/time_needle_batch.py --model qwen2.5-coder-1.5b --length 32768 --batch 8 \
+        --out benchmarks/results/time_needle_batch.csv
+    python benchmarks/time_needle_batch.py --model smollm2 --length 2048 --batch 2 --device cpu   # a dry run
+
+Rows (each a fresh :func:`evaluation.needle.greedy_batch` call on the same trials, after one untimed warm-up call):
+``padded`` (the trials as the suite runs them: left-padded to the longest), ``equal`` (each trial cut from the left
+to the shortest one's length, so the batch has no padding and the prefill takes the unmasked causal path), and each
+of them with ``--policies`` decoding after the dense one. Columns: the phases of
+:class:`evaluation.needle.PhaseClock` (``prefill``, ``copy``, ``decode``) and ``build`` (making and encoding the
+trials, measured once, single-threaded on this machine's CPU as in the suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import env_info, print_table, write_csv
+
+from evaluation.assets import load_model
+from evaluation.needle import PhaseClock, greedy_batch, needle_trial
+from evaluation.suite import suite_text
+from hf_sparse_kv.policies import Dense, Quest
+
+
+def trials(tok, length: int, batch: int, essays: str) -> tuple[list[list[int]], float]:
+    """(token ids of ``batch`` 8-key needle trials at ``length``, seconds to build and encode them)."""
+    t0 = time.perf_counter()
+    out = []
+    for i in range(batch):
+        t = needle_trial(tok, length, 0.1 + 0.8 * i / max(1, batch - 1), "multi_key", i, 997 * i, 8, essays)
+        out.append(tok.encode(t["text"]))
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--length", type=int, default=32768)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="benchmarks/results/time_needle_batch.csv")
+    a = p.parse_args()
+    model, tok = load_model(a.model, dtype=getattr(torch, a.dtype), device=a.device)
+    prompts, build = trials(tok, a.length, a.batch, suite_text("essays"))
+    short = min(len(x) for x in prompts)
+    equal = [x[len(x) - short :] for x in prompts]
+    sparse = {"quest": Quest(budget=1 / 16, sink=4, window=32)}
+    variants = {
+        "padded, dense": (prompts, {"dense": Dense()}),
+        "equal, dense": (equal, {"dense": Dense()}),
+        "padded, dense + quest": (prompts, {"dense": Dense(), **sparse}),
+        "equal, dense + quest": (equal, {"dense": Dense(), **sparse}),
+    }
+    greedy_batch(model, prompts[:2], {"dense": Dense()}, 2)  # warm-up: kernels, allocator
+    rows = []
+    for name, (ps, policies) in variants.items():
+        clock = PhaseClock(model.device)
+        t0 = time.perf_counter()
+        greedy_batch(model, ps, policies, a.new_tokens, clock=clock)
+        total = time.perf_counter() - t0
+        rows.append(
+            {
+                "model": a.model,
+                "length": a.length,
+                "batch": len(ps),
+                "tokens": f"{min(map(len, ps))}-{max(map(len, ps))}",
+                "variant": name,
+                "build_s": round(build, 3),
+                **{f"{k}_s": round(v, 3) for k, v in clock.seconds.items()},
+                "total_s": round(total, 3),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if a.device == "cuda" else "",
+                **env_info(),
+            }
+        )
+        if a.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+    cols = ["variant", "tokens", "build_s", "prefill_s", "copy_s", "decode_s", "total_s", "peak_gib"]
+    print_table(rows, cols, title=f"{a.model}, {a.batch} x {a.length} 8-key needle trials, {a.new_tokens} new tokens")
+    write_csv(a.out, rows)
+
+
+if __name__ == "__main__":
+    main()
