@@ -125,6 +125,9 @@ def main() -> None:
         if not args.model:
             model.to(getattr(torch, dtype))
         elif dtype == "float32":
+            if model is not reference_model:  # free the other dtype's copy first (a 32K fp32 prefill needs room)
+                del model
+                torch.cuda.empty_cache() if args.device == "cuda" else None
             model = reference_model
         else:
             del model

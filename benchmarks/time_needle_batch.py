@@ -31,6 +31,7 @@ from common import env_info, print_table, write_csv
 from evaluation.assets import load_model
 from evaluation.needle import PhaseClock, greedy_batch, needle_trial
 from evaluation.suite import suite_text
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, Quest
 
 
@@ -44,6 +45,36 @@ def trials(tok, length: int, batch: int, essays: str) -> tuple[list[list[int]], 
     return out, time.perf_counter() - t0
 
 
+def profile_decode(model, prompts: list[list[int]], policy, steps: int, out: str) -> None:
+    """``torch.profiler`` over ``steps`` eager decode steps of a left-padded batch after its prefill (the padded
+    path of :func:`evaluation.needle.greedy_batch`); the top operators by CPU and by device time into ``out``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    patch_model(model, policy=policy)
+    try:
+        cache, kw = PagedKVCache(model.config), {"use_cache": True}
+        kw[cache_kwarg(model)] = cache
+        with torch.no_grad():
+            model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], logits_to_keep=1, **kw)
+            token, m, p = ids[:, -1:], mask, pos[:, -1:]
+            acts = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            )
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(steps):
+                    token = model(token, attention_mask=m, position_ids=p, **kw).logits[:, -1].argmax(-1, keepdim=True)
+                    m, p = torch.cat([m, torch.ones_like(token)], 1), p + 1
+                token.tolist()
+    finally:
+        unpatch_model(model)
+    with open(out, "a") as f:
+        for key in ("self_cpu_time_total", "self_cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"):
+            f.write(f"\n## {len(prompts)} prompts, {type(policy).__name__}, {steps} steps, by {key}\n")
+            f.write(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -53,6 +84,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="benchmarks/results/time_needle_batch.csv")
+    p.add_argument("--profile", default="", help="a text file: profile padded and equal decode steps into it")
     a = p.parse_args()
     model, tok = load_model(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     prompts, build = trials(tok, a.length, a.batch, suite_text("essays"))
@@ -91,6 +123,9 @@ def main() -> None:
     cols = ["variant", "tokens", "build_s", "prefill_s", "copy_s", "decode_s", "total_s", "peak_gib"]
     print_table(rows, cols, title=f"{a.model}, {a.batch} x {a.length} 8-key needle trials, {a.new_tokens} new tokens")
     write_csv(a.out, rows)
+    if a.profile:
+        for ps in (prompts, equal):
+            profile_decode(model, ps, Dense(), 3, a.profile)
 
 
 if __name__ == "__main__":
