@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 
 import pytest
 from test_assets_text import make_essays
@@ -227,3 +228,21 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
 
     assert multi_key(fresh) > 0 and multi_key(est) == pytest.approx(multi_key(fresh))
     assert len(unique) < sum(len(_units(cfg, j, cells)) for j in jobs)  # the tiers repeat cells: counted once
+
+
+def test_build_all_keeps_order_and_pairs():
+    """Prompts built in threads come back in the order of their keys, each with its own record; the first key is
+    built before any thread starts."""
+    from evaluation.suite import _build_all
+
+    seen = []
+
+    def build(k):
+        seen.append(k)
+        time.sleep(0.01 * (5 - k))  # later keys finish first
+        return (k, f"r{k}"), [k] * k
+
+    records, prompts = _build_all(build, [0, 1, 2, 3, 4])
+    assert records == [(k, f"r{k}") for k in range(5)] and prompts == [[k] * k for k in range(5)]
+    assert seen[0] == 0 and sorted(seen) == list(range(5))
+    assert _build_all(build, []) == ([], [])
