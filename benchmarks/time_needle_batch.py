@@ -6,12 +6,14 @@ policies, so a fixed cost dominates the needle cells).
         --out benchmarks/results/time_needle_batch.csv
     python benchmarks/time_needle_batch.py --model smollm2 --length 2048 --batch 2 --device cpu   # a dry run
 
-Rows (each a fresh :func:`evaluation.needle.greedy_batch` call on the same trials, after one untimed warm-up call):
-``padded`` (the trials as the suite runs them: left-padded to the longest), ``equal`` (each trial cut from the left
-to the shortest one's length, so the batch has no padding and the prefill takes the unmasked causal path), and each
-of them with ``--policies`` decoding after the dense one. Columns: the phases of
-:class:`evaluation.needle.PhaseClock` (``prefill``, ``copy``, ``decode``) and ``build`` (making and encoding the
-trials, measured once, single-threaded on this machine's CPU as in the suite).
+Rows (each a fresh :func:`evaluation.needle.greedy_batch` call on the same trials, after one untimed warm-up call
+of every row's kind): ``padded`` (the trials as the suite runs them: left-padded to the longest; its prefill runs
+each sequence unmasked, :mod:`hf_sparse_kv.prefill`, where that applies), ``padded, masked`` (the same with that
+path turned off: one SDPA call with the causal + padding mask, as before 2026-12-01), ``equal`` (each trial cut from
+the left to the shortest one's length: no padding at all), each with dense alone and with Quest 1/16 after it.
+Columns: the phases of :class:`evaluation.needle.PhaseClock` (``prefill``, ``copy``, ``decode``), ``build``
+(making and encoding the trials one after the other on this machine's CPU, measured once), and ``same`` (prompts
+whose answers under every policy equal the ``padded, masked`` row's).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import argparse
 import os
 import sys
 import time
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 
@@ -91,19 +95,24 @@ def main() -> None:
     short = min(len(x) for x in prompts)
     equal = [x[len(x) - short :] for x in prompts]
     sparse = {"quest": Quest(budget=1 / 16, sink=4, window=32)}
-    variants = {
-        "padded, dense": (prompts, {"dense": Dense()}),
-        "equal, dense": (equal, {"dense": Dense()}),
-        "padded, dense + quest": (prompts, {"dense": Dense(), **sparse}),
-        "equal, dense + quest": (equal, {"dense": Dense(), **sparse}),
-    }
-    greedy_batch(model, prompts[:2], {"dense": Dense()}, 2)  # warm-up: kernels, allocator
-    rows = []
-    for name, (ps, policies) in variants.items():
+    masked = mock.patch("hf_sparse_kv.prefill.flash_dtype", lambda q: False)  # the row path off
+    variants = {}
+    for pols in ({"dense": Dense()}, {"dense": Dense(), **sparse}):
+        tag = "" if len(pols) == 1 else ", dense + quest"
+        variants[f"padded, masked{tag}"] = (prompts, pols, lambda: masked)
+        variants[f"padded{tag}"] = (prompts, pols, nullcontext)
+        variants[f"equal{tag}"] = (equal, pols, nullcontext)
+    for ps, ctx in ((prompts, nullcontext), (prompts, lambda: masked), (equal, nullcontext)):
+        with ctx():  # warm-up: kernels (Triton specialises on the batch's sizes), allocator
+            greedy_batch(model, ps, {"dense": Dense(), **sparse}, 2)
+    rows, answers = [], {}
+    for name, (ps, policies, ctx) in variants.items():
         clock = PhaseClock(model.device)
         t0 = time.perf_counter()
-        greedy_batch(model, ps, policies, a.new_tokens, clock=clock)
+        with ctx():
+            answers[name] = greedy_batch(model, ps, policies, a.new_tokens, clock=clock)
         total = time.perf_counter() - t0
+        ref = answers.get(name.replace("padded", "padded, masked", 1)) if name.startswith("padded") else None
         rows.append(
             {
                 "model": a.model,
@@ -115,12 +124,13 @@ def main() -> None:
                 **{f"{k}_s": round(v, 3) for k, v in clock.seconds.items()},
                 "total_s": round(total, 3),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if a.device == "cuda" else "",
+                "same": "" if ref is None else sum(x == y for x, y in zip(answers[name], ref)),
                 **env_info(),
             }
         )
         if a.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-    cols = ["variant", "tokens", "build_s", "prefill_s", "copy_s", "decode_s", "total_s", "peak_gib"]
+    cols = ["variant", "tokens", "build_s", "prefill_s", "copy_s", "decode_s", "total_s", "peak_gib", "same"]
     print_table(rows, cols, title=f"{a.model}, {a.batch} x {a.length} 8-key needle trials, {a.new_tokens} new tokens")
     write_csv(a.out, rows)
     if a.profile:

@@ -3,7 +3,8 @@
 Per layer and call:
 
 - no cache, a sliding-window layer, or a multi-token forward: SDPA exactly as the unpatched model (on a non-empty
-  cache the whole context is gathered from the pages first);
+  cache the whole context is gathered from the pages first; a left-padded batch's first prefill runs each sequence
+  unmasked, :mod:`hf_sparse_kv.prefill`, where that is SDPA's flash path);
 - a single-token decode on a paged layer: plan the step once (padding starts, lengths), let the policy select
   (dense layers select everything), then execute the selection in the chosen mode:
   ``mask`` (SDPA over the whole cache with a mask), ``token`` (gather the selected positions), ``block`` (read the
@@ -31,6 +32,7 @@ from .cache import PagedKVCache, PagedLayer, WindowRing
 from .crossover import CrossoverTable, budget_fraction
 from .ops.layout import cdiv
 from .policies import DecodeState, Policy, Selection
+from .prefill import prefill_by_rows, rows_apply
 from .runtime import Counters, StepPlan
 
 ATTENTION_NAME = "hf_sparse_kv"
@@ -382,6 +384,8 @@ def sparse_attention_forward(
         observed = config.policy.observe_prefill(query, key, attention_mask, pads, cache.block_size, scale)
         if observed is not None:  # the last multi-token forward is the observation
             cache.session.observe(layer_idx, observed)
+        if rows_apply(module, query, key, attention_mask, cache.pads, **kwargs):  # a left-padded batch's prefill
+            return prefill_by_rows(module, query, key, value, cache.pads, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

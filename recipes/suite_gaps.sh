@@ -52,5 +52,11 @@ case $PART in
       --set 'decisive={policies: [dense, oracle, quest, quant4], budgets: ["1/32"]}' \
       --set 'needle={trials: 0, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}' \
       --set 'perplexity={windows: 0}' --set 'qa=null' "$@" ;;
+  qwen_single_budgets)  # issue 12: Qwen2.5's single needle at 32K at 1/8 and 1/32 (the oracle, Quest, quant4)
+    run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/32"]' \
+      --set "policies=[{name: dense}, $O, $QU, $Q4]" \
+      --set 'decisive={policies: [dense, oracle, quest, quant4], budgets: ["1/32"]}' \
+      --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: []}}' \
+      --set 'perplexity={windows: 0}' --set 'qa=null' "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

@@ -1,0 +1,111 @@
+"""A left-padded batch's prefill run one sequence at a time (hf_sparse_kv.prefill) computes what the masked call
+computes; it is taken only where the mask is causal left padding."""
+
+import pytest
+import torch
+from tiny_models import DEVICE, tiny_model
+
+from evaluation.needle import greedy_batch, greedy_under_policies
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, prefill, unpatch_model
+from hf_sparse_kv.cache import PagedLayer
+from hf_sparse_kv.policies import Dense, Quest
+
+
+def _padded(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _prefill_logits(model, ids, mask, pos):
+    patch_model(model, policy=Dense(), dense_layers=(0,), block_size=8)
+    try:
+        cache = PagedKVCache(model.config, block_size=8)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
+        k = [layer.dense_kv()[0] for layer in cache.layers if isinstance(layer, PagedLayer)]
+        return out.logits, k
+    finally:
+        unpatch_model(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_rows_equal_masked_prefill(arch, monkeypatch):
+    """Logits at every real position and the stored keys equal the masked prefill's (float32, the row path forced
+    on: on the CPU it is otherwise left to the masked call)."""
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (70, 53, 64, 41)]
+    ids, mask, pos = _padded(prompts)
+    masked, k_masked = _prefill_logits(model, ids, mask, pos)
+    calls = []
+    real = prefill.prefill_by_rows
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prefill, "flash_dtype", lambda q: True)
+    monkeypatch.setattr("hf_sparse_kv.attention.prefill_by_rows", counted)
+    rows, k_rows = _prefill_logits(model, ids, mask, pos)
+    assert calls  # the row path ran (on the full-attention layers; Gemma-3's sliding ones keep their mask)
+    real_pos = mask.bool()
+    torch.testing.assert_close(rows[real_pos], masked[real_pos], rtol=1e-5, atol=1e-5)
+    for a, b in zip(k_rows, k_masked):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_batch_equals_one_at_a_time(monkeypatch):
+    """The needle runner's padded batch, prefilled by rows, answers as each prompt alone."""
+    monkeypatch.setattr(prefill, "flash_dtype", lambda q: True)
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (120, 97, 111)]
+    policies = {"dense": Dense(), "quest": Quest(budget=0.25, sink=4, window=16)}
+    batched = greedy_batch(model, prompts, policies, 5, dense_layers=(0,), block_size=8, mode="block")
+    for p, got in zip(prompts, batched):
+        assert got == greedy_under_policies(model, torch.tensor([p], device=DEVICE), policies, 5, (0,), 8, "block")
+
+
+def _causal(B, L, pads):
+    i = torch.arange(L).view(1, 1, L, 1)
+    j = torch.arange(L).view(1, 1, 1, L)
+    pad = torch.tensor(pads).view(B, 1, 1, 1)
+    return (j <= i) & (j >= pad)
+
+
+def test_causal_left_padded_checks_every_real_row(monkeypatch):
+    monkeypatch.setattr(prefill, "CHECK_ROWS", 3)  # several chunks
+    pads = [0, 2, 5]
+    m = _causal(3, 9, pads)
+    assert prefill.causal_left_padded(m, pads)
+    additive = torch.zeros(m.shape).masked_fill(~m, torch.finfo(torch.float32).min)
+    assert prefill.causal_left_padded(additive, pads)
+    odd = m.clone()
+    odd[1, 0, 1] = True  # a padded query's row: not looked at
+    assert prefill.causal_left_padded(odd, pads)
+    # a real query seeing the future, missing a key, seeing a padded key
+    for b, i, j, v in ((2, 6, 8, True), (0, 4, 3, False), (1, 5, 0, True)):
+        bad = m.clone()
+        bad[b, 0, i, j] = v
+        assert not prefill.causal_left_padded(bad, pads)
+    window = m & (torch.arange(9).view(1, 1, 9, 1) - torch.arange(9).view(1, 1, 1, 9) < 4)
+    assert not prefill.causal_left_padded(window, pads)  # a sliding window is not plain causal
+    assert not prefill.causal_left_padded(m, [0, 2])  # pads of another batch
+    assert not prefill.causal_left_padded(m[:, :, 1:], pads)  # keys beyond the queries (a later chunk)
+
+
+def test_rows_apply_refuses_what_it_cannot_compute(monkeypatch):
+    monkeypatch.setattr(prefill, "flash_dtype", lambda q: True)
+    module = torch.nn.Module()
+    q, k = torch.zeros(2, 4, 6, 8), torch.zeros(2, 2, 6, 8)
+    m = _causal(2, 6, [0, 3])
+    assert prefill.rows_apply(module, q, k, m, [0, 3])
+    assert not prefill.rows_apply(module, q, k, m, [0, 0])  # no padding: the masked call is SDPA's own fast path
+    assert not prefill.rows_apply(module, q, k, None, [0, 3])
+    assert not prefill.rows_apply(module, q, k, m, [0, 3], sliding_window=4)
+    module.sliding_window = 4
+    assert not prefill.rows_apply(module, q, k, m, [0, 3])
+    monkeypatch.undo()
+    assert not prefill.flash_dtype(q) and not prefill.rows_apply(torch.nn.Module(), q, k, m, [0, 3])
