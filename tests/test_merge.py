@@ -173,6 +173,25 @@ def test_repatching_keeps_or_undoes_the_merge_and_a_refused_patch_changes_nothin
     unpatch_model(model)
 
 
+def test_merging_is_the_default_with_cuda_graph_only():
+    """``merge_projections=None`` (the default) merges with ``cuda_graph=True`` and not without; an explicit value
+    wins either way."""
+    model = tiny_model("llama")
+    n_proj = len(_projections(model))
+    with pytest.warns(UserWarning, match="eager"):  # a CPU model: captured steps fall back to eager ones
+        patch_model(model, policy=Dense(), cuda_graph=True)
+    assert getattr(model, STATE_ATTR).merged and len(_storages(model)) < n_proj
+    patch_model(model, policy=Dense())
+    assert getattr(model, STATE_ATTR).merged == [] and len(_storages(model)) == n_proj
+    with pytest.warns(UserWarning, match="eager"):
+        patch_model(model, policy=Dense(), cuda_graph=True, merge_projections=False)
+    assert getattr(model, STATE_ATTR).merged == []
+    patch_model(model, policy=Dense(), merge_projections=True)
+    assert getattr(model, STATE_ATTR).merged
+    unpatch_model(model)
+    assert len(_storages(model)) == n_proj
+
+
 def test_a_patch_failing_after_merging_unmerges(monkeypatch):
     model = tiny_model("llama")
     n_proj = len(_projections(model))
