@@ -107,5 +107,7 @@ def test_rows_apply_refuses_what_it_cannot_compute(monkeypatch):
     assert not prefill.rows_apply(module, q, k, m, [0, 3], sliding_window=4)
     module.sliding_window = 4
     assert not prefill.rows_apply(module, q, k, m, [0, 3])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not prefill.rows_apply(torch.nn.Module(), q, k, m, [0, 3])  # inside a trace: the masked call
     monkeypatch.undo()
     assert not prefill.flash_dtype(q) and not prefill.rows_apply(torch.nn.Module(), q, k, m, [0, 3])
