@@ -355,8 +355,9 @@ def _build_all(build, keys: list) -> tuple[list, list[list[int]]]:
 
 def _generate(model, prompts: list[list[int]], todo: list[PolicyCell], cfg, new_tokens: int, build: float):
     """Greedy answers of ``prompts`` (one left-padded batch) under the cells ``todo``; (per prompt ``{key: ids}``,
-    seconds per cell and prompt, the batch's seconds per phase: ``build`` (given: making and encoding the prompts),
-    then :class:`~evaluation.needle.PhaseClock`'s ``prefill``, ``copy`` and ``decode``)."""
+    seconds per cell and prompt (the batch's, ``build`` included, shared out), the batch's seconds per phase:
+    ``build`` (given: making and encoding the prompts), then :class:`~evaluation.needle.PhaseClock`'s ``prefill``,
+    ``copy`` and ``decode``)."""
     t0 = time.perf_counter()
     policies = {c.key: c.policy for c in todo}
     clock = PhaseClock(model.device)
@@ -365,7 +366,7 @@ def _generate(model, prompts: list[list[int]], todo: list[PolicyCell], cfg, new_
         clock=clock,
     )  # fmt: skip
     phases = {k: round(v, 3) for k, v in {"build": build, **clock.seconds}.items()}
-    return gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3), phases
+    return gens, round((time.perf_counter() - t0 + build) / (len(todo) * len(prompts)), 3), phases
 
 
 def _log_batch(job: Job, n_prompts: int, n_cells: int, phases: dict[str, float]) -> None:
