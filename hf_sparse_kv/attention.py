@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import PagedKVCache, PagedLayer, WindowRing
 from .crossover import CrossoverTable, budget_fraction
-from .ops.layout import cdiv
+from .ops.layout import cdiv, mask_allows
 from .policies import DecodeState, Policy, Selection
 from .prefill import prefill_by_rows, rows_apply
 from .runtime import Counters, StepPlan
@@ -66,7 +66,7 @@ def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: t
     if mask is None:
         return torch.zeros(batch, dtype=torch.int32, device=device)
     row = mask[:, 0, -1, :length]
-    ok = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    ok = mask_allows(row)
     start = torch.where(ok.any(-1), ok.int().argmax(-1), torch.full_like(ok[:, 0], length, dtype=torch.long))
     if not torch.equal(ok.sum(-1), length - start):
         raise NotImplementedError(

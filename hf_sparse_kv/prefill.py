@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .ops.layout import mask_allows
+
 CHECK_ROWS = 2048  # query rows of the mask checked at once (B x 2048 x L booleans: 0.5 GiB at 8 x 32K)
 
 
@@ -39,9 +41,8 @@ def causal_left_padded(mask: torch.Tensor, pads: list[int]) -> bool:
     j = torch.arange(K, device=device).view(1, 1, K)
     good = torch.ones((), dtype=torch.bool, device=device)
     for r0 in range(0, Q, CHECK_ROWS):
-        rows = mask[:, 0, r0 : r0 + CHECK_ROWS]  # [B, R, K]
-        ok = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min / 2
-        i = torch.arange(r0, r0 + rows.shape[1], device=device).view(1, -1, 1)
+        ok = mask_allows(mask[:, 0, r0 : r0 + CHECK_ROWS])  # [B, R, K]
+        i = torch.arange(r0, r0 + ok.shape[1], device=device).view(1, -1, 1)
         good &= ((ok == ((j <= i) & (j >= pad))) | (i < pad)).all()
     return bool(good)  # one synchronisation for the whole mask
 

@@ -25,7 +25,7 @@ ALLOWED = {
     "hf_sparse_kv.cache": ("hf_sparse_kv.ops", "hf_sparse_kv.runtime", "hf_sparse_kv.static"),
     "hf_sparse_kv.policies": ("hf_sparse_kv.ops", "hf_sparse_kv.policies"),
     "hf_sparse_kv.crossover": (),
-    "hf_sparse_kv.prefill": (),
+    "hf_sparse_kv.prefill": ("hf_sparse_kv.ops",),
     "hf_sparse_kv.attention": (
         "hf_sparse_kv.cache", "hf_sparse_kv.crossover", "hf_sparse_kv.policies", "hf_sparse_kv.prefill",
         "hf_sparse_kv.runtime", "hf_sparse_kv.ops",

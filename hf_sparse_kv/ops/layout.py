@@ -1,4 +1,5 @@
-"""The paged layout's arithmetic: ceiling division, and the one rule for the positions every policy keeps.
+"""The paged layout's arithmetic: ceiling division, the one rule for the positions every policy keeps, and what an
+attention mask allows.
 
 The forced rule (docs/ARCHITECTURE.md, "Invariants"): every sparse decode query attends, on top of what its policy
 selects, the *sink* (the first ``sink`` stored tokens), the *window* (the last ``window`` tokens, at least the
@@ -27,6 +28,12 @@ def cdiv(a, b):
 
 
 # ---- host form (ints) ----------------------------------------------------------------------------------------------
+
+
+def mask_allows(mask: torch.Tensor) -> torch.Tensor:
+    """Where an attention mask as transformers builds it (bool, or additive float: 0 or the dtype's minimum) lets a
+    query attend a key: a bool tensor of ``mask``'s shape."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
 def window_bounds(length: int, sink: int, window: int) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..ops.layout import cdiv, forced_block_count, forced_block_set
+from ..ops.layout import cdiv, forced_block_count, forced_block_set, mask_allows
 from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
 from .blocks import _BlockTopK
 from .checks import warn_budget_below_forced
@@ -125,8 +125,7 @@ class SnapKV(Policy):
             ok = torch.arange(L, device=key.device).view(1, -1) <= qpos.view(-1, 1)  # [w, L] causal
             ok = ok.view(1, 1, w, L)
         else:
-            rows = mask[:, :, Tq - w :, :L]
-            ok = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min / 2  # [B | 1, 1, w, L]
+            ok = mask_allows(mask[:, :, Tq - w :, :L])  # [B | 1, 1, w, L]
         ok = ok.repeat(1, 1, Hq // Hkv, 1)  # rows ordered (group head, query) as in q
         p = logits.masked_fill(~ok, float("-inf")).softmax(-1).nan_to_num(0.0)
         mass = p.sum(2) / ((Hq // Hkv) * w)  # [B, Hkv, L]
