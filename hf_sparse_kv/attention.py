@@ -384,7 +384,7 @@ def sparse_attention_forward(
         observed = config.policy.observe_prefill(query, key, attention_mask, pads, cache.block_size, scale)
         if observed is not None:  # the last multi-token forward is the observation
             cache.session.observe(layer_idx, observed)
-        if rows_apply(module, query, key, attention_mask, cache.pads, **kwargs):  # a left-padded batch's prefill
+        if rows_apply(module, query, key, attention_mask, cache.pads, cache.session, **kwargs):  # left-padded batch
             return prefill_by_rows(module, query, key, value, cache.pads, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -11,11 +11,13 @@ positions read them.
 Taken only when it computes exactly what the mask asks, and outside a ``torch.compile`` trace (the check below reads
 a device value on the host): a first prefill (the keys are the queries' own positions), a layer without a sliding
 window, a mask that allows each real query exactly the real keys up to itself (checked on the device, a chunk of
-rows at a time), and a dtype that SDPA's flash kernel takes (fp16 / bf16 on CUDA; in float32 the masked call was
+rows at a time, once per forward: the layers share the mask), and a dtype that SDPA's flash kernel takes (fp16 / bf16 on CUDA; in float32 the masked call was
 faster: unmasked float32 with grouped heads falls back to SDPA's math kernel).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -48,11 +50,20 @@ def causal_left_padded(mask: torch.Tensor, pads: list[int]) -> bool:
 
 
 def rows_apply(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, pads: list[int], **kw
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor | None,
+    pads: list[int],
+    session=None,
+    **kw,
 ) -> bool:
     """Whether :func:`prefill_by_rows` computes this call (``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]``,
-    ``mask`` as transformers passes it, the cache's ``pads``; ``kw`` the attention call's other arguments)."""
+    ``mask`` as transformers passes it, the cache's ``pads``; ``kw`` the attention call's other arguments). With the
+    cache's ``session`` (:class:`~hf_sparse_kv.runtime.DecodeSession`) the mask is checked once per forward, not at
+    every layer."""
     B, _, L, _ = query.shape
+    check = causal_left_padded if session is None else partial(session.mask_verdict, check=causal_left_padded)
     return (
         not torch.compiler.is_compiling()  # the mask check reads a device value on the host: not inside a graph
         and B > 1
@@ -63,7 +74,7 @@ def rows_apply(
         and kw.get("sliding_window") is None
         and kw.get("position_bias") is None
         and flash_dtype(query)
-        and causal_left_padded(mask, pads)
+        and check(mask, pads)
     )
 
 

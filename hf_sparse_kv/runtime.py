@@ -7,7 +7,7 @@ whose fields only this module's methods write (docs/ARCHITECTURE.md, "The life o
   each device (lengths and padding starts, planned by the first paged layer on that device, reused by the others);
 - :class:`DecodeSession`, one per cache (reset with its contents; the counters go on, as a cache's counters always
   did): the current step, the forward counter, prefill observations waiting for the first decode step, the
-  captured-graph runner and the :class:`Counters`.
+  captured-graph runner, the verdict on the current prefill mask and the :class:`Counters`.
 
 Nothing here imports the cache, the patch or a policy class: the session calls the policy's lifecycle methods and
 the cache's documented methods, so the import graph stays one-way (ops -> cache, policies -> runtime -> attention).
@@ -15,6 +15,8 @@ the cache's documented methods, so the import graph stays one-way (ops -> cache,
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +83,7 @@ class DecodeSession:
         self.observed: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, nblk] prefill scores of a policy
         self.observation_used = False
         self.graphs = None  # the captured-graph runner (hf_sparse_kv.graphs); False: this cache cannot use one
+        self._mask_verdict: tuple | None = None  # (weak reference to a prefill mask, its version, pads, verdict)
 
     def reset(self) -> None:
         """The cache's contents were reset: forget the step, the observations and the captured steps (they belong
@@ -115,6 +118,20 @@ class DecodeSession:
 
     def keep_plan(self, device, plan: StepPlan) -> None:
         self.step.plans[str(device)] = plan
+
+    # ---- the prefill ----------------------------------------------------------------------------------------------
+
+    def mask_verdict(self, mask: torch.Tensor, pads: list[int], check: Callable[[torch.Tensor, list[int]], bool]):
+        """``check(mask, pads)``, computed once per mask: the layers of one forward share their mask tensor, so the
+        first of them checks it and the others reuse the verdict while that tensor lives, unchanged (its version),
+        with the same ``pads``."""
+        memo = self._mask_verdict
+        key = (mask._version, tuple(pads))
+        if memo is not None and memo[0]() is mask and memo[1] == key:
+            return memo[2]
+        verdict = check(mask, pads)
+        self._mask_verdict = (weakref.ref(mask), key, verdict)
+        return verdict
 
     # ---- the policy's lifecycle ------------------------------------------------------------------------------------
 

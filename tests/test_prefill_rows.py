@@ -46,10 +46,19 @@ def test_rows_equal_masked_prefill(arch, monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
+    checks = []
+    real_check = prefill.causal_left_padded
+
+    def counted_check(*args):
+        checks.append(1)
+        return real_check(*args)
+
     monkeypatch.setattr(prefill, "flash_dtype", lambda q: True)
+    monkeypatch.setattr(prefill, "causal_left_padded", counted_check)
     monkeypatch.setattr("hf_sparse_kv.attention.prefill_by_rows", counted)
     rows, k_rows = _prefill_logits(model, ids, mask, pos)
     assert calls  # the row path ran (on the full-attention layers; Gemma-3's sliding ones keep their mask)
+    assert len(checks) == 1  # the mask checked once for the forward, its verdict reused by the other layers
     real_pos = mask.bool()
     torch.testing.assert_close(rows[real_pos], masked[real_pos], rtol=1e-5, atol=1e-5)
     for a, b in zip(k_rows, k_masked):
@@ -111,3 +120,22 @@ def test_rows_apply_refuses_what_it_cannot_compute(monkeypatch):
     assert not prefill.rows_apply(torch.nn.Module(), q, k, m, [0, 3])  # inside a trace: the masked call
     monkeypatch.undo()
     assert not prefill.flash_dtype(q) and not prefill.rows_apply(torch.nn.Module(), q, k, m, [0, 3])
+
+
+def test_mask_verdict_is_kept_while_the_mask_lives_unchanged():
+    from hf_sparse_kv.runtime import DecodeSession
+
+    session, seen = DecodeSession(), []
+
+    def check(mask, pads):
+        seen.append(tuple(pads))
+        return True
+
+    m = _causal(2, 6, [0, 3])
+    assert session.mask_verdict(m, [0, 3], check) and session.mask_verdict(m, [0, 3], check)
+    assert len(seen) == 1
+    session.mask_verdict(m, [0, 2], check)  # other pads
+    m[0, 0, 0, 1] = True  # changed in place (its version moves)
+    session.mask_verdict(m, [0, 2], check)
+    session.mask_verdict(m.clone(), [0, 2], check)  # another tensor
+    assert len(seen) == 4
