@@ -307,10 +307,7 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
             )
             return (trial, depth, text_name, phrasing, t), tok.encode(t["text"])
 
-        t0 = time.perf_counter()
-        trials, prompts = _build_all(build, [trial for trial, _ in group])
-        gens, sec, phases = _generate(model, prompts, todo, cfg, int(p["new_tokens"]), time.perf_counter() - t0)
-        _log_batch(job, len(group), len(todo), phases)
+        trials, gens, sec, phases = _answer_batch(job, model, build, [trial for trial, _ in group], todo, cfg, p)
         for (trial, depth, text_name, phrasing, t), (_, mine), gen in zip(trials, group, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])
@@ -353,26 +350,25 @@ def _build_all(build, keys: list) -> tuple[list, list[list[int]]]:
     return [b[0] for b in built], [b[1] for b in built]
 
 
-def _generate(model, prompts: list[list[int]], todo: list[PolicyCell], cfg, new_tokens: int, build: float):
-    """Greedy answers of ``prompts`` (one left-padded batch) under the cells ``todo``; (per prompt ``{key: ids}``,
-    seconds per cell and prompt (the batch's, ``build`` included, shared out), the batch's seconds per phase:
-    ``build`` (given: making and encoding the prompts), then :class:`~evaluation.needle.PhaseClock`'s ``prefill``,
-    ``copy`` and ``decode``)."""
+def _answer_batch(job: Job, model, build, keys: list, todo: list[PolicyCell], cfg, p: dict) -> tuple:
+    """One needle or QA batch: the prompts of ``keys`` built (:func:`_build_all`), answered greedily in one
+    left-padded batch under the cells ``todo`` (``p["new_tokens"]`` tokens each), one log line on where the time
+    went. Returns (the records of ``build``, per prompt ``{key: ids}``, seconds per cell and prompt (the batch's,
+    building included, shared out), the batch's seconds per phase: ``build`` (making and encoding the prompts), then
+    :class:`~evaluation.needle.PhaseClock`'s ``prefill``, ``copy`` and ``decode``)."""
     t0 = time.perf_counter()
+    records, prompts = _build_all(build, keys)
+    built = time.perf_counter() - t0
     policies = {c.key: c.policy for c in todo}
     clock = PhaseClock(model.device)
     gens = greedy_batch(
-        model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block"),
-        clock=clock,
+        model, prompts, policies, int(p["new_tokens"]), cfg["dense_layers"], cfg["block_size"],
+        cfg.get("mode", "block"), clock=clock,
     )  # fmt: skip
-    phases = {k: round(v, 3) for k, v in {"build": build, **clock.seconds}.items()}
-    return gens, round((time.perf_counter() - t0 + build) / (len(todo) * len(prompts)), 3), phases
-
-
-def _log_batch(job: Job, n_prompts: int, n_cells: int, phases: dict[str, float]) -> None:
-    """One log line per needle or QA batch: where its wall time went."""
+    phases = {k: round(v, 3) for k, v in {"build": built, **clock.seconds}.items()}
     split = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
-    print(f"[suite]   {job.task} {job.length}: {n_prompts} prompts x {n_cells} cells: {split}", flush=True)
+    print(f"[suite]   {job.task} {job.length}: {len(keys)} prompts x {len(todo)} cells: {split}", flush=True)
+    return records, gens, round((time.perf_counter() - t0) / (len(todo) * len(keys)), 3), phases
 
 
 def _qa_params(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -400,10 +396,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
             item = make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)
             return (text_name, item), tok.encode(item["prompt"])[-job.length :]
 
-        t0 = time.perf_counter()
-        items, prompts = _build_all(build, [(task, i) for task, i, _ in group])
-        gens, sec, phases = _generate(model, prompts, todo, cfg, int(p["new_tokens"]), time.perf_counter() - t0)
-        _log_batch(job, len(group), len(todo), phases)
+        items, gens, sec, phases = _answer_batch(job, model, build, [(t, i) for t, i, _ in group], todo, cfg, p)
         for (task, i, mine), (text_name, item), gen in zip(group, items, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])
