@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import env_info, print_table, write_csv
 
 from evaluation.assets import load_model
-from evaluation.needle import PhaseClock, greedy_batch, needle_trial
+from evaluation.needle import PhaseClock, greedy_batch, needle_trial, pad_left
 from evaluation.suite import suite_text
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, Quest
@@ -52,10 +52,7 @@ def trials(tok, length: int, batch: int, essays: str) -> tuple[list[list[int]], 
 def profile_decode(model, prompts: list[list[int]], policy, steps: int, out: str) -> None:
     """``torch.profiler`` over ``steps`` eager decode steps of a left-padded batch after its prefill (the padded
     path of :func:`evaluation.needle.greedy_batch`); the top operators by CPU and by device time into ``out``."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=model.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = pad_left(prompts, model.device)
     patch_model(model, policy=policy)
     try:
         cache, kw = PagedKVCache(model.config), {"use_cache": True}

@@ -261,6 +261,15 @@ def greedy_under_policies(
     return out
 
 
+def pad_left(prompts: list[list[int]], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prompts`` left-padded to the longest: (ids, attention mask, position ids), each ``[B, width]``; a padded
+    position has mask 0 and position 0, a sequence's first token position 0."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def greedy_batch(
     model,
     prompts: list[list[int]],
@@ -281,10 +290,7 @@ def greedy_batch(
     if len(prompts) == 1:
         ids = torch.tensor([prompts[0]], device=device)
         return [greedy_under_policies(model, ids, policies, new_tokens, dense_layers, block_size, mode, clock=clock)]
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = pad_left(prompts, device, pad_id)
     kw = {"use_cache": True}
 
     def prefill(cache: PagedKVCache) -> None:

@@ -5,17 +5,10 @@ import pytest
 import torch
 from tiny_models import DEVICE, tiny_model
 
-from evaluation.needle import greedy_batch, greedy_under_policies
+from evaluation.needle import greedy_batch, greedy_under_policies, pad_left
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, prefill, unpatch_model
 from hf_sparse_kv.cache import PagedLayer
 from hf_sparse_kv.policies import Dense, Quest
-
-
-def _padded(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _prefill_logits(model, ids, mask, pos):
@@ -37,7 +30,7 @@ def test_rows_equal_masked_prefill(arch, monkeypatch):
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (70, 53, 64, 41)]
-    ids, mask, pos = _padded(prompts)
+    ids, mask, pos = pad_left(prompts, DEVICE)
     masked, k_masked = _prefill_logits(model, ids, mask, pos)
     calls = []
     real = prefill.prefill_by_rows
