@@ -127,7 +127,8 @@ def main() -> None:
         elif dtype == "float32":
             if model is not reference_model:  # free the other dtype's copy first (a 32K fp32 prefill needs room)
                 del model
-                torch.cuda.empty_cache() if args.device == "cuda" else None
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
             model = reference_model
         else:
             del model
