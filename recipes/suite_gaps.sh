@@ -9,7 +9,7 @@ QU='{name: quest, sink: 4, window: 32}'
 Q4='{name: quant_block_topk, label: quant4, sink: 4, window: 32, bits: 4}'
 TT='{name: token_topk, label: token_topk, sink: 4, window: 32}'
 CH='name: "evaluation.channel_quant:ChannelQuantBlockTopK", sink: 4, window: 32, bits: 4, rest: block'
-run() { python3 -m evaluation.cli suite "$@" --time-limit "$T"; }
+run() { ${PY:-python3} -m evaluation.cli suite "$@" --time-limit "$T"; }
 case $PART in
   qwen_channels)  # issue 13: a quarter of the channels (r = 32 of D = 128) at 32K, 1/16: ppl, single + multi-key needles
     C1="{$CH, label: chq4_quarter_block, channels: 32}"; C4="{$CH, label: chq4_quarter_block_g4, channels: 32, group: 4}"
@@ -57,6 +57,18 @@ case $PART in
       --set "policies=[{name: dense}, $O, $QU, $Q4]" \
       --set 'decisive={policies: [dense, oracle, quest, quant4], budgets: ["1/32"]}' \
       --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: []}}' \
+      --set 'perplexity={windows: 0}' --set 'qa=null' "$@" ;;
+  gemma_snapkv)  # issue 12: SnapKV and SnapKV 1/4 + Quest on Gemma-3 (its global layers), 1/16: ppl (decode way), single needle
+    run gemma3 --out "$R" --set 'budgets=["1/16"]' \
+      --set "policies=[{name: dense}, {name: snapkv, sink: 4, window: 32, observe: 32}, {name: snapkv, label: snapkv1/4+quest, budget: \"1/4\", sink: 4, window: 32, observe: 32, then: $QU}]" \
+      --set 'decisive={policies: [dense], budgets: ["1/16"]}' \
+      --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {16384: 8, 32768: 4}, hard: {variants: []}}' \
+      --set 'qa=null' "$@" ;;
+  gemma_single_budgets)  # issue 12: Gemma-3's single needle at 32K at 1/8 and 1/32 (the oracle, Quest, quant4)
+    run gemma3 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/32"]' \
+      --set "policies=[{name: dense}, $O, $QU, $Q4]" \
+      --set 'decisive={policies: [dense, oracle, quest, quant4], budgets: ["1/32"]}' \
+      --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 4}, hard: {variants: []}}' \
       --set 'perplexity={windows: 0}' --set 'qa=null' "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
