@@ -557,6 +557,20 @@ def measured_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     return {k: statistics.median(v) for k, v in by.items()}
 
 
+def prefill_per_prompt(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """Median prefill seconds per prompt of the finished needle / QA cells that carry their batch's ``phases``, by
+    :func:`_row_kind`: what one more prefill of a batch costs each of its prompts (a batch that also ran a policy's
+    own prefill counts it too; such batches are few)."""
+    import statistics
+
+    by: dict[tuple, list[float]] = {}
+    for r in rows:
+        phases, batch = r.get("phases"), r.get("batch")
+        if r.get("task") in ("needle", "qa") and isinstance(phases, dict) and "prefill" in phases and batch:
+            by.setdefault(_row_kind(r), []).append(float(phases["prefill"]) / int(batch))
+    return {k: statistics.median(v) for k, v in by.items()}
+
+
 def estimate(
     cfg: dict[str, Any],
     step_ms_per_layer: float = 1.6,
@@ -568,7 +582,9 @@ def estimate(
     Counts only the (unit, cell) pairs still to run: not in ``rows`` (the results folder's finished cells) and not
     run by an earlier job of the plan (the tiers repeat cells). A job whose kind of unit (:func:`_job_kind`) has
     finished cells in ``rows`` is priced at their median seconds per unit, the policy's own median where it has some
-    (``measured``: True); otherwise a model:
+    (``measured``: True; a policy that prefills on its own, SnapKV, without finished cells of the kind pays the kind's
+    median plus a prompt's share of a prefill, measured (:func:`prefill_per_prompt`) or the model's); otherwise a
+    model:
     eager decode steps bound by the host at ``step_ms_per_layer`` per layer whatever the batch (about what
     ``benchmarks/RESULTS.md`` measured on the H200: 50-60 ms per step of a 32-layer model), prefills at ``tflops``
     effective, a ``simulate`` cell at 3 ms per layer (twice that with fidelity), scaled by the share of the job's
@@ -583,14 +599,34 @@ def estimate(
     cells = cells_of(cfg)
     done = _done_keys(rows or [])
     measured = measured_seconds(rows or [])
+    own_prefill = prefill_per_prompt(rows or [])
+    compressing = {c.label for c in cells if c.policy.compresses}
+
+    def share_of_prefill(job: Job) -> float:
+        """Seconds of one more prefill per prompt of ``job`` (a needle / QA job): measured, else the model's."""
+        key = _job_kind(job, cells)
+        if key in own_prefill or job.task == "perplexity":
+            return own_prefill.get(key, 0.0)
+        part = _needle_params(cfg, job.params["variant"]) if job.task == "needle" else _qa_params(cfg)
+        b = batch_size(part.get("batch"), job.length)
+        return prefill(b * job.length) / b
+
+    def unit_price(job: Job, label: str) -> float:
+        """A unit at its policy's median when that policy has finished cells of this kind, else the kind's (plus
+        its own prefill's share for a policy that compresses the prompt)."""
+        key = _job_kind(job, cells)
+        if (*key, label) in measured:
+            return measured[(*key, label)]
+        return measured[key] + (share_of_prefill(job) if label in compressing else 0.0)
+
     out = []
     for job in plan(cfg):
         units = _units(cfg, job, cells)
         left = [u for u in units if u not in done]
         done.update(left)
         key = _job_kind(job, cells)
-        if key in measured:  # each unit at its policy's median when that policy has finished cells of this kind
-            out.append((job, sum(measured.get((*key, u[-2]), measured[key]) for u in left), True))
+        if key in measured:
+            out.append((job, sum(unit_price(job, u[-2]) for u in left), True))
             continue
         mine = [c for c in _select(cells, job) if c.budget is not None]
         if job.task == "perplexity":

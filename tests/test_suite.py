@@ -210,7 +210,7 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     price = {c.label: 1.0 + i for i, c in enumerate(cells)}  # each policy's own seconds a trial
     rows = [  # the first trial of every cell of that job finished
         {"task": "needle", "length": u[1], "variant": u[2], "trial": u[3], "policy": u[4], "budget": u[5],
-         "seconds": price[u[4]]}
+         "seconds": price[u[4]], "batch": 2, "phases": {"prefill": 1.0}}
         for u in first if u[3] == 0
     ]  # fmt: skip
     est = estimate(cfg, rows=rows)
@@ -218,9 +218,12 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     assert all(m for _, m in same)
     single_units = {u for j in jobs if j.task == "needle" for u in _units(cfg, j, cells) if u[2] == "single"}
     finished = {("needle", r["length"], r["variant"], r["trial"], r["policy"], r["budget"]) for r in rows}
-    seen = {r["policy"] for r in rows}  # a policy without finished cells: the median of all of them
-    fallback = statistics.median(r["seconds"] for r in rows)
-    want = sum(price[u[4]] if u[4] in seen else fallback for u in single_units - finished)  # each unit left once
+    seen = {r["policy"] for r in rows}  # a policy without finished cells: the median of all of them, plus a prompt's
+    fallback = statistics.median(r["seconds"] for r in rows)  # share of the prefill (1.0 s for 2) if it prefills alone
+    compressing = {c.label for c in cells if c.policy.compresses}
+    want = sum(  # each unit left once
+        price[u[4]] if u[4] in seen else fallback + 0.5 * (u[4] in compressing) for u in single_units - finished
+    )
     assert sum(s for s, _ in same) == pytest.approx(want)
 
     def multi_key(estimates):  # a kind of unit without finished cells: the model, as without rows
@@ -228,6 +231,32 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
 
     assert multi_key(fresh) > 0 and multi_key(est) == pytest.approx(multi_key(fresh))
     assert len(unique) < sum(len(_units(cfg, j, cells)) for j in jobs)  # the tiers repeat cells: counted once
+
+
+def test_estimate_adds_a_measured_prefill_to_a_compressing_policy_without_cells_of_its_own():
+    """A policy that prefills on its own (SnapKV) with no finished cells of a kind is priced at the kind's median
+    plus a prompt's share of the measured prefill; a policy that shares the prefill, at the kind's median."""
+    from evaluation.suite import _units, estimate
+
+    cfg = _tiny_cfg("qwen2.5")
+    cells = cells_of(cfg)
+    compressing = {c.label for c in cells if c.policy.compresses}
+    assert compressing  # the suite's SnapKV rows
+    jobs = [j for j in plan(cfg) if j.task == "needle" and j.params["variant"] == "single"]
+    single = next(j for j in jobs if any(u[4] in compressing for u in _units(cfg, j, cells)))
+    units = _units(cfg, single, cells)
+    rows = [  # the first trial of the job's other policies finished, its SnapKV rows not
+        {"task": "needle", "length": u[1], "variant": u[2], "trial": u[3], "policy": u[4], "budget": u[5],
+         "seconds": 0.5, "batch": 2, "phases": {"build": 0.1, "prefill": 3.0, "decode": 0.4}}
+        for u in units if u[3] == 0 and u[4] not in compressing
+    ]  # fmt: skip
+    finished = {("needle", r["length"], r["variant"], r["trial"], r["policy"], r["budget"]) for r in rows}
+    earlier = {u for j in jobs[: jobs.index(single)] for u in _units(cfg, j, cells)}  # counted by an earlier tier
+    left = [u for u in units if u not in finished and u not in earlier]
+    want = sum(0.5 + (3.0 / 2 if u[4] in compressing else 0.0) for u in left)
+    est = [(s, m) for job, s, m in estimate(cfg, rows=rows) if job == single]
+    assert est == [(pytest.approx(want), True)]
+    assert any(u[4] in compressing for u in left) and any(u[4] not in compressing for u in left)
 
 
 def test_build_all_keeps_order_and_pairs():
