@@ -27,13 +27,13 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-# ---- host form (ints) ----------------------------------------------------------------------------------------------
-
-
 def mask_allows(mask: torch.Tensor) -> torch.Tensor:
     """Where an attention mask as transformers builds it (bool, or additive float: 0 or the dtype's minimum) lets a
     query attend a key: a bool tensor of ``mask``'s shape."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+# ---- host form (ints) ----------------------------------------------------------------------------------------------
 
 
 def window_bounds(length: int, sink: int, window: int) -> tuple[int, int]:
