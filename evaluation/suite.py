@@ -543,32 +543,42 @@ def _row_kind(r: dict[str, Any]) -> tuple:
     return (r["task"], r["length"], extra)
 
 
-def measured_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
-    """Median ``seconds`` per (unit, cell) of the finished cells (what the machine that ran them took; a row
-    without ``seconds`` is left out), by :func:`_row_kind` and by that kind plus the policy's label."""
+def _medians(pairs) -> dict[tuple, float]:
+    """``{key: median of its values}`` of ``(key, value)`` pairs."""
     import statistics
 
     by: dict[tuple, list[float]] = {}
-    for r in rows:
-        if r.get("task") in ("perplexity", "needle", "qa") and isinstance(r.get("seconds"), (int, float)):
-            key = _row_kind(r)
-            by.setdefault(key, []).append(float(r["seconds"]))
-            by.setdefault((*key, r.get("policy")), []).append(float(r["seconds"]))
+    for key, value in pairs:
+        by.setdefault(key, []).append(value)
     return {k: statistics.median(v) for k, v in by.items()}
+
+
+def measured_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """Median ``seconds`` per (unit, cell) of the finished cells (what the machine that ran them took; a row
+    without ``seconds`` is left out), by :func:`_row_kind` and by that kind plus the policy's label."""
+
+    def pairs():
+        for r in rows:
+            if r.get("task") in ("perplexity", "needle", "qa") and isinstance(r.get("seconds"), (int, float)):
+                key, sec = _row_kind(r), float(r["seconds"])
+                yield key, sec
+                yield (*key, r.get("policy")), sec
+
+    return _medians(pairs())
 
 
 def prefill_per_prompt(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     """Median prefill seconds per prompt of the finished needle / QA cells that carry their batch's ``phases``, by
     :func:`_row_kind`: what one more prefill of a batch costs each of its prompts (a batch that also ran a policy's
     own prefill counts it too; such batches are few)."""
-    import statistics
-
-    by: dict[tuple, list[float]] = {}
-    for r in rows:
-        phases, batch = r.get("phases"), r.get("batch")
-        if r.get("task") in ("needle", "qa") and isinstance(phases, dict) and "prefill" in phases and batch:
-            by.setdefault(_row_kind(r), []).append(float(phases["prefill"]) / int(batch))
-    return {k: statistics.median(v) for k, v in by.items()}
+    return _medians(
+        (_row_kind(r), float(r["phases"]["prefill"]) / int(r["batch"]))
+        for r in rows
+        if r.get("task") in ("needle", "qa")
+        and isinstance(r.get("phases"), dict)
+        and "prefill" in r["phases"]
+        and r.get("batch")
+    )
 
 
 def estimate(
@@ -602,22 +612,14 @@ def estimate(
     own_prefill = prefill_per_prompt(rows or [])
     compressing = {c.label for c in cells if c.policy.compresses}
 
-    def share_of_prefill(job: Job) -> float:
-        """Seconds of one more prefill per prompt of ``job`` (a needle / QA job): measured, else the model's."""
-        key = _job_kind(job, cells)
+    def share_of_prefill(job: Job, key: tuple) -> float:
+        """Seconds of one more prefill per prompt of ``job`` (of kind ``key``): measured, else the model's (a
+        perplexity job's own prefills are in its kind's seconds already)."""
         if key in own_prefill or job.task == "perplexity":
             return own_prefill.get(key, 0.0)
         part = _needle_params(cfg, job.params["variant"]) if job.task == "needle" else _qa_params(cfg)
         b = batch_size(part.get("batch"), job.length)
         return prefill(b * job.length) / b
-
-    def unit_price(job: Job, label: str) -> float:
-        """A unit at its policy's median when that policy has finished cells of this kind, else the kind's (plus
-        its own prefill's share for a policy that compresses the prompt)."""
-        key = _job_kind(job, cells)
-        if (*key, label) in measured:
-            return measured[(*key, label)]
-        return measured[key] + (share_of_prefill(job) if label in compressing else 0.0)
 
     out = []
     for job in plan(cfg):
@@ -625,8 +627,11 @@ def estimate(
         left = [u for u in units if u not in done]
         done.update(left)
         key = _job_kind(job, cells)
-        if key in measured:
-            out.append((job, sum(unit_price(job, u[-2]) for u in left), True))
+        if key in measured:  # each unit at its policy's median when that policy has finished cells of this kind,
+            # else the kind's, plus its own prefill's share for a policy that compresses the prompt
+            extra = share_of_prefill(job, key) if compressing & {u[-2] for u in left} else 0.0
+            sec = sum(measured.get((*key, u[-2]), measured[key] + extra * (u[-2] in compressing)) for u in left)
+            out.append((job, sec, True))
             continue
         mine = [c for c in _select(cells, job) if c.budget is not None]
         if job.task == "perplexity":
