@@ -70,5 +70,10 @@ case $PART in
       --set 'decisive={policies: [dense, oracle, quest, quant4], budgets: ["1/32"]}' \
       --set 'needle={trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 4}, hard: {variants: []}}' \
       --set 'perplexity={windows: 0}' --set 'qa=null' "$@" ;;
+  qwen_token_budgets)  # issue 12: TokenTopK's perplexity on Qwen2.5 at 8K and 16K at 1/8 and 1/32 (dense, the oracle beside it)
+    run qwen2.5 --out "$R" --set 'lengths=[8192, 16384]' --set 'budgets=["1/8", "1/32"]' \
+      --set "policies=[{name: dense}, $O, $TT]" \
+      --set 'decisive={policies: [dense, oracle, token_topk], budgets: ["1/8", "1/32"]}' \
+      --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
