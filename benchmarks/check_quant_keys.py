@@ -39,25 +39,23 @@ from common import bench, env_info, hbm_bandwidth, print_table, write_csv
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 
-# (layout, blocks per tile, warps, other knobs) per width and shape: 14 points, 56 in all, each timed twice (the
-# kernel, the whole scoring). tile 4 / 4 and wide around 4 / 4 (the 2026-12-01 default; slices and tile's other
-# points, slower in every sweep since, are left out), joined in both orientations, and bf16 products (``dot``: a
-# timing probe, not a quality setting). The FMA layout and the pipelined loop layout, both timed slower, are gone.
+# (layout, blocks per tile, warps, other knobs) per width and shape: 13 points, 52 in all, each timed twice (the
+# kernel, the whole scoring). Around tile 4 / 4 and wide 4 / 4 (the 2026-12-01 default), and bf16 products (``dot``:
+# a timing probe, not a quality setting). The FMA layout and the pipelined loop layout, both timed slower, are gone.
 GRID = (
+    ("slices", 1, 1, {}),
+    ("tile", 2, 4, {}),
+    ("tile", 4, 2, {}),
     ("tile", 4, 4, {}),
+    ("tile", 8, 8, {}),
+    ("tile", 4, 4, {"dot": "bf16"}),
+    ("wide", 1, 4, {}),
     ("wide", 2, 4, {}),
     ("wide", 4, 4, {}),
+    ("wide", 4, 8, {}),
     ("wide", 8, 8, {}),
     ("wide", 4, 4, {"dot": "bf16"}),
-    ("joined", 4, 4, {}),
-    ("joined", 8, 8, {}),
-    ("joined", 2, 4, {"orient": "kq"}),
-    ("joined", 4, 4, {"orient": "kq"}),
-    ("joined", 8, 4, {"orient": "kq"}),
-    ("joined", 8, 8, {"orient": "kq"}),
-    ("joined", 4, 4, {"dot": "bf16"}),
-    ("joined", 4, 4, {"dot": "bf16", "orient": "kq"}),
-    ("joined", 8, 8, {"dot": "bf16", "orient": "kq"}),
+    ("wide", 8, 8, {"dot": "bf16"}),
 )
 SMOKE_GRID = (
     ("slices", 2, 1, {}),
@@ -65,7 +63,6 @@ SMOKE_GRID = (
     ("tile", 4, 4, {"dot": "bf16"}),
     ("wide", 2, 4, {}),
     ("wide", 2, 4, {"dot": "bf16"}),
-    ("joined", 2, 4, {"orient": "kq"}),
 )
 SHAPES = ((1, 8200), (8, 2048))  # (sequences, blocks each): 1 x 128K and 8 x 32K at block size 16
 SMOKE_SHAPES = ((1, 12), (2, 5))
@@ -140,20 +137,19 @@ def main() -> None:
 QUANT_SOURCE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "hf_sparse_kv", "ops", "triton", "quant.py"
 )
-KNOB_KEYS = ("layout", "tpp", "num_warps", "orient")  # orient: written only when not "qk"
+KNOB_KEYS = ("layout", "tpp", "num_warps")
 
 
 def best_points(rows: list[dict]) -> dict[int, dict]:
     """Per code width, the knobs of the grid point with the least whole-scoring time (``scores_us``) summed over
     every shape the sweep timed, among the TF32 points that are right at every shape (top blocks shared >= 0.99 with
-    the float32 reference, the same ``+-inf`` pattern). ``{bits: {layout, tpp, num_warps[, orient]}}`` (``orient``
-    only when it is not ``"qk"``)."""
+    the float32 reference, the same ``+-inf`` pattern). ``{bits: {layout, tpp, num_warps}}``."""
     shapes = {r["shape"] for r in rows if "layout" in r}
     total: dict[tuple, dict] = {}
     for r in rows:
         if "layout" not in r or r.get("dot", "tf32") != "tf32":
             continue
-        key = (r["bits"], r["layout"], r["tpp"], r["num_warps"], r.get("orient", "qk"))
+        key = (r["bits"], r["layout"], r["tpp"], r["num_warps"])
         t = total.setdefault(key, {"us": 0.0, "shapes": set(), "ok": True})
         t["us"] += r["scores_us"]
         t["shapes"].add(r["shape"])
@@ -162,10 +158,7 @@ def best_points(rows: list[dict]) -> dict[int, dict]:
     for key, t in total.items():
         if t["ok"] and t["shapes"] == shapes and (key[0] not in best or t["us"] < best[key[0]][1]):
             best[key[0]] = (key, t["us"])
-    return {
-        bits: {k: v for k, v in zip(KNOB_KEYS, key[1:]) if k != "orient" or v != "qk"}
-        for bits, (key, _) in sorted(best.items())
-    }
+    return {bits: dict(zip(KNOB_KEYS, key[1:])) for bits, (key, _) in sorted(best.items())}
 
 
 def apply_defaults(rows: list[dict], path: str) -> dict[int, dict]:
@@ -239,9 +232,7 @@ def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
                     rep=20,
                 )
                 d = LSE_DEFAULTS[bits]
-                d_knobs = {k: d[k] for k in ("orient",) if k in d}
-                is_default = (layout, tpp, warps, knobs) == (d["layout"], d["tpp"], d["num_warps"], d_knobs)
-                default = us if is_default else default
+                default = us if (layout, tpp, warps, knobs) == (d["layout"], d["tpp"], d["num_warps"], {}) else default
                 what = f"lse {layout} tpp={tpp} w={warps}" + "".join(f" {k}={v}" for k, v in knobs.items())
                 rows.append({**base, "what": what, "layout": layout, "tpp": tpp, "num_warps": warps, **knobs,
                              "us": us, "timing": mode, "rel_err": rel, "shared": same, "inf_ok": inf_ok,

@@ -208,9 +208,6 @@ def cases():
                 ("wide", 4, 4, {}),
                 ("wide", 8, 8, {}),
                 ("wide", 4, 4, {"dot": "bf16"}),
-                ("joined", 4, 4, {}),
-                ("joined", 4, 4, {"orient": "kq"}),
-                ("joined", 8, 8, {"dot": "bf16", "orient": "kq"}),
             ):
                 lse = partial(quant_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout, **knobs)
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))

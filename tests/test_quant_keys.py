@@ -243,10 +243,6 @@ def test_triton_tail_matches_reference(G, window):
         ("wide", 4, 4, {}),
         ("tile", 4, 4, {"dot": "bf16"}),
         ("wide", 2, 4, {"dot": "bf16"}),
-        ("joined", 1, 4, {}),
-        ("joined", 4, 4, {}),
-        ("joined", 2, 4, {"orient": "kq"}),
-        ("joined", 2, 4, {"dot": "bf16", "orient": "kq"}),
     ],
 )
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
@@ -292,7 +288,3 @@ def test_bad_layouts_are_refused():
         quant_block_lse(*args, layout="tile", dot="fp8")
     with pytest.raises(ValueError, match="dot"):
         quant_block_lse(*args, layout="wide", dot="fp16")
-    with pytest.raises(ValueError, match="orient"):
-        quant_block_lse(*args, layout="wide", orient="kq")
-    with pytest.raises(ValueError, match="orient"):
-        quant_block_lse(*args, layout="joined", orient="qq")

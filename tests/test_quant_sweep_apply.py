@@ -44,18 +44,6 @@ def test_best_points_least_total_time_among_right_tf32_points():
     assert best[2] == {"layout": "wide", "tpp": 8, "num_warps": 8}
 
 
-def test_best_points_keeps_a_kq_orientation():
-    """The joined layout's ``orient`` is part of a point: written when it is ``"kq"``, left out when ``"qk"``."""
-    rows = _rows() + [
-        _row(bits, shape, "joined", 4, 4, 1 * k, orient="kq")
-        for bits in (2, 4)
-        for shape, k in (("1x8200", 1.0), ("8x2048", 2.0))
-    ]
-    rows += [_row(2, shape, "joined", 4, 4, 0.5, orient="qk", shared=0.5) for shape in ("1x8200", "8x2048")]
-    best = cq.best_points(rows)
-    assert best == {b: {"layout": "joined", "tpp": 4, "num_warps": 4, "orient": "kq"} for b in (2, 4)}
-
-
 def test_best_points_needs_every_shape():
     rows = [r for r in _rows() if not (r.get("layout") == "wide" and r["tpp"] != 2 and r["shape"] == "8x2048")]
     assert cq.best_points(rows)[4] == {"layout": "tile", "tpp": 4, "num_warps": 4}

@@ -356,94 +356,6 @@ def quant_block_lse_wide_kernel(
 
 
 @triton.jit
-def _joined_channel(f, W: tl.constexpr, PER: tl.constexpr):
-    """The channel at position ``f`` (any shape) of the *joined* order in which :func:`_joined_codes` unpacks a
-    token's planar codes: with 4 bits, ``f = 2 w + i`` holds channel ``w + i W`` (byte ``w``'s low then high
-    nibble); with 2 bits, ``f = 4 w + 2 i + j`` holds channel ``w + (i + 2 j) W``."""
-    if PER == 2:
-        ch = f // 2 + (f % 2) * W
-    else:
-        r = f % 4
-        ch = f // 4 + (r // 2 + 2 * (r % 2)) * W
-    return ch
-
-
-@triton.jit
-def _joined_codes(b_c, BM: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """``b_c [BM, BS, W]`` packed bytes (int32) -> ``[BM, BS, D]`` float32 codes in the joined channel order: the
-    planes are unpacked with ``tl.join`` (a new innermost dimension, held by the same thread: no data moves between
-    threads, unlike a reshape of a plane-major ``[..., PER, W]``) and turned into floats by placing each code in the
-    mantissa of ``2 ** 23`` (an OR and a subtraction, exact, instead of an integer-to-float conversion)."""
-    L: tl.constexpr = (1 << BITS) - 1
-    if BITS == 4:
-        u = tl.join(b_c & L, (b_c >> 4) & L)  # [BM, BS, W, 2]
-    else:
-        u = tl.join(tl.join(b_c & L, (b_c >> 2) & L), tl.join((b_c >> 4) & L, (b_c >> 6) & L))  # [BM, BS, W, 2, 2]
-    u = tl.reshape(u, (BM, BS, D))
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def quant_block_lse_joined_kernel(
-    q,  # [B, HQ, D]
-    codes,  # [NB, H, BS, W] uint8
-    kmin,  # [NB, H, D]
-    kmax,  # [NB, H, D]
-    block_table,  # [B, MB]
-    seq_lens,  # [B]
-    start,  # [B]
-    out,  # [B, HQ, MB] float32
-    s_cn,
-    s_mn,
-    scale,
-    MB,
-    HQ: tl.constexpr,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    D: tl.constexpr,
-    W: tl.constexpr,
-    BS: tl.constexpr,
-    BM: tl.constexpr,
-    BITS: tl.constexpr,
-    BF16: tl.constexpr,
-    KQ: tl.constexpr,
-):
-    """``layout="joined"``: ``wide``'s tile (``BM`` blocks, every channel, one ``tl.dot`` of depth ``D``) with the
-    codes unpacked in the joined channel order (:func:`_joined_codes`) and the queries and each block's min / max
-    loaded in that same order (:func:`_joined_channel`: a dot product does not depend on the order of its terms).
-    ``KQ``: the product as ``keys [BM * BS, D] x queries [D, GP]`` (the dequantized keys as the first operand) instead
-    of ``queries [GP, D] x keys [D, BM * BS]``."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    L: tl.constexpr = (1 << BITS) - 1
-    PER: tl.constexpr = 8 // BITS
-    n, s0 = tl.load(seq_lens + i_b), tl.load(start + i_b)
-    o_m, m_live, ok, b_c, p_m = _tile_codes(codes, block_table, n, s0, s_cn, s_mn, i_m, i_b, i_h, MB, D, W, BS, BM)
-    ch = _joined_channel(tl.arange(0, D), W, PER)  # [D]
-    b_u = _joined_codes(b_c, BM, BS, D, BITS)  # [BM, BS, D]
-    p = p_m[:, None] + ch[None, :]
-    b_lo = tl.load(kmin + p, mask=m_live[:, None], other=0.0).to(tl.float32)  # [BM, D]
-    b_hi = tl.load(kmax + p, mask=m_live[:, None], other=0.0).to(tl.float32)
-    b_k = tl.reshape(b_lo[:, None, :] + b_u * ((b_hi - b_lo) * (1.0 / L))[:, None, :], (BM * BS, D))
-    o_g = tl.arange(0, GP)
-    m_g = o_g < G
-    row0 = i_b * HQ + i_h * G
-    b_q = tl.load(q + (row0 + o_g)[:, None] * D + ch[None, :], mask=m_g[:, None], other=0.0).to(tl.float32)
-    if KQ:
-        st = _dot(b_k, tl.trans(b_q), BF16)  # [BM * BS, GP]
-        s3 = tl.where(ok[:, :, None], tl.reshape(st, (BM, BS, GP)) * scale, float("-inf"))
-        mx = tl.max(s3, 1)  # [BM, GP]
-        safe = tl.where(mx > float("-inf"), mx, 0.0)
-        lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s3 - safe[:, None, :]), 1)), float("-inf"))
-        p_o = out + (row0 + o_g)[None, :] * MB + o_m[:, None]
-        tl.store(p_o, lse, mask=(o_m < MB)[:, None] & m_g[None, :])
-    else:
-        s = _dot(b_q, tl.trans(b_k), BF16)  # [GP, BM * BS]
-        _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, row0, MB, GP, BM, BS)
-
-
-@triton.jit
 def quant_lse_stats_kernel(
     lse,  # [B, H * G, MB] float32
     part_m,  # [B, H * G, NC] float32 out
@@ -525,8 +437,7 @@ def quant_mass_kernel(
     tl.store(out + i_bh.to(tl.int64) * MB + o_c, tl.where(live, b_mass, float("-inf")), mask=m_c)
 
 
-LAYOUTS = ("slices", "tile", "wide", "joined")
-ORIENTS = ("qk", "kq")  # the joined layout's product: queries x keys, or keys x queries (``orient=``)
+LAYOUTS = ("slices", "tile", "wide")
 DOTS = ("tf32", "bf16")  # the tile and wide layouts' tl.dot precision (``dot=``); slices takes TF32 only
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
@@ -555,14 +466,12 @@ def quant_block_lse(
     layout: str | None = None,
     *,
     dot: str = "tf32",
-    orient: str | None = None,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is (``reference.
     quant_block_lse``).
 
-    Layouts (knobs ``None``: :data:`LSE_DEFAULTS` for ``bits``; ``orient`` ``None``: the default's with the default
-    layout, else ``"qk"``):
+    Layouts (knobs ``None``: :data:`LSE_DEFAULTS` for ``bits``):
 
     - ``"slices"`` (:func:`quant_block_lse_kernel`, ``tpp`` blocks a program, one after the other): the group's
       queries one ``[GP, D]`` tile (``GP``: ``G`` rounded up to 16, the smallest ``tl.dot``); each block is
@@ -572,9 +481,6 @@ def quant_block_lse(
       ``tl.dot`` a slice for all of them (TF32 on a GPU).
     - ``"wide"`` (:func:`quant_block_lse_wide_kernel`, the default with 4 blocks and 4 warps): the same tile
       unpacked to all ``D`` channels, one ``tl.dot`` of depth ``D`` (TF32).
-    - ``"joined"`` (:func:`quant_block_lse_joined_kernel`): ``wide`` with the codes unpacked by ``tl.join`` in an
-      interleaved channel order (the queries and min / max loaded in the same order) and turned into floats without
-      an integer conversion; ``orient="kq"`` takes the product as keys x queries (``"qk"``: queries x keys).
 
     ``dot`` (``"tile"`` and ``"wide"``): ``"tf32"`` (the default, what every quality figure used) or ``"bf16"`` (the
     dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32 accumulate): a timing probe of
@@ -591,8 +497,6 @@ def quant_block_lse(
     layout = knobs["layout"] if layout is None else layout
     tpp = knobs["tpp"] if tpp is None else tpp
     num_warps = knobs["num_warps"] if num_warps is None else num_warps
-    if orient is None:
-        orient = knobs.get("orient", "qk") if layout == knobs["layout"] else "qk"
     B, HQ, D = q.shape
     NB, H, BS, W = codes.shape
     assert W == D * bits // 8 and codes.dtype == torch.uint8 and kmin.shape == kmax.shape == (NB, H, D)
@@ -603,8 +507,6 @@ def quant_block_lse(
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     if layout != "slices" and triton.next_power_of_2(tpp) != tpp:
         raise ValueError(f"layout={layout!r} takes a power-of-two tpp (blocks a tile), not {tpp}")
-    if orient not in ORIENTS or (orient != "qk" and layout != "joined"):
-        raise ValueError(f"orient must be one of {ORIENTS} ('kq' for the joined layout), not {orient!r} ({layout})")
     if dot not in DOTS or (dot != "tf32" and layout == "slices"):
         raise ValueError(f"dot must be one of {DOTS} ('bf16' for the tile and wide layouts), not {dot!r} ({layout})")
     MB = block_table.shape[1]
@@ -623,10 +525,6 @@ def quant_block_lse(
         quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
     elif layout == "wide":
         quant_block_lse_wide_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
-    elif layout == "joined":
-        quant_block_lse_joined_kernel[grid](
-            *args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", KQ=orient == "kq", num_warps=num_warps
-        )
     else:
         quant_block_lse_kernel[grid](*args, **shape, GP=GP, TPP=tpp, num_warps=num_warps)
     return out
@@ -692,7 +590,6 @@ def quant_block_scores(
     tpp: int | None = None,
     num_warps: int | None = None,
     dot: str = "tf32",
-    orient: str | None = None,
     block_c: int | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the quantized keys, summed over each GQA group: ``[B, Hkv, MB]`` float32
@@ -707,6 +604,6 @@ def quant_block_scores(
             q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window
         )
     lse = quant_block_lse(
-        q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout, dot=dot, orient=orient
+        q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, tpp, num_warps, layout, dot=dot
     )
     return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window, block_c)
