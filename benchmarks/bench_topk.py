@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bench, env_info, print_table, write_csv
+from common import bench, cpu_dry_run, env_info, print_table, write_csv
 
 from hf_sparse_kv.ops import reference
 from hf_sparse_kv.ops.layout import cdiv
@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="skip the lanes-per-chunk sweep (b256 ... b2048)")
     ap.add_argument("--rep", type=int, default=50)
     args = ap.parse_args()
+    if DEVICE == "cpu":
+        cpu_dry_run()
     print(env_info(), flush=True)
     sms = num_sms(torch.device(DEVICE))
     rows = []

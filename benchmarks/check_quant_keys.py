@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import bench, env_info, hbm_bandwidth, print_table, write_csv
+from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
@@ -88,6 +88,8 @@ def main() -> None:
     )
     a = ap.parse_args()
     dev, B, MB, H, G, D, BS = a.device, a.batch, a.blocks, 8, 4, 128, 16
+    if torch.device(dev).type == "cpu":
+        cpu_dry_run()
     ops = get_ops("triton", dev)
     torch.manual_seed(0)
     NB = B * MB

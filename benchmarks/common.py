@@ -20,6 +20,22 @@ import torch
 _FLUSH: dict[torch.device, torch.Tensor] = {}
 
 
+def cpu_dry_run() -> None:
+    """Prepare a benchmark's CPU dry run of Triton kernels: they run through Triton's interpreter, which needs
+    ``TRITON_INTERPRET=1`` set before ``triton`` is imported (a clear exit here when it is not) and the tests' two fixes
+    to it (``tests/interpreter_shims.py``: NumPy >= 2.4 loop bounds, bf16 ``tl.dot``)."""
+    import sys
+
+    if not os.environ.get("TRITON_INTERPRET"):
+        raise SystemExit("a CPU run of the Triton kernels needs TRITON_INTERPRET=1 in the environment")
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from interpreter_shims import apply
+
+    apply()
+
+
 def _flush_buffer(device: torch.device) -> torch.Tensor:
     if device not in _FLUSH:  # 256 MB, over 4x the H200's 60 MB L2
         _FLUSH[device] = torch.ones(64 * 2**20, dtype=torch.float32, device=device)

@@ -32,7 +32,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bench, env_info, print_table, write_csv
+from common import bench, cpu_dry_run, env_info, print_table, write_csv
 
 from hf_sparse_kv.ops import reference
 from hf_sparse_kv.ops.triton.topk import _row_keys, _select_threshold, _store_selected, row_tiles, topk_indices
@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--out", help="write the table as CSV here")
     ap.add_argument("--rep", type=int, default=50)
     args = ap.parse_args()
+    if DEVICE == "cpu":
+        cpu_dry_run()
     print(env_info(), flush=True)
     rows = []
     for shape in args.shapes.split(","):

@@ -1,8 +1,7 @@
 # --- Triton kernels on CPU (hf_sparse_kv.ops.triton tests) -------------------------------------------------------
 # Without CUDA the Triton kernels run through Triton's interpreter; TRITON_INTERPRET must be set before triton is
-# imported. Triton 3.6's interpreter converts loop bounds with int(<1-element array>), which NumPy >= 2.4 refuses;
-# the shim below takes the element instead (interpreter only). Its tl.dot also multiplies bf16 operands as the
-# uint16 words it stores them in (a product of ~1e10); the second shim widens them to float32 first (exact).
+# imported. Two fixes to Triton 3.6's interpreter (NumPy >= 2.4 loop bounds, bf16 tl.dot) live in
+# tests/interpreter_shims.py, which the benchmarks' CPU dry runs apply too.
 import os
 
 import pytest
@@ -10,33 +9,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:
-        import triton.runtime.interpreter as _interp
+    from interpreter_shims import apply as _apply_interpreter_shims  # tests/ is on sys.path (pytest's rootdir mode)
 
-        _patch_lang_tensor = _interp._patch_lang_tensor
-
-        def _patch_lang_tensor_index(tensor, scope):
-            _patch_lang_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        _interp._patch_lang_tensor = _patch_lang_tensor_index
-
-        import numpy as _np
-        import triton.language as _tl
-
-        _create_dot = _interp.InterpreterBuilder.create_dot
-
-        def _widen_bf16(x):
-            if x.dtype != _tl.bfloat16:
-                return x
-            return _interp.TensorHandle((x.data.astype(_np.uint32) << 16).view(_np.float32), _tl.float32)
-
-        def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
-            return _create_dot(self, _widen_bf16(a), _widen_bf16(b), d, input_precision, max_num_imprecise_acc)
-
-        _interp.InterpreterBuilder.create_dot = _create_dot_bf16
-    except (ImportError, AttributeError):
-        pass
+    _apply_interpreter_shims()
 # -------------------------------------------------------------------------------------------------------------------
 
 

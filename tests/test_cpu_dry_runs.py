@@ -1,0 +1,39 @@
+"""The benchmarks' CPU dry runs of Triton kernels (``benchmarks/common.py: cpu_dry_run``): they run under Triton's
+interpreter with the tests' fixes to it (``tests/interpreter_shims.py``), and without ``TRITON_INTERPRET`` they stop
+with one clear line instead of failing inside Triton. Each runs in a fresh process (the variable is read when
+``triton`` is imported). No speed is checked here."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, *args]
+    return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_dry_run_without_the_interpreter_stops_with_a_clear_line():
+    out = _run(["benchmarks/check_quant_keys.py", "--device", "cpu", "--blocks", "16"], interpret=False)
+    assert out.returncode != 0
+    assert "TRITON_INTERPRET=1" in out.stderr.strip().splitlines()[-1]
+
+
+def test_topk_dry_run_checks_and_writes_its_rows(tmp_path):
+    """``bench_topk.py`` on the CPU: the kernel's indices checked against the reference (it raises otherwise), one
+    row per shape written; this failed inside the interpreter under NumPy >= 2.4 before the shims were applied."""
+    path = tmp_path / "topk.csv"
+    out = _run(
+        ["benchmarks/bench_topk.py", "--shapes", "2x100x8", "--no-sweep", "--rep", "1", "--out", str(path)],
+        interpret=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["R"], r["N"], r["k"]) for r in rows] == [("2", "100", "8")]
