@@ -75,5 +75,9 @@ case $PART in
       --set "policies=[{name: dense}, $O, $TT]" \
       --set 'decisive={policies: [dense, oracle, token_topk], budgets: ["1/8", "1/32"]}' \
       --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
+  smollm2_budgets_rest)  # issue 12: SmolLM2's TokenTopK, BlockTopK, SinkWindow, SnapKV (+ Quest) perplexity at 1/8 and 1/32
+    run smollm2 --out "$R" --set 'budgets=["1/8", "1/32"]' \
+      --set "policies=[{name: dense}, $TT, {name: block_topk, sink: 4, window: 32}, {name: sink_window, sink: 4}, {name: snapkv, sink: 4, window: 32, observe: 32}, {name: snapkv, label: snapkv1/4+quest, budget: \"1/4\", sink: 4, window: 32, observe: 32, then: $QU}]" \
+      --set 'decisive={policies: [dense], budgets: ["1/8"]}' --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
