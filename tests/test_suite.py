@@ -259,6 +259,51 @@ def test_estimate_adds_a_measured_prefill_to_a_compressing_policy_without_cells_
     assert any(u[4] in compressing for u in left) and any(u[4] not in compressing for u in left)
 
 
+def test_estimate_adds_the_dense_pass_no_perplexity_row_carries():
+    """A perplexity window reruns its dense pass before its policies (the KL's reference and, the simulate way, the
+    shared session), timed in no row once the window's dense cell is done: the estimate adds the dense cell's median
+    once per window with cells left and its dense cell not among them; the decode way decodes dense beside every
+    batch, in no row: one more cell of the kind per window."""
+    from evaluation.suite import _select, _units, estimate
+
+    cfg = _tiny_cfg("qwen2.5")
+    cells = cells_of(cfg)
+    job = next(j for j in plan(cfg) if j.task == "perplexity" and "dense" in j.labels and len(j.labels) > 1)
+    units = _units(cfg, job, cells)
+    assert {u[-2] for u in units} > {"dense"} and len({u[2] for u in units}) >= 2
+    w0 = units[0][2]
+    rows = [  # window w0 finished for every cell, dense finished in every window
+        {"task": "perplexity", "length": u[1], "window": u[2], "policy": u[3], "budget": u[4], "way": "simulate",
+         "seconds": 3.0 if u[3] == "dense" else 1.0}
+        for u in units if u[2] == w0 or u[3] == "dense"
+    ]  # fmt: skip
+    finished = {("perplexity", r["length"], r["window"], r["policy"], r["budget"]) for r in rows}
+    left = [u for u in units if u not in finished]
+    windows = {u[2] for u in left}
+    assert windows and "dense" not in {u[3] for u in left}
+    est = [(s, m) for j, s, m in estimate(cfg, rows=rows) if j == job]
+    assert est == [(pytest.approx(len(left) * 1.0 + len(windows) * 3.0), True)]
+    # the other windows' dense cells not finished: each window's dense pass is its own unit, priced once
+    fewer = [r for r in rows if r["window"] == w0]
+    done2 = {("perplexity", r["length"], r["window"], r["policy"], r["budget"]) for r in fewer}
+    want2 = sum(3.0 if u[3] == "dense" else 1.0 for u in units if u not in done2)
+    assert [(s, m) for j, s, m in estimate(cfg, rows=fewer) if j == job] == [(pytest.approx(want2), True)]
+
+    # the decode way (SnapKV) decodes dense beside every batch and writes no dense row: one more cell per window
+    snap = next(j for j in plan(cfg) if j.task == "perplexity" and any(c.policy.compresses for c in _select(cells, j)))
+    units = _units(cfg, snap, cells)
+    assert "dense" not in {u[3] for u in units}
+    w0 = units[0][2]
+    rows = [
+        {"task": "perplexity", "length": u[1], "window": u[2], "policy": u[3], "budget": u[4], "way": "decode",
+         "seconds": 2.0}
+        for u in units if u[2] == w0
+    ]  # fmt: skip
+    left = [u for u in units if u[2] != w0]
+    want = len(left) * 2.0 + len({u[2] for u in left}) * 2.0
+    assert [(s, m) for j, s, m in estimate(cfg, rows=rows) if j == snap] == [(pytest.approx(want), True)]
+
+
 def test_build_all_keeps_order_and_pairs():
     """Prompts built in threads come back in the order of their keys, each with its own record; the first key is
     built before any thread starts."""
@@ -275,3 +320,15 @@ def test_build_all_keeps_order_and_pairs():
     assert records == [(k, f"r{k}") for k in range(5)] and prompts == [[k] * k for k in range(5)]
     assert seen[0] == 0 and sorted(seen) == list(range(5))
     assert _build_all(build, []) == ([], [])
+
+
+def test_estimate_command_prints_its_table_and_what_it_leaves_out(tmp_path, capsys):
+    """``hf-sparse-kv suite MODEL --out DIR --estimate`` loads no model: one line per job of the plan, then the line
+    saying what the figures leave out (the model's load and the first compiles)."""
+    from evaluation.suite import ESTIMATE_NOT_COUNTED, main
+
+    main(["smollm2", "--out", str(tmp_path), "--estimate"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == ESTIMATE_NOT_COUNTED
+    assert len(lines) > 1 and all(" min  (cumulative " in line for line in lines[:-1])
+    assert not any(tmp_path.iterdir())  # nothing written
