@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,8 +25,6 @@ def cpu_dry_run() -> None:
     """Prepare a benchmark's CPU dry run of Triton kernels: they run through Triton's interpreter, which needs
     ``TRITON_INTERPRET=1`` set before ``triton`` is imported (a clear exit here when it is not) and the tests' two fixes
     to it (``tests/interpreter_shims.py``: NumPy >= 2.4 loop bounds, bf16 ``tl.dot``)."""
-    import sys
-
     if not os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("a CPU run of the Triton kernels needs TRITON_INTERPRET=1 in the environment")
     tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")

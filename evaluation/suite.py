@@ -637,7 +637,7 @@ def estimate(
         if key[2] == "decode":
             return len(windows) * measured[key]
         with_dense = {u[2] for u in left if u[-2] == "dense"}
-        return len(windows - with_dense) * measured.get(("perplexity", job.length, "simulate", "dense"), 0.0)
+        return len(windows - with_dense) * measured.get((*key, "dense"), 0.0)
 
     out = []
     for job in plan(cfg):
