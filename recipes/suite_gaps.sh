@@ -79,5 +79,24 @@ case $PART in
     run smollm2 --out "$R" --set 'budgets=["1/8", "1/32"]' \
       --set "policies=[{name: dense}, $TT, {name: block_topk, sink: 4, window: 32}, {name: sink_window, sink: 4}, {name: snapkv, sink: 4, window: 32, observe: 32}, {name: snapkv, label: snapkv1/4+quest, budget: \"1/4\", sink: 4, window: 32, observe: 32, then: $QU}]" \
       --set 'decisive={policies: [dense], budgets: ["1/8"]}' --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
+  moments_*)  # issue 13: blocks ranked by the mass their keys' mean and variance predict (evaluation/moments.py), 1/16
+    M=${PART#moments_}
+    case $M in smollm2) L='[4096, 8192]' ;; *) L='[32768]' ;; esac
+    MO='name: "evaluation.moments:MomentBlockTopK", sink: 4, window: 32'
+    run "$M" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
+      --set "policies=[{name: dense}, $O, $QU, {$MO, label: moments_gauss, estimate: gauss}, {$MO, label: moments_mean, estimate: mean}]" \
+      --set 'decisive={policies: [dense], budgets: ["1/16"]}' --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
+  qwen_multivalue_budgets)  # issue 12: Qwen2.5's multi-value needles at 32K at 1/8 and 1/32, TokenTopK's at 1/16
+    run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/16", "1/32"]' \
+      --set "policies=[{name: dense}, $O, $QU, $Q4, $TT]" \
+      --set 'decisive={policies: [dense, oracle, quest, quant4, token_topk], budgets: ["1/8", "1/16", "1/32"]}' \
+      --set 'needle={trials: 0, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: [multi_value], trials: 100, n_needles: 8, multi_value: {n_needles: 4, new_tokens: 32}}}' \
+      --set 'perplexity={windows: 0}' --set 'qa=null' "$@" ;;
+  qwen_qa_budgets)  # issue 12: Qwen2.5's QA at 32K at 1/8 (the oracle, Quest, quant4, TokenTopK), then 1/32
+    run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/32"]' \
+      --set "policies=[{name: dense}, $O, $QU, $Q4, $TT]" \
+      --set 'decisive={policies: [dense, oracle, quest, quant4, token_topk], budgets: ["1/8"]}' \
+      --set 'needle={trials: 0}' --set 'perplexity={windows: 0}' \
+      --set 'qa={tasks: [variable_tracking, fact, common_words], items: 100, lengths: [32768], new_tokens: 8, batch: {32768: 8}}' "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
