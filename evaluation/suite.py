@@ -5,7 +5,8 @@ limit; summaries with 95% intervals from the raw cells (:mod:`evaluation.suite_s
     hf-sparse-kv suite qwen2.5 --out DIR --summarize          # tables and plots from DIR/cells.jsonl (CPU)
 
 The config is ``recipes/suite_<model>.yaml``. Every finished cell is one JSON line in ``DIR/cells.jsonl`` (field
-``task``: ``perplexity``, ``needle`` or ``qa``); a rerun skips the cells already there. Work runs in tiers (see
+``task``: ``perplexity``, ``needle`` or ``qa``; ``device`` and ``date``: where and when it ran); a rerun skips the
+cells already there. Work runs in tiers (see
 :func:`plan`): first dense, the oracle and Quest at 1/16, then every policy at 1/16, then 1/8 and 1/32; each tier runs
 perplexity, the needle, the harder retrieval (multi-key, multi-value, needles at the start of the longest context)
 and QA; SnapKV's perplexity (the slow exact ``decode`` way) comes last. The time limit is checked before every unit (one
@@ -464,6 +465,8 @@ def run_suite(
         model, tokenizer = load_model(cfg["model"], dtype=getattr(torch, cfg.get("dtype", "float32")), device=device)
     if todo and texts is None:
         texts = {name: suite_text(name) for name in cfg.get("texts", ["essays", "kjv"])}
+    if todo:  # every new cell says where and when it ran (an estimate for the GPU leaves out the CPU's cells)
+        results = ResultsDir(out, stamp={"device": device_name(model), "date": time.strftime("%Y-%m-%d")})
     torch.manual_seed(cfg.get("seed", 0))
     cache: dict = {}
     finished = len(jobs) - len(todo)
@@ -489,6 +492,13 @@ def run_suite(
     }
     print(f"[suite] {'finished' if status['finished'] else 'stopped by the time limit'}: {status}")
     return status
+
+
+def device_name(model) -> str:
+    """Where ``model`` runs, as a suite cell records it: the CUDA device's name (``"NVIDIA H200"``) or the device
+    type (``"cpu"``)."""
+    device = next(model.parameters()).device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 # What --estimate leaves out, printed under its table: measured on the H200 on 2026-12-02 as a suite call's own
@@ -604,7 +614,8 @@ def estimate(
     ``benchmarks/RESULTS.md`` measured on the H200: 50-60 ms per step of a 32-layer model), prefills at ``tflops``
     effective, a ``simulate`` cell at 3 ms per layer (twice that with fidelity), scaled by the share of the job's
     units left. Policies scored with reference ops (an experiment named ``module:Class``) run slower than the model
-    says; their measured rows say by how much."""
+    says; their measured rows say by how much. Rows recorded on the CPU (``device: "cpu"``) count as done but price
+    nothing: the estimate is for a GPU (rows written before cells carried their device are taken as they are)."""
     layers, params = SHAPES.get(cfg["model"], (32, 1e9))
     step = layers * step_ms_per_layer / 1000
 
@@ -613,8 +624,9 @@ def estimate(
 
     cells = cells_of(cfg)
     done = _done_keys(rows or [])
-    measured = measured_seconds(rows or [])
-    own_prefill = prefill_per_prompt(rows or [])
+    priced = [r for r in rows or [] if r.get("device") != "cpu"]
+    measured = measured_seconds(priced)
+    own_prefill = prefill_per_prompt(priced)
     compressing = {c.label for c in cells if c.policy.compresses}
 
     def share_of_prefill(job: Job, key: tuple) -> float:

@@ -263,12 +263,16 @@ class Shard:
 
 
 class ResultsDir:
-    """The results folder: finished cells (read from every shard's file), appended one JSON line at a time."""
+    """The results folder: finished cells (read from every shard's file), appended one JSON line at a time.
 
-    def __init__(self, path: str | Path, shard: Shard | None = None):
+    ``stamp``: fields written into every appended row that the row does not set itself (the suite's ``device`` and
+    ``date``: where and when a cell ran, so that cells from different machines can be told apart later)."""
+
+    def __init__(self, path: str | Path, shard: Shard | None = None, stamp: dict[str, Any] | None = None):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.shard = shard or Shard()
+        self.stamp = dict(stamp or {})
         name = "cells.jsonl" if self.shard.world == 1 else f"cells.rank{self.shard.rank}.jsonl"
         self.file = self.path / name
 
@@ -288,7 +292,7 @@ class ResultsDir:
 
     def append(self, row: dict[str, Any]) -> None:
         with self.file.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps({**row, **{k: v for k, v in self.stamp.items() if k not in row}}) + "\n")
             f.flush()
 
     def write_summary(self, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:

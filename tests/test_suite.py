@@ -109,6 +109,8 @@ def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path, monkeypatch):
         if r["task"] != "perplexity":
             assert set(r["phases"]) >= {"build", "prefill", "decode"} and min(r["phases"].values()) >= 0
     assert any(r["hit_rate"] is not None for r in rows if r["task"] == "perplexity")
+    today = time.strftime("%Y-%m-%d")  # every cell says where and when it ran
+    assert {(r["device"], r["date"]) for r in rows} <= {("cpu", today), ("cpu", time.strftime("%Y-%m-%d"))}
     n = len(rows)
     again = run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)
     assert again["finished"] and len((tmp_path / "cells.jsonl").read_text().splitlines()) == n  # nothing redone
@@ -231,6 +233,30 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
 
     assert multi_key(fresh) > 0 and multi_key(est) == pytest.approx(multi_key(fresh))
     assert len(unique) < sum(len(_units(cfg, j, cells)) for j in jobs)  # the tiers repeat cells: counted once
+
+
+def test_estimate_counts_the_cpus_cells_as_done_and_prices_nothing_from_them():
+    """Cells recorded on the CPU are done (not priced again) but do not price the GPU estimate: the same cells
+    stamped with a GPU price their kind, stamped ``cpu`` leave it to the model."""
+    from evaluation.suite import _units, estimate
+
+    cfg = _tiny_cfg("qwen2.5")
+    cells = cells_of(cfg)
+    single = next(j for j in plan(cfg) if j.task == "needle" and j.params["variant"] == "single")
+    rows = [
+        {"task": "needle", "length": u[1], "variant": u[2], "trial": u[3], "policy": u[4], "budget": u[5],
+         "seconds": 1000.0, "device": "cpu"}
+        for u in _units(cfg, single, cells) if u[3] == 0
+    ]  # fmt: skip
+
+    def single_jobs(estimates):
+        return [(s, m) for job, s, m in estimates if job.task == "needle" and job.params["variant"] == "single"]
+
+    fresh, on_cpu = single_jobs(estimate(cfg)), single_jobs(estimate(cfg, rows=rows))
+    gpu = single_jobs(estimate(cfg, rows=[dict(r, device="NVIDIA H200") for r in rows]))
+    assert not any(m for _, m in on_cpu) and all(m for _, m in gpu)  # the CPU's seconds price nothing
+    assert sum(s for s, _ in on_cpu) < sum(s for s, _ in fresh)  # their cells are done: fewer left to price
+    assert sum(s for s, _ in gpu) > 100 * sum(s for s, _ in on_cpu)  # 1000 s a cell, had they been the GPU's
 
 
 def test_estimate_adds_a_measured_prefill_to_a_compressing_policy_without_cells_of_its_own():
