@@ -8,23 +8,14 @@ import math
 
 import pytest
 import torch
+from test_channel_quant import BS, MB, NB, B, D, G, H, _inputs  # the same paged layout and inputs
 
 from evaluation.moments import MomentBlockTopK, moment_block_lse
 from hf_sparse_kv.ops import reference as R
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NB, H, G, BS, D, B, MB = 12, 2, 3, 8, 16, 2, 5
 SCALE = 0.3
-
-
-def _inputs(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    k_pool = torch.randn(NB, H, BS, D, generator=g)
-    table = torch.tensor([[3, 7, 1, 9, 2], [4, -1, 5, 0, 6]], dtype=torch.int32)
-    seq_lens, start = torch.tensor([37, 33], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
-    q = torch.randn(B, H * G, D, generator=g)
-    return q, k_pool, table, seq_lens, start
 
 
 def _exact_lse(q, k_pool, table, seq_lens, start):
