@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Policy
 
 from .text import _boundary_near, _leading_specials, essay_tokens, needle_prompt, score_answer
@@ -280,14 +281,22 @@ def greedy_batch(
     mode: str = "block",
     pad_id: int = 0,
     clock: PhaseClock | None = None,
+    static: bool = False,
 ) -> list[dict[Any, list[int]]]:
     """:func:`greedy_under_policies` for several prompts at once: left-padded into one batch, one shared prefill,
     then every policy decodes all of them together (the patched attention stores no padding and runs each
     sequence's policy at its own length). Returns one ``{key: generated token ids}`` per prompt (``new_tokens``
-    each). One prompt takes the batch-1 path itself. ``clock``: as in :func:`greedy_under_policies`."""
+    each). One prompt takes the batch-1 path itself (but with ``static``). ``clock``: as in
+    :func:`greedy_under_policies`.
+
+    ``static``: each policy's decode steps run as static steps (:class:`~hf_sparse_kv.graphs.DecodeGraphs` on its
+    copy of the prefilled cache: captured as CUDA graphs on a GPU, where an eager step of a small model is bound by
+    the host; the same step uncaptured on the CPU), except for a policy that frees blocks, which decodes eagerly.
+    The tokens are those of the eager steps (tested on the CPU for every mode; a captured step replays the same
+    kernels)."""
     device = model.device
     clock = clock or PhaseClock(device)
-    if len(prompts) == 1:
+    if len(prompts) == 1 and not static:
         ids = torch.tensor([prompts[0]], device=device)
         return [greedy_under_policies(model, ids, policies, new_tokens, dense_layers, block_size, mode, clock=clock)]
     ids, mask, pos = pad_left(prompts, device, pad_id)
@@ -317,8 +326,16 @@ def greedy_batch(
                     cache = copy.deepcopy(prefix)
             token, m, p, gen = ids[:, -1:], mask, pos[:, -1:], []
             with torch.no_grad(), clock.phase("decode"):
+                runner = None
+                if static and not policy.frees_blocks:  # room for the prompt and every new token
+                    runner = DecodeGraphs(model, cache, ids.shape[1] - 1 + new_tokens)
                 for _ in range(new_tokens):
-                    logits = model(token, attention_mask=m, position_ids=p, **{cache_kwarg(model): cache}, **kw).logits
+                    if runner is not None:
+                        logits = runner.step(token, position_ids=p)
+                    else:
+                        logits = model(
+                            token, attention_mask=m, position_ids=p, **{cache_kwarg(model): cache}, **kw
+                        ).logits
                     token = logits[:, -1].argmax(-1, keepdim=True)
                     gen.append(token)
                     m = torch.cat([m, torch.ones_like(token)], 1)

@@ -16,6 +16,7 @@ Perplexity windows alternate between the haystack texts (essays, King James Bibl
 window's last ``scored`` tokens are scored the ``simulate`` way (tested against token-by-token decoding), with
 fidelity (recall, hit rate against the oracle) on the same windows; policies that free blocks (SnapKV) are scored
 the ``decode`` way. Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
+Needle and QA batches decode eagerly unless their block sets ``static: true`` (:func:`decode_way`).
 """
 
 from __future__ import annotations
@@ -327,6 +328,7 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
                         "answers": t["answers"],
                         "generated": g,
                         "correct": bool(score_trial(g, t)),
+                        "decode": decode_way(p, c),
                         "needle_token_pos": t["needle_token_pos"],
                         "n_tokens": t["n_tokens"],
                         "batch": len(group),
@@ -335,6 +337,13 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
                     }
                 )
                 done.add(("needle", job.length, variant, trial, *c.key))
+
+
+def decode_way(p: dict[str, Any], cell: PolicyCell) -> str:
+    """How a needle or QA cell's tokens were decoded: ``"static"`` (the task's ``static: true``: static steps,
+    captured as CUDA graphs on a GPU; see :func:`~evaluation.needle.greedy_batch`) or ``"eager"`` (the default, and
+    a policy that frees blocks)."""
+    return "static" if p.get("static") and not cell.policy.frees_blocks else "eager"
 
 
 def _build_all(build, keys: list) -> tuple[list, list[list[int]]]:
@@ -364,7 +373,7 @@ def _answer_batch(job: Job, model, build, keys: list, todo: list[PolicyCell], cf
     clock = PhaseClock(model.device)
     gens = greedy_batch(
         model, prompts, policies, int(p["new_tokens"]), cfg["dense_layers"], cfg["block_size"],
-        cfg.get("mode", "block"), clock=clock,
+        cfg.get("mode", "block"), clock=clock, static=bool(p.get("static", False)),
     )  # fmt: skip
     phases = {k: round(v, 3) for k, v in {"build": built, **clock.seconds}.items()}
     split = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
@@ -414,6 +423,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
                         "gold": item["gold"],
                         "generated": g,
                         "correct": bool(score_item(g, item)),
+                        "decode": decode_way(p, c),
                         "batch": len(group),
                         "seconds": sec,
                         "phases": phases,

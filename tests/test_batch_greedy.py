@@ -76,3 +76,31 @@ def test_stateful_selector_beside_dense(monkeypatch):
             assert got[key] == greedy_under_policies(model, ids, {key: policies[key]}, 5, (0,), 8, "block")[key]
     monkeypatch.setattr(needle, "own_prefill", lambda policy: True)  # every policy prefills with its state
     assert greedy_batch(model, prompts, policies, 5, dense_layers=(0,), block_size=8, mode="block") == batched
+
+
+@pytest.mark.parametrize("arch,mode", [("llama", "block"), ("llama", "token"), ("llama", "mask"), ("gemma3", "block")])
+def test_static_decode_equals_eager(arch, mode, monkeypatch):
+    """``static=True`` decodes each policy through the static step (uncaptured on the CPU) and gives the eager
+    steps' tokens for a left-padded batch and for one prompt alone, in every mode and on sliding + global layers; a
+    policy that frees blocks (SnapKV) decodes eagerly. The static steps do run: they are counted."""
+    from hf_sparse_kv import graphs
+
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (150, 133, 141)]
+    policies = {
+        "dense": Dense(),
+        "quest": Quest(budget=0.25, sink=4, window=16),
+        "oracle": OracleBlockTopK(budget=0.25, sink=4, window=16),
+        "snapkv": SnapKV(budget=0.5, sink=4, window=16, observe=8),
+    }
+    steps = []
+    original = graphs.DecodeGraphs.step
+    monkeypatch.setattr(graphs.DecodeGraphs, "step", lambda self, *a, **k: steps.append(1) or original(self, *a, **k))
+    args = {"dense_layers": (0,), "block_size": 8, "mode": mode}
+    for batch in (prompts, prompts[1:2]):
+        eager = greedy_batch(model, batch, policies, 6, **args)
+        before = len(steps)
+        assert greedy_batch(model, batch, policies, 6, static=True, **args) == eager
+        assert len(steps) - before == 6 * 3  # every step of every policy but SnapKV's
+    assert not is_patched(model)

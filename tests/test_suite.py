@@ -358,3 +358,28 @@ def test_estimate_command_prints_its_table_and_what_it_leaves_out(tmp_path, caps
     assert lines[-1] == ESTIMATE_NOT_COUNTED
     assert len(lines) > 1 and all(" min  (cumulative " in line for line in lines[:-1])
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_static_decode_in_the_suite_gives_the_eager_answers(tmp_path):
+    """``needle: {static: true}`` (and ``qa``'s) decodes through static steps: every cell's generated text is the
+    eager run's, and each cell says how it was decoded (SnapKV, which frees blocks, eagerly)."""
+    cfg = _tiny_cfg("qwen2.5")
+    cfg["perplexity"] = dict(cfg["perplexity"], windows=0)
+    cfg["needle"] = dict(cfg["needle"], trials=2, hard={"variants": []}, start=None)
+    cfg["qa"] = dict(cfg["qa"], tasks=["fact"])
+    eager = _run_tiny(cfg, tmp_path / "eager")
+    static = _run_tiny(
+        dict(cfg, needle=dict(cfg["needle"], static=True), qa=dict(cfg["qa"], static=True)), tmp_path / "static"
+    )
+
+    def answers(rows):
+        return {
+            (r["task"], r.get("trial", r.get("item")), r["policy"], r["budget"]): r["generated"]
+            for r in rows
+            if r["task"] != "perplexity"
+        }
+
+    assert answers(static) == answers(eager) and len(answers(eager)) > 20
+    assert {r["decode"] for r in eager if r["task"] != "perplexity"} == {"eager"}
+    ways = {r["policy"]: r["decode"] for r in static if r["task"] != "perplexity"}
+    assert ways["snapkv"] == "eager" and ways["quest"] == ways["dense"] == ways["oracle"] == "static"
