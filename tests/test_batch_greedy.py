@@ -84,6 +84,7 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
     steps' tokens for a left-padded batch and for one prompt alone, in every mode and on sliding + global layers; a
     policy that frees blocks (SnapKV) decodes eagerly. The static steps do run: they are counted."""
     from hf_sparse_kv import graphs
+    from hf_sparse_kv.policies import QuantBlockTopK
 
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(5)
@@ -92,6 +93,8 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
         "dense": Dense(),
         "quest": Quest(budget=0.25, sink=4, window=16),
         "oracle": OracleBlockTopK(budget=0.25, sink=4, window=16),
+        "token": TokenTopK(budget=0.25, sink=4, window=16),
+        "quant4": QuantBlockTopK(budget=0.25, sink=4, window=16, bits=4),  # per-token state in the cache
         "snapkv": SnapKV(budget=0.5, sink=4, window=16, observe=8),
     }
     steps = []
@@ -102,5 +105,5 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
         eager = greedy_batch(model, batch, policies, 6, **args)
         before = len(steps)
         assert greedy_batch(model, batch, policies, 6, static=True, **args) == eager
-        assert len(steps) - before == 6 * 3  # every step of every policy but SnapKV's
+        assert len(steps) - before == 6 * 5  # every step of every policy but SnapKV's
     assert not is_patched(model)
