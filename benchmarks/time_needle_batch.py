@@ -10,10 +10,11 @@ Rows (each a fresh :func:`evaluation.needle.greedy_batch` call on the same trial
 of every row's kind): ``padded`` (the trials as the suite runs them: left-padded to the longest; its prefill runs
 each sequence unmasked, :mod:`hf_sparse_kv.prefill`, where that applies), ``padded, masked`` (the same with that
 path turned off: one SDPA call with the causal + padding mask, as before 2026-12-01), ``equal`` (each trial cut from
-the left to the shortest one's length: no padding at all), each with dense alone and with Quest 1/16 after it.
-Columns: the phases of :class:`evaluation.needle.PhaseClock` (``prefill``, ``copy``, ``decode``), ``build``
+the left to the shortest one's length: no padding at all), each with dense alone and with Quest 1/16 after it; with
+``--static``, ``padded, static`` too (the padded trials decoded through static steps, captured as CUDA graphs:
+``greedy_batch(static=True)``, the suite's ``static: true``). Columns: the phases of :class:`evaluation.needle.PhaseClock` (``prefill``, ``copy``, ``decode``), ``build``
 (making and encoding the trials one after the other on this machine's CPU, measured once), and ``same`` (prompts
-whose answers under every policy equal the ``padded, masked`` row's).
+whose answers under every policy equal the ``padded, masked`` row's; for a static row, the ``padded`` row's).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="benchmarks/results/time_needle_batch.csv")
     p.add_argument("--profile", default="", help="a text file: profile padded and equal decode steps into it")
+    p.add_argument("--static", action="store_true", help="add the padded rows decoded through static steps")
     a = p.parse_args()
     model, tok = load_model(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     prompts, build = trials(tok, a.length, a.batch, suite_text("essays"))
@@ -96,20 +98,26 @@ def main() -> None:
     variants = {}
     for pols in ({"dense": Dense()}, {"dense": Dense(), **sparse}):
         tag = "" if len(pols) == 1 else ", dense + quest"
-        variants[f"padded, masked{tag}"] = (prompts, pols, lambda: masked)
-        variants[f"padded{tag}"] = (prompts, pols, nullcontext)
-        variants[f"equal{tag}"] = (equal, pols, nullcontext)
-    for ps, ctx in ((prompts, nullcontext), (prompts, lambda: masked), (equal, nullcontext)):
+        variants[f"padded, masked{tag}"] = (prompts, pols, lambda: masked, False)
+        variants[f"padded{tag}"] = (prompts, pols, nullcontext, False)
+        if a.static:
+            variants[f"padded, static{tag}"] = (prompts, pols, nullcontext, True)
+        variants[f"equal{tag}"] = (equal, pols, nullcontext, False)
+    warm = [(prompts, nullcontext, False), (prompts, lambda: masked, False), (equal, nullcontext, False)]
+    for ps, ctx, static in warm + [(prompts, nullcontext, True)] * a.static:
         with ctx():  # warm-up: kernels (Triton specialises on the batch's sizes), allocator
-            greedy_batch(model, ps, {"dense": Dense(), **sparse}, 2)
+            greedy_batch(model, ps, {"dense": Dense(), **sparse}, 2, static=static)
     rows, answers = [], {}
-    for name, (ps, policies, ctx) in variants.items():
+    for name, (ps, policies, ctx, static) in variants.items():
         clock = PhaseClock(model.device)
         t0 = time.perf_counter()
         with ctx():
-            answers[name] = greedy_batch(model, ps, policies, a.new_tokens, clock=clock)
+            answers[name] = greedy_batch(model, ps, policies, a.new_tokens, clock=clock, static=static)
         total = time.perf_counter() - t0
-        ref = answers.get(name.replace("padded", "padded, masked", 1)) if name.startswith("padded") else None
+        if static:
+            ref = answers.get(name.replace(", static", "", 1))
+        else:
+            ref = answers.get(name.replace("padded", "padded, masked", 1)) if name.startswith("padded") else None
         rows.append(
             {
                 "model": a.model,
