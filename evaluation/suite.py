@@ -16,7 +16,8 @@ Perplexity windows alternate between the haystack texts (essays, King James Bibl
 window's last ``scored`` tokens are scored the ``simulate`` way (tested against token-by-token decoding), with
 fidelity (recall, hit rate against the oracle) on the same windows; policies that free blocks (SnapKV) are scored
 the ``decode`` way. Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
-Needle and QA batches decode eagerly unless their block sets ``static: true`` (:func:`decode_way`).
+Needle and QA batches decode eagerly unless the config's ``static: true`` (or their block's) says otherwise
+(:func:`decode_way`).
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
 
 def _needle_params(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     """The needle settings of ``variant`` (``single``, ``single_start`` or a hard one): defaults, then the config's."""
-    n = cfg.get("needle") or {}
+    n = {"static": bool(cfg.get("static", False)), **(cfg.get("needle") or {})}
     if variant == "single":
         return {"trials": 100, "depths": [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], "new_tokens": 8, **n}
     if variant == "single_start":
@@ -383,7 +384,10 @@ def _answer_batch(job: Job, model, build, keys: list, todo: list[PolicyCell], cf
 
 def _qa_params(cfg: dict[str, Any]) -> dict[str, Any]:
     """The QA settings: defaults, then the config's."""
-    return {"tasks": ["variable_tracking", "fact", "common_words"], "items": 100, "new_tokens": 8, **cfg["qa"]}
+    return {
+        "tasks": ["variable_tracking", "fact", "common_words"], "items": 100, "new_tokens": 8,
+        "static": bool(cfg.get("static", False)), **cfg["qa"],
+    }  # fmt: skip
 
 
 def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:

@@ -361,16 +361,15 @@ def test_estimate_command_prints_its_table_and_what_it_leaves_out(tmp_path, caps
 
 
 def test_static_decode_in_the_suite_gives_the_eager_answers(tmp_path):
-    """``needle: {static: true}`` (and ``qa``'s) decodes through static steps: every cell's generated text is the
-    eager run's, and each cell says how it was decoded (SnapKV, which frees blocks, eagerly)."""
+    """``static: true`` (the config's, for needles and QA; a task's block may set its own) decodes through static
+    steps: every cell's generated text is the eager run's, and each cell says how it was decoded (SnapKV, which frees
+    blocks, eagerly)."""
     cfg = _tiny_cfg("qwen2.5")
     cfg["perplexity"] = dict(cfg["perplexity"], windows=0)
     cfg["needle"] = dict(cfg["needle"], trials=2, hard={"variants": []}, start=None)
     cfg["qa"] = dict(cfg["qa"], tasks=["fact"])
     eager = _run_tiny(cfg, tmp_path / "eager")
-    static = _run_tiny(
-        dict(cfg, needle=dict(cfg["needle"], static=True), qa=dict(cfg["qa"], static=True)), tmp_path / "static"
-    )
+    static = _run_tiny(dict(cfg, static=True), tmp_path / "static")  # the config's key reaches needles and QA
 
     def answers(rows):
         return {
