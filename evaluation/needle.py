@@ -211,6 +211,12 @@ def own_prefill(policy: Policy) -> bool:
     return policy.compresses
 
 
+def decodes_statically(policy: Policy, static: bool) -> bool:
+    """Whether :func:`greedy_batch` with ``static`` decodes ``policy`` through static steps: all but a policy that
+    frees blocks (its block table changes during decoding), which decodes eagerly."""
+    return static and not policy.frees_blocks
+
+
 def greedy_under_policies(
     model,
     ids: torch.Tensor,
@@ -327,7 +333,7 @@ def greedy_batch(
             token, m, p, gen = ids[:, -1:], mask, pos[:, -1:], []
             with torch.no_grad(), clock.phase("decode"):
                 runner = None
-                if static and not policy.frees_blocks:  # room for the prompt and every new token
+                if decodes_statically(policy, static):  # room for the prompt and every new token
                     runner = DecodeGraphs(model, cache, ids.shape[1] - 1 + new_tokens)
                 for _ in range(new_tokens):
                     if runner is not None:

@@ -36,7 +36,7 @@ import torch
 from hf_sparse_kv.ops.layout import cdiv
 
 from .environment import environment
-from .needle import PhaseClock, greedy_batch, needle_trial, score_trial
+from .needle import PhaseClock, decodes_statically, greedy_batch, needle_trial, score_trial
 from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
 from .simulate import SimulateSession
@@ -344,7 +344,7 @@ def decode_way(p: dict[str, Any], cell: PolicyCell) -> str:
     """How a needle or QA cell's tokens were decoded: ``"static"`` (the task's ``static: true``: static steps,
     captured as CUDA graphs on a GPU; see :func:`~evaluation.needle.greedy_batch`) or ``"eager"`` (the default, and
     a policy that frees blocks)."""
-    return "static" if p.get("static") and not cell.policy.frees_blocks else "eager"
+    return "static" if decodes_statically(cell.policy, bool(p.get("static"))) else "eager"
 
 
 def _build_all(build, keys: list) -> tuple[list, list[list[int]]]:
