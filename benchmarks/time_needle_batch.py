@@ -14,7 +14,9 @@ the left to the shortest one's length: no padding at all), each with dense alone
 ``--static``, ``padded, static`` too (the padded trials decoded through static steps, captured as CUDA graphs:
 ``greedy_batch(static=True)``, the suite's ``static: true``). Columns: the phases of :class:`evaluation.needle.PhaseClock` (``prefill``, ``copy``, ``decode``), ``build``
 (making and encoding the trials one after the other on this machine's CPU, measured once), and ``same`` (prompts
-whose answers under every policy equal the ``padded, masked`` row's; for a static row, the ``padded`` row's).
+whose answers under every policy equal the ``padded, masked`` row's; for a static row, the ``padded`` row's;
+``differs``: the policies whose answers did not). ``--sparse`` picks the policies after dense (the suite's at 1/16),
+``--kinds`` the rows (a static row brings its ``padded`` row along).
 """
 
 from __future__ import annotations
@@ -37,7 +39,16 @@ from evaluation.assets import load_model
 from evaluation.needle import PhaseClock, greedy_batch, needle_trial, pad_left
 from evaluation.suite import suite_text
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
-from hf_sparse_kv.policies import Dense, Quest
+from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, QuantBlockTopK, Quest, SinkWindow, TokenTopK
+
+SPARSE = {  # the suite's policies at 1/16 (recipes/suite_gaps.sh), by the labels its cells carry
+    "quest": lambda: Quest(budget=1 / 16, sink=4, window=32),
+    "oracle": lambda: OracleBlockTopK(budget=1 / 16, sink=4, window=32),
+    "quant4": lambda: QuantBlockTopK(budget=1 / 16, sink=4, window=32, bits=4),
+    "token_topk": lambda: TokenTopK(budget=1 / 16, sink=4, window=32),
+    "block_topk": lambda: BlockTopK(budget=1 / 16, sink=4, window=32),
+    "sink_window": lambda: SinkWindow(budget=1 / 16, sink=4),
+}
 
 
 def trials(tok, length: int, batch: int, essays: str) -> tuple[list[list[int]], float]:
@@ -48,6 +59,11 @@ def trials(tok, length: int, batch: int, essays: str) -> tuple[list[list[int]], 
         t = needle_trial(tok, length, 0.1 + 0.8 * i / max(1, batch - 1), "multi_key", i, 997 * i, 8, essays)
         out.append(tok.encode(t["text"]))
     return out, time.perf_counter() - t0
+
+
+def differing(answers: list[dict], ref: list[dict]) -> list[str]:
+    """The policies (keys) whose tokens differ from ``ref``'s for at least one prompt, sorted."""
+    return sorted({str(k) for x, y in zip(answers, ref) for k in x if x[k] != y.get(k)})
 
 
 def profile_decode(model, prompts: list[list[int]], policy, steps: int, out: str) -> None:
@@ -88,22 +104,34 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/time_needle_batch.csv")
     p.add_argument("--profile", default="", help="a text file: profile padded and equal decode steps into it")
     p.add_argument("--static", action="store_true", help="add the padded rows decoded through static steps")
+    p.add_argument(
+        "--sparse", default="quest",
+        help=f"comma-separated policies decoded after dense in the two-policy rows, of {sorted(SPARSE)}",
+    )  # fmt: skip
+    p.add_argument("--kinds", default="masked,padded,equal", help="which of the rows masked, padded, equal to time")
     a = p.parse_args()
+    names, kinds = [x for x in a.sparse.split(",") if x], set(a.kinds.split(","))
+    if not names or set(names) - set(SPARSE) or not kinds or kinds - {"masked", "padded", "equal"}:
+        p.error(f"--sparse takes names of {sorted(SPARSE)}, --kinds of masked, padded, equal")
     model, tok = load_model(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     prompts, build = trials(tok, a.length, a.batch, suite_text("essays"))
     short = min(len(x) for x in prompts)
     equal = [x[len(x) - short :] for x in prompts]
-    sparse = {"quest": Quest(budget=1 / 16, sink=4, window=32)}
+    sparse = {name: SPARSE[name]() for name in names}
     masked = mock.patch("hf_sparse_kv.prefill.flash_dtype", lambda q: False)  # the row path off
     variants = {}
     for pols in ({"dense": Dense()}, {"dense": Dense(), **sparse}):
-        tag = "" if len(pols) == 1 else ", dense + quest"
-        variants[f"padded, masked{tag}"] = (prompts, pols, lambda: masked, False)
-        variants[f"padded{tag}"] = (prompts, pols, nullcontext, False)
+        tag = "" if len(pols) == 1 else ", dense + " + " + ".join(names)
+        if "masked" in kinds:
+            variants[f"padded, masked{tag}"] = (prompts, pols, lambda: masked, False)
+        if "padded" in kinds or a.static:  # a static row's answers are checked against this one's
+            variants[f"padded{tag}"] = (prompts, pols, nullcontext, False)
         if a.static:
             variants[f"padded, static{tag}"] = (prompts, pols, nullcontext, True)
-        variants[f"equal{tag}"] = (equal, pols, nullcontext, False)
-    warm = [(prompts, nullcontext, False), (prompts, lambda: masked, False), (equal, nullcontext, False)]
+        if "equal" in kinds:
+            variants[f"equal{tag}"] = (equal, pols, nullcontext, False)
+    warm = [(prompts, nullcontext, False)] + [(prompts, lambda: masked, False)] * ("masked" in kinds)
+    warm += [(equal, nullcontext, False)] * ("equal" in kinds)
     for ps, ctx, static in warm + [(prompts, nullcontext, True)] * a.static:
         with ctx():  # warm-up: kernels (Triton specialises on the batch's sizes), allocator
             greedy_batch(model, ps, {"dense": Dense(), **sparse}, 2, static=static)
@@ -130,12 +158,13 @@ def main() -> None:
                 "total_s": round(total, 3),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if a.device == "cuda" else "",
                 "same": "" if ref is None else sum(x == y for x, y in zip(answers[name], ref)),
+                "differs": "" if ref is None else " ".join(differing(answers[name], ref)),
                 **env_info(),
             }
         )
         if a.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-    cols = ["variant", "tokens", "build_s", "prefill_s", "copy_s", "decode_s", "total_s", "peak_gib", "same"]
+    cols = ["variant", "tokens", "build_s", "prefill_s", "copy_s", "decode_s", "total_s", "peak_gib", "same", "differs"]
     print_table(rows, cols, title=f"{a.model}, {a.batch} x {a.length} 8-key needle trials, {a.new_tokens} new tokens")
     write_csv(a.out, rows)
     if a.profile:
