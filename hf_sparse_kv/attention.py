@@ -208,8 +208,9 @@ def choose(
 
 @dataclass(frozen=True)
 class StaticPlan:
-    """The host decisions of one static decode step, made before it from its lengths: the key under which a step is
-    captured (two steps with equal plans run the same graph).
+    """The host decisions of one static decode step, made before it from its lengths. A step's graph is captured
+    under :attr:`key` (``sparse`` and ``widths``): two steps whose plans differ only in the per-sequence ``counts``
+    replay the same graph, which reads the counts from the device buffer filled before each step.
 
     Attributes:
         sparse: ``mode="auto"``'s decision for the sparse layers (``True`` in the other modes).
@@ -223,6 +224,11 @@ class StaticPlan:
     sparse: bool
     counts: tuple[int, ...] | None
     widths: tuple[int, ...] | None
+
+    @property
+    def key(self) -> tuple[bool, tuple[int, ...] | None]:
+        """What the step reads of this plan on the host (``sparse``, ``widths``): the key of its captured graph."""
+        return self.sparse, self.widths
 
 
 def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]) -> StaticPlan:

@@ -11,18 +11,19 @@ or change host state:
   (:class:`~hf_sparse_kv.cache.StaticBuffers`) that :func:`begin_static_step` fills before the step;
 - the selections' counts per sequence and their widths, and ``mode="auto"``'s dense/sparse decision, are the
   step's :class:`~hf_sparse_kv.attention.StaticPlan`, decided on the host from the lengths by the policy's
-  ``plan()``; two steps with equal plans run the same graph (a fractional budget grows its width by one block
-  every ``block_size / budget`` tokens, so a long generation makes a handful of plans). The step reads the counts
-  from a device buffer that :func:`begin_static_step` fills, and only the widths on the host, so that a compiled
-  step recompiles when a width first changes, not whenever a sequence's count does;
+  ``plan()``. The step reads the counts from a device buffer that :func:`begin_static_step` fills, and only the
+  widths (and the dense/sparse decision) on the host: two steps whose plans agree on those (``StaticPlan.key``) run
+  the same graph, so a compiled step recompiles, and a captured one is captured again, when a width changes, not
+  whenever one sequence's count does (a fractional budget grows the widest selection by one block every
+  ``block_size / budget`` tokens: a long generation makes a handful of graphs, a left-padded batch no more);
 - the ops are PyTorch custom ops (:mod:`hf_sparse_kv.ops.library`), opaque to dynamo, free of host syncs;
 - the host bookkeeping of the step (layer lengths, counters) is done by :func:`begin_static_step`, not by the step.
 
 Every mode (mask, token, block, auto), left-padded batches and sliding-window layers run statically; a policy that
 frees blocks does not (its table changes). Two ways in:
 
-- :class:`DecodeGraphs` (what ``patch_model(cuda_graph=True)`` uses for ``generate()``): keyed on the plan, it
-  captures one CUDA graph per plan and replays it; with ``compile=`` it compiles the step first (``fullgraph=True``)
+- :class:`DecodeGraphs` (what ``patch_model(cuda_graph=True)`` uses for ``generate()``): it captures one CUDA graph
+  per plan key and replays it; with ``compile=`` it compiles the step first (``fullgraph=True``)
   and captures the compiled step, so inductor's fusion of the model's own small kernels (norms, rotary, SiLU)
   and the removal of launch overhead add up. ``capture=False`` runs the same static step without a graph (the CPU
   tests do).
@@ -99,7 +100,7 @@ def begin_static_step(
 
 
 class DecodeGraphs:
-    """Static decode steps of one ``model`` on one ``cache`` (batch fixed by the cache), captured per plan.
+    """Static decode steps of one ``model`` on one ``cache`` (batch fixed by the cache), captured per plan key.
 
     Args:
         model: a patched model (any mode; a policy that does not free blocks).
@@ -146,7 +147,7 @@ class DecodeGraphs:
         # step (a reserved cache is "compileable", so transformers builds it even for one token: a few kernels)
         ignored = all(isinstance(layer, (PagedLayer, WindowRing)) for layer in cache.layers)
         self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device) if ignored else None
-        self.graphs: dict = {}  # StaticPlan -> (graph, logits)
+        self.graphs: dict = {}  # StaticPlan.key -> (graph, logits)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
 
@@ -196,9 +197,9 @@ class DecodeGraphs:
         self.ids.copy_(input_ids)
         if not self.capture:
             return self._forward().clone()
-        if plan not in self.graphs:
-            self.graphs[plan] = self._capture()
-        graph, logits = self.graphs[plan]
+        if plan.key not in self.graphs:  # a new width (or mode="auto"'s decision), not a new per-sequence count
+            self.graphs[plan.key] = self._capture()
+        graph, logits = self.graphs[plan.key]
         graph.replay()
         self.replays += 1
         return logits.clone()

@@ -10,7 +10,7 @@ from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.attention import StaticPlan
 from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
-from hf_sparse_kv.policies import Dense, Quest, SinkWindow
+from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, SinkWindow, TokenTopK
 
 POLICIES = [
     Dense(),
@@ -172,3 +172,69 @@ def test_static_step_with_sliding_window_layers_equals_eager(arch, padded):
     assert cache.get_seq_length() == 50
     cache.reset()
     assert all(type(layer).__name__ != "WindowRing" for layer in cache.layers), "reset gives the layers back"
+
+
+# ---- one graph per plan key: a new per-sequence count replays the graph of its width -----------------------------
+
+
+class _ReplayAtItsPlan:
+    """A CUDA graph's stand-in on the CPU: captured at one step, its replay runs the step again with the host
+    decisions of that step (its plan) on the device buffers of the step now, which is what a real replay does."""
+
+    def __init__(self, runner: DecodeGraphs):
+        self.runner, self.plan = runner, runner.static.plan
+        self.logits = runner._forward()
+
+    def replay(self) -> None:
+        now = self.runner.static.plan
+        self.runner.static.plan = self.plan
+        try:
+            self.logits.copy_(self.runner._forward())
+        finally:
+            self.runner.static.plan = now
+
+
+def _capture_stand_in(runner: DecodeGraphs) -> tuple:
+    """In place of :meth:`DecodeGraphs._capture`: the stand-in graph and its logits."""
+    graph = _ReplayAtItsPlan(runner)
+    return graph, graph.logits
+
+
+@pytest.mark.parametrize(
+    "policy, mode",
+    [
+        (Quest(budget=0.25, sink=0, window=8), "block"),
+        (Quest(budget=0.25, sink=4, window=8), "mask"),
+        (TokenTopK(budget=0.25, sink=4, window=8), "token"),
+        (QuantBlockTopK(budget=0.25, sink=4, window=8, bits=4), "block"),
+    ],
+    ids=["quest-block", "quest-mask", "token_topk", "quant4"],
+)
+def test_a_left_padded_batch_captures_a_graph_per_width_not_per_count(monkeypatch, policy, mode):
+    """Sequences of a left-padded batch cross block boundaries at different steps: the plans differ in their
+    per-sequence counts far more often than in their widths. Graphs keyed on the widths, replayed at plans with
+    other counts (read from the device buffer), decode as the eager steps do."""
+    from hf_sparse_kv import graphs
+
+    model = tiny_model("llama")
+    ids, mask = _padded_prompt([60, 51, 56], 60)  # past the sink + window floor: every count moves
+    patch_model(model, policy=policy, mode=mode, block_size=8, dense_layers=(0,))
+    ref = _eager_padded(model, ids, mask, 20)
+    plans = []
+    begin = graphs.begin_static_step
+    monkeypatch.setattr(graphs, "begin_static_step", lambda *a, **k: plans.append(begin(*a, **k)) or plans[-1])
+    monkeypatch.setattr(DecodeGraphs, "_capture", _capture_stand_in)
+    cache = PagedKVCache(model.config, block_size=8)
+    out = []
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, ids.shape[1] + 20, capture=False)
+        runner.capture = True  # through the graph path, with the stand-in above
+        for _ in range(20):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert runner.replays == 20
+    assert len(runner.graphs) == len({p.key for p in plans}) < len(set(plans))
