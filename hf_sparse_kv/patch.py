@@ -290,7 +290,7 @@ def patch_model(
             at patching, that it runs eagerly).
         compile: with ``cuda_graph=True``, compile each static step with ``torch.compile(fullgraph=True)`` before
             capturing it: a backend name (``"inductor"``) or a dict of ``torch.compile`` keyword arguments (inductor
-            fuses the model's own small kernels: norms, rotary, SiLU; the first step of each plan compiles).
+            fuses the model's own small kernels: norms, rotary, SiLU; the first step of each plan key compiles).
             Inductor's ``freezing`` is refused (``ValueError`` here, ``RuntimeError`` at a static step while its
             global flag is on): it would compile the cache's pools into the step as constants.
         merge_projections: run each attention's ``q_proj``/``k_proj``/``v_proj`` and each MLP's
