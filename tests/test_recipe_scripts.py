@@ -1,0 +1,74 @@
+"""The device-session scripts of recipes/: every part of ``suite_gaps.sh`` is a suite the runner can plan (its
+``--set`` overrides parse, its policies build, its decisive labels are its policies' labels), and ``suite_chain.sh``
+runs parts in order within its time, passing the shared arguments on."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evaluation.suite import cells_of, load_suite, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+GAPS = ROOT / "recipes" / "suite_gaps.sh"
+WILDCARD_MODEL = {"reuse_*": "reuse_qwen2.5", "moments_*": "moments_gemma3"}
+
+
+def _parts() -> list[str]:
+    names = re.findall(r"^  ([a-z0-9_.*]+)\)", GAPS.read_text(), flags=re.MULTILINE)
+    return [WILDCARD_MODEL.get(n, n) for n in names if n != "*"]  # "*": the unknown-part branch
+
+
+def _recorder(tmp_path: Path) -> Path:
+    """A stand-in for ``python3`` that writes its arguments, one per line, to ``$ARGS_OUT``."""
+    fake = tmp_path / "fake_python"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return fake
+
+
+def test_the_gaps_script_has_parts():
+    assert len(_parts()) >= 10 and "qwen_rest_1_16" in _parts()
+
+
+@pytest.mark.parametrize("part", _parts())
+def test_every_gaps_part_plans_a_suite(tmp_path, part):
+    out = tmp_path / "args.txt"
+    env = {**os.environ, "PY": str(_recorder(tmp_path)), "ARGS_OUT": str(out)}
+    subprocess.run(["bash", str(GAPS), str(tmp_path / "res"), part, "77"], check=True, env=env, cwd=ROOT)
+    args = out.read_text().splitlines()
+    assert args[:4] == ["-m", "evaluation.cli", "suite", args[3]] and args[-2:] == ["--time-limit", "77"]
+    assert args[args.index("--out") + 1] == str(tmp_path / "res")
+    overrides = {}
+    for i, a in enumerate(args):
+        if a == "--set":
+            key, _, value = args[i + 1].partition("=")
+            overrides[key] = yaml.safe_load(value)
+    cfg = load_suite(args[3], overrides)
+    labels = {c.label for c in cells_of(cfg)}  # builds every policy of the part
+    assert set(cfg["decisive"]["policies"]) <= labels, "a decisive label that names no policy of the part"
+    assert plan(cfg)
+
+
+def test_suite_chain_runs_parts_in_order_within_its_time(tmp_path):
+    shutil.copy(ROOT / "recipes" / "suite_chain.sh", tmp_path / "suite_chain.sh")
+    log = tmp_path / "calls.txt"
+    (tmp_path / "suite_gaps.sh").write_text(f'#!/usr/bin/env bash\necho "$@" >> {log}\n')
+    run = ["bash", str(tmp_path / "suite_chain.sh"), "RES", "400", "a", "b", "--", "--set", "static=true"]
+    out = subprocess.run(run, check=True, capture_output=True, text=True).stdout
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert [c[:2] for c in calls] == [["RES", "a"], ["RES", "b"]]
+    assert all(c[3:] == ["--set", "static=true"] for c in calls)
+    assert 330 <= int(calls[1][2]) <= int(calls[0][2]) <= 340  # the time left, less a minute
+    assert "== a:" in out and "== b:" in out
+    log.unlink()
+    out = subprocess.run(["bash", str(tmp_path / "suite_chain.sh"), "RES", "100", "a"], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    assert "== a skipped" in out and not log.exists()
