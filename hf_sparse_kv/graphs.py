@@ -155,8 +155,9 @@ class DecodeGraphs:
     def cache(self) -> PagedKVCache:
         return self._cache()
 
-    def key(self, length: int) -> StaticPlan:
-        """The plan of the step that decodes at ``length`` tokens of transformers' frame (the current one included)."""
+    def plan(self, length: int) -> StaticPlan:
+        """The plan of the step that decodes at ``length`` tokens of transformers' frame (the current one included);
+        its graph is captured under ``plan.key``."""
         return static_plan(self.config, self.cache, tuple(length - p for p in self.cache.pads))
 
     def fits(self, input_ids: torch.Tensor) -> bool:

@@ -70,10 +70,10 @@ def test_static_auto_step_switches_at_the_crossover_like_eager():
     ref = _eager_steps(model, ids, 24)
     cache, runner, out = _static_steps(model, ids, 24)
     unpatch_model(model)
-    # the graph key holds the crossover's decision: one graph below 50 tokens, the policy's widths from there
-    assert runner.key(49) == StaticPlan(False, None, None)
+    # the plan (and its key) holds the crossover's decision: one graph below 50 tokens, the policy's widths from there
+    assert runner.plan(49) == StaticPlan(False, None, None)
     counts = policy.plan((50, 50), 8)
-    assert runner.key(50) == StaticPlan(True, tuple(counts), (max(counts),))
+    assert runner.plan(50) == StaticPlan(True, tuple(counts), (max(counts),))
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     # two sparse layers per step; steps at 38..49 tokens dense, 50..61 sparse
     assert cache.auto_steps == {"dense": 2 * 12, "sparse": 2 * 12}
@@ -131,13 +131,17 @@ def _eager_padded(model, ids, mask, n):
     return torch.cat(out, 1)
 
 
-def _static_padded(model, ids, mask, n, **runner):
+def _static_padded(model, ids, mask, n, graph_path: bool = False, **runner):
+    """Prefill the left-padded ``ids``, then ``n`` greedy static steps (captured on CUDA; ``graph_path``: through the
+    graph path on any device, for a stand-in ``_capture``): the cache (its runner in ``cache.session.graphs``) and
+    the logits ``[B, n, V]``."""
     cache = PagedKVCache(model.config, block_size=8)
     out = []
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(model): cache}).logits[:, -1:]
         graphs = DecodeGraphs(model, cache, ids.shape[1] + n, capture=DEVICE.type == "cuda", **runner)
+        graphs.capture = graphs.capture or graph_path
         for _ in range(n):
             logits = graphs.step(logits.argmax(-1))  # position ids from the padding buffer
             out.append(logits)
@@ -224,17 +228,9 @@ def test_a_left_padded_batch_captures_a_graph_per_width_not_per_count(monkeypatc
     begin = graphs.begin_static_step
     monkeypatch.setattr(graphs, "begin_static_step", lambda *a, **k: plans.append(begin(*a, **k)) or plans[-1])
     monkeypatch.setattr(DecodeGraphs, "_capture", _capture_stand_in)
-    cache = PagedKVCache(model.config, block_size=8)
-    out = []
-    with torch.no_grad():
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(model): cache}).logits[:, -1:]
-        runner = DecodeGraphs(model, cache, ids.shape[1] + 20, capture=False)
-        runner.capture = True  # through the graph path, with the stand-in above
-        for _ in range(20):
-            logits = runner.step(logits.argmax(-1))
-            out.append(logits)
+    cache, out = _static_padded(model, ids, mask, 20, graph_path=True)
     unpatch_model(model)
-    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    runner = cache.session.graphs
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert runner.replays == 20
     assert len(runner.graphs) == len({p.key for p in plans}) < len(set(plans))
