@@ -12,7 +12,7 @@ import pytest
 from test_assets_text import make_essays
 from tiny_models import tiny_model
 
-from evaluation.suite import SUITES, cells_of, load_suite, plan, run_suite
+from evaluation.suite import SUITES, _needle_params, _qa_params, cells_of, load_suite, plan, run_suite
 from evaluation.suite_summary import perplexity_rows, summarize
 from evaluation.toy import CharTokenizer
 
@@ -358,6 +358,17 @@ def test_estimate_command_prints_its_table_and_what_it_leaves_out(tmp_path, caps
     assert lines[-1] == ESTIMATE_NOT_COUNTED
     assert len(lines) > 1 and all(" min  (cumulative " in line for line in lines[:-1])
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_task_block_static_key_overrides_the_configs():
+    """``static`` defaults to the config's key; a needle or QA block's own ``static`` wins over it."""
+    assert _needle_params({"static": True, "needle": {}}, "single")["static"] is True
+    assert _needle_params({"static": True, "needle": {"static": False}}, "multi_key")["static"] is False
+    assert _needle_params({"needle": {"static": True}}, "single_start")["static"] is True
+    assert _needle_params({}, "single")["static"] is False
+    assert _qa_params({"static": True, "qa": {}})["static"] is True
+    assert _qa_params({"static": True, "qa": {"static": False}})["static"] is False
+    assert _qa_params({"qa": {"static": True}})["static"] is True
 
 
 def test_static_decode_in_the_suite_gives_the_eager_answers(tmp_path):
