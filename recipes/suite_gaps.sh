@@ -12,6 +12,9 @@ BT='{name: block_topk, sink: 4, window: 32}'
 SW='{name: sink_window, sink: 4}'
 SK='{name: snapkv, sink: 4, window: 32, observe: 32}'
 SQ="{name: snapkv, label: snapkv1/4+quest, budget: \"1/4\", sink: 4, window: 32, observe: 32, then: $QU}"
+# Qwen2.5's multi-value needles (4 values of one key, 32 new tokens) and its QA, at 32K, 8 trials a batch
+MV32='needle={trials: 0, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: [multi_value], trials: 100, n_needles: 8, multi_value: {n_needles: 4, new_tokens: 32}}}'
+QA32='qa={tasks: [variable_tracking, fact, common_words], items: 100, lengths: [32768], new_tokens: 8, batch: {32768: 8}}'
 CH='name: "evaluation.channel_quant:ChannelQuantBlockTopK", sink: 4, window: 32, bits: 4, rest: block'
 run() { ${PY:-python3} -m evaluation.cli suite "$@" --time-limit "$T"; }
 case $PART in
@@ -94,14 +97,14 @@ case $PART in
     run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/16", "1/32"]' \
       --set "policies=[{name: dense}, $O, $QU, $Q4, $TT]" \
       --set 'decisive={policies: [dense, oracle, quest, quant4, token_topk], budgets: ["1/8", "1/16", "1/32"]}' \
-      --set 'needle={trials: 0, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: [multi_value], trials: 100, n_needles: 8, multi_value: {n_needles: 4, new_tokens: 32}}}' \
+      --set "$MV32" \
       --set 'perplexity={windows: 0}' --set 'qa=null' "$@" ;;
   qwen_qa_budgets)  # issue 12: Qwen2.5's QA at 32K at 1/8 (the oracle, Quest, quant4, TokenTopK), then 1/32
     run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/32"]' \
       --set "policies=[{name: dense}, $O, $QU, $Q4, $TT]" \
       --set 'decisive={policies: [dense, oracle, quest, quant4, token_topk], budgets: ["1/8"]}' \
       --set 'needle={trials: 0}' --set 'perplexity={windows: 0}' \
-      --set 'qa={tasks: [variable_tracking, fact, common_words], items: 100, lengths: [32768], new_tokens: 8, batch: {32768: 8}}' "$@" ;;
+      --set "$QA32" "$@" ;;
   smollm2_grid)  # issue 12: SmolLM2's needles (single, 4-key) for issue 12's eight policies at 1/8, 1/16, 1/32 (resumes)
     run smollm2 --out "$R" --set "policies=[{name: dense}, $O, $QU, $TT, $BT, $SW, $SK, $SQ]" \
       --set 'decisive={policies: [dense, oracle, quest, token_topk, block_topk, sink_window, snapkv, snapkv1/4+quest], budgets: ["1/16"]}' \
@@ -110,9 +113,9 @@ case $PART in
     run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/16"]' \
       --set "policies=[{name: dense}, $BT, $SW]" \
       --set 'decisive={policies: [dense, block_topk, sink_window], budgets: ["1/16"]}' \
-      --set 'needle={trials: 0, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: [multi_value], trials: 100, n_needles: 8, multi_value: {n_needles: 4, new_tokens: 32}}}' \
+      --set "$MV32" \
       --set 'perplexity={windows: 0}' \
-      --set 'qa={tasks: [variable_tracking, fact, common_words], items: 100, lengths: [32768], new_tokens: 8, batch: {32768: 8}}' "$@" ;;
+      --set "$QA32" "$@" ;;
   qwen_mv_short)  # issue 12: Qwen2.5's multi-value needles at 8K and 16K, 1/16 (every policy but SnapKV)
     run qwen2.5 --out "$R" --set 'lengths=[8192, 16384]' --set 'budgets=["1/16"]' \
       --set "policies=[{name: dense}, $O, $QU, $Q4, $TT, $BT, $SW]" \
@@ -123,8 +126,8 @@ case $PART in
     run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/16"]' \
       --set "policies=[{name: dense}, $SK, $SQ]" \
       --set 'decisive={policies: [dense, snapkv, snapkv1/4+quest], budgets: ["1/16"]}' \
-      --set 'needle={trials: 0, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000, batch: {32768: 8}, hard: {variants: [multi_value], trials: 100, n_needles: 8, multi_value: {n_needles: 4, new_tokens: 32}}}' \
+      --set "$MV32" \
       --set 'perplexity={windows: 0}' \
-      --set 'qa={tasks: [variable_tracking, fact, common_words], items: 100, lengths: [32768], new_tokens: 8, batch: {32768: 8}}' "$@" ;;
+      --set "$QA32" "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
