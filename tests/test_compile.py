@@ -69,7 +69,7 @@ def _eager(model, ids, n):
 @pytest.mark.parametrize("policy,mode", CASES, ids=lambda x: type(x).__name__ if not isinstance(x, str) else x)
 def test_compiled_static_step_equals_eager(policy, mode):
     torch._dynamo.reset()
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_hidden_layers=2)
     ids = prompt(PROMPT, batch=2)
     _patch(model, policy, mode)
     ref_cache, ref = _eager(model, ids, STEPS)
@@ -148,7 +148,7 @@ def test_compiled_selector_step_equals_eager(name, mode):
     """A selector's static step (its compressed keys' refresh inside the write, its scores, its candidates) traces
     under ``fullgraph=True`` with its ops as custom ops, never their Python, and gives the eager logits."""
     torch._dynamo.reset()
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_hidden_layers=2)
     build, selector_ops = SELECTORS[name]
     policy = build(model)
     ids = prompt(PROMPT, batch=2)
