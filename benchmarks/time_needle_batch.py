@@ -16,7 +16,9 @@ the left to the shortest one's length: no padding at all), each with dense alone
 (making and encoding the trials one after the other on this machine's CPU, measured once), and ``same`` (prompts
 whose answers under every policy equal the ``padded, masked`` row's; for a static row, the ``padded`` row's;
 ``differs``: the policies whose answers did not). ``--sparse`` picks the policies after dense (the suite's at 1/16),
-``--kinds`` the rows (a static row brings its ``padded`` row along).
+``--kinds`` the rows (a static row brings its ``padded`` row along). A second table (and ``OUT``'s
+``_policies.csv``) splits each row's decoding by policy: seconds, and for a static row the graphs captured, the
+seconds of their captures (warm-up forward + capture each) and the ms a step of the rest.
 """
 
 from __future__ import annotations
@@ -64,6 +66,25 @@ def trials(tok, length: int, batch: int, essays: str) -> tuple[list[list[int]], 
 def differing(answers: list[dict], ref: list[dict]) -> list[str]:
     """The policies (keys) whose tokens differ from ``ref``'s for at least one prompt, sorted."""
     return sorted({str(k) for x, y in zip(answers, ref) for k in x if x[k] != y.get(k)})
+
+
+def policy_rows(variant: str, clock: PhaseClock, new_tokens: int) -> list[dict]:
+    """One row per policy of a variant: its decode seconds and, decoded statically, the graphs its runner captured,
+    their seconds and the ms a step of the rest (``PhaseClock.per_key``)."""
+    out = []
+    for key, noted in clock.per_key.items():
+        rest = noted["decode"] - noted.get("capture", 0.0)
+        out.append(
+            {
+                "variant": variant,
+                "policy": key,
+                "decode_s": round(noted["decode"], 3),
+                "graphs": int(noted.get("graphs", 0)),
+                "capture_s": round(noted.get("capture", 0.0), 3),
+                "rest_ms_step": round(1e3 * rest / new_tokens, 2),
+            }
+        )
+    return out
 
 
 def profile_decode(model, prompts: list[list[int]], policy, steps: int, out: str) -> None:
@@ -135,7 +156,7 @@ def main() -> None:
     for ps, ctx, static in warm + [(prompts, nullcontext, True)] * a.static:
         with ctx():  # warm-up: kernels (Triton specialises on the batch's sizes), allocator
             greedy_batch(model, ps, {"dense": Dense(), **sparse}, 2, static=static)
-    rows, answers = [], {}
+    rows, answers, per_policy = [], {}, []
     for name, (ps, policies, ctx, static) in variants.items():
         clock = PhaseClock(model.device)
         t0 = time.perf_counter()
@@ -162,11 +183,14 @@ def main() -> None:
                 **env_info(),
             }
         )
+        per_policy += policy_rows(name, clock, a.new_tokens)
         if a.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
     cols = ["variant", "tokens", "build_s", "prefill_s", "copy_s", "decode_s", "total_s", "peak_gib", "same", "differs"]
     print_table(rows, cols, title=f"{a.model}, {a.batch} x {a.length} 8-key needle trials, {a.new_tokens} new tokens")
     write_csv(a.out, rows)
+    print_table(per_policy, list(per_policy[0]), title="decode per policy (graphs, capture: static rows)")
+    write_csv(os.path.splitext(a.out)[0] + "_policies.csv", per_policy)
     if a.profile:
         for ps in (prompts, equal):
             profile_decode(model, ps, Dense(), 3, a.profile)

@@ -182,11 +182,21 @@ def generate_cells(model, ids: torch.Tensor, todo: list, cfg: dict, new_tokens: 
 
 class PhaseClock:
     """Wall seconds spent in named phases (``prefill``, ``copy``, ``decode``), summed over calls: each phase starts
-    and ends with a device synchronisation, so that GPU work queued inside it is charged to it and to no other."""
+    and ends with a device synchronisation, so that GPU work queued inside it is charged to it and to no other.
+
+    ``per_key``: what :func:`greedy_batch` notes per policy key (:meth:`note`): its ``decode`` seconds and, decoded
+    statically, the ``graphs`` its runner captured and the ``capture`` seconds they took (summed over calls)."""
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.seconds: dict[str, float] = {}
+        self.per_key: dict[str, dict[str, float]] = {}
+
+    def note(self, key, **values: float) -> None:
+        """Add ``values`` to what is noted of ``key`` (its ``str``)."""
+        noted = self.per_key.setdefault(str(key), {})
+        for name, value in values.items():
+            noted[name] = noted.get(name, 0) + value
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -331,6 +341,7 @@ def greedy_batch(
                 with clock.phase("copy"):
                     cache = copy.deepcopy(prefix)
             token, m, p, gen = ids[:, -1:], mask, pos[:, -1:], []
+            decoded = clock.seconds.get("decode", 0.0)
             with torch.no_grad(), clock.phase("decode"):
                 runner = None
                 if decodes_statically(policy, static):  # room for the prompt and every new token
@@ -347,6 +358,12 @@ def greedy_batch(
                     m = torch.cat([m, torch.ones_like(token)], 1)
                     p = p + 1
                 tokens = torch.cat(gen, 1).tolist()
+            clock.note(
+                key,
+                decode=clock.seconds["decode"] - decoded,
+                graphs=len(runner.graphs) if runner is not None else 0,
+                capture=runner.capture_seconds if runner is not None else 0.0,
+            )
             for i in range(len(prompts)):
                 out[i][key] = tokens[i]
     finally:

@@ -43,6 +43,7 @@ compiled) step here keys the graphs on the plan the step already has.
 from __future__ import annotations
 
 import sys
+import time
 import weakref
 from collections.abc import Callable
 
@@ -110,6 +111,10 @@ class DecodeGraphs:
         forward: the model's forward to call (default: the class's forward, without the patch's model hook).
         compile: ``None``, a ``torch.compile`` backend name, or a dict of ``torch.compile`` keyword arguments:
             compile the step with ``fullgraph=True`` (then capture the compiled step).
+
+    Attributes (what the steps cost, for benchmarks): ``graphs`` (``StaticPlan.key`` -> captured graph and its
+    logits), ``replays`` (steps replayed from a graph), ``capture_seconds`` (wall time of the captures: each a
+    warm-up forward and the capture, synchronised).
     """
 
     def __init__(
@@ -150,6 +155,7 @@ class DecodeGraphs:
         self.graphs: dict = {}  # StaticPlan.key -> (graph, logits)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
+        self.capture_seconds = 0.0  # wall time of the captures (each warm-up forward and capture), synchronised
 
     @property
     def cache(self) -> PagedKVCache:
@@ -199,7 +205,11 @@ class DecodeGraphs:
         if not self.capture:
             return self._forward().clone()
         if plan.key not in self.graphs:  # a new width (or mode="auto"'s decision), not a new per-sequence count
+            t0 = time.perf_counter()
             self.graphs[plan.key] = self._capture()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.capture_seconds += time.perf_counter() - t0
         graph, logits = self.graphs[plan.key]
         graph.replay()
         self.replays += 1

@@ -103,7 +103,11 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
     args = {"dense_layers": (0,), "block_size": 8, "mode": mode}
     for batch in (prompts, prompts[1:2]):
         eager = greedy_batch(model, batch, policies, 6, **args)
-        before = len(steps)
-        assert greedy_batch(model, batch, policies, 6, static=True, **args) == eager
+        before, clock = len(steps), PhaseClock()
+        assert greedy_batch(model, batch, policies, 6, static=True, clock=clock, **args) == eager
         assert len(steps) - before == 6 * 5  # every step of every policy but SnapKV's
+        # each policy's decode seconds noted apart; no graph on the CPU (static steps run uncaptured)
+        assert set(clock.per_key) == set(policies) and all(n["decode"] > 0 for n in clock.per_key.values())
+        assert all(n["graphs"] == 0 and n["capture"] == 0 for n in clock.per_key.values())
+        assert sum(n["decode"] for n in clock.per_key.values()) == pytest.approx(clock.seconds["decode"])
     assert not is_patched(model)

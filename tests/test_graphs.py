@@ -234,3 +234,4 @@ def test_a_left_padded_batch_captures_a_graph_per_width_not_per_count(monkeypatc
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert runner.replays == 20
     assert len(runner.graphs) == len({p.key for p in plans}) < len(set(plans))
+    assert runner.capture_seconds > 0  # the captures' own time, which benchmarks/time_needle_batch.py reports
