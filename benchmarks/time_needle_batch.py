@@ -7,7 +7,7 @@ policies, so a fixed cost dominates the needle cells).
     python benchmarks/time_needle_batch.py --model smollm2 --length 2048 --batch 2 --device cpu   # a dry run
 
 Rows (each a fresh :func:`evaluation.needle.greedy_batch` call on the same trials, after one untimed warm-up call
-of every row's kind): ``padded`` (the trials as the suite runs them: left-padded to the longest; its prefill runs
+of every row's kind, of ``--warm-tokens`` new tokens): ``padded`` (the trials as the suite runs them: left-padded to the longest; its prefill runs
 each sequence unmasked, :mod:`hf_sparse_kv.prefill`, where that applies), ``padded, masked`` (the same with that
 path turned off: one SDPA call with the causal + padding mask, as before 2026-12-01), ``equal`` (each trial cut from
 the left to the shortest one's length: no padding at all), each with dense alone and with Quest 1/16 after it; with
@@ -130,8 +130,14 @@ def main() -> None:
         help=f"comma-separated policies decoded after dense in the two-policy rows, of {sorted(SPARSE)}",
     )  # fmt: skip
     p.add_argument("--kinds", default="masked,padded,equal", help="which of the rows masked, padded, equal to time")
+    p.add_argument(
+        "--warm-tokens", type=int, default=None,
+        help="new tokens of the untimed warm-up call of each kind (default: --new-tokens, so that the timed rows meet "
+        "no width or length a kernel is compiled for the first time; 2 before 2026-12-02 13:00 UTC)",
+    )  # fmt: skip
     a = p.parse_args()
     names, kinds = [x for x in a.sparse.split(",") if x], set(a.kinds.split(","))
+    warm_tokens = a.new_tokens if a.warm_tokens is None else a.warm_tokens
     if not names or set(names) - set(SPARSE) or not kinds or kinds - {"masked", "padded", "equal"}:
         p.error(f"--sparse takes names of {sorted(SPARSE)}, --kinds of masked, padded, equal")
     model, tok = load_model(a.model, dtype=getattr(torch, a.dtype), device=a.device)
@@ -155,7 +161,7 @@ def main() -> None:
     warm += [(equal, nullcontext, False)] * ("equal" in kinds)
     for ps, ctx, static in warm + [(prompts, nullcontext, True)] * a.static:
         with ctx():  # warm-up: kernels (Triton specialises on the batch's sizes), allocator
-            greedy_batch(model, ps, {"dense": Dense(), **sparse}, 2, static=static)
+            greedy_batch(model, ps, {"dense": Dense(), **sparse}, warm_tokens, static=static)
     rows, answers, per_policy = [], {}, []
     for name, (ps, policies, ctx, static) in variants.items():
         clock = PhaseClock(model.device)
