@@ -209,12 +209,14 @@ def test_reference_forces_blocks_as_the_policy_did():
 
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 @pytest.mark.parametrize("window", [None, 40])
-def test_triton_tail_matches_reference(G, window):
-    """``quant_lse_mass`` (two launches over chunks of 16 blocks here: 19 partials a head) against
+def test_triton_tail_matches_reference(G, window, monkeypatch):
+    """``quant_lse_mass`` (two launches over chunks of 16 blocks here: 19 partials a head, merged 8 at a time) against
     ``reference.lse_block_mass``: ragged lengths, left padding, evicted blocks, a head with no valid block, a
     sequence of length 0."""
+    from hf_sparse_kv.ops.triton import quant
     from hf_sparse_kv.ops.triton.quant import quant_lse_mass
 
+    monkeypatch.setattr(quant, "TAIL_CHUNKS", 8)  # three tiles of partials, the last one part full
     g = torch.Generator().manual_seed(G)
     B, H, MB, bs = 4, 2, 300, 16
     lse = torch.randn(B, H * G, MB, generator=g) * 4
@@ -231,6 +233,31 @@ def test_triton_tail_matches_reference(G, window):
     assert torch.equal(got == float("inf"), want == float("inf")) and torch.equal(got.isinf(), want.isinf())
     assert (window is None) == (not want.eq(float("inf")).any())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunks", [32, 4])
+@pytest.mark.parametrize("G,MB,wider", [(6, 2047, 2049), (6, 60, 70), (1, 500, 1100)])
+def test_triton_tail_is_the_same_on_a_wider_table(G, MB, wider, chunks, monkeypatch):
+    """A static step's table is reserved wider than the eager step's (unused blocks past every sequence's end):
+    ``quant_lse_mass`` gives the same scores, bit for bit, on the blocks both tables hold, so that a captured step
+    selects what the eager step selects. (On a GPU a merge over ``next_power_of_2`` of the chunk count reduced in
+    another order when the count crossed a power of two, e.g. 2047 -> 2049 blocks at G = 6; Triton's CPU
+    interpreter reduces in one order whatever the tile, so there this holds either way.)"""
+    from hf_sparse_kv.ops.triton import quant
+    from hf_sparse_kv.ops.triton.quant import quant_lse_mass
+
+    monkeypatch.setattr(quant, "TAIL_CHUNKS", chunks)  # 4: the wider table's extra chunks start a tile of their own
+    g = torch.Generator().manual_seed(MB)
+    B, H, bs = 2, 2, 16
+    seq_lens = torch.tensor([MB * bs - 5, MB * bs - 300], dtype=torch.int32)
+    start = torch.tensor([0, 7], dtype=torch.int32)
+    lse = torch.randn(B, H * G, wider, generator=g) * 3
+    table = torch.arange(B * wider, dtype=torch.int32).view(B, wider)
+    lse = lse.masked_fill(~R.live_blocks(table, seq_lens, bs).unsqueeze(1), float("-inf"))
+    lse, table, seq_lens, start = (t.to(DEVICE) for t in (lse, table, seq_lens, start))
+    narrow = quant_lse_mass(lse[..., :MB].contiguous(), table[:, :MB].contiguous(), seq_lens, start, bs, H, 4, 40)
+    wide = quant_lse_mass(lse, table, seq_lens, start, bs, H, 4, 40)
+    assert torch.equal(wide[..., :MB], narrow) and wide[..., MB:].eq(float("-inf")).all()
 
 
 @pytest.mark.parametrize(

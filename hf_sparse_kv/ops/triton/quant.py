@@ -403,9 +403,12 @@ def quant_mass_kernel(
     BS: tl.constexpr,
     FORCE: tl.constexpr,
 ):
-    """Pass 2 of the tail: each program merges the ``NC`` partial ``(m, l)`` of its group's heads (``BN >= NC``
-    columns loaded) into each head's log-sum-exp over every block (``M = max m``, ``l = sum l exp(m - M)``), then
-    writes its chunk's scores:
+    """Pass 2 of the tail: each program merges the ``NC`` partial ``(m, l)`` of its group's heads into each head's
+    log-sum-exp over every block (``M = max m``, ``l = sum l exp(m - M)``): ``BN`` chunks at a time, each tile's own
+    ``(max, sum)`` folded into the running pair in chunk order, so that chunks past the last block in use (``m =
+    -inf``, ``l = 0``) change nothing, bit for bit: a table reserved wider (a static step's) scores as the eager
+    step's table does (a tile of ``next_power_of_2(NC)`` columns, as before 2026-12-02, reduced in another order
+    when ``NC`` crossed a power of two). Then it writes its chunk's scores:
     ``sum_g exp(lse[g] - M[g]) / l[g]`` (a head with ``l = 0`` adds 0), ``+inf`` at forced blocks still held (with
     ``FORCE``, ``ops/layout.py``'s rule), ``-inf`` at blocks not in use (past the end, evicted)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -413,13 +416,23 @@ def quant_mass_kernel(
     o_g = tl.arange(0, BG)
     m_g = o_g < G
     o_row = (i_bh * G + o_g).to(tl.int64)  # [BG]
-    o_n = tl.arange(0, BN)
-    m_n = m_g[:, None] & (o_n < NC)[None, :]
-    b_pm = tl.load(part_m + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
-    b_pl = tl.load(part_l + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=0.0)
-    b_M = tl.max(b_pm, 1)
+    b_M = tl.full([BG], float("-inf"), tl.float32)  # the running max and sum of exp(m - M) of each head
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    for n0 in range(0, NC, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = m_g[:, None] & (o_n < NC)[None, :]
+        t_pm = tl.load(part_m + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=float("-inf"))  # [BG, BN]
+        t_pl = tl.load(part_l + o_row[:, None] * NC + o_n[None, :], mask=m_n, other=0.0)
+        t_M = tl.max(t_pm, 1)
+        t_Ms = tl.where(t_M > float("-inf"), t_M, 0.0)
+        t_l = tl.sum(t_pl * tl.exp(t_pm - t_Ms[:, None]), 1)  # [BG]
+        n_M = tl.maximum(b_M, t_M)
+        n_Ms = tl.where(n_M > float("-inf"), n_M, 0.0)
+        b_Ms = tl.where(b_M > float("-inf"), b_M, 0.0)
+        # a side without mass adds exactly 0 (never 0 * inf); a side at the new max is multiplied by exactly 1
+        b_l = tl.where(b_l > 0, b_l * tl.exp(b_Ms - n_Ms), 0.0) + tl.where(t_l > 0, t_l * tl.exp(t_Ms - n_Ms), 0.0)
+        b_M = n_M
     b_Ms = tl.where(b_M > float("-inf"), b_M, 0.0)
-    b_l = tl.sum(b_pl * tl.exp(b_pm - b_Ms[:, None]), 1)  # [BG]
     b_r = tl.where(b_l > 0, 1.0 / tl.maximum(b_l, 1e-30), 0.0)  # a head without mass adds 0
 
     o_c = i_c * BC + tl.arange(0, BC)
@@ -449,6 +462,7 @@ LSE_DEFAULTS = {  # 2026-12-01 sweep (--apply): least whole-scoring time over 1 
     4: {"layout": "wide", "tpp": 4, "num_warps": 4},
 }
 TAIL_TILE = 1024  # the tail's elements per program (``[BG, BC]`` log-sum-exps): BC = TAIL_TILE // BG blocks
+TAIL_CHUNKS = 32  # the chunks' partial (max, sum) merged per tile by the tail's second pass (quant_mass_kernel)
 
 
 def quant_block_lse(
@@ -546,8 +560,9 @@ def quant_lse_mass(
     at forced blocks still held when ``window`` is given, ``-inf`` at blocks not in use.
 
     The per-head normalisation is a reduction over all ``MB`` blocks, split in chunks of ``block_c`` (default
-    ``TAIL_TILE // G`` rounded to powers of two): :func:`quant_lse_stats_kernel` takes each chunk's ``(max, sum of
-    exp)`` per head, :func:`quant_mass_kernel` (grid: chunk x (sequence, KV head)) merges them and writes its chunk.
+    ``TAIL_TILE // G``, ``G`` rounded up to a power of two; not ``MB``'s: a wider table only adds chunks):
+    :func:`quant_lse_stats_kernel` takes each chunk's ``(max, sum of exp)`` per head, :func:`quant_mass_kernel`
+    (grid: chunk x (sequence, KV head)) merges them, :data:`TAIL_CHUNKS` at a time, and writes its chunk.
     """
     B, HQ, MB = lse.shape
     H = num_kv_heads
@@ -558,7 +573,8 @@ def quant_lse_mass(
         return out
     G = HQ // H
     BG = triton.next_power_of_2(G)
-    BC = block_c or max(16, min(triton.next_power_of_2(MB), TAIL_TILE // BG))
+    # the chunks do not depend on MB: a wider table (a static step's reservation) only adds chunks of unused blocks
+    BC = block_c or max(16, TAIL_TILE // BG)
     assert triton.next_power_of_2(BC) == BC and BC >= 16, f"block_c must be a power of two >= 16, got {BC}"
     NC = triton.cdiv(MB, BC)
     lse = lse.contiguous()
@@ -567,7 +583,7 @@ def quant_lse_mass(
     quant_lse_stats_kernel[(NC, B * H)](lse, part_m, part_l, MB, NC, G=G, BG=BG, BC=BC, num_warps=4)
     quant_mass_kernel[(NC, B * H)](
         lse, part_m, part_l, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, MB, NC,
-        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=triton.next_power_of_2(NC), BS=block_size,
+        sink, 0 if window is None else window, H=H, G=G, BG=BG, BC=BC, BN=TAIL_CHUNKS, BS=block_size,
         FORCE=window is not None, num_warps=4,
     )  # fmt: skip
     return out
