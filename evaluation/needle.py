@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.cache import PagedLayer
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Policy
 
@@ -221,6 +222,22 @@ def own_prefill(policy: Policy) -> bool:
     return policy.compresses
 
 
+def shares_prefill(policy: Policy, prefix: PagedKVCache, shortest: int) -> bool:
+    """Whether ``policy``, which prefills on its own (:func:`own_prefill`: SnapKV, which compresses the prompt by what
+    its last ``observe`` queries attend), can start from the shared dense prefill instead: a copy of ``prefix`` cropped
+    by ``observe`` positions, then those positions forwarded again under the policy's patch, whose queries are the
+    observation (SnapKV's chunked prefill: the same scores, every stored key in view). It can when every prompt
+    (``shortest``: the shortest's tokens, the decoded last one included) has more than ``observe`` tokens before its
+    last one, and every layer of ``prefix`` is paged (a sliding-window layer cannot be cropped back)."""
+    observe = getattr(policy, "observe", None)
+    return (
+        own_prefill(policy)
+        and isinstance(observe, int)
+        and shortest - 1 > observe
+        and all(isinstance(layer, PagedLayer) for layer in prefix.layers)
+    )
+
+
 def decodes_statically(policy: Policy, static: bool) -> bool:
     """Whether :func:`greedy_batch` with ``static`` decodes ``policy`` through static steps: all but a policy that
     frees blocks (its block table changes during decoding), which decodes eagerly."""
@@ -241,8 +258,10 @@ def greedy_under_policies(
     """Greedy continuations of ``ids [1, L]`` under each policy through the patched model, one prefill shared.
 
     Returns ``{key: generated token ids}``; every generated token comes from a decode step that ran the policy.
-    A policy for which :func:`own_prefill` holds prefills on its own. ``clock`` (when given) gets the seconds of the
-    phases ``prefill`` (the shared one and the policies' own), ``copy`` (of the shared cache) and ``decode``.
+    A policy for which :func:`own_prefill` holds (SnapKV) forwards its observation window again on a cropped copy
+    of the shared prefill (:func:`shares_prefill`), or else prefills on its own. ``clock`` (when given) gets the
+    seconds of the phases ``prefill`` (the shared one, the policies' own and their observation windows), ``copy``
+    (of the shared cache) and ``decode``.
     """
     kw = {"use_cache": True}
     clock = clock or PhaseClock(ids.device)
@@ -256,7 +275,14 @@ def greedy_under_policies(
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if own_prefill(policy):
+            if shares_prefill(policy, prefix, ids.shape[1]):
+                W = policy.observe
+                with clock.phase("copy"):
+                    cache = copy.deepcopy(prefix)
+                    cache.crop(ids.shape[1] - 1 - W)
+                with torch.no_grad(), clock.phase("prefill"):
+                    model(ids[:, -1 - W : -1], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)
+            elif own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 with torch.no_grad(), clock.phase("prefill"):
                     model(ids[:, :-1], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)
@@ -334,7 +360,17 @@ def greedy_batch(
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if own_prefill(policy):
+            if shares_prefill(policy, prefix, min(map(len, prompts))):
+                W = policy.observe
+                with clock.phase("copy"):
+                    cache = copy.deepcopy(prefix)
+                    cache.crop(ids.shape[1] - 1 - W)
+                with torch.no_grad(), clock.phase("prefill"):
+                    model(
+                        ids[:, -1 - W : -1], attention_mask=mask[:, :-1], position_ids=pos[:, -1 - W : -1],
+                        **{cache_kwarg(model): cache}, **kw, logits_to_keep=1,
+                    )  # fmt: skip
+            elif own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 prefill(cache)
             else:

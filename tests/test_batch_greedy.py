@@ -111,3 +111,32 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
         assert all(n["graphs"] == 0 and n["capture"] == 0 for n in clock.per_key.values())
         assert sum(n["decode"] for n in clock.per_key.values()) == pytest.approx(clock.seconds["decode"])
     assert not is_patched(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_snapkv_from_the_shared_prefill_answers_as_its_own(arch, monkeypatch):
+    """SnapKV starting from a copy of the shared dense prefill, cropped by its observation window and that window
+    forwarded again under its patch, answers as with a prefill of its own (the same observation, the same blocks
+    freed), left-padded or alone, with a query-aware policy after it too. On sliding + global layers (Gemma-3) it
+    takes its own prefill: a sliding layer cannot be cropped back."""
+    from evaluation import needle
+
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (150, 131, 142)]
+    policies = {
+        "dense": Dense(),
+        "snapkv": SnapKV(budget=0.4, sink=4, window=16, observe=8),
+        "snapkv_quest": SnapKV(budget=0.5, sink=4, window=16, observe=12, then=Quest(budget=0.25, sink=4, window=8)),
+    }
+    args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
+    shared = []
+    original = needle.shares_prefill
+    monkeypatch.setattr(needle, "shares_prefill", lambda *a: shared.append(original(*a)) or shared[-1])
+    for batch in (prompts, prompts[:1]):
+        got = greedy_batch(model, batch, policies, 6, **args)
+        assert shared[-2:] == [arch == "llama"] * 2  # both SnapKV policies shared the dense prefill on Llama
+        with monkeypatch.context() as m:
+            m.setattr(needle, "shares_prefill", lambda *a: False)
+            assert greedy_batch(model, batch, policies, 6, **args) == got
+    assert not is_patched(model)
