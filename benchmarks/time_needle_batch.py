@@ -16,7 +16,8 @@ the left to the shortest one's length: no padding at all), each with dense alone
 (making and encoding the trials one after the other on this machine's CPU, measured once), and ``same`` (prompts
 whose answers under every policy equal the ``padded, masked`` row's; for a static row, the ``padded`` row's;
 ``differs``: the policies whose answers did not). ``--sparse`` picks the policies after dense (the suite's at 1/16),
-``--kinds`` the rows (a static row brings its ``padded`` row along). A second table (and ``OUT``'s
+``--kinds`` the rows (a static row brings its ``padded`` row along; so does ``own``, SnapKV prefilling on its
+own instead of from the shared prefill, whose answers are checked against it). A second table (and ``OUT``'s
 ``_policies.csv``) splits each row's decoding by policy: seconds, and for a static row the graphs captured, the
 seconds of their captures (warm-up forward + capture each) and the ms a step of the rest.
 """
@@ -41,7 +42,16 @@ from evaluation.assets import load_model
 from evaluation.needle import PhaseClock, greedy_batch, needle_trial, pad_left
 from evaluation.suite import suite_text
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
-from hf_sparse_kv.policies import BlockTopK, Dense, OracleBlockTopK, QuantBlockTopK, Quest, SinkWindow, TokenTopK
+from hf_sparse_kv.policies import (
+    BlockTopK,
+    Dense,
+    OracleBlockTopK,
+    QuantBlockTopK,
+    Quest,
+    SinkWindow,
+    SnapKV,
+    TokenTopK,
+)
 
 SPARSE = {  # the suite's policies at 1/16 (recipes/suite_gaps.sh), by the labels its cells carry
     "quest": lambda: Quest(budget=1 / 16, sink=4, window=32),
@@ -50,6 +60,10 @@ SPARSE = {  # the suite's policies at 1/16 (recipes/suite_gaps.sh), by the label
     "token_topk": lambda: TokenTopK(budget=1 / 16, sink=4, window=32),
     "block_topk": lambda: BlockTopK(budget=1 / 16, sink=4, window=32),
     "sink_window": lambda: SinkWindow(budget=1 / 16, sink=4),
+    "snapkv": lambda: SnapKV(budget=1 / 16, sink=4, window=32, observe=32),
+    "snapkv1/4+quest": lambda: SnapKV(
+        budget=1 / 4, sink=4, window=32, observe=32, then=Quest(budget=1 / 16, sink=4, window=32)
+    ),
 }
 
 
@@ -129,7 +143,10 @@ def main() -> None:
         "--sparse", default="quest",
         help=f"comma-separated policies decoded after dense in the two-policy rows, of {sorted(SPARSE)}",
     )  # fmt: skip
-    p.add_argument("--kinds", default="masked,padded,equal", help="which of the rows masked, padded, equal to time")
+    p.add_argument(
+        "--kinds", default="masked,padded,equal",
+        help="which of the rows masked, padded, equal, own (SnapKV prefilling on its own, not from the shared prefill)",
+    )  # fmt: skip
     p.add_argument(
         "--warm-tokens", type=int, default=None,
         help="new tokens of the untimed warm-up call of each kind (default: --new-tokens, so that the timed rows meet "
@@ -138,21 +155,24 @@ def main() -> None:
     a = p.parse_args()
     names, kinds = [x for x in a.sparse.split(",") if x], set(a.kinds.split(","))
     warm_tokens = a.new_tokens if a.warm_tokens is None else a.warm_tokens
-    if not names or set(names) - set(SPARSE) or not kinds or kinds - {"masked", "padded", "equal"}:
-        p.error(f"--sparse takes names of {sorted(SPARSE)}, --kinds of masked, padded, equal")
+    if not names or set(names) - set(SPARSE) or not kinds or kinds - {"masked", "padded", "equal", "own"}:
+        p.error(f"--sparse takes names of {sorted(SPARSE)}, --kinds of masked, padded, equal, own")
     model, tok = load_model(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     prompts, build = trials(tok, a.length, a.batch, suite_text("essays"))
     short = min(len(x) for x in prompts)
     equal = [x[len(x) - short :] for x in prompts]
     sparse = {name: SPARSE[name]() for name in names}
     masked = mock.patch("hf_sparse_kv.prefill.flash_dtype", lambda q: False)  # the row path off
+    own = mock.patch("evaluation.needle.shares_prefill", lambda *a: False)  # SnapKV prefills on its own
     variants = {}
     for pols in ({"dense": Dense()}, {"dense": Dense(), **sparse}):
         tag = "" if len(pols) == 1 else ", dense + " + " + ".join(names)
         if "masked" in kinds:
             variants[f"padded, masked{tag}"] = (prompts, pols, lambda: masked, False)
-        if "padded" in kinds or a.static:  # a static row's answers are checked against this one's
+        if "padded" in kinds or a.static or "own" in kinds:  # a static / own row's answers are checked against it
             variants[f"padded{tag}"] = (prompts, pols, nullcontext, False)
+        if "own" in kinds:
+            variants[f"padded, own{tag}"] = (prompts, pols, lambda: own, False)
         if a.static:
             variants[f"padded, static{tag}"] = (prompts, pols, nullcontext, True)
         if "equal" in kinds:
@@ -171,6 +191,8 @@ def main() -> None:
         total = time.perf_counter() - t0
         if static:
             ref = answers.get(name.replace(", static", "", 1))
+        elif name.startswith("padded, own"):
+            ref = answers.get(name.replace(", own", "", 1))
         else:
             ref = answers.get(name.replace("padded", "padded, masked", 1)) if name.startswith("padded") else None
         rows.append(
