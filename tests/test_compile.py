@@ -243,7 +243,7 @@ def test_generate_with_a_compile_config_compiles_static_steps(padded):
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_hidden_layers=2)
     ids = prompt(30, batch=2)
     mask = torch.ones_like(ids)
     if padded:
@@ -268,7 +268,7 @@ def test_a_growing_plan_compiles_twice_not_per_plan():
     at every plan (each compile of an 8B model takes ~25 s on an H200), and every step equals eager."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_hidden_layers=2)
     ids = prompt(30, batch=2)
     _patch(model, Quest(budget=0.5, sink=4, window=8), "block")
     steps = 80
@@ -302,7 +302,7 @@ def test_a_padded_batch_compiles_twice_not_per_sequence(policy, mode, compiles):
     step equals eager."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_hidden_layers=2)
     B, steps = 4, 64
     ids = prompt(40, batch=B)
     mask = torch.ones_like(ids)
