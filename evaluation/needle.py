@@ -185,8 +185,9 @@ class PhaseClock:
     """Wall seconds spent in named phases (``prefill``, ``copy``, ``decode``), summed over calls: each phase starts
     and ends with a device synchronisation, so that GPU work queued inside it is charged to it and to no other.
 
-    ``per_key``: what :func:`greedy_batch` notes per policy key (:meth:`note`): its ``decode`` seconds and, decoded
-    statically, the ``graphs`` its runner captured and the ``capture`` seconds they took (summed over calls)."""
+    ``per_key``: what :func:`greedy_batch` (and :func:`greedy_under_policies`) notes per policy key (:meth:`note`):
+    its ``decode`` seconds and, decoded statically, the ``graphs`` its runner captured and the ``capture`` seconds
+    they took (summed over calls)."""
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -238,6 +239,20 @@ def shares_prefill(policy: Policy, prefix: PagedKVCache, shortest: int) -> bool:
     )
 
 
+def from_shared_prefill(model, prefix: PagedKVCache, ids: torch.Tensor, observe: int, clock, **inputs):
+    """The cache a policy that :func:`shares_prefill` starts from: a copy of ``prefix`` (``ids [B, L]`` minus the
+    last token, prefilled) cropped by ``observe`` positions, then those positions forwarded again through the model
+    as patched now (its observation). ``inputs``: the window's other model inputs (a left-padded batch's mask up to
+    the window's end and the window's position ids)."""
+    with clock.phase("copy"):
+        cache = copy.deepcopy(prefix)
+        cache.crop(ids.shape[1] - 1 - observe)
+    with torch.no_grad(), clock.phase("prefill"):
+        window = ids[:, -1 - observe : -1]
+        model(window, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1, **inputs)
+    return cache
+
+
 def decodes_statically(policy: Policy, static: bool) -> bool:
     """Whether :func:`greedy_batch` with ``static`` decodes ``policy`` through static steps: all but a policy that
     frees blocks (its block table changes during decoding), which decodes eagerly."""
@@ -276,12 +291,7 @@ def greedy_under_policies(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
             if shares_prefill(policy, prefix, ids.shape[1]):
-                W = policy.observe
-                with clock.phase("copy"):
-                    cache = copy.deepcopy(prefix)
-                    cache.crop(ids.shape[1] - 1 - W)
-                with torch.no_grad(), clock.phase("prefill"):
-                    model(ids[:, -1 - W : -1], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)
+                cache = from_shared_prefill(model, prefix, ids, policy.observe, clock)
             elif own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 with torch.no_grad(), clock.phase("prefill"):
@@ -290,6 +300,7 @@ def greedy_under_policies(
                 with clock.phase("copy"):
                     cache = copy.deepcopy(prefix)
             token, gen = ids[:, -1:], []
+            decoded = clock.seconds.get("decode", 0.0)
             with torch.no_grad(), clock.phase("decode"):
                 for _ in range(new_tokens):
                     logits = model(token, **{cache_kwarg(model): cache}, **kw).logits[0, -1]
@@ -298,6 +309,7 @@ def greedy_under_policies(
                     if eos is not None and nxt == eos:
                         break
                     token = torch.tensor([[nxt]], device=ids.device)
+            clock.note(key, decode=clock.seconds["decode"] - decoded, graphs=0, capture=0.0)
             out[key] = gen
     finally:
         unpatch_model(model)
@@ -362,14 +374,8 @@ def greedy_batch(
             )
             if shares_prefill(policy, prefix, min(map(len, prompts))):
                 W = policy.observe
-                with clock.phase("copy"):
-                    cache = copy.deepcopy(prefix)
-                    cache.crop(ids.shape[1] - 1 - W)
-                with torch.no_grad(), clock.phase("prefill"):
-                    model(
-                        ids[:, -1 - W : -1], attention_mask=mask[:, :-1], position_ids=pos[:, -1 - W : -1],
-                        **{cache_kwarg(model): cache}, **kw, logits_to_keep=1,
-                    )  # fmt: skip
+                window = {"attention_mask": mask[:, :-1], "position_ids": pos[:, -1 - W : -1]}
+                cache = from_shared_prefill(model, prefix, ids, W, clock, **window)
             elif own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 prefill(cache)

@@ -27,8 +27,10 @@ def test_batched_greedy_equals_one_at_a_time(arch):
     clock = PhaseClock()
     batched = greedy_batch(model, prompts, policies, 6, dense_layers=(0,), block_size=8, mode=mode, clock=clock)
     for prompt, got in zip(prompts, batched):
-        one = greedy_under_policies(model, torch.tensor([prompt]), policies, 6, (0,), 8, mode)
+        alone = PhaseClock()
+        one = greedy_under_policies(model, torch.tensor([prompt]), policies, 6, (0,), 8, mode, clock=alone)
         assert got == one
+        assert set(alone.per_key) == set(policies) and all(n["decode"] > 0 for n in alone.per_key.values())
     assert not is_patched(model)
     # the clock saw each phase: the shared prefill and SnapKV's own, a copy per other policy, every decode
     assert set(clock.seconds) == {"prefill", "copy", "decode"}
