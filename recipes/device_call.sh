@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call of a quality run on a GPU machine that reaches no network and copies the working tree into each call
+# (README, "A GPU machine without network"): after the model's staging calls (`hf-sparse-kv stage --model M`) and with
+# `.stage/extras` carried, run the suite (or parts of recipes/suite_gaps.sh) into a results folder outside the tree
+# that lives as long as the machine, seeded from the tree's cells.jsonl on its first call. While it runs, and at the
+# end, its cells.jsonl and log are copied to $OUT (so a call killed at its time limit still brings back every finished
+# cell). Run from the repository root.
+# usage: device_call.sh SUITE SECONDS [PART ...] [-- suite args...]
+#   SUITE: smollm2 | gemma3 | qwen2.5;  no PART: `hf-sparse-kv suite SUITE` on its own config, else the parts in order
+#   (recipes/suite_chain.sh).  Outputs: $OUT/cells_suite_SUITE.jsonl, $OUT/log_suite_SUITE.txt
+set -u
+SUITE=$1; S=$2; shift 2
+ASSETS=${HF_SPARSE_KV_ASSETS:-/root/hfsk_assets}
+R=$ASSETS/results/suite_$SUITE
+OUTDIR=${OUT:-/tmp/out}
+mkdir -p "$ASSETS" "$OUTDIR"
+cp .stage/extras/*.txt "$ASSETS"/
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/extras/gguf-*.whl
+if [ ! -d "$R" ]; then
+  mkdir -p "$R"
+  cp "evaluation/results/suite_$SUITE/cells.jsonl" "$R"/ 2>/dev/null || true
+fi
+LOG=$OUTDIR/log_suite_$SUITE.txt
+keep() { cp "$R/cells.jsonl" "$OUTDIR/cells_suite_$SUITE.jsonl" 2>/dev/null || true; }
+( while sleep 20; do keep; done ) &
+COPIER=$!
+export PYTHONPATH=/tmp/site:$PWD HF_SPARSE_KV_ASSETS=$ASSETS PYTHONUNBUFFERED=1 PY=python3
+{
+  if [ $# -eq 0 ] || [ "$1" = "--" ]; then
+    [ "${1:-}" = "--" ] && shift
+    python3 -m evaluation.cli suite "$SUITE" --out "$R" --time-limit "$S" "$@"
+  else
+    bash recipes/suite_chain.sh "$R" "$S" "$@"
+  fi
+} >> "$LOG" 2>&1
+rc=$?
+kill "$COPIER" 2>/dev/null
+keep
+tail -c 3000 "$LOG" | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -25
+exit $rc
