@@ -119,10 +119,12 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
             f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, so it "
             "cannot be patched; models such as Llama, Qwen2/3, Mistral and Gemma3 can."
         )
+    n = _num_layers(model)
+    if dense_layers is None:  # the default: the first two layers (the first, on a one-layer model)
+        dense_layers = range(min(2, n))
     if isinstance(dense_layers, (str, bytes)) or not isinstance(dense_layers, Iterable):
         raise TypeError(f"dense_layers must be a sequence of layer indices, got {dense_layers!r}")
     layers = tuple(dense_layers)
-    n = _num_layers(model)
     bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
     if bad:
         raise ValueError(f"dense_layers must be layer indices in [0, {n}), got out-of-range or non-int {bad}")
@@ -261,7 +263,7 @@ def patch_model(
     model: torch.nn.Module,
     policy: Policy | None = None,
     mode: str = "block",
-    dense_layers: Iterable[int] = (0, 1),
+    dense_layers: Iterable[int] | None = None,
     block_size: int = 16,
     backend: str = "auto",
     crossover: CrossoverTable | str | None = None,
@@ -278,7 +280,8 @@ def patch_model(
         policy: a policy from :mod:`hf_sparse_kv.policies` (default ``Dense()``).
         mode: ``"mask"`` (SDPA with a mask: exact, saves nothing), ``"token"`` (gather selected tokens),
             ``"block"`` (read selected pages) or ``"auto"`` (each step dense or sparse by the crossover table).
-        dense_layers: layer indices that stay dense (default: the first two).
+        dense_layers: layer indices that stay dense (default ``None``: the first two, or the only one of a one-layer
+            model).
         block_size: tokens per page, a power of two in [8, 256].
         backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs

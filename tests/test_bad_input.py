@@ -127,3 +127,19 @@ def test_mask_with_holes_is_refused(model):
             model.generate(prompt(20), attention_mask=mask, max_new_tokens=2)
     finally:
         unpatch_model(model)
+
+
+@pytest.mark.parametrize("layers,expected", [(1, (0,)), (3, (0, 1))])
+def test_default_dense_layers_fit_the_model(layers, expected):
+    """The default keeps the first two layers dense, or the only one of a one-layer model (not refused)."""
+    from hf_sparse_kv.patched import patch_state
+
+    small = tiny_model("llama", num_hidden_layers=layers)
+    patch_model(small, policy=Quest(budget=8, sink=0, window=8), block_size=8)
+    try:
+        assert patch_state(small).config.dense_layers == expected
+        with torch.no_grad():
+            out = small.generate(prompt(20), max_new_tokens=2, do_sample=False)
+        assert out.shape == (1, 22)
+    finally:
+        unpatch_model(small)
