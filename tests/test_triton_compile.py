@@ -23,3 +23,14 @@ def test_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "all compiled" in proc.stdout
     assert proc.stdout.count("\nok ") >= 20, proc.stdout  # every variant ran (a silently empty list would pass)
+
+
+def test_quant_tail_builds_the_same_code_at_every_table_width():
+    """A static step's wider table must not compile the low-bit keys' tail differently (another reduction order):
+    ``compile_sm90.py --widths`` compares the PTX of 2047-, 2049-, 2048- and 2064-block tables."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--widths"], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("same PTX at every table width") == 2, proc.stdout

@@ -355,7 +355,7 @@ def quant_block_lse_wide_kernel(
     _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, i_b * HQ + i_h * G, MB, GP, BM, BS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MB", "NC"])  # the same code (reduction order) at every table width
 def quant_lse_stats_kernel(
     lse,  # [B, H * G, MB] float32
     part_m,  # [B, H * G, NC] float32 out
@@ -382,7 +382,7 @@ def quant_lse_stats_kernel(
     tl.store(part_l + o_row * NC + i_c, b_l, mask=m_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MB", "NC", "SINK", "WINDOW"])  # likewise (quant_lse_mass)
 def quant_mass_kernel(
     lse,  # [B, H * G, MB] float32
     part_m,  # [B, H * G, NC] float32
@@ -408,7 +408,9 @@ def quant_mass_kernel(
     ``(max, sum)`` folded into the running pair in chunk order, so that chunks past the last block in use (``m =
     -inf``, ``l = 0``) change nothing, bit for bit: a table reserved wider (a static step's) scores as the eager
     step's table does (a tile of ``next_power_of_2(NC)`` columns, as before 2026-12-02, reduced in another order
-    when ``NC`` crossed a power of two). Then it writes its chunk's scores:
+    when ``NC`` crossed a power of two). Neither tail kernel is specialised on ``MB`` or ``NC`` (Triton would compile
+    another load layout, so another reduction order, where one of them is a multiple of 16: ``quant_mass_kernel``
+    differed at 2047 / 2049 blocks on the H200, G = 6). Then it writes its chunk's scores:
     ``sum_g exp(lse[g] - M[g]) / l[g]`` (a head with ``l = 0`` adds 0), ``+inf`` at forced blocks still held (with
     ``FORCE``, ``ops/layout.py``'s rule), ``-inf`` at blocks not in use (past the end, evicted)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
