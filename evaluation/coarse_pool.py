@@ -166,7 +166,9 @@ def write_table(table: list[dict], paired: list[dict], out: Path, header: str) -
     print("\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, extra_cells=None) -> None:
+    """The CLI (module docstring); ``extra_cells(budget, sink, window) -> {label: policy}`` adds a caller's cells
+    (an experiment of its own module) after the built-in ones."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", default="smollm2")
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     budget = float(Fraction(args.budget))
     grid = cells(budget, args.sink, args.window, args.candidates, args.coarse, tuple(args.bits), tuple(args.channels))
+    if extra_cells is not None:
+        grid.update(extra_cells(budget, args.sink, args.window))
     if args.only:
         grid = {k: v for k, v in grid.items() if k in {"dense", "oracle", *args.only}}
     args.out.mkdir(parents=True, exist_ok=True)
