@@ -8,14 +8,19 @@
 # usage: device_call.sh SUITE SECONDS [PART ...] [-- suite args...]
 #   SUITE: smollm2 | gemma3 | qwen2.5;  no PART: `hf-sparse-kv suite SUITE` on its own config, else the parts in order
 #   (recipes/suite_chain.sh).  Outputs: $OUT/cells_suite_SUITE.jsonl, $OUT/log_suite_SUITE.txt
+# Environment (defaults): HF_SPARSE_KV_ASSETS (/root/hfsk_assets), HF_SPARSE_KV_EXTRAS (.stage/extras: the texts and
+# the gguf wheel), HF_SPARSE_KV_SITE (/tmp/site: where the wheel goes), PY (python3), OUT (/tmp/out)
 set -u
 SUITE=$1; S=$2; shift 2
 ASSETS=${HF_SPARSE_KV_ASSETS:-/root/hfsk_assets}
+EXTRAS=${HF_SPARSE_KV_EXTRAS:-.stage/extras}
+SITE=${HF_SPARSE_KV_SITE:-/tmp/site}
+PY=${PY:-python3}
 R=$ASSETS/results/suite_$SUITE
 OUTDIR=${OUT:-/tmp/out}
 mkdir -p "$ASSETS" "$OUTDIR"
-cp .stage/extras/*.txt "$ASSETS"/
-[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/extras/gguf-*.whl
+cp "$EXTRAS"/*.txt "$ASSETS"/
+[ -d "$SITE/gguf" ] || "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$EXTRAS"/gguf-*.whl
 if [ ! -d "$R" ]; then
   mkdir -p "$R"
   cp "evaluation/results/suite_$SUITE/cells.jsonl" "$R"/ 2>/dev/null || true
@@ -24,11 +29,11 @@ LOG=$OUTDIR/log_suite_$SUITE.txt
 keep() { cp "$R/cells.jsonl" "$OUTDIR/cells_suite_$SUITE.jsonl" 2>/dev/null || true; }
 ( while sleep 20; do keep; done ) &
 COPIER=$!
-export PYTHONPATH=/tmp/site:$PWD HF_SPARSE_KV_ASSETS=$ASSETS PYTHONUNBUFFERED=1 PY=python3
+export PYTHONPATH=$SITE:$PWD HF_SPARSE_KV_ASSETS=$ASSETS PYTHONUNBUFFERED=1 PY
 {
   if [ $# -eq 0 ] || [ "$1" = "--" ]; then
     [ "${1:-}" = "--" ] && shift
-    python3 -m evaluation.cli suite "$SUITE" --out "$R" --time-limit "$S" "$@"
+    "$PY" -m evaluation.cli suite "$SUITE" --out "$R" --time-limit "$S" "$@"
   else
     bash recipes/suite_chain.sh "$R" "$S" "$@"
   fi

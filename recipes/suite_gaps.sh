@@ -129,6 +129,10 @@ case $PART in
       --set "$MV32" \
       --set 'perplexity={windows: 0}' \
       --set "$QA32" "$@" ;;
+  qwen_grid)  # issue 12: Qwen2.5's eight policies: 1/16 first, then 1/8 and 1/32 (resumes)
+    run qwen2.5 --out "$R" --set "policies=[{name: dense}, $O, $QU, $TT, $BT, $SW, $SK, $SQ]" \
+      --set 'decisive={policies: [dense, oracle, quest, token_topk, block_topk, sink_window, snapkv, snapkv1/4+quest], budgets: ["1/16"]}' \
+      "$@" ;;
   gemma_grid)  # issue 12: Gemma-3's eight policies and quant4 (issue 13's quality winner): 1/16 first, then 1/8 and 1/32
     run gemma3 --out "$R" --set "policies=[{name: dense}, $O, $QU, $Q4, $TT, $BT, $SW, $SK, $SQ]" \
       --set 'decisive={policies: [dense, oracle, quest, quant4, token_topk, block_topk, sink_window, snapkv, snapkv1/4+quest], budgets: ["1/16"]}' \

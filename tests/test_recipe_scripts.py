@@ -72,3 +72,48 @@ def test_suite_chain_runs_parts_in_order_within_its_time(tmp_path):
     out = subprocess.run(["bash", str(tmp_path / "suite_chain.sh"), "RES", "100", "a"], check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
     assert "== a skipped" in out and not log.exists()
+
+
+def test_device_call_seeds_once_runs_the_suite_and_brings_the_cells_back(tmp_path):
+    """``device_call.sh``: the assets in place, the results folder seeded from the tree's cells once (a second call
+    keeps what the first wrote), the suite (or the parts, through the chain) pointed at it, its cells in ``$OUT``."""
+    fake = tmp_path / "fake_python"  # records its arguments and adds one cell to the --out folder
+    fake.write_text(
+        '#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> "$ARGS_OUT"\n'
+        'while [ $# -gt 0 ]; do [ "$1" = "--out" ] && echo \'{"new": 1}\' >> "$2/cells.jsonl"; shift; done\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    extras, site, assets, out = (tmp_path / n for n in ("extras", "site", "assets", "out"))
+    extras.mkdir()
+    (extras / "essays.txt").write_text("e")
+    (extras / "kjv.txt").write_text("k")
+    (site / "gguf").mkdir(parents=True)  # the wheel counts as installed
+    args = tmp_path / "args.txt"
+    env = {
+        **os.environ, "PY": str(fake), "ARGS_OUT": str(args), "OUT": str(out), "HF_SPARSE_KV_ASSETS": str(assets),
+        "HF_SPARSE_KV_EXTRAS": str(extras), "HF_SPARSE_KV_SITE": str(site),
+    }  # fmt: skip
+    script = str(ROOT / "recipes" / "device_call.sh")
+    seed = (ROOT / "evaluation" / "results" / "suite_gemma3" / "cells.jsonl").read_text()
+    subprocess.run(["bash", script, "gemma3", "300", "--", "--set", "x=1"], check=True, env=env, cwd=ROOT)
+    res = assets / "results" / "suite_gemma3"
+    called = args.read_text().splitlines()
+    assert called == [
+        "-m",
+        "evaluation.cli",
+        "suite",
+        "gemma3",
+        "--out",
+        str(res),
+        "--time-limit",
+        "300",
+        "--set",
+        "x=1",
+    ]
+    assert (assets / "kjv.txt").read_text() == "k" and (out / "log_suite_gemma3.txt").exists()
+    assert (out / "cells_suite_gemma3.jsonl").read_text() == seed + '{"new": 1}\n'
+    args.unlink()
+    subprocess.run(["bash", script, "gemma3", "300", "gemma_grid"], check=True, env=env, cwd=ROOT)
+    called = args.read_text().splitlines()
+    assert called[:4] == ["-m", "evaluation.cli", "suite", "gemma3"] and called[called.index("--out") + 1] == str(res)
+    assert (out / "cells_suite_gemma3.jsonl").read_text() == seed + '{"new": 1}\n' * 2  # not seeded again
