@@ -192,6 +192,85 @@ def _interval(v: str, lo: str, hi: str, scale: float = 1.0, unit: str = ""):
     return f
 
 
+GRID_POLICIES = (
+    "dense", "oracle", "token_topk", "quant4", "quest", "block_topk", "sink_window", "snapkv", "snapkv1/4+quest",
+)  # fmt: skip
+"""Issue 12's policies (and ``quant4``, issue 13's most faithful selector), in the order of the grid tables."""
+
+
+def _budget_key(b: str) -> float:
+    """``"1/8"`` -> 0.125 (``"-"``: dense, first); budgets large to small."""
+    if b == "-":
+        return -1.0
+    num, _, den = b.partition("/")
+    return -float(num) / float(den or 1)
+
+
+def grid_tables(ppl: list[dict[str, Any]], acc: dict[str, list[dict[str, Any]]]) -> str:
+    """Markdown: the suite's grid at a glance, :data:`GRID_POLICIES` as rows, (length, budget) as columns.
+
+    - Perplexity: Δppl % against dense [paired 95 %] (dense's row: its perplexity), from ``ppl``
+      (:func:`perplexity_rows`, ``reuse == 1`` only).
+    - Each needle variant and QA task (``acc``: section name -> :func:`accuracy_rows`, per length, not ``"all"``):
+      ``hits / trials (lost / gained against dense on the same trials)``; dense's row: ``hits / trials``.
+
+    Cells not measured are ``·``; columns with no cell are left out. The full rows, other policies included, are in
+    the sections below it."""
+    out = []
+    mine = [r for r in ppl if r["reuse"] == 1 and r["policy"] in GRID_POLICIES]
+    cols = sorted(
+        {(r["length"], r["budget"]) for r in mine if r["budget"] != "-"}, key=lambda c: (c[0], _budget_key(c[1]))
+    )
+    if cols:
+        by = {(r["policy"], r["length"], r["budget"]): r for r in mine}
+        out.append("\n### Perplexity: Δppl % against dense [paired 95 %] (dense: its perplexity)\n\n")
+        out.append("| policy | " + " | ".join(f"{n} @ {b}" for n, b in cols) + " |\n")
+        out.append("| --- |" + " --- |" * len(cols) + "\n")
+        for pol in GRID_POLICIES:
+            if pol == "dense":
+                cells = [_fmt(by[("dense", n, "-")]["ppl"]) if ("dense", n, "-") in by else "·" for n, _ in cols]
+            else:
+                cells = [
+                    _interval("dppl_pct", "dppl_low", "dppl_high")(by[(pol, n, b)]) if (pol, n, b) in by else "·"
+                    for n, b in cols
+                ]
+            if any(c != "·" for c in cells):
+                out.append(f"| {pol} | " + " | ".join(cells) + " |\n")
+    for section, rows in acc.items():
+        kind = "variant" if rows and "variant" in rows[0] else "qa_task"
+        rows = [r for r in rows if r["length"] != "all" and r["policy"] in GRID_POLICIES]
+        for what in sorted({r[kind] for r in rows}):
+            theirs = [r for r in rows if r[kind] == what]
+            cols = sorted(
+                {(r["length"], r["budget"]) for r in theirs if r["budget"] != "-"},
+                key=lambda c: (c[0], _budget_key(c[1])),
+            )
+            if not cols:
+                continue
+            by = {(r["policy"], r["length"], r["budget"]): r for r in theirs}
+            out.append(
+                f"\n### {section} {what}: hits / trials (lost / gained against dense on the same trials; dense: its own "
+                "hits over all its trials)\n\n"
+            )
+            out.append("| policy | " + " | ".join(f"{n} @ {b}" for n, b in cols) + " |\n")
+            out.append("| --- |" + " --- |" * len(cols) + "\n")
+            for pol in GRID_POLICIES:
+                cells = []
+                for n, b in cols:
+                    r = by.get((pol, n, "-" if pol == "dense" else b))
+                    if r is None:
+                        cells.append("·")
+                    elif pol == "dense":
+                        cells.append(f"{round(r['accuracy'] * r['trials'])} / {r['trials']}")
+                    else:
+                        cells.append(
+                            f"{round(r['accuracy'] * r['trials'])} / {r['trials']} ({r['lost']} / {r['gained']})"
+                        )
+                if any(c != "·" for c in cells):
+                    out.append(f"| {pol} | " + " | ".join(cells) + " |\n")
+    return "".join(out)
+
+
 def errorbar_plot(rows, metric, low, high, group, path: Path, ylabel: str, title: str, scale: float = 1.0) -> Path:
     """``metric`` against the budget, one line per ``group(row)``, with error bars from ``low``/``high``; dense (no
     budget) as a dashed line per group."""
@@ -232,6 +311,10 @@ def summarize(out: str | Path, title: str = "") -> str:
     needle = accuracy_rows(rows, "needle")
     qa = accuracy_rows(rows, "qa")
     md = [f"# Suite summary: {title}\n", f"{len(rows)} cells from `{Path(out) / 'cells.jsonl'}`.\n"]
+    grid = grid_tables(ppl, {"Needle": needle, "QA": qa})
+    if grid:
+        md.append("\n## The grid (issue 12's policies and `quant4`; every row and policy in the sections below)\n")
+        md.append(grid)
     if ppl:
         md.append(
             "\n## Perplexity (Δ against dense, and against the oracle at the same budget: paired 95% t intervals "

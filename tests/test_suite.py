@@ -393,3 +393,37 @@ def test_static_decode_in_the_suite_gives_the_eager_answers(tmp_path):
     assert {r["decode"] for r in eager if r["task"] != "perplexity"} == {"eager"}
     ways = {r["policy"]: r["decode"] for r in static if r["task"] != "perplexity"}
     assert ways["snapkv"] == "eager" and ways["quest"] == ways["dense"] == ways["oracle"] == "static"
+
+
+def test_grid_tables_put_issue_12s_policies_against_length_and_budget():
+    """The summary's grid: the known policies as rows in their order, (length, budget) columns large budgets first,
+    Δppl with its interval, hits / trials with lost / gained, dense's own figure, ``·`` where a cell is missing, and
+    neither a column without cells nor a policy outside the grid."""
+    from evaluation.suite_summary import grid_tables
+
+    def p(policy, length, budget, d=1.0):
+        return {"policy": policy, "length": length, "budget": budget, "reuse": 1, "ppl": 10.0 * (1 + d / 100),
+                "dppl_pct": d, "dppl_low": d - 0.5, "dppl_high": d + 0.5}  # fmt: skip
+
+    ppl = [p("dense", 4096, "-", 0.0), p("quest", 4096, "1/16", 7.0), p("oracle", 4096, "1/8", 2.0),
+           p("oracle", 4096, "1/16", 3.0), p("mass_c8", 4096, "1/16", 9.0)]  # fmt: skip
+
+    def a(policy, budget, hits, lost=0, gained=0, length=4096):
+        return {"variant": "single", "length": length, "policy": policy, "budget": budget, "trials": 10,
+                "accuracy": hits / 10, "lost": lost, "gained": gained}  # fmt: skip
+
+    needle = [a("dense", "-", 6), a("dense", "-", 6, length="all"), a("quest", "1/16", 3, 4, 1)]
+    md = grid_tables(ppl, {"Needle": needle})
+    lines = md.splitlines()
+    head = next(line for line in lines if line.startswith("| policy | 4096"))
+    assert head == "| policy | 4096 @ 1/8 | 4096 @ 1/16 |"  # 1/8 before 1/16, no dense column
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith(("| policy", "| ---"))]
+    assert rows[:3] == [
+        "| dense | 10 | 10 |",
+        "| oracle | 2 [1.5, 2.5] | 3 [2.5, 3.5] |",
+        "| quest | · | 7 [6.5, 7.5] |",
+    ]
+    assert not any("mass_c8" in line for line in lines)
+    assert "| policy | 4096 @ 1/16 |" in md  # the needle table: only the budget measured, "all" left out
+    assert "| dense | 6 / 10 |" in md and "| quest | 3 / 10 (4 / 1) |" in md
+    assert grid_tables([], {"Needle": []}) == ""
