@@ -614,11 +614,13 @@ def estimate(
     step_ms_per_layer: float = 1.6,
     tflops: float = 150.0,
     rows: list[dict[str, Any]] | None = None,
+    fresh: bool = False,
 ) -> list[tuple[Job, float, bool]]:
     """Rough device seconds per job, for planning a GPU session (not a measurement): ``(job, seconds, measured)``.
 
-    Counts only the (unit, cell) pairs still to run: not in ``rows`` (the results folder's finished cells) and not
-    run by an earlier job of the plan (the tiers repeat cells). A job whose kind of unit (:func:`_job_kind`) has
+    Counts only the (unit, cell) pairs still to run: not in ``rows`` (the results folder's finished cells; with
+    ``fresh``, none: the whole suite run again from an empty folder, still priced from ``rows``) and not run by an
+    earlier job of the plan (the tiers repeat cells). A job whose kind of unit (:func:`_job_kind`) has
     finished cells in ``rows`` is priced at their median seconds per unit, the policy's own median where it has some
     (``measured``: True; a policy that prefills on its own, SnapKV, without finished cells of the kind pays the kind's
     median plus a prompt's share of a prefill, measured (:func:`prefill_per_prompt`) or the model's; a perplexity
@@ -637,7 +639,7 @@ def estimate(
         return 2 * params * tokens / (tflops * 1e12) + layers * 0.002
 
     cells = cells_of(cfg)
-    done = _done_keys(rows or [])
+    done = set() if fresh else _done_keys(rows or [])
     priced = [r for r in rows or [] if r.get("device") != "cpu"]
     measured = measured_seconds(priced)
     own_prefill = prefill_per_prompt(priced)
@@ -717,6 +719,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="print rough device minutes per job still to run (no model loaded; priced from --out's finished cells)",
     )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="with --estimate: price the whole suite run again from an empty folder (from --out's cells all the same)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (YAML)")
     a = p.parse_args(argv)
     overrides = {}
@@ -727,7 +734,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.estimate:
         rows = ResultsDir(a.out).rows() if any(Path(a.out).glob("cells*.jsonl")) else []
         total = 0.0
-        for job, sec, from_rows in estimate(cfg, rows=rows):
+        for job, sec, from_rows in estimate(cfg, rows=rows, fresh=a.fresh):
             total += sec
             what = job.params.get("variant", "")
             how = "measured" if from_rows else "model"

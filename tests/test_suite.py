@@ -233,6 +233,13 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
 
     assert multi_key(fresh) > 0 and multi_key(est) == pytest.approx(multi_key(fresh))
     assert len(unique) < sum(len(_units(cfg, j, cells)) for j in jobs)  # the tiers repeat cells: counted once
+    # fresh=True: the whole suite again from an empty folder, priced from the same rows: the finished units count
+    # again, at their policies' own seconds
+    again = [(s, m) for job, s, m in estimate(cfg, rows=rows, fresh=True) if job.task == "needle"]
+    again_single = sum(
+        s for (s, m), job in zip(again, [j for j in jobs if j.task == "needle"]) if job.params["variant"] == "single"
+    )
+    assert again_single == pytest.approx(want + sum(price[u[4]] for u in finished))
 
 
 def test_estimate_counts_the_cpus_cells_as_done_and_prices_nothing_from_them():
