@@ -17,6 +17,7 @@ What patching does, all undone by :func:`unpatch_model`:
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from collections.abc import Iterable
 from functools import partial, update_wrapper
@@ -47,7 +48,7 @@ from .policies import Dense, Policy
 
 __all__ = ["cache_kwarg", "is_patched", "patch_model", "unpatch_model"]
 
-CACHE_NAMES = ("cache", "past_key_values")
+CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")  # how models and attentions take it
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -122,6 +123,9 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
     n = _num_layers(model)
     if dense_layers is None:  # the default: the first two layers (the first, on a one-layer model)
         dense_layers = range(min(2, n))
+    problem = _unsupported_attention(model)
+    if problem:
+        raise TypeError(problem)
     if isinstance(dense_layers, (str, bytes)) or not isinstance(dense_layers, Iterable):
         raise TypeError(f"dense_layers must be a sequence of layer indices, got {dense_layers!r}")
     layers = tuple(dense_layers)
@@ -130,6 +134,35 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
         raise ValueError(f"dense_layers must be layer indices in [0, {n}), got out-of-range or non-int {bad}")
     policy.check_patch(mode, layers)
     return layers
+
+
+def _unsupported_attention(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s attention cannot run through the sparse attention unchanged (``None``: it can): a cache the
+    attention takes under a name this patch does not look for (it would never see the paged cache and stay dense,
+    silently), learned attention sinks (GPT-OSS: a per-head logit in every softmax, which the decode kernels leave
+    out) or soft-capped attention logits (Gemma-2: ``cap * tanh(logit / cap)``, which neither the kernels nor SDPA
+    apply)."""
+    name = type(model).__name__
+    for module in _attention_modules(model):
+        params = inspect.signature(type(module).forward).parameters
+        if not any(p in params for p in CACHE_NAMES):
+            return (
+                f"{name}'s attention ({type(module).__name__}) takes its cache under none of {CACHE_NAMES}: the "
+                "patched attention could not find the paged cache and would attend densely. Not supported."
+            )
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            return (
+                f"{name}'s attention has learned attention sinks ({type(module).__name__}.sinks, as GPT-OSS): the "
+                "sparse decode kernels have no sink term in their softmax, so every step would be wrong. Not supported."
+            )
+        if getattr(module, "attn_logit_softcapping", None) is not None or getattr(module, "softcap", None):
+            cap = getattr(module, "attn_logit_softcapping", None) or getattr(module, "softcap", None)
+            return (
+                f"{name}'s attention soft-caps its logits (attn_logit_softcapping={cap}, as Gemma-2): neither the "
+                "sparse kernels nor SDPA apply the cap. Not supported (a config with attn_logit_softcapping=None "
+                "patches, at the cost of what the cap changes in the model's answers)."
+            )
+    return None
 
 
 def _find_cache(kwargs: dict):
