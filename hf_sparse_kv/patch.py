@@ -165,6 +165,12 @@ def _unsupported_attention(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _sparse_layers(model: torch.nn.Module, dense_layers: tuple[int, ...]) -> list[int]:
+    """The layers a policy would run in: those a :class:`PagedKVCache` of ``model``'s config pages (full
+    attention; sliding-window layers keep transformers' own) and ``dense_layers`` leaves to the policy."""
+    return [layer.index for layer in PagedKVCache(model.config).paged_layers if layer.index not in dense_layers]
+
+
 def _find_cache(kwargs: dict):
     for name in CACHE_NAMES:
         if kwargs.get(name) is not None:
@@ -314,7 +320,8 @@ def patch_model(
         mode: ``"mask"`` (SDPA with a mask: exact, saves nothing), ``"token"`` (gather selected tokens),
             ``"block"`` (read selected pages) or ``"auto"`` (each step dense or sparse by the crossover table).
         dense_layers: layer indices that stay dense (default ``None``: the first two, or the only one of a one-layer
-            model).
+            model). A patch that leaves no layer to the policy (all of them here, or sliding-window layers, which
+            keep transformers' own cache) warns: it decodes densely.
         block_size: tokens per page, a power of two in [8, 256].
         backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
@@ -373,6 +380,13 @@ def patch_model(
     elif crossover is not None:
         raise ValueError("crossover is used by mode='auto' only")
     config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table, compile, cuda_graph)
+    if not isinstance(policy, Dense) and not _sparse_layers(model, layers):
+        warnings.warn(
+            f"no layer of {type(model).__name__} runs {type(policy).__name__}: every layer with a full-attention cache "
+            f"is in dense_layers={layers} or none has one (sliding-window layers keep transformers' own cache and "
+            "stay dense), so decoding reads everything. Pass fewer dense_layers to make some layers sparse.",
+            stacklevel=2,
+        )
     _register()
     saved = _Settings(model)
     handles = []

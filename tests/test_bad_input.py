@@ -143,3 +143,22 @@ def test_default_dense_layers_fit_the_model(layers, expected):
         assert out.shape == (1, 22)
     finally:
         unpatch_model(small)
+
+
+def test_a_patch_that_leaves_no_layer_to_the_policy_warns():
+    """Every full-attention layer in dense_layers (or none paged: all sliding): decoding stays dense, said once at
+    patching; a patch with a layer left to the policy, or a Dense one, says nothing."""
+    import warnings
+
+    cases = [
+        (tiny_model("llama", num_hidden_layers=2), Quest(budget=64), {}, True),  # the default keeps both dense
+        (tiny_model("mistral"), Quest(budget=64), {"dense_layers": ()}, True),  # every layer slides (window 24)
+        (tiny_model("llama"), Quest(budget=64), {}, False),
+        (tiny_model("llama", num_hidden_layers=2), Dense(), {}, False),
+    ]
+    for small, policy, kw, warns in cases:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            patch_model(small, policy=policy, **kw)
+        unpatch_model(small)
+        assert any("no layer of" in str(w.message) for w in seen) == warns, (type(small).__name__, policy, kw)
