@@ -88,7 +88,12 @@ def cases():
     """(name, thunk) pairs: each thunk calls one op variant on small CPU tensors."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for dtype, D, BS, G in ((torch.bfloat16, 128, 16, 4), (torch.float16, 64, 32, 3), (torch.float32, 256, 64, 1)):
+    for dtype, D, BS, G in (
+        (torch.bfloat16, 128, 16, 4),
+        (torch.float16, 64, 32, 3),
+        (torch.float32, 256, 64, 1),
+        (torch.bfloat16, 80, 16, 2),
+    ):
         B, H, MB = 2, 2, 8
         NB = B * MB
         q = torch.randn(B, H * G, D, generator=g).to(dtype)
