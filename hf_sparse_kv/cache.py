@@ -707,8 +707,13 @@ class PagedKVCache(DynamicCache):
         t.invalidate()
 
     def crop(self, max_length: int) -> None:
-        """Keep the first tokens: ``max_length >= 0`` is the length to keep, a negative value the tokens to drop."""
+        """Keep the first tokens: ``max_length > 0`` is the length to keep, a negative value the tokens to drop,
+        ``0`` drops nothing (transformers >= 5.2x calls ``crop(-n)`` with ``n`` the rejected candidate tokens of
+        assisted or prompt-lookup decoding, ``n = 0`` when all were accepted; earlier versions pass the length to
+        keep, which is never 0 there: ``reset()`` empties a cache)."""
         length = self.get_seq_length()
+        if max_length == 0:
+            return
         keep = length + max_length if max_length < 0 else min(max_length, length)
         keep = max(keep, 0)
         if keep == length:

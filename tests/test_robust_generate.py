@@ -234,3 +234,30 @@ def test_8k_dense_generation_equals_unpatched():
 @pytest.mark.parametrize("mode", ["mask", "token", "block"])
 def test_dense_generation_left_padded_batch(mode):
     long_generation_matches_unpatched(192, mode, batch=2)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prompt_lookup_decoding_equals_unpatched(seed):
+    """Prompt-lookup decoding verifies n candidate tokens in one forward, then crops the rejected ones with
+    ``crop(-n)``: ``n = 0`` (all accepted) must drop nothing (it emptied the cache under transformers 5.2x, and the
+    answers degenerated). Patched Dense gives the unpatched tokens; the cache's ``crop(0)`` keeps every token."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(3, 90, (1, 40), generator=g)
+    ids = torch.cat([base, base[:, :20], base[:, 5:25]], 1)  # repeated n-grams: the lookup finds candidates
+    kw = {"max_new_tokens": 12, "prompt_lookup_num_tokens": 3, "do_sample": False}
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    patch_model(model, policy=Dense(), block_size=16, dense_layers=())
+    try:
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, **kw), ref)
+            cache = PagedKVCache(model.config, block_size=16)
+            model(ids, **{cache_kwarg(model): cache}, use_cache=True)
+        n = cache.get_seq_length()
+        cache.crop(0)
+        assert cache.get_seq_length() == n == ids.shape[1]
+        cache.crop(-3)
+        assert cache.get_seq_length() == n - 3
+    finally:
+        unpatch_model(model)
