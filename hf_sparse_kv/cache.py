@@ -713,6 +713,9 @@ class PagedKVCache(DynamicCache):
         keep, which is never 0 there: ``reset()`` empties a cache)."""
         length = self.get_seq_length()
         if max_length == 0:
+            for layer in self.layers:  # transformers 5.2x: a sliding layer recording past states shrinks back to its
+                if getattr(layer, "record_past", False):  # window on crop(0) (earlier layers have no record_past)
+                    layer.crop(0)
             return
         keep = length + max_length if max_length < 0 else min(max_length, length)
         keep = max(keep, 0)

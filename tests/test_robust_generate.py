@@ -236,12 +236,13 @@ def test_dense_generation_left_padded_batch(mode):
     long_generation_matches_unpatched(192, mode, batch=2)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_prompt_lookup_decoding_equals_unpatched(seed):
+@pytest.mark.parametrize("arch,seed", [("llama", 0), ("llama", 1), ("gemma3", 2)])
+def test_prompt_lookup_decoding_equals_unpatched(arch, seed):
     """Prompt-lookup decoding verifies n candidate tokens in one forward, then crops the rejected ones with
     ``crop(-n)``: ``n = 0`` (all accepted) must drop nothing (it emptied the cache under transformers 5.2x, and the
-    answers degenerated). Patched Dense gives the unpatched tokens; the cache's ``crop(0)`` keeps every token."""
-    model = tiny_model("llama")
+    answers degenerated), yet still shrink a sliding-window layer that recorded past states back to its window.
+    Patched Dense gives the unpatched tokens; the cache's ``crop(0)`` keeps every token."""
+    model = tiny_model(arch)
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(3, 90, (1, 40), generator=g)
     ids = torch.cat([base, base[:, :20], base[:, 5:25]], 1)  # repeated n-grams: the lookup finds candidates
@@ -251,7 +252,14 @@ def test_prompt_lookup_decoding_equals_unpatched(seed):
     patch_model(model, policy=Dense(), block_size=16, dense_layers=())
     try:
         with torch.no_grad():
-            assert torch.equal(model.generate(ids, **kw), ref)
+            cache = PagedKVCache(model.config, block_size=16)
+            assert torch.equal(model.generate(ids, **kw, **{cache_kwarg(model): cache}), ref)
+            window = getattr(model.config, "sliding_window", None)
+            for layer in cache.layers:  # transformers' own sliding layers, shrunk back as the unpatched cache's
+                if layer.is_sliding and getattr(layer, "keys", None) is not None:
+                    assert layer.keys.shape[-2] <= window
+            if arch != "llama":  # transformers' own sliding layers refuse a crop past their window (not recording)
+                return
             cache = PagedKVCache(model.config, block_size=16)
             model(ids, **{cache_kwarg(model): cache}, use_cache=True)
         n = cache.get_seq_length()
