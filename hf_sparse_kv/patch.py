@@ -265,7 +265,8 @@ def _prepare_cache_for_generation(
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
                 f"cache_implementation={generation_config.cache_implementation!r} conflicts with hf_sparse_kv's paged "
-                "cache; leave it unset on a patched model."
+                "cache; leave it unset on a patched model (where the model's own generation config sets it: "
+                "model.generation_config.cache_implementation = None)."
             )
         # compile_config: decode in static steps, which transformers compiles (unless cuda_graph=True captures them)
         static = generation_config.compile_config is not None and not config.cuda_graph and bool(max_cache_length)

@@ -140,6 +140,12 @@ def test_cache_implementation_dynamic_builds_the_paged_cache(model, reference):
         assert isinstance(out.past_key_values, PagedKVCache)
         with pytest.raises(ValueError, match="leave it unset"), torch.no_grad():
             model.generate(ids, max_new_tokens=2, cache_implementation="static")
+        model.generation_config.cache_implementation = "static"  # a model whose own generation config sets it
+        try:
+            with pytest.raises(ValueError, match="generation_config.cache_implementation = None"), torch.no_grad():
+                model.generate(ids, max_new_tokens=2)
+        finally:
+            model.generation_config.cache_implementation = None
     finally:
         unpatch_model(model)
 
