@@ -206,6 +206,22 @@ def _budget_key(b: str) -> float:
     return -float(num) / float(den or 1)
 
 
+def _grid_columns(rows: list[dict[str, Any]]) -> list[tuple[Any, str]]:
+    """The ``(length, budget)`` pairs of ``rows`` but dense's, by length, budgets large to small."""
+    return sorted(
+        {(r["length"], r["budget"]) for r in rows if r["budget"] != "-"}, key=lambda c: (c[0], _budget_key(c[1]))
+    )
+
+
+def _grid(cols: list[tuple[Any, str]], cell) -> str:
+    """A :func:`_table` of :data:`GRID_POLICIES` (those with a cell) against ``cols``; ``cell(policy, length,
+    budget)`` -> its text, ``None`` where not measured (shown ``·``)."""
+    rows = [pol for pol in GRID_POLICIES if any(cell(pol, n, b) is not None for n, b in cols)]
+    spec = [("policy", lambda pol: pol)]
+    spec += [(f"{n} @ {b}", lambda pol, n=n, b=b: cell(pol, n, b) or "·") for n, b in cols]
+    return _table(rows, spec)
+
+
 def grid_tables(ppl: list[dict[str, Any]], acc: dict[str, list[dict[str, Any]]]) -> str:
     """Markdown: the suite's grid at a glance, :data:`GRID_POLICIES` as rows, (length, budget) as columns.
 
@@ -218,56 +234,40 @@ def grid_tables(ppl: list[dict[str, Any]], acc: dict[str, list[dict[str, Any]]])
     the sections below it."""
     out = []
     mine = [r for r in ppl if r["reuse"] == 1 and r["policy"] in GRID_POLICIES]
-    cols = sorted(
-        {(r["length"], r["budget"]) for r in mine if r["budget"] != "-"}, key=lambda c: (c[0], _budget_key(c[1]))
-    )
+    cols = _grid_columns(mine)
     if cols:
         by = {(r["policy"], r["length"], r["budget"]): r for r in mine}
+
+        def ppl_cell(pol, n, b):
+            r = by.get((pol, n, "-" if pol == "dense" else b))
+            if r is None:
+                return None
+            return _fmt(r["ppl"]) if pol == "dense" else _interval("dppl_pct", "dppl_low", "dppl_high")(r)
+
         out.append("\n### Perplexity: Δppl % against dense [paired 95 %] (dense: its perplexity)\n\n")
-        out.append("| policy | " + " | ".join(f"{n} @ {b}" for n, b in cols) + " |\n")
-        out.append("| --- |" + " --- |" * len(cols) + "\n")
-        for pol in GRID_POLICIES:
-            if pol == "dense":
-                cells = [_fmt(by[("dense", n, "-")]["ppl"]) if ("dense", n, "-") in by else "·" for n, _ in cols]
-            else:
-                cells = [
-                    _interval("dppl_pct", "dppl_low", "dppl_high")(by[(pol, n, b)]) if (pol, n, b) in by else "·"
-                    for n, b in cols
-                ]
-            if any(c != "·" for c in cells):
-                out.append(f"| {pol} | " + " | ".join(cells) + " |\n")
+        out.append(_grid(cols, ppl_cell))
     for section, rows in acc.items():
         kind = "variant" if rows and "variant" in rows[0] else "qa_task"
         rows = [r for r in rows if r["length"] != "all" and r["policy"] in GRID_POLICIES]
         for what in sorted({r[kind] for r in rows}):
             theirs = [r for r in rows if r[kind] == what]
-            cols = sorted(
-                {(r["length"], r["budget"]) for r in theirs if r["budget"] != "-"},
-                key=lambda c: (c[0], _budget_key(c[1])),
-            )
+            cols = _grid_columns(theirs)
             if not cols:
                 continue
             by = {(r["policy"], r["length"], r["budget"]): r for r in theirs}
+
+            def hits_cell(pol, n, b, by=by):
+                r = by.get((pol, n, "-" if pol == "dense" else b))
+                if r is None:
+                    return None
+                hits = f"{round(r['accuracy'] * r['trials'])} / {r['trials']}"
+                return hits if pol == "dense" else f"{hits} ({r['lost']} / {r['gained']})"
+
             out.append(
                 f"\n### {section} {what}: hits / trials (lost / gained against dense on the same trials; dense: its own "
                 "hits over all its trials)\n\n"
             )
-            out.append("| policy | " + " | ".join(f"{n} @ {b}" for n, b in cols) + " |\n")
-            out.append("| --- |" + " --- |" * len(cols) + "\n")
-            for pol in GRID_POLICIES:
-                cells = []
-                for n, b in cols:
-                    r = by.get((pol, n, "-" if pol == "dense" else b))
-                    if r is None:
-                        cells.append("·")
-                    elif pol == "dense":
-                        cells.append(f"{round(r['accuracy'] * r['trials'])} / {r['trials']}")
-                    else:
-                        cells.append(
-                            f"{round(r['accuracy'] * r['trials'])} / {r['trials']} ({r['lost']} / {r['gained']})"
-                        )
-                if any(c != "·" for c in cells):
-                    out.append(f"| {pol} | " + " | ".join(cells) + " |\n")
+            out.append(_grid(cols, hits_cell))
     return "".join(out)
 
 
