@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_kv.ops.reference import oracle_block_scores
+from hf_sparse_kv.ops.reference import held_positions, oracle_block_scores
 from hf_sparse_kv.policies.base import DecodeState
 from hf_sparse_kv.policies.blocks import OracleBlockTopK
 
@@ -55,11 +55,8 @@ def sequence_grid(
         raise ValueError(f"grid must be one of {GRIDS}, not {grid!r}")
     if bits not in GAUSS_RANGE:
         raise ValueError(f"bits must be one of {tuple(GAUSS_RANGE)}, not {bits!r}")
-    MB, BS = block_table.shape[1], k_pool.shape[2]
     keys = k_pool[block_table.long().clamp(min=0)].float()  # [B, MB, Hkv, BS, D]
-    pos = torch.arange(MB * BS, device=k_pool.device).view(MB, BS)
-    ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (block_table >= 0).unsqueeze(-1)
-    w = ok[:, :, None, :, None]  # [B, MB, 1, BS, 1]
+    w = held_positions(block_table, seq_lens, start, k_pool.shape[2])[:, :, None, :, None]  # [B, MB, 1, BS, 1]
     if grid == "minmax":
         big = torch.finfo(torch.float32).max
         lo = keys.masked_fill(~w, big).amin(dim=(1, 3))

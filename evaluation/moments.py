@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_sparse_kv.ops.reference import lse_block_mass
+from hf_sparse_kv.ops.reference import held_positions, lse_block_mass
 from hf_sparse_kv.policies.base import DecodeState
 from hf_sparse_kv.policies.blocks import _BlockTopK
 
@@ -51,9 +51,7 @@ def moment_block_lse(
     B, MB = block_table.shape
     H, BS, D = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     keys = k_pool[block_table.long().clamp(min=0)].float()  # [B, MB, Hkv, BS, D]
-    pos = torch.arange(MB * BS, device=q.device).view(MB, BS)
-    ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (block_table >= 0).unsqueeze(-1)
-    w = ok.float()[:, :, None, :, None]  # [B, MB, 1, BS, 1]
+    w = held_positions(block_table, seq_lens, start, BS).float()[:, :, None, :, None]  # [B, MB, 1, BS, 1]
     n = w.sum(3)  # [B, MB, 1, 1]
     mean = (keys * w).sum(3) / n.clamp(min=1)  # [B, MB, Hkv, D]
     qg = q.float().view(B, H, -1, D)  # [B, Hkv, G, D]

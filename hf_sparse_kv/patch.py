@@ -155,8 +155,10 @@ def _unsupported_attention(model: torch.nn.Module) -> str | None:
                 f"{name}'s attention has learned attention sinks ({type(module).__name__}.sinks, as GPT-OSS): the "
                 "sparse decode kernels have no sink term in their softmax, so every step would be wrong. Not supported."
             )
-        if getattr(module, "attn_logit_softcapping", None) is not None or getattr(module, "softcap", None):
-            cap = getattr(module, "attn_logit_softcapping", None) or getattr(module, "softcap", None)
+        cap = getattr(module, "attn_logit_softcapping", None)
+        if cap is None:
+            cap = getattr(module, "softcap", None) or None  # a falsy softcap (0, False) caps nothing
+        if cap is not None:
             return (
                 f"{name}'s attention soft-caps its logits (attn_logit_softcapping={cap}, as Gemma-2): neither the "
                 "sparse kernels nor SDPA apply the cap. Not supported (a config with attn_logit_softcapping=None "

@@ -34,6 +34,16 @@ def valid_positions(
     return (pos >= st) & (pos < lens) & ~((pos >= lo) & (pos < hi)) & (pos >= 0)
 
 
+def held_positions(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """``[B, MB, BS]`` bool: logical position ``m * BS + t`` of each sequence is valid (``start <= p < seq_len``)
+    and its block held (table entry ``>= 0``). ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``."""
+    MB = block_table.shape[1]
+    pos = torch.arange(MB * block_size, device=block_table.device).view(MB, block_size)
+    return (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (block_table >= 0).unsqueeze(-1)
+
+
 def physical_slots(block_table: torch.Tensor, pos: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Map logical positions ``pos [B, ...]`` (any value; invalid ones are clamped) to (physical block, offset)."""
     B, MB = block_table.shape
@@ -707,8 +717,7 @@ def quant_block_lse(
     phys = block_table.long().clamp(min=0)
     keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
     s = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, H), keys) * scale  # [B, Hkv, G, MB, BS]
-    pos = torch.arange(MB * BS, device=q.device).view(MB, BS)
-    ok = (pos < seq_lens.view(-1, 1, 1)) & (pos >= start.view(-1, 1, 1)) & (block_table >= 0).unsqueeze(-1)
+    ok = held_positions(block_table, seq_lens, start, BS)
     return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
 
 
