@@ -23,6 +23,7 @@ from hf_sparse_kv.cache import PagedLayer
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Policy
 
+from .slots import DecodeSlots
 from .text import _boundary_near, _leading_specials, essay_tokens, needle_prompt, score_answer
 
 VARIANTS = ("single", "multi_key", "multi_value")
@@ -336,6 +337,7 @@ def greedy_batch(
     pad_id: int = 0,
     clock: PhaseClock | None = None,
     static: bool = False,
+    slots: DecodeSlots | None = None,
 ) -> list[dict[Any, list[int]]]:
     """:func:`greedy_under_policies` for several prompts at once: left-padded into one batch, one shared prefill,
     then every policy decodes all of them together (the patched attention stores no padding and runs each
@@ -347,7 +349,9 @@ def greedy_batch(
     copy of the prefilled cache: captured as CUDA graphs on a GPU, where an eager step of a small model is bound by
     the host; the same step uncaptured on the CPU), except for a policy that frees blocks, which decodes eagerly.
     The tokens are those of the eager steps (tested on the CPU for every mode; a captured step replays the same
-    kernels)."""
+    kernels). ``slots`` (with ``static``): a :class:`~evaluation.slots.DecodeSlots` kept across the batches of a
+    job: each static policy decodes on its refilled slot with the steps captured in earlier batches instead of
+    on a copy of the prefill with steps captured anew."""
     device = model.device
     clock = clock or PhaseClock(device)
     if len(prompts) == 1 and not static:
@@ -364,6 +368,7 @@ def greedy_batch(
             )  # fmt: skip
 
     out: list[dict[Any, list[int]]] = [{} for _ in prompts]
+    static_policies = [q for q in policies.values() if decodes_statically(q, static)]
     patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
     try:
         prefix = PagedKVCache(model.config, block_size=block_size)
@@ -379,15 +384,20 @@ def greedy_batch(
             elif own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 prefill(cache)
+            elif slots is not None and decodes_statically(policy, static):
+                with torch.no_grad(), clock.phase("copy"):
+                    cache, kept = slots.decode(model, key, prefix, ids.shape[1] - 1 + new_tokens, static_policies)
             else:
                 with clock.phase("copy"):
                     cache = copy.deepcopy(prefix)
             token, m, p, gen = ids[:, -1:], mask, pos[:, -1:], []
             decoded = clock.seconds.get("decode", 0.0)
             with torch.no_grad(), clock.phase("decode"):
-                runner = None
-                if decodes_statically(policy, static):  # room for the prompt and every new token
-                    runner = DecodeGraphs(model, cache, ids.shape[1] - 1 + new_tokens)
+                runner, captured = None, 0.0
+                if slots is not None and decodes_statically(policy, static):
+                    runner, captured, graphs = kept, kept.capture_seconds, len(kept.graphs)
+                elif decodes_statically(policy, static):  # room for the prompt and every new token
+                    runner, graphs = DecodeGraphs(model, cache, ids.shape[1] - 1 + new_tokens), 0
                 for _ in range(new_tokens):
                     if runner is not None:
                         logits = runner.step(token, position_ids=p)
@@ -400,11 +410,11 @@ def greedy_batch(
                     m = torch.cat([m, torch.ones_like(token)], 1)
                     p = p + 1
                 tokens = torch.cat(gen, 1).tolist()
-            clock.note(
+            clock.note(  # this batch's captures (a kept runner's earlier ones not counted)
                 key,
                 decode=clock.seconds["decode"] - decoded,
-                graphs=len(runner.graphs) if runner is not None else 0,
-                capture=runner.capture_seconds if runner is not None else 0.0,
+                graphs=len(runner.graphs) - graphs if runner is not None else 0,
+                capture=runner.capture_seconds - captured if runner is not None else 0.0,
             )
             for i in range(len(prompts)):
                 out[i][key] = tokens[i]

@@ -17,7 +17,8 @@ window's last ``scored`` tokens are scored the ``simulate`` way (tested against 
 fidelity (recall, hit rate against the oracle) on the same windows; policies that free blocks (SnapKV) are scored
 the ``decode`` way. Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
 Needle and QA batches decode eagerly unless the config's ``static: true`` (or their block's) says otherwise
-(:func:`decode_way`).
+(:func:`decode_way`); ``reuse_graphs: true`` beside it keeps each policy's captured steps across a job's batches
+(:class:`~evaluation.slots.DecodeSlots`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .needle import PhaseClock, decodes_statically, greedy_batch, needle_trial, 
 from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
 from .simulate import SimulateSession
+from .slots import DecodeSlots
 from .sweep import (
     PolicyCell,
     ResultsDir,
@@ -267,7 +269,8 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
 
 def _needle_params(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     """The needle settings of ``variant`` (``single``, ``single_start`` or a hard one): defaults, then the config's."""
-    n = {"static": bool(cfg.get("static", False)), **(cfg.get("needle") or {})}
+    n = {"static": bool(cfg.get("static", False)), "reuse_graphs": bool(cfg.get("reuse_graphs", False))}
+    n.update(cfg.get("needle") or {})
     if variant == "single":
         return {"trials": 100, "depths": [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], "new_tokens": 8, **n}
     if variant == "single_start":
@@ -292,6 +295,7 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
     chosen = _with_dense(cells, job)
     pending = [(u[3], todo) for u, todo in _pending(cfg, job, cells, done)]
     batch = batch_size(p.get("batch"), job.length)
+    slots = _slots(p)
     for b0 in range(0, len(pending), batch):
         if deadline.passed():
             return
@@ -310,7 +314,8 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
             )
             return (trial, depth, text_name, phrasing, t), tok.encode(t["text"])
 
-        trials, gens, sec, phases = _answer_batch(job, model, build, [trial for trial, _ in group], todo, cfg, p)
+        keys = [trial for trial, _ in group]
+        trials, gens, sec, phases = _answer_batch(job, model, build, keys, todo, cfg, p, slots)
         for (trial, depth, text_name, phrasing, t), (_, mine), gen in zip(trials, group, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])
@@ -361,7 +366,13 @@ def _build_all(build, keys: list) -> tuple[list, list[list[int]]]:
     return [b[0] for b in built], [b[1] for b in built]
 
 
-def _answer_batch(job: Job, model, build, keys: list, todo: list[PolicyCell], cfg, p: dict) -> tuple:
+def _slots(p: dict[str, Any]) -> DecodeSlots | None:
+    """A job's :class:`~evaluation.slots.DecodeSlots` when its task decodes statically with ``reuse_graphs: true``
+    (each policy's captured steps kept across the job's batches), else ``None``."""
+    return DecodeSlots() if p.get("static") and p.get("reuse_graphs") else None
+
+
+def _answer_batch(job: Job, model, build, keys: list, todo: list[PolicyCell], cfg, p: dict, slots=None) -> tuple:
     """One needle or QA batch: the prompts of ``keys`` built (:func:`_build_all`), answered greedily in one
     left-padded batch under the cells ``todo`` (``p["new_tokens"]`` tokens each), one log line on where the time
     went. Returns (the records of ``build``, per prompt ``{key: ids}``, seconds per cell and prompt (the batch's,
@@ -374,7 +385,7 @@ def _answer_batch(job: Job, model, build, keys: list, todo: list[PolicyCell], cf
     clock = PhaseClock(model.device)
     gens = greedy_batch(
         model, prompts, policies, int(p["new_tokens"]), cfg["dense_layers"], cfg["block_size"],
-        cfg.get("mode", "block"), clock=clock, static=bool(p.get("static", False)),
+        cfg.get("mode", "block"), clock=clock, static=bool(p.get("static", False)), slots=slots,
     )  # fmt: skip
     phases = {k: round(v, 3) for k, v in {"build": built, **clock.seconds}.items()}
     split = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
@@ -386,7 +397,7 @@ def _qa_params(cfg: dict[str, Any]) -> dict[str, Any]:
     """The QA settings: defaults, then the config's."""
     return {
         "tasks": ["variable_tracking", "fact", "common_words"], "items": 100, "new_tokens": 8,
-        "static": bool(cfg.get("static", False)), **cfg["qa"],
+        "static": bool(cfg.get("static", False)), "reuse_graphs": bool(cfg.get("reuse_graphs", False)), **cfg["qa"],
     }  # fmt: skip
 
 
@@ -396,6 +407,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
     chosen = _with_dense(cells, job)
     pending = [(u[2], u[3], todo) for u, todo in _pending(cfg, job, cells, done)]
     batch = batch_size(p.get("batch"), job.length)
+    slots = _slots(p)
     for b0 in range(0, len(pending), batch):
         if deadline.passed():
             return
@@ -410,7 +422,8 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
             item = make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)
             return (text_name, item), tok.encode(item["prompt"])[-job.length :]
 
-        items, gens, sec, phases = _answer_batch(job, model, build, [(t, i) for t, i, _ in group], todo, cfg, p)
+        keys = [(t, i) for t, i, _ in group]
+        items, gens, sec, phases = _answer_batch(job, model, build, keys, todo, cfg, p, slots)
         for (task, i, mine), (text_name, item), gen in zip(group, items, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])

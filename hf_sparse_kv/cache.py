@@ -203,6 +203,19 @@ class PagedLayer(DynamicLayer):
             [torch.cat([t[idx], t.new_zeros((capacity - len(blocks), *t.shape[1:]))]) for t in self._tensors()]
         )
 
+    def load(self, source: PagedLayer, length: int, dst: list[int], src: list[int]) -> None:
+        """Hold ``source``'s blocks ``src`` (its physical ids) at this layer's blocks ``dst`` and its ``length``,
+        every tensor in place: pools and metadata zeroed and copied, the declared state zeroed (the cache
+        recomputes it). For ``PagedKVCache.load_static``."""
+        di = torch.tensor(dst, dtype=torch.long, device=self.device)
+        si = torch.tensor(src, dtype=torch.long, device=self.device)
+        for t, s in zip(self._tensors()[:5], source._tensors()[:5]):
+            t.zero_()
+            t.index_copy_(0, di, s.index_select(0, si))
+        for t in self.state.values():
+            t.zero_()
+        self.length = length
+
     def copy_block(self, src: int, dst: int) -> None:
         if self.is_initialized:
             for t in self._tensors():
@@ -523,7 +536,7 @@ class PagedKVCache(DynamicCache):
                 row.append(t.take())
         t.invalidate()
 
-    def reserve_static(self, max_length: int) -> StaticBuffers:
+    def reserve_static(self, max_length: int, any_padding: bool = False) -> StaticBuffers:
         """Prepare for static decoding (compiled or CUDA-graph steps): allocate every block up to ``max_length``
         tokens (transformers' frame) now, so the block table never changes again, keep the step's positions in
         device buffers that a static step reads, and turn each sliding-window layer into a :class:`WindowRing` of
@@ -531,7 +544,10 @@ class PagedKVCache(DynamicCache):
 
         Call after the prefill. From then on every forward on this cache is a single-token static step whose
         buffers :meth:`StaticBuffers.begin_step` fills first (``hf_sparse_kv.graphs.begin_static_step`` does it);
-        :meth:`reset` ends the reservation. Evicting policies are not supported (their table changes)."""
+        :meth:`reset` ends the reservation. Evicting policies are not supported (their table changes).
+
+        ``any_padding``: give every sequence blocks for ``max_length`` stored tokens (not ``max_length`` less its
+        padding), so that :meth:`load_static` can later refill the reservation with a batch padded otherwise."""
         if not self.table.rows and not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.layers):
             raise ValueError("reserve_static needs a filled cache (call it after the prefill)")
         if self.evicted:
@@ -543,9 +559,9 @@ class PagedKVCache(DynamicCache):
             raise ValueError(f"reserve_static: max_length={max_length} leaves no room after {length} tokens")
         device = self.paged_layers[0].device if self.paged_layers else self.layers[0].device
         B = len(self.table.rows) or self.layers[0].keys.shape[0]
-        if self.table.rows:
-            self.reserve(B, max_length, length)
         pads = self.pads if len(self.pads) == B else [0] * B
+        if self.table.rows:
+            self.reserve(B, max_length + (max(pads) if any_padding else 0), length)
         zeros = torch.zeros(B, dtype=torch.int32, device=device)
         table = self.table.tensor(device) if self.table.rows else zeros.view(B, 1)
         backend = resolve_backend(self.backend, device)
@@ -564,6 +580,85 @@ class PagedKVCache(DynamicCache):
                 self.layers[i] = WindowRing(layer, length, self.static)
         self._mark_static()
         return self.static
+
+    def load_static(self, source: PagedKVCache) -> None:
+        """Refill this cache, reserved for static decoding (:meth:`reserve_static`), with the contents of ``source``
+        (a filled cache of as many sequences, not reserved, nothing evicted: e.g. a shared prefill) in place: every
+        tensor a static step reads keeps its address, so the steps captured on this cache
+        (:class:`~hf_sparse_kv.graphs.DecodeGraphs`) replay on the new contents instead of being captured again.
+
+        Each paged layer's pools, metadata and declared state are zeroed and ``source``'s blocks copied into this
+        cache's blocks of the same sequence and position (the declared state recomputed from the copied keys: what
+        a reservation of ``source`` itself would hold, up to block numbering); sliding-window rings take
+        ``source``'s window; lengths and left padding (host and device) become ``source``'s; the decode session
+        forgets its step and observations and keeps its captured steps and counters. Raises ``ValueError``, before
+        anything changes, when ``source`` does not fit: another batch size, block size or layer layout, no room
+        left for a step, or a sequence with less padding than the reservation's rows allow (reserve with
+        ``any_padding=True``)."""
+        self._check_load(source)
+        B, BS = len(self.table.rows), self.block_size
+        length = source.get_seq_length()
+        pads = list(source.pads) if len(source.pads) == B else [0] * B
+        need = [cdiv(max(length - p, 0), BS) for p in pads]
+        dst = [self.table.rows[b][j] for b in range(B) for j in range(need[b])]
+        src = [source.table.rows[b][j] for b in range(B) for j in range(need[b])]
+        stored = [max(length - p, 0) for p in pads]
+        for mine, theirs in zip(self.layers, source.layers):
+            if isinstance(mine, (PagedLayer, WindowRing)):
+                mine.load(theirs, length, dst, src)
+        self.pads = pads
+        self._pads_on = {}
+        self.static.reload(pads)
+        self._deferred.clear()
+        self.session.reload()
+        for layer in self.paged_layers:
+            if layer.state:
+                hi = torch.tensor(stored, dtype=torch.long, device=layer.device)
+                layer.refresh_state(torch.zeros_like(hi), hi, max(stored))
+
+    def _check_load(self, source: PagedKVCache) -> None:
+        """Why ``source`` cannot be loaded into this reservation (``ValueError``), or nothing (see :meth:`load_static`)."""
+        if self.static is None:
+            raise ValueError("load_static needs a cache reserved for static steps (call reserve_static first)")
+        if not isinstance(source, PagedKVCache) or source.static is not None or source.evicted:
+            raise ValueError("load_static takes a filled PagedKVCache that is not reserved and has no evicted block")
+        B = len(self.table.rows)
+        if (
+            len(source.table.rows) != B
+            or source.block_size != self.block_size
+            or len(source.layers) != len(self.layers)
+        ):
+            raise ValueError(
+                f"load_static: the source holds {len(source.table.rows)} sequences in blocks of {source.block_size} "
+                f"over {len(source.layers)} layers; this reservation {B} in blocks of {self.block_size} over "
+                f"{len(self.layers)}"
+            )
+        for i, (mine, theirs) in enumerate(zip(self.layers, source.layers)):
+            if isinstance(mine, PagedLayer):
+                ok = isinstance(theirs, PagedLayer) and theirs.is_initialized and mine.is_initialized
+                ok = ok and theirs.k_pool.shape[1:] == mine.k_pool.shape[1:] and theirs.dtype == mine.dtype
+                ok = ok and theirs.k_pool.device == mine.k_pool.device
+            elif isinstance(mine, WindowRing):
+                ok = isinstance(theirs, DynamicSlidingWindowLayer) and mine.fits(theirs)
+            else:
+                ok = False
+            if not ok:
+                raise ValueError(f"load_static: layer {i} of the source is not laid out as this reservation's")
+        length = source.get_seq_length()
+        if not 0 < length < self.static.max_length:
+            raise ValueError(
+                f"load_static: the source holds {length} tokens per sequence; this reservation takes 1 to "
+                f"{self.static.max_length - 1} (and room for a step)"
+            )
+        pads = list(source.pads) if len(source.pads) == B else [0] * B
+        short = [
+            b for b, p in enumerate(pads) if cdiv(self.static.max_length - p, self.block_size) > len(self.table.rows[b])
+        ]
+        if short:
+            raise ValueError(
+                f"load_static: sequences {short} are padded less than this reservation's rows allow for its "
+                f"{self.static.max_length} tokens: reserve_static(max_length, any_padding=True)"
+            )
 
     def _mark_static(self) -> None:
         """Tell ``torch.compile`` that every tensor a static step reads or writes keeps its address (the pools are

@@ -134,6 +134,7 @@ class DecodeGraphs:
         if config.policy.frees_blocks:
             raise ValueError("static decoding needs a policy that does not free blocks (its block table changes)")
         self.model, self.config, self.state = model, config, patch_state(model)
+        self.weights = weight_addresses(model)  # what the graphs read besides the cache (see rebind)
         self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
         self.capture = capture and torch.cuda.is_available()
         self.static = cache.reserve_static(max_length)
@@ -160,6 +161,28 @@ class DecodeGraphs:
     @property
     def cache(self) -> PagedKVCache:
         return self._cache()
+
+    def rebind(self, model) -> None:
+        """Serve ``model`` patched again with the same settings: these steps become the cache's again and
+        :meth:`step` accepts the new patch. For a caller that patches its policies in turn on one model and keeps
+        each policy's steps across batches (its cache refilled by ``PagedKVCache.load_static``): a replay reads
+        the settings and weights it was captured with, so they must be the same. Raises ``ValueError`` (nothing
+        changed) when ``model`` is another model, unpatched, patched with other settings, patched with merged
+        projections (each patch makes new merged weights), or when any of its parameters or buffers moved."""
+        state = patch_state(model)
+        why = ""
+        if model is not self.model or state is None:
+            why = "another model, or an unpatched one"
+        elif state.merged or self.state.merged:
+            why = "merged projections (each patch makes new merged weights)"
+        elif not same_settings(state.config, self.config):
+            why = "other settings"
+        elif weight_addresses(model) != self.weights:
+            why = "weights or buffers at other addresses"
+        if why:
+            raise ValueError(f"these static steps cannot serve this model: {why}; make a new DecodeGraphs")
+        self.state = state
+        self.cache.session.set_graphs(self)
 
     def plan(self, length: int) -> StaticPlan:
         """The plan of the step that decodes at ``length`` tokens of transformers' frame (the current one included);
@@ -214,6 +237,23 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return logits.clone()
+
+
+def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:
+    """The data addresses of ``model``'s parameters and buffers, in order (what a captured step reads besides its
+    cache and buffers)."""
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
+def same_settings(a, b) -> bool:
+    """Whether two patch settings (:class:`~hf_sparse_kv.attention.SparseConfig`) are equal; settings that cannot be
+    compared (a field holding tensors) are equal only when they are one object."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def pads_match(cache: PagedKVCache, mask: torch.Tensor | None, length: int) -> bool:

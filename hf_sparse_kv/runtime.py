@@ -93,6 +93,14 @@ class DecodeSession:
         self.observation_used = False
         self.graphs = None
 
+    def reload(self) -> None:
+        """The cache's contents were replaced in place (``PagedKVCache.load_static``): forget the step and the
+        observations; the captured steps stay (they read the new contents through the same tensors), and so do the
+        counters."""
+        self.step = None
+        self.observed = {}
+        self.observation_used = False
+
     # ---- forwards and steps --------------------------------------------------------------------------------------
 
     def begin_forward(self) -> None:

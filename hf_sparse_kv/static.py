@@ -72,6 +72,14 @@ class StaticBuffers:
             self.filled = counts
         self.plan = plan
 
+    def reload(self, pads: list[int]) -> None:
+        """The cache was refilled in place with a batch padded by ``pads`` (``PagedKVCache.load_static``): the
+        padding buffer takes them, and the next step fills the counts afresh; what :meth:`keep` made stays (it
+        depends on its key alone)."""
+        self.pads.copy_(torch.tensor(pads, dtype=self.pads.dtype))
+        self.filled = None
+        self.plan = None
+
     def keep(self, key, make: Callable[[], object]) -> object:
         """``make()``, made once per ``key`` and kept for the reservation: what is the same at every step that asks
         with this key (a plan's counting rates, a device tensor of per-sequence counts, the table's block numbers).
@@ -113,6 +121,32 @@ class WindowRing(CacheLayerMixin):
         self.values[:, :, slots] = values
         self.is_initialized = True
         self.device, self.dtype = keys.device, keys.dtype
+
+    def fits(self, layer) -> bool:
+        """Whether transformers' sliding-window ``layer`` (of a cache not reserved) can be loaded here (:meth:`load`)."""
+        keys = getattr(layer, "keys", None)
+        return (
+            keys is not None
+            and getattr(layer, "sliding_window", None) == self.sliding_window
+            and keys.shape[:2] == self.keys.shape[:2]
+            and keys.shape[3] == self.keys.shape[3]
+            and keys.shape[2] <= self.sliding_window
+            and keys.dtype == self.dtype
+            and keys.device == self.keys.device
+        )
+
+    def load(self, layer, length: int, *blocks) -> None:
+        """Hold ``layer``'s window (transformers' sliding-window layer, positions ``length - n .. length - 1``) in
+        place of this ring's contents, every tensor at its address (see ``PagedKVCache.load_static``; ``blocks``,
+        the paged layers' block ids, do not concern a ring)."""
+        keys, values = layer.keys, layer.values
+        n = keys.shape[2]
+        slots = torch.arange(length - n, length, device=keys.device) % self.sliding_window
+        self.keys.zero_()
+        self.values.zero_()
+        self.keys[:, :, slots] = keys
+        self.values[:, :, slots] = values
+        self.length = length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write one token ``[B, Hkv, 1, D]`` at slot ``frame % W``; return the whole ring."""
