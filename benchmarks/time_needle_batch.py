@@ -12,7 +12,9 @@ each sequence unmasked, :mod:`hf_sparse_kv.prefill`, where that applies), ``padd
 path turned off: one SDPA call with the causal + padding mask, as before 2026-12-01), ``equal`` (each trial cut from
 the left to the shortest one's length: no padding at all), each with dense alone and with Quest 1/16 after it; with
 ``--static``, ``padded, static`` too (the padded trials decoded through static steps, captured as CUDA graphs:
-``greedy_batch(static=True)``, the suite's ``static: true``). Columns: the phases of :class:`evaluation.needle.PhaseClock` (``prefill``, ``copy``, ``decode``), ``build``
+``greedy_batch(static=True)``, the suite's ``static: true``); with ``--reuse``, ``padded, reused`` (the same with the
+captured steps kept in an :class:`evaluation.slots.DecodeSlots`, the suite's ``reuse_graphs: true``), then ``second,
+padded`` and ``second, reused`` (another batch of trials, eager, then on the kept steps: no capture). Columns: the phases of :class:`evaluation.needle.PhaseClock` (``prefill``, ``copy``, ``decode``), ``build``
 (making and encoding the trials one after the other on this machine's CPU, measured once), and ``same`` (prompts
 whose answers under every policy equal the ``padded, masked`` row's; for a static row, the ``padded`` row's;
 ``differs``: the policies whose answers did not). ``--sparse`` picks the policies after dense (the suite's at 1/16),
@@ -40,6 +42,7 @@ from common import env_info, print_table, write_csv
 
 from evaluation.assets import load_model
 from evaluation.needle import PhaseClock, greedy_batch, needle_trial, pad_left
+from evaluation.slots import DecodeSlots
 from evaluation.suite import suite_text
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import (
@@ -67,12 +70,13 @@ SPARSE = {  # the suite's policies at 1/16 (recipes/suite_gaps.sh), by the label
 }
 
 
-def trials(tok, length: int, batch: int, essays: str) -> tuple[list[list[int]], float]:
-    """(token ids of ``batch`` 8-key needle trials at ``length``, seconds to build and encode them)."""
+def trials(tok, length: int, batch: int, essays: str, first: int = 0) -> tuple[list[list[int]], float]:
+    """(token ids of ``batch`` 8-key needle trials at ``length`` (trials ``first`` on), seconds to build and encode
+    them)."""
     t0 = time.perf_counter()
     out = []
-    for i in range(batch):
-        t = needle_trial(tok, length, 0.1 + 0.8 * i / max(1, batch - 1), "multi_key", i, 997 * i, 8, essays)
+    for i in range(first, first + batch):
+        t = needle_trial(tok, length, 0.1 + 0.8 * (i % batch) / max(1, batch - 1), "multi_key", i, 997 * i, 8, essays)
         out.append(tok.encode(t["text"]))
     return out, time.perf_counter() - t0
 
@@ -140,6 +144,11 @@ def main() -> None:
     p.add_argument("--profile", default="", help="a text file: profile padded and equal decode steps into it")
     p.add_argument("--static", action="store_true", help="add the padded rows decoded through static steps")
     p.add_argument(
+        "--reuse", action="store_true",
+        help="add static rows whose captured steps are kept across two batches (evaluation.slots.DecodeSlots, the "
+        "suite's reuse_graphs): the first batch's, then another batch's (other trials) with no new capture",
+    )  # fmt: skip
+    p.add_argument(
         "--sparse", default="quest",
         help=f"comma-separated policies decoded after dense in the two-policy rows, of {sorted(SPARSE)}",
     )  # fmt: skip
@@ -164,32 +173,40 @@ def main() -> None:
     sparse = {name: SPARSE[name]() for name in names}
     masked = mock.patch("hf_sparse_kv.prefill.flash_dtype", lambda q: False)  # the row path off
     own = mock.patch("evaluation.needle.shares_prefill", lambda *a: False)  # SnapKV prefills on its own
-    variants = {}
+    second = trials(tok, a.length, a.batch, suite_text("essays"), first=a.batch)[0] if a.reuse else []
+    variants = {}  # name -> (prompts, policies, context, static, slots)
     for pols in ({"dense": Dense()}, {"dense": Dense(), **sparse}):
         tag = "" if len(pols) == 1 else ", dense + " + " + ".join(names)
         if "masked" in kinds:
-            variants[f"padded, masked{tag}"] = (prompts, pols, lambda: masked, False)
-        if "padded" in kinds or a.static or "own" in kinds:  # a static / own row's answers are checked against it
-            variants[f"padded{tag}"] = (prompts, pols, nullcontext, False)
+            variants[f"padded, masked{tag}"] = (prompts, pols, lambda: masked, False, None)
+        if "padded" in kinds or a.static or a.reuse or "own" in kinds:  # static / own rows are checked against it
+            variants[f"padded{tag}"] = (prompts, pols, nullcontext, False, None)
         if "own" in kinds:
-            variants[f"padded, own{tag}"] = (prompts, pols, lambda: own, False)
+            variants[f"padded, own{tag}"] = (prompts, pols, lambda: own, False, None)
         if a.static:
-            variants[f"padded, static{tag}"] = (prompts, pols, nullcontext, True)
+            variants[f"padded, static{tag}"] = (prompts, pols, nullcontext, True, None)
+        if a.reuse:
+            slots = DecodeSlots()
+            variants[f"padded, reused{tag}"] = (prompts, pols, nullcontext, True, slots)
+            variants[f"second, padded{tag}"] = (second, pols, nullcontext, False, None)
+            variants[f"second, reused{tag}"] = (second, pols, nullcontext, True, slots)
         if "equal" in kinds:
-            variants[f"equal{tag}"] = (equal, pols, nullcontext, False)
+            variants[f"equal{tag}"] = (equal, pols, nullcontext, False, None)
     warm = [(prompts, nullcontext, False)] + [(prompts, lambda: masked, False)] * ("masked" in kinds)
     warm += [(equal, nullcontext, False)] * ("equal" in kinds)
-    for ps, ctx, static in warm + [(prompts, nullcontext, True)] * a.static:
+    for ps, ctx, static in warm + [(prompts, nullcontext, True)] * (a.static or a.reuse):
         with ctx():  # warm-up: kernels (Triton specialises on the batch's sizes), allocator
             greedy_batch(model, ps, {"dense": Dense(), **sparse}, warm_tokens, static=static)
     rows, answers, per_policy = [], {}, []
-    for name, (ps, policies, ctx, static) in variants.items():
+    for name, (ps, policies, ctx, static, slots) in variants.items():
         clock = PhaseClock(model.device)
         t0 = time.perf_counter()
         with ctx():
-            answers[name] = greedy_batch(model, ps, policies, a.new_tokens, clock=clock, static=static)
+            answers[name] = greedy_batch(model, ps, policies, a.new_tokens, clock=clock, static=static, slots=slots)
         total = time.perf_counter() - t0
-        if static:
+        if slots is not None:
+            ref = answers.get(name.replace(", reused", ", padded" if name.startswith("second") else "", 1))
+        elif static:
             ref = answers.get(name.replace(", static", "", 1))
         elif name.startswith("padded, own"):
             ref = answers.get(name.replace(", own", "", 1))
