@@ -21,7 +21,9 @@ whose answers under every policy equal the ``padded, masked`` row's; for a stati
 ``--kinds`` the rows (a static row brings its ``padded`` row along; so does ``own``, SnapKV prefilling on its
 own instead of from the shared prefill, whose answers are checked against it). A second table (and ``OUT``'s
 ``_policies.csv``) splits each row's decoding by policy: seconds, and for a static row the graphs captured, the
-seconds of their captures (warm-up forward + capture each) and the ms a step of the rest.
+seconds of their captures (warm-up forward + capture each) and the ms a step of the rest. Where a row's answers
+differ from its reference's, a third table (and ``_diverge.csv``) gives, per prompt and policy, the first step where
+they part and both decodings' margins there (top-1 minus top-2 logit): a tie broken by rounding, or not.
 """
 
 from __future__ import annotations
@@ -84,6 +86,34 @@ def trials(tok, length: int, batch: int, essays: str, first: int = 0) -> tuple[l
 def differing(answers: list[dict], ref: list[dict]) -> list[str]:
     """The policies (keys) whose tokens differ from ``ref``'s for at least one prompt, sorted."""
     return sorted({str(k) for x, y in zip(answers, ref) for k in x if x[k] != y.get(k)})
+
+
+def divergences(variant: str, answers: list[dict], ref: list[dict], top2: dict, ref_top2: dict) -> list[dict]:
+    """One row per (prompt, policy) whose tokens differ from ``ref``'s: the first step where they part, the token
+    each chose there, and each decoding's margin there (its top logit minus its second, float32: near 0 is a tie
+    that rounding may break either way; a large margin on both sides is a different computation, not a tie)."""
+    out = []
+    for i, (x, y) in enumerate(zip(answers, ref)):
+        for k in sorted(x, key=str):
+            if x[k] == y.get(k):
+                continue
+            s = next(j for j, (u, v) in enumerate(zip(x[k], y[k])) if u != v)
+            (v, _), (rv, rids) = top2[k], ref_top2[k]
+            out.append(
+                {
+                    "variant": variant,
+                    "policy": k,
+                    "prompt": i,
+                    "step": s,
+                    "token": x[k][s],
+                    "margin": round(float(v[i, s, 0] - v[i, s, 1]), 4),
+                    "ref_token": y[k][s],
+                    "ref_margin": round(float(rv[i, s, 0] - rv[i, s, 1]), 4),
+                    "ref_second": int(rids[i, s, 1]),
+                    "ref_top_logit": round(float(rv[i, s, 0]), 3),
+                }
+            )
+    return out
 
 
 def policy_rows(variant: str, clock: PhaseClock, new_tokens: int) -> list[dict]:
@@ -197,12 +227,15 @@ def main() -> None:
     for ps, ctx, static in warm + [(prompts, nullcontext, True)] * (a.static or a.reuse):
         with ctx():  # warm-up: kernels (Triton specialises on the batch's sizes), allocator
             greedy_batch(model, ps, {"dense": Dense(), **sparse}, warm_tokens, static=static)
-    rows, answers, per_policy = [], {}, []
+    rows, answers, per_policy, top2s, diverge = [], {}, [], {}, []
     for name, (ps, policies, ctx, static, slots) in variants.items():
         clock = PhaseClock(model.device)
         t0 = time.perf_counter()
         with ctx():
-            answers[name] = greedy_batch(model, ps, policies, a.new_tokens, clock=clock, static=static, slots=slots)
+            top2s[name] = {}
+            answers[name] = greedy_batch(
+                model, ps, policies, a.new_tokens, clock=clock, static=static, slots=slots, top2=top2s[name]
+            )
         total = time.perf_counter() - t0
         if slots is not None:
             ref = answers.get(name.replace(", reused", ", padded" if name.startswith("second") else "", 1))
@@ -212,6 +245,9 @@ def main() -> None:
             ref = answers.get(name.replace(", own", "", 1))
         else:
             ref = answers.get(name.replace("padded", "padded, masked", 1)) if name.startswith("padded") else None
+        ref_name = next((k for k, v in answers.items() if v is ref), None)
+        if ref is not None:
+            diverge += divergences(name, answers[name], ref, top2s[name], top2s[ref_name])
         rows.append(
             {
                 "model": a.model,
@@ -236,6 +272,11 @@ def main() -> None:
     write_csv(a.out, rows)
     print_table(per_policy, list(per_policy[0]), title="decode per policy (graphs, capture: static rows)")
     write_csv(os.path.splitext(a.out)[0] + "_policies.csv", per_policy)
+    if diverge:
+        print_table(
+            diverge, list(diverge[0]), title="where a row parts from its reference (margins: top-1 - top-2 logit)"
+        )
+        write_csv(os.path.splitext(a.out)[0] + "_diverge.csv", diverge)
     if a.profile:
         for ps in (prompts, equal):
             profile_decode(model, ps, Dense(), 3, a.profile)

@@ -338,6 +338,7 @@ def greedy_batch(
     clock: PhaseClock | None = None,
     static: bool = False,
     slots: DecodeSlots | None = None,
+    top2: dict | None = None,
 ) -> list[dict[Any, list[int]]]:
     """:func:`greedy_under_policies` for several prompts at once: left-padded into one batch, one shared prefill,
     then every policy decodes all of them together (the patched attention stores no padding and runs each
@@ -351,10 +352,14 @@ def greedy_batch(
     The tokens are those of the eager steps (tested on the CPU for every mode; a captured step replays the same
     kernels). ``slots`` (with ``static``): a :class:`~evaluation.slots.DecodeSlots` kept across the batches of a
     job: each static policy decodes on its refilled slot with the steps captured in earlier batches instead of
-    on a copy of the prefill with steps captured anew."""
+    on a copy of the prefill with steps captured anew.
+
+    ``top2``: a dict that receives, per policy key, the two largest float32 logits of every step and their token ids
+    (``(values [B, new_tokens, 2], ids [B, new_tokens, 2])``): how close to a tie each choice was, to tell where two
+    decodings of one prompt part (with ``top2``, one prompt takes the batched path too)."""
     device = model.device
     clock = clock or PhaseClock(device)
-    if len(prompts) == 1 and not static:
+    if len(prompts) == 1 and not static and top2 is None:
         ids = torch.tensor([prompts[0]], device=device)
         return [greedy_under_policies(model, ids, policies, new_tokens, dense_layers, block_size, mode, clock=clock)]
     ids, mask, pos = pad_left(prompts, device, pad_id)
@@ -390,7 +395,7 @@ def greedy_batch(
             else:
                 with clock.phase("copy"):
                     cache = copy.deepcopy(prefix)
-            token, m, p, gen = ids[:, -1:], mask, pos[:, -1:], []
+            token, m, p, gen, best = ids[:, -1:], mask, pos[:, -1:], [], []
             decoded = clock.seconds.get("decode", 0.0)
             with torch.no_grad(), clock.phase("decode"):
                 runner, captured = None, 0.0
@@ -407,6 +412,8 @@ def greedy_batch(
                         ).logits
                     token = logits[:, -1].argmax(-1, keepdim=True)
                     gen.append(token)
+                    if top2 is not None:
+                        best.append(logits[:, -1].float().topk(2, dim=-1))
                     m = torch.cat([m, torch.ones_like(token)], 1)
                     p = p + 1
                 tokens = torch.cat(gen, 1).tolist()
@@ -416,6 +423,8 @@ def greedy_batch(
                 graphs=len(runner.graphs) - graphs if runner is not None else 0,
                 capture=runner.capture_seconds - captured if runner is not None else 0.0,
             )
+            if top2 is not None:
+                top2[key] = tuple(torch.stack([getattr(b, f) for b in best], 1).cpu() for f in ("values", "indices"))
             for i in range(len(prompts)):
                 out[i][key] = tokens[i]
     finally:

@@ -145,3 +145,24 @@ def test_snapkv_from_the_shared_prefill_answers_as_its_own(arch, monkeypatch):
             m.setattr(needle, "shares_prefill", lambda *a: False)
             assert greedy_batch(model, batch, policies, 6, **args) == got
     assert not is_patched(model)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_top2_records_each_steps_two_best_logits(static):
+    """``top2`` receives, per policy, the two best float32 logits of every step and their ids: the first id is the
+    token decoded, the first value is not below the second, and recording them changes no token; with ``top2``, one
+    prompt takes the batched path (eagerly too) and is recorded as well."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (120, 101)]
+    policies = {"dense": Dense(), "quest": Quest(budget=0.25, sink=4, window=16)}
+    args = {"dense_layers": (0,), "block_size": 8, "mode": "block", "static": static}
+    for batch in (prompts, prompts[:1]):
+        top2: dict = {}
+        got = greedy_batch(model, batch, policies, 5, top2=top2, **args)
+        assert got == greedy_batch(model, batch, policies, 5, **args)
+        assert set(top2) == set(policies)
+        for key, (values, ids) in top2.items():
+            assert values.shape == ids.shape == (len(batch), 5, 2) and values.dtype == torch.float32
+            assert (values[..., 0] >= values[..., 1]).all() and (ids[..., 0] != ids[..., 1]).all()
+            assert ids[..., 0].tolist() == [answer[key] for answer in got]

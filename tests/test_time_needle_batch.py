@@ -24,3 +24,28 @@ def test_policy_rows_split_each_policys_decoding():
     }  # fmt: skip
     assert (rows["quest"]["decode_s"], rows["quest"]["graphs"], rows["quest"]["capture_s"]) == (1.5, 3, 0.8)
     assert rows["quest"]["rest_ms_step"] == 87.5  # (1.5 - 0.8) s over 8 tokens
+
+
+def test_divergences_name_the_first_step_where_two_decodings_part_and_their_margins():
+    """Made-up answers and logits: one (prompt, policy) differs, from its second step; its row gives both tokens
+    there and both margins (top-1 minus top-2); equal decodings give no row."""
+    import torch
+
+    answers = [{"dense": [5, 6, 7], "quest": [1, 2, 3]}, {"dense": [4, 4, 4], "quest": [9, 8, 7]}]
+    ref = [{"dense": [5, 6, 7], "quest": [1, 2, 3]}, {"dense": [4, 4, 4], "quest": [9, 3, 7]}]
+
+    def top2(tokens, gap):  # [B, steps, 2] values and ids: each step's token first, the runner-up 0.5 or gap below
+        values = torch.tensor([[[10.0, 10.0 - gap if (i, s) == (1, 1) else 9.5] for s in range(3)] for i in range(2)])
+        ids = torch.tensor([[[t, t + 100] for t in ans] for ans in tokens])
+        return values, ids
+
+    mine = {k: top2([a[k] for a in answers], 0.125) for k in ("dense", "quest")}
+    theirs = {k: top2([r[k] for r in ref], 2.0) for k in ("dense", "quest")}
+    rows = time_needle_batch.divergences("padded, static", answers, ref, mine, theirs)
+    assert rows == [
+        {
+            "variant": "padded, static", "policy": "quest", "prompt": 1, "step": 1, "token": 8, "margin": 0.125,
+            "ref_token": 3, "ref_margin": 2.0, "ref_second": 103, "ref_top_logit": 10.0,
+        }
+    ]  # fmt: skip
+    assert time_needle_batch.divergences("x", ref, ref, theirs, theirs) == []
