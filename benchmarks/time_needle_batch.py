@@ -29,6 +29,7 @@ they part and both decodings' margins there (top-1 minus top-2 logit): a tie bro
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -88,10 +89,20 @@ def differing(answers: list[dict], ref: list[dict]) -> list[str]:
     return sorted({str(k) for x, y in zip(answers, ref) for k in x if x[k] != y.get(k)})
 
 
-def divergences(variant: str, answers: list[dict], ref: list[dict], top2: dict, ref_top2: dict) -> list[dict]:
+def is_tie(margin: float, ref_margin: float, top: float, dtype: torch.dtype) -> bool:
+    """Whether two decodings that chose different tokens both saw their two best logits within 2 units in the last
+    place of ``dtype`` at the top logit ``top`` (bf16: 0.125 between 16 and 32): a tie that a different summation
+    order may break either way, not a different computation."""
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top), torch.finfo(dtype).tiny)))
+    return max(margin, ref_margin) <= 2 * ulp
+
+
+def divergences(
+    variant: str, answers: list[dict], ref: list[dict], top2: dict, ref_top2: dict, dtype: torch.dtype
+) -> list[dict]:
     """One row per (prompt, policy) whose tokens differ from ``ref``'s: the first step where they part, the token
-    each chose there, and each decoding's margin there (its top logit minus its second, float32: near 0 is a tie
-    that rounding may break either way; a large margin on both sides is a different computation, not a tie)."""
+    each chose there, each decoding's margin there (its top logit minus its second, float32) and whether that is a
+    tie in the logits' ``dtype`` (:func:`is_tie`); a large margin on either side is a different computation."""
     out = []
     for i, (x, y) in enumerate(zip(answers, ref)):
         for k in sorted(x, key=str):
@@ -111,6 +122,9 @@ def divergences(variant: str, answers: list[dict], ref: list[dict], top2: dict, 
                     "ref_margin": round(float(rv[i, s, 0] - rv[i, s, 1]), 4),
                     "ref_second": int(rids[i, s, 1]),
                     "ref_top_logit": round(float(rv[i, s, 0]), 3),
+                    "tie": is_tie(
+                        float(v[i, s, 0] - v[i, s, 1]), float(rv[i, s, 0] - rv[i, s, 1]), float(rv[i, s, 0]), dtype
+                    ),
                 }
             )
     return out
@@ -247,7 +261,7 @@ def main() -> None:
             ref = answers.get(name.replace("padded", "padded, masked", 1)) if name.startswith("padded") else None
         ref_name = next((k for k, v in answers.items() if v is ref), None)
         if ref is not None:
-            diverge += divergences(name, answers[name], ref, top2s[name], top2s[ref_name])
+            diverge += divergences(name, answers[name], ref, top2s[name], top2s[ref_name], model.dtype)
         rows.append(
             {
                 "model": a.model,

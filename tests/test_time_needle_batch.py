@@ -41,11 +41,22 @@ def test_divergences_name_the_first_step_where_two_decodings_part_and_their_marg
 
     mine = {k: top2([a[k] for a in answers], 0.125) for k in ("dense", "quest")}
     theirs = {k: top2([r[k] for r in ref], 2.0) for k in ("dense", "quest")}
-    rows = time_needle_batch.divergences("padded, static", answers, ref, mine, theirs)
+    rows = time_needle_batch.divergences("padded, static", answers, ref, mine, theirs, torch.bfloat16)
     assert rows == [
         {
             "variant": "padded, static", "policy": "quest", "prompt": 1, "step": 1, "token": 8, "margin": 0.125,
-            "ref_token": 3, "ref_margin": 2.0, "ref_second": 103, "ref_top_logit": 10.0,
+            "ref_token": 3, "ref_margin": 2.0, "ref_second": 103, "ref_top_logit": 10.0, "tie": False,
         }
     ]  # fmt: skip
-    assert time_needle_batch.divergences("x", ref, ref, theirs, theirs) == []
+    assert time_needle_batch.divergences("x", ref, ref, theirs, theirs, torch.bfloat16) == []
+
+
+def test_a_tie_is_two_units_in_the_last_place_of_the_logits_dtype():
+    """bf16 holds 8 bits of mantissa: between 8 and 16 a unit is 0.0625, between 16 and 32 0.125; a tie is both
+    margins within two units; float32's units are far smaller, so the same margins are no tie there."""
+    import torch
+
+    tie = time_needle_batch.is_tie
+    assert tie(0.0, 0.125, 13.25, torch.bfloat16) and not tie(0.0, 0.1875, 13.25, torch.bfloat16)
+    assert tie(0.25, 0.0, 21.6, torch.bfloat16) and not tie(0.375, 0.0, 21.6, torch.bfloat16)
+    assert tie(0.0, 0.0, 0.0, torch.bfloat16) and not tie(0.0, 0.125, 13.25, torch.float32)
