@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import batch_policies, tiny_model
 
 from evaluation.needle import PhaseClock, greedy_batch, greedy_under_policies
 from hf_sparse_kv import is_patched
-from hf_sparse_kv.policies import Dense, OracleBlockTopK, Quest, SnapKV, TokenTopK
+from hf_sparse_kv.policies import Dense, Quest, SnapKV
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -14,13 +14,7 @@ def test_batched_greedy_equals_one_at_a_time(arch):
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (150, 131, 144)]
-    policies = {
-        "dense": Dense(),
-        "quest": Quest(budget=0.25, sink=4, window=16),
-        "oracle": OracleBlockTopK(budget=0.25, sink=4, window=16),
-        "token": TokenTopK(budget=0.25, sink=4, window=16),
-        "snapkv": SnapKV(budget=0.5, sink=4, window=16, observe=8),
-    }
+    policies = batch_policies(quant4=False)
     if arch == "gemma3":  # sliding + global layers: the padding must reach both kinds of mask
         policies = {k: policies[k] for k in ("dense", "quest", "snapkv")}
     mode = "block" if arch == "llama" else "mask"
@@ -87,19 +81,11 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
     steps' tokens for a left-padded batch and for one prompt alone, in every mode and on sliding + global layers; a
     policy that frees blocks (SnapKV) decodes eagerly. The static steps do run: they are counted."""
     from hf_sparse_kv import graphs
-    from hf_sparse_kv.policies import QuantBlockTopK
 
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (150, 133, 141)]
-    policies = {
-        "dense": Dense(),
-        "quest": Quest(budget=0.25, sink=4, window=16),
-        "oracle": OracleBlockTopK(budget=0.25, sink=4, window=16),
-        "token": TokenTopK(budget=0.25, sink=4, window=16),
-        "quant4": QuantBlockTopK(budget=0.25, sink=4, window=16, bits=4),  # per-token state in the cache
-        "snapkv": SnapKV(budget=0.5, sink=4, window=16, observe=8),
-    }
+    policies = batch_policies()  # quant4: per-token state in the cache
     steps = []
     original = graphs.DecodeGraphs.step
     monkeypatch.setattr(graphs.DecodeGraphs, "step", lambda self, *a, **k: steps.append(1) or original(self, *a, **k))

@@ -5,14 +5,14 @@ reads the same tensors and the same host values as on the slot's first contents 
 
 import pytest
 import torch
-from tiny_models import DEVICE, tiny_model
+from tiny_models import DEVICE, batch_policies, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from evaluation.needle import PhaseClock, greedy_batch, pad_left
 from evaluation.slots import DecodeSlots
 from hf_sparse_kv import PagedKVCache, cache_kwarg, is_patched, patch_model, unpatch_model
 from hf_sparse_kv.graphs import DecodeGraphs
-from hf_sparse_kv.policies import Dense, OracleBlockTopK, QuantBlockTopK, Quest, SnapKV, TokenTopK
+from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, TokenTopK
 
 
 def _prefill(model, prompts: list[list[int]], block_size: int = 8) -> tuple[PagedKVCache, tuple]:
@@ -42,14 +42,7 @@ def test_slots_across_batches_give_the_eager_tokens(arch, mode):
     every policy (a policy with per-token state, quant4, included); one slot is made, refilled for every static
     policy of every batch, and each policy keeps one runner (``DecodeGraphs``) for the whole job."""
     model = tiny_model(arch)
-    policies = {
-        "dense": Dense(),
-        "quest": Quest(budget=0.25, sink=4, window=16),
-        "oracle": OracleBlockTopK(budget=0.25, sink=4, window=16),
-        "token": TokenTopK(budget=0.25, sink=4, window=16),
-        "quant4": QuantBlockTopK(budget=0.25, sink=4, window=16, bits=4),
-        "snapkv": SnapKV(budget=0.5, sink=4, window=16, observe=8),
-    }
+    policies = batch_policies()  # quant4: per-token state in the cache
     args = {"dense_layers": (0,), "block_size": 8, "mode": mode}
     slots = DecodeSlots(margin=16)
     runners = {}

@@ -83,3 +83,22 @@ def greedy(model, input_ids, new_tokens: int = 32, **kw):
             **kw,
         )
     return out.sequences, torch.stack(out.scores)
+
+
+def batch_policies(quant4: bool = True) -> dict:
+    """The policies the batched / static / slot decoding tests run side by side (budgets for ~150-token prompts in
+    blocks of 8): dense, Quest, the oracle, TokenTopK, ``quant4`` (per-token state in the cache; ``quant4=False``
+    leaves it out) and SnapKV (frees blocks: decodes eagerly)."""
+    from hf_sparse_kv.policies import Dense, OracleBlockTopK, QuantBlockTopK, Quest, SnapKV, TokenTopK
+
+    policies = {
+        "dense": Dense(),
+        "quest": Quest(budget=0.25, sink=4, window=16),
+        "oracle": OracleBlockTopK(budget=0.25, sink=4, window=16),
+        "token": TokenTopK(budget=0.25, sink=4, window=16),
+        "quant4": QuantBlockTopK(budget=0.25, sink=4, window=16, bits=4),
+        "snapkv": SnapKV(budget=0.5, sink=4, window=16, observe=8),
+    }
+    if not quant4:
+        del policies["quant4"]
+    return policies
