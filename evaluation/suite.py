@@ -296,26 +296,25 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
     pending = [(u[3], todo) for u, todo in _pending(cfg, job, cells, done)]
     batch = batch_size(p.get("batch"), job.length)
     slots = _slots(p)
-    for b0 in range(0, len(pending), batch):
+
+    def build(trial: int) -> tuple[tuple, list[int]]:
+        seed = stable_seed(cfg.get("seed", 0), job.length, variant, trial)
+        depth = float(p["depths"][trial % len(p["depths"])])
+        text_name = names[trial % len(names)]
+        phrasing = trial % 3 if variant in ("single", "single_start") else 0
+        offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 40000))))
+        base = "single" if variant == "single_start" else variant
+        t = needle_trial(
+            tok, job.length, depth, base, seed, offset, int(p.get("n_needles", 4)), texts[text_name], phrasing
+        )
+        return (trial, depth, text_name, phrasing, t), tok.encode(t["text"])
+
+    groups = [pending[b0 : b0 + batch] for b0 in range(0, len(pending), batch)]
+    for group, built in zip(groups, _prefetched(build, [[trial for trial, _ in g] for g in groups])):
         if deadline.passed():
             return
-        group = pending[b0 : b0 + batch]
         todo = [c for c in chosen if any(c in t for _, t in group)]
-
-        def build(trial: int) -> tuple[tuple, list[int]]:
-            seed = stable_seed(cfg.get("seed", 0), job.length, variant, trial)
-            depth = float(p["depths"][trial % len(p["depths"])])
-            text_name = names[trial % len(names)]
-            phrasing = trial % 3 if variant in ("single", "single_start") else 0
-            offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 40000))))
-            base = "single" if variant == "single_start" else variant
-            t = needle_trial(
-                tok, job.length, depth, base, seed, offset, int(p.get("n_needles", 4)), texts[text_name], phrasing
-            )
-            return (trial, depth, text_name, phrasing, t), tok.encode(t["text"])
-
-        keys = [trial for trial, _ in group]
-        trials, gens, sec, phases = _answer_batch(job, model, build, keys, todo, cfg, p, slots)
+        trials, gens, sec, phases = _answer_batch(job, model, built, todo, cfg, p, slots)
         for (trial, depth, text_name, phrasing, t), (_, mine), gen in zip(trials, group, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])
@@ -372,25 +371,44 @@ def _slots(p: dict[str, Any]) -> DecodeSlots | None:
     return DecodeSlots() if p.get("static") and p.get("reuse_graphs") else None
 
 
-def _answer_batch(job: Job, model, build, keys: list, todo: list[PolicyCell], cfg, p: dict, slots=None) -> tuple:
-    """One needle or QA batch: the prompts of ``keys`` built (:func:`_build_all`), answered greedily in one
-    left-padded batch under the cells ``todo`` (``p["new_tokens"]`` tokens each), one log line on where the time
-    went. Returns (the records of ``build``, per prompt ``{key: ids}``, seconds per cell and prompt (the batch's,
-    building included, shared out), the batch's seconds per phase: ``build`` (making and encoding the prompts), then
-    :class:`~evaluation.needle.PhaseClock`'s ``prefill``, ``copy`` and ``decode``)."""
-    t0 = time.perf_counter()
-    records, prompts = _build_all(build, keys)
-    built = time.perf_counter() - t0
+def _prefetched(build, batches: list[list]):
+    """Yield ``(records, prompts, seconds waited)`` for each list of keys of ``batches`` in order
+    (:func:`_build_all`), building the next batch in a background thread while the caller works on the current one
+    (on the GPU a batch's prefill and decoding leave the host waiting: at 32K building 8 prompts took 0.9-1.3 s of a
+    ~6 s batch). At most one batch is built ahead; closing the generator early waits for that one. ``build`` must be
+    thread-safe (as :func:`_build_all` requires)."""
+    if not batches:
+        return
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(_build_all, build, batches[0])
+        for i in range(len(batches)):
+            t0 = time.perf_counter()
+            records, prompts = ahead.result()
+            waited = time.perf_counter() - t0
+            if i + 1 < len(batches):
+                ahead = pool.submit(_build_all, build, batches[i + 1])
+            yield records, prompts, waited
+
+
+def _answer_batch(job: Job, model, built: tuple, todo: list[PolicyCell], cfg, p: dict, slots=None) -> tuple:
+    """One needle or QA batch: ``built`` (records, prompts, the seconds spent waiting for them: one item of
+    :func:`_prefetched`), answered greedily in one left-padded batch under the cells ``todo``
+    (``p["new_tokens"]`` tokens each), one log line on where the time went. Returns (the records, per prompt
+    ``{key: ids}``, seconds per cell and prompt (the batch's, the wait for its prompts included, shared out), the
+    batch's seconds per phase: ``build`` (waiting for the prompts: what their building in the background did not
+    hide), then :class:`~evaluation.needle.PhaseClock`'s ``prefill``, ``copy`` and ``decode``)."""
+    records, prompts, waited = built
+    t0 = time.perf_counter() - waited
     policies = {c.key: c.policy for c in todo}
     clock = PhaseClock(model.device)
     gens = greedy_batch(
         model, prompts, policies, int(p["new_tokens"]), cfg["dense_layers"], cfg["block_size"],
         cfg.get("mode", "block"), clock=clock, static=bool(p.get("static", False)), slots=slots,
     )  # fmt: skip
-    phases = {k: round(v, 3) for k, v in {"build": built, **clock.seconds}.items()}
+    phases = {k: round(v, 3) for k, v in {"build": waited, **clock.seconds}.items()}
     split = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
-    print(f"[suite]   {job.task} {job.length}: {len(keys)} prompts x {len(todo)} cells: {split}", flush=True)
-    return records, gens, round((time.perf_counter() - t0) / (len(todo) * len(keys)), 3), phases
+    print(f"[suite]   {job.task} {job.length}: {len(prompts)} prompts x {len(todo)} cells: {split}", flush=True)
+    return records, gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3), phases
 
 
 def _qa_params(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -408,22 +426,21 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
     pending = [(u[2], u[3], todo) for u, todo in _pending(cfg, job, cells, done)]
     batch = batch_size(p.get("batch"), job.length)
     slots = _slots(p)
-    for b0 in range(0, len(pending), batch):
+
+    def build(key: tuple[str, int]) -> tuple[tuple, list[int]]:
+        task, i = key
+        seed = stable_seed(cfg.get("seed", 0), task, job.length, i)
+        offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 20000))))
+        text_name = names[i % len(names)]
+        item = make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)
+        return (text_name, item), tok.encode(item["prompt"])[-job.length :]
+
+    groups = [pending[b0 : b0 + batch] for b0 in range(0, len(pending), batch)]
+    for group, built in zip(groups, _prefetched(build, [[(t, i) for t, i, _ in g] for g in groups])):
         if deadline.passed():
             return
-        group = pending[b0 : b0 + batch]
         todo = [c for c in chosen if any(c in t for *_, t in group)]
-
-        def build(key: tuple[str, int]) -> tuple[tuple, list[int]]:
-            task, i = key
-            seed = stable_seed(cfg.get("seed", 0), task, job.length, i)
-            offset = random.Random(seed).randrange(0, max(1, int(p.get("max_offset", 20000))))
-            text_name = names[i % len(names)]
-            item = make_item(task, tok, job.length, seed, essays=texts[text_name], offset=offset)
-            return (text_name, item), tok.encode(item["prompt"])[-job.length :]
-
-        keys = [(t, i) for t, i, _ in group]
-        items, gens, sec, phases = _answer_batch(job, model, build, keys, todo, cfg, p, slots)
+        items, gens, sec, phases = _answer_batch(job, model, built, todo, cfg, p, slots)
         for (task, i, mine), (text_name, item), gen in zip(group, items, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])

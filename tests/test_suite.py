@@ -355,6 +355,42 @@ def test_build_all_keeps_order_and_pairs():
     assert _build_all(build, []) == ([], [])
 
 
+def test_prefetched_builds_the_next_batch_while_the_caller_works():
+    """Batches come back in order, each as :func:`_build_all` would build it; while the caller holds batch i, batch
+    i + 1 is being built (its first key starts before the caller lets go); a build's error reaches the caller at its
+    batch; closing the generator early leaves no thread behind."""
+    import threading
+
+    from evaluation.suite import _build_all, _prefetched
+
+    started = {k: threading.Event() for k in range(7)}
+
+    def build(k):
+        started[k].set()
+        if k == 6:
+            raise ValueError("bad key 6")
+        return (k, f"r{k}"), [k] * k
+
+    batches = [[0, 1], [2, 3, 4], [5]]
+    got = []
+    for i, (records, prompts, waited) in enumerate(_prefetched(build, batches)):
+        if i + 1 < len(batches):  # the next batch's first key is built while this one is held
+            assert started[batches[i + 1][0]].wait(timeout=10)
+        got.append((records, prompts))
+        assert waited >= 0
+    assert got == [_build_all(build, b) for b in batches]
+    assert list(_prefetched(build, [])) == []
+    gen = _prefetched(build, [[0], [6]])
+    assert next(gen)[0] == [(0, "r0")]
+    with pytest.raises(ValueError, match="bad key 6"):
+        next(gen)
+    before = threading.active_count()
+    gen = _prefetched(build, [[0], [1], [2]])
+    next(gen)
+    gen.close()  # waits for the batch built ahead, then its thread ends
+    assert threading.active_count() <= before
+
+
 def test_estimate_command_prints_its_table_and_what_it_leaves_out(tmp_path, capsys):
     """``hf-sparse-kv suite MODEL --out DIR --estimate`` loads no model: one line per job of the plan, then the line
     saying what the figures leave out (the model's load and the first compiles)."""
