@@ -242,6 +242,40 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     assert again_single == pytest.approx(want + sum(price[u[4]] for u in finished))
 
 
+def test_estimate_prices_needle_cells_from_those_decoded_the_way_the_config_decodes():
+    """Finished cells decoded through captured steps and eagerly price a needle job each for the config that decodes
+    that way: with ``static: true`` the static cells' seconds (SnapKV's eager ones, since it always decodes eagerly),
+    without it the eager ones; a policy with cells of the other way only is priced from them."""
+    from evaluation.suite import _units, estimate
+
+    cfg = _tiny_cfg("qwen2.5")
+    cells = cells_of(cfg)
+    single = next(j for j in plan(cfg) if j.task == "needle" and j.params["variant"] == "single")
+    # every unit of the single-needle jobs of every tier, once (fresh=True prices them all)
+    units = {u for j in plan(cfg) if j.task == "needle" and j.params == single.params for u in _units(cfg, j, cells)}
+    first = [u for u in units if u[3] == 0]
+    sec = {"static": 1.0, "eager": 5.0}
+
+    def row(u, way):
+        return {"task": "needle", "length": u[1], "variant": u[2], "trial": u[3], "policy": u[4], "budget": u[5],
+                "seconds": sec[way] * (1 + (u[4] == "snapkv")), "decode": way}  # fmt: skip
+
+    # trial 0 of every cell twice, once each way, and one more eager-only cell: TokenTopK's (priced from it either way)
+    rows = [row(u, w) for u in first for w in ("static", "eager") if u[4] != "token_topk"]
+    rows += [row(u, "eager") for u in first if u[4] == "token_topk"]
+
+    def priced(static: bool) -> float:
+        est = estimate({**cfg, "static": static}, rows=rows, fresh=True)
+        return sum(s for job, s, m in est if job is not None and job.task == "needle" and job.params == single.params)
+
+    eager_here = {"snapkv", "snapkv1/4+quest", "token_topk"}  # SnapKV's always; TokenTopK has no static cell
+    expect = {
+        True: sum(10.0 if u[4] == "snapkv" else 5.0 if u[4] in eager_here else 1.0 for u in units),
+        False: sum(10.0 if u[4] == "snapkv" else 5.0 for u in units),
+    }
+    assert priced(True) == pytest.approx(expect[True]) and priced(False) == pytest.approx(expect[False])
+
+
 def test_estimate_counts_the_cpus_cells_as_done_and_prices_nothing_from_them():
     """Cells recorded on the CPU are done (not priced again) but do not price the GPU estimate: the same cells
     stamped with a GPU price their kind, stamped ``cpu`` leave it to the model."""
