@@ -110,6 +110,11 @@ def divergences(
                 continue
             s = next(j for j, (u, v) in enumerate(zip(x[k], y[k])) if u != v)
             (v, _), (rv, rids) = top2[k], ref_top2[k]
+            margin, ref_margin, top = (
+                float(v[i, s, 0] - v[i, s, 1]),
+                float(rv[i, s, 0] - rv[i, s, 1]),
+                float(rv[i, s, 0]),
+            )
             out.append(
                 {
                     "variant": variant,
@@ -117,14 +122,12 @@ def divergences(
                     "prompt": i,
                     "step": s,
                     "token": x[k][s],
-                    "margin": round(float(v[i, s, 0] - v[i, s, 1]), 4),
+                    "margin": round(margin, 4),
                     "ref_token": y[k][s],
-                    "ref_margin": round(float(rv[i, s, 0] - rv[i, s, 1]), 4),
+                    "ref_margin": round(ref_margin, 4),
                     "ref_second": int(rids[i, s, 1]),
-                    "ref_top_logit": round(float(rv[i, s, 0]), 3),
-                    "tie": is_tie(
-                        float(v[i, s, 0] - v[i, s, 1]), float(rv[i, s, 0] - rv[i, s, 1]), float(rv[i, s, 0]), dtype
-                    ),
+                    "ref_top_logit": round(top, 3),
+                    "tie": is_tie(margin, ref_margin, top, dtype),
                 }
             )
     return out
@@ -252,14 +255,14 @@ def main() -> None:
             )
         total = time.perf_counter() - t0
         if slots is not None:
-            ref = answers.get(name.replace(", reused", ", padded" if name.startswith("second") else "", 1))
+            ref_name = name.replace(", reused", ", padded" if name.startswith("second") else "", 1)
         elif static:
-            ref = answers.get(name.replace(", static", "", 1))
+            ref_name = name.replace(", static", "", 1)
         elif name.startswith("padded, own"):
-            ref = answers.get(name.replace(", own", "", 1))
+            ref_name = name.replace(", own", "", 1)
         else:
-            ref = answers.get(name.replace("padded", "padded, masked", 1)) if name.startswith("padded") else None
-        ref_name = next((k for k, v in answers.items() if v is ref), None)
+            ref_name = name.replace("padded", "padded, masked", 1) if name.startswith("padded") else None
+        ref = answers.get(ref_name)
         if ref is not None:
             diverge += divergences(name, answers[name], ref, top2s[name], top2s[ref_name], model.dtype)
         rows.append(

@@ -662,8 +662,9 @@ def estimate(
     units left. A needle or QA cell decoded the way this config decodes it (``decode``: ``"static"`` or ``"eager"``,
     :func:`decode_way`) prices its key before cells decoded the other way, which price a key only where none does
     (captured steps ran Qwen2.5's needle jobs ~2.3x faster than their eager cells). Policies scored with reference
-    ops (an experiment named ``module:Class``) run slower than the model says; their measured rows say by how much. Rows recorded on the CPU (``device: "cpu"``) count as done but price
-    nothing: the estimate is for a GPU (rows written before cells carried their device are taken as they are)."""
+    ops (an experiment named ``module:Class``) run slower than the model says; their measured rows say by how much.
+    Rows recorded on the CPU (``device: "cpu"``) count as done but price nothing: the estimate is for a GPU (rows
+    written before cells carried their device are taken as they are)."""
     layers, params = SHAPES.get(cfg["model"], (32, 1e9))
     step = layers * step_ms_per_layer / 1000
 
