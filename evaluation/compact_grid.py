@@ -101,7 +101,7 @@ def dequantized_pool(
     safe = torch.where(delta > 0, delta, torch.ones_like(delta))
     code = torch.floor((keys - l) / safe + 0.5).clamp(0, levels)
     out = torch.zeros(k_pool.shape, dtype=torch.float32, device=k_pool.device)
-    out[phys[held]] = torch.where(delta > 0, l + code * delta, l.expand_as(keys))
+    out[phys[held]] = torch.where(delta > 0, l + code * delta, l)
     return out
 
 

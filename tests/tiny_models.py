@@ -18,6 +18,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from hf_sparse_kv.policies import Dense, OracleBlockTopK, QuantBlockTopK, Quest, SnapKV, TokenTopK
+
 VOCAB = 96
 COMMON = {
     "vocab_size": VOCAB,
@@ -89,8 +91,6 @@ def batch_policies(quant4: bool = True) -> dict:
     """The policies the batched / static / slot decoding tests run side by side (budgets for ~150-token prompts in
     blocks of 8): dense, Quest, the oracle, TokenTopK, ``quant4`` (per-token state in the cache; ``quant4=False``
     leaves it out) and SnapKV (frees blocks: decodes eagerly)."""
-    from hf_sparse_kv.policies import Dense, OracleBlockTopK, QuantBlockTopK, Quest, SnapKV, TokenTopK
-
     policies = {
         "dense": Dense(),
         "quest": Quest(budget=0.25, sink=4, window=16),
