@@ -40,25 +40,29 @@ from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 
 # (layout, blocks per tile, warps, other knobs) per width and shape: 13 points, 52 in all, each timed twice (the
-# kernel, the whole scoring). Around tile 4 / 4 and wide 4 / 4 (the 2026-12-01 default), and bf16 products (``dot``:
-# a timing probe, not a quality setting). The FMA layout and the pipelined loop layout, both timed slower, are gone.
+# kernel, the whole scoring). The 2026-12-01 default (wide 4 / 4) and tile 4 / 4 as the references, then the
+# block-diagonal layout ("diag", 2026-12-03) around 4 blocks and 4 warps, and probes (``dot`` "bf16" / "fp16": timing
+# points, never a default). Earlier sweeps' other points (slices, tile's and wide's neighbours, the FMA and
+# pipelined loop layouts) are in benchmarks/RESULTS.md.
 GRID = (
-    ("slices", 1, 1, {}),
-    ("tile", 2, 4, {}),
-    ("tile", 4, 2, {}),
     ("tile", 4, 4, {}),
-    ("tile", 8, 8, {}),
-    ("tile", 4, 4, {"dot": "bf16"}),
-    ("wide", 1, 4, {}),
-    ("wide", 2, 4, {}),
     ("wide", 4, 4, {}),
-    ("wide", 4, 8, {}),
     ("wide", 8, 8, {}),
     ("wide", 4, 4, {"dot": "bf16"}),
-    ("wide", 8, 8, {"dot": "bf16"}),
+    ("diag", 2, 4, {}),
+    ("diag", 4, 2, {}),
+    ("diag", 4, 4, {}),
+    ("diag", 8, 4, {}),
+    ("diag", 8, 8, {}),
+    ("diag", 16, 8, {}),
+    ("diag", 4, 4, {"dot": "fp16"}),
+    ("diag", 8, 4, {"dot": "fp16"}),
+    ("diag", 8, 8, {"dot": "fp16"}),
 )
 SMOKE_GRID = (
     ("slices", 2, 1, {}),
+    ("diag", 2, 4, {}),
+    ("diag", 4, 4, {"dot": "fp16"}),
     ("tile", 4, 4, {}),
     ("tile", 4, 4, {"dot": "bf16"}),
     ("wide", 2, 4, {}),
@@ -144,12 +148,15 @@ KNOB_KEYS = ("layout", "tpp", "num_warps")
 
 def best_points(rows: list[dict]) -> dict[int, dict]:
     """Per code width, the knobs of the grid point with the least whole-scoring time (``scores_us``) summed over
-    every shape the sweep timed, among the TF32 points that are right at every shape (top blocks shared >= 0.99 with
+    every shape the sweep timed, among the points at a layout's default precision (``dot`` unset or one of
+    ``quant.DEFAULT_DOTS``: not the bf16 / fp16 probes) that are right at every shape (top blocks shared >= 0.99 with
     the float32 reference, the same ``+-inf`` pattern). ``{bits: {layout, tpp, num_warps}}``."""
+    from hf_sparse_kv.ops.triton.quant import DEFAULT_DOTS
+
     shapes = {r["shape"] for r in rows if "layout" in r}
     total: dict[tuple, dict] = {}
     for r in rows:
-        if "layout" not in r or r.get("dot", "tf32") != "tf32":
+        if "layout" not in r or r.get("dot", DEFAULT_DOTS[0]) not in DEFAULT_DOTS:
             continue
         key = (r["bits"], r["layout"], r["tpp"], r["num_warps"])
         t = total.setdefault(key, {"us": 0.0, "shapes": set(), "ok": True})

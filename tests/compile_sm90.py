@@ -213,6 +213,9 @@ def cases():
                 ("wide", 4, 4, {}),
                 ("wide", 8, 8, {}),
                 ("wide", 4, 4, {"dot": "bf16"}),
+                ("diag", 4, 4, {}),
+                ("diag", 8, 4, {}),
+                ("diag", 4, 4, {"dot": "fp16"}),
             ):
                 lse = partial(quant_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout, **knobs)
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))

@@ -273,6 +273,10 @@ def test_triton_tail_is_the_same_on_a_wider_table(G, MB, wider, chunks, monkeypa
         ("wide", 4, 4, {}),
         ("tile", 4, 4, {"dot": "bf16"}),
         ("wide", 2, 4, {"dot": "bf16"}),
+        ("diag", 1, 4, {}),
+        ("diag", 4, 4, {}),
+        ("diag", 8, 2, {}),
+        ("diag", 4, 4, {"dot": "fp16"}),
     ],
 )
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
@@ -290,7 +294,7 @@ def test_triton_layouts_match_reference(layout, tpp, warps, knobs, G, bits):
     codes = R.quantize_keys(k_pool, kmin, kmax, bits)
     args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits)
     tol = 1e-2 if str(DEVICE).startswith("cuda") else 1e-4  # TF32 products on a GPU, float32 in the interpreter
-    if knobs.get("dot") == "bf16":
+    if knobs.get("dot") in ("bf16", "fp16"):
         tol = 5e-2  # bf16 operands (the interpreter truncates to bf16, a GPU rounds): the mass within a few %
     lse = quant_block_lse(*args, tpp, warps, layout, **knobs)
     want_lse = R.quant_block_lse(*args)
@@ -318,3 +322,7 @@ def test_bad_layouts_are_refused():
         quant_block_lse(*args, layout="tile", dot="fp8")
     with pytest.raises(ValueError, match="dot"):
         quant_block_lse(*args, layout="wide", dot="fp16")
+    with pytest.raises(ValueError, match="dot"):
+        quant_block_lse(*args, layout="diag", dot="tf32")
+    with pytest.raises(ValueError, match="power-of-two"):
+        quant_block_lse(*args, tpp=6, layout="diag")

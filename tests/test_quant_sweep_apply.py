@@ -1,5 +1,5 @@
 """benchmarks/check_quant_keys.py --sweep --apply: the point it picks per code width (least whole-scoring time summed
-over the shapes, among TF32 points right at every shape) and the ``LSE_DEFAULTS`` literal it writes into a copy of
+over the shapes, among points right at every shape at a layout's default precision) and the ``LSE_DEFAULTS`` literal it writes into a copy of
 ``ops/triton/quant.py``. No GPU: the sweep's rows are made up here."""
 
 import ast
@@ -33,6 +33,9 @@ def _rows():
                 _row(bits, shape, "tile", 4, 4, 5 * k, dot="bf16"),
                 _row(bits, shape, "wide", 4, 4, (60 if bits == 4 else 120) * k, dot="tf32"),
                 _row(bits, shape, "wide", 8, 8, 70 * k),
+                # fp16 products: a probe too; bf16x2 (the diag layout's default precision) may win
+                _row(bits, shape, "diag", 4, 4, 4 * k, dot="fp16"),
+                _row(bits, shape, "diag", 8, 4, (80 if bits == 4 else 50) * k, dot="bf16x2"),
             ]
     rows.append({"bits": 2, "shape": "1x8200", "what": "quest selection", "us": 1.0})  # not a grid point
     return rows
@@ -41,11 +44,11 @@ def _rows():
 def test_best_points_least_total_time_among_right_tf32_points():
     best = cq.best_points(_rows())
     assert best[4] == {"layout": "wide", "tpp": 4, "num_warps": 4}
-    assert best[2] == {"layout": "wide", "tpp": 8, "num_warps": 8}
+    assert best[2] == {"layout": "diag", "tpp": 8, "num_warps": 4}
 
 
 def test_best_points_needs_every_shape():
-    rows = [r for r in _rows() if not (r.get("layout") == "wide" and r["tpp"] != 2 and r["shape"] == "8x2048")]
+    rows = [r for r in _rows() if not (r.get("layout") in ("wide", "diag") and r["tpp"] != 2 and r["shape"] == "8x2048")]
     assert cq.best_points(rows)[4] == {"layout": "tile", "tpp": 4, "num_warps": 4}
 
 

@@ -12,11 +12,13 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
 - :func:`quant_block_scores`: :func:`quant_block_lse`, then :func:`quant_lse_mass`. The scoring kernel computes, per
   (logical block, sequence, KV head) and for each of the group's ``G`` query heads, the log-sum-exp over the block's
   valid positions of ``scale * q . k_hat`` with ``k_hat = min + code * delta`` (``reference.quant_block_lse``), in
-  one of three layouts (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`): ``"slices"`` (a block at a time,
+  one of four layouts (:data:`LAYOUTS`, defaults in :data:`LSE_DEFAULTS`): ``"slices"`` (a block at a time,
   ``q . min + sum_j (q_j * delta_j) . code_j``, no dequantized key, ``tl.dot``s of the group's step-scaled queries
-  with the codes), ``"tile"`` (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice) and
-  ``"wide"`` (the same tile unpacked to every channel, one ``tl.dot`` of depth ``D``; the default: 2026-12-01 sweep
-  on an H200: wide 4 / 4 127.6 us at 2 bits, 131.4 at 4 bits at 1 x 128K, 8.1x / 5.6x the time of their bytes).
+  with the codes), ``"tile"`` (a tile of blocks' keys dequantized in registers, one ``tl.dot`` a slice),
+  ``"wide"`` (the same tile unpacked to every channel, one ``tl.dot`` of depth ``D``; 2026-12-01 sweep on an H200:
+  wide 4 / 4 127.6 us at 2 bits, 131.4 at 4 bits at 1 x 128K, 8.1x / 5.6x the time of their bytes) and ``"diag"``
+  (slices' algebra over a tile: the step-scaled queries of every block of the tile stacked as one operand's rows,
+  the codes as exact 16-bit floats the other, the block-diagonal of each slice's product kept).
   A fourth form, the tile with the dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed; a
   pipelined multi-tile loop layout (a few programs a row, each walking a range of tiles) was timed slower than
   wide at every point and removed too (benchmarks/RESULTS.md). It reads the codes (``bits / 16`` of 16-bit keys) and
@@ -355,6 +357,114 @@ def quant_block_lse_wide_kernel(
     _store_tile_lse(out, s, ok, scale, o_m, o_g, m_g, i_b * HQ + i_h * G, MB, GP, BM, BS)
 
 
+@triton.jit
+def _diag_slice_operand(
+    q, kmin, kmax, q_row, p_mr, m_r, j: tl.constexpr, scale, W: tl.constexpr, BITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Slice ``j`` (channels ``[j W, (j + 1) W)``) of the ``diag`` layout's left operand: row ``r`` (block ``b``,
+    query head ``g``) holds ``scale * q_g * delta_b`` (``delta = (max - min) / L``, float32), as ``(hi, lo)``: with
+    ``SPLIT`` two bf16 tensors whose sum keeps ~16 bits (bf16's range: no overflow), else ``hi`` in fp16 (11 bits,
+    finite only while ``|scale * q * delta| < 65504``) and ``lo`` unused. Also the slice's share of the row's
+    offset ``scale * q_g . min_b`` ``[R]`` float32."""
+    L: tl.constexpr = (1 << BITS) - 1
+    o_w = tl.arange(0, W)
+    b_q = tl.load(q_row[:, None] + j * W + o_w[None, :], mask=m_r[:, None], other=0.0).to(tl.float32) * scale
+    p = p_mr[:, None] + j * W + o_w[None, :]
+    b_lo = tl.load(kmin + p, mask=m_r[:, None], other=0.0).to(tl.float32)  # [R, W]
+    b_hi = tl.load(kmax + p, mask=m_r[:, None], other=0.0).to(tl.float32)
+    a = b_q * ((b_hi - b_lo) * (1.0 / L))
+    off = tl.sum(b_q * b_lo, 1)
+    if SPLIT:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+    else:
+        a_hi = a.to(tl.float16)
+        a_lo = a_hi
+    return a_hi, a_lo, off
+
+
+@triton.jit
+def quant_block_lse_diag_kernel(
+    q,  # [B, HQ, D]
+    codes,  # [NB, H, BS, W] uint8
+    kmin,  # [NB, H, D]
+    kmax,  # [NB, H, D]
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B]
+    out,  # [B, HQ, MB] float32
+    s_cn,
+    s_mn,
+    scale,
+    MB,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+    BITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """``layout="diag"``: ``BM`` blocks a program, the group's heads of every block stacked as the rows of one
+    operand. Row ``r = b * GP + g`` is query head ``g``'s queries scaled by block ``b``'s step (``q * delta_b``,
+    :func:`_diag_slice_operand`), column ``c = b' * BS + t`` is token ``t`` of block ``b'``'s codes as exact small
+    integers (no dequantized key): per slice one ``[BM * GP, W] x [W, BM * BS]`` ``tl.dot``, float32 accumulate, of
+    which the block-diagonal entries (``b == b'``) are the logits less ``q . min_b``, added per row. ``GP`` is ``G``
+    rounded up to a power of two (not to 16: the blocks fill the dot's rows, ``BM * GP >= 16``)."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    L: tl.constexpr = (1 << BITS) - 1
+    PER: tl.constexpr = 8 // BITS
+    R: tl.constexpr = BM * GP
+    C: tl.constexpr = BM * BS
+    n, s0 = tl.load(seq_lens + i_b), tl.load(start + i_b)
+    # rows: block i_m * BM + r // GP, query head r % GP of the group
+    o_r = tl.arange(0, R)
+    lb_r = i_m * BM + o_r // GP
+    g_r = o_r % GP
+    bt_r = tl.load(block_table + i_b * MB + lb_r, mask=lb_r < MB, other=-1).to(tl.int64)
+    m_r = (bt_r >= 0) & (g_r < G)
+    p_mr = tl.maximum(bt_r, 0) * s_mn + i_h * D
+    q_row = q + (i_b * HQ + i_h * G + g_r) * D
+    # columns: token c % BS of block i_m * BM + c // BS
+    o_c = tl.arange(0, C)
+    lb_c = i_m * BM + o_c // BS
+    bt_c = tl.load(block_table + i_b * MB + lb_c, mask=lb_c < MB, other=-1).to(tl.int64)
+    pos = i_m * C + o_c
+    ok_c = (pos < n) & (pos >= s0) & (bt_c >= 0)
+    o_w = tl.arange(0, W)
+    p_c = codes + (tl.maximum(bt_c, 0) * s_cn + i_h * BS * W + (o_c % BS) * W)[:, None] + o_w[None, :]
+    b_c = tl.load(p_c, mask=(bt_c >= 0)[:, None], other=0).to(tl.int32)  # [C, W]
+    s = tl.zeros([R, C], dtype=tl.float32)
+    off = tl.zeros([R], dtype=tl.float32)
+    # a code c as the 16-bit float MAGIC + c (exact: the low mantissa bits), no int-to-float conversion; the
+    # products' MAGIC * a are taken off each row through off (float32: error ~1e-6 of the logits)
+    MAGIC: tl.constexpr = 0x4300 if SPLIT else 0x6400  # 128.0 in bf16, 1024.0 in fp16
+    BIAS: tl.constexpr = 128.0 if SPLIT else 1024.0
+    for j in tl.static_range(PER):
+        a_hi, a_lo, o_j = _diag_slice_operand(q, kmin, kmax, q_row, p_mr, m_r, j, scale, W, BITS, SPLIT)
+        c_j = (((b_c >> (j * BITS)) & L) | MAGIC).to(tl.int16)  # [C, W]
+        if SPLIT:
+            c_j = tl.trans(c_j.to(tl.bfloat16, bitcast=True))  # [W, C]
+            s += tl.dot(a_hi, c_j, out_dtype=tl.float32)
+            s += tl.dot(a_lo, c_j, out_dtype=tl.float32)
+            off += o_j - BIAS * tl.sum(a_hi.to(tl.float32) + a_lo.to(tl.float32), 1)
+        else:
+            c_j = tl.trans(c_j.to(tl.float16, bitcast=True))
+            s += tl.dot(a_hi, c_j, out_dtype=tl.float32)
+            off += o_j - BIAS * tl.sum(a_hi.to(tl.float32), 1)
+    keep = ((o_r // GP)[:, None] == (o_c // BS)[None, :]) & ok_c[None, :]
+    s = tl.where(keep, s + off[:, None], float("-inf"))
+    mx = tl.max(s, 1)  # [R]
+    safe = tl.where(mx > float("-inf"), mx, 0.0)
+    lse = tl.where(mx > float("-inf"), safe + tl.log(tl.sum(tl.exp(s - safe[:, None]), 1)), float("-inf"))
+    tl.store(out + (i_b * HQ + i_h * G + g_r) * MB + lb_r, lse, mask=(g_r < G) & (lb_r < MB))
+
+
 @triton.jit(do_not_specialize=["MB", "NC"])  # the same code (reduction order) at every table width
 def quant_lse_stats_kernel(
     lse,  # [B, H * G, MB] float32
@@ -452,8 +562,12 @@ def quant_mass_kernel(
     tl.store(out + i_bh.to(tl.int64) * MB + o_c, tl.where(live, b_mass, float("-inf")), mask=m_c)
 
 
-LAYOUTS = ("slices", "tile", "wide")
-DOTS = ("tf32", "bf16")  # the tile and wide layouts' tl.dot precision (``dot=``); slices takes TF32 only
+LAYOUTS = ("slices", "tile", "wide", "diag")
+# Each layout's ``tl.dot`` precisions (``dot=``), its default first. "tf32" and "bf16x2" keep ~1e-3 of the logits or
+# better and are what the sweep may make a default (:data:`DEFAULT_DOTS`); "bf16" (tile, wide: operands rounded to
+# bf16) and "fp16" (diag: the scaled queries in fp16, which overflow past 65504) are timing probes.
+DOTS = {"slices": ("tf32",), "tile": ("tf32", "bf16"), "wide": ("tf32", "bf16"), "diag": ("bf16x2", "fp16")}
+DEFAULT_DOTS = ("tf32", "bf16x2")
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
@@ -481,7 +595,7 @@ def quant_block_lse(
     num_warps: int | None = None,
     layout: str | None = None,
     *,
-    dot: str = "tf32",
+    dot: str | None = None,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is (``reference.
@@ -497,11 +611,16 @@ def quant_block_lse(
       ``tl.dot`` a slice for all of them (TF32 on a GPU).
     - ``"wide"`` (:func:`quant_block_lse_wide_kernel`, the default with 4 blocks and 4 warps): the same tile
       unpacked to all ``D`` channels, one ``tl.dot`` of depth ``D`` (TF32).
+    - ``"diag"`` (:func:`quant_block_lse_diag_kernel`): no dequantized key; the codes of ``tpp`` blocks (at least
+      ``16 // GP``, ``GP`` the group rounded up to a power of two) are one operand as exact small integers, the
+      group's queries scaled by each block's step the other (``tpp * GP`` rows), one product a slice of which the
+      block-diagonal entries are kept.
 
-    ``dot`` (``"tile"`` and ``"wide"``): ``"tf32"`` (the default, what every quality figure used) or ``"bf16"`` (the
-    dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32 accumulate): a timing probe of
-    whether the products bound the kernel; it changes the ranking's precision (~4e-3 relative on the logits, against
-    ~1e-3 for TF32) and was not used for any quality figure.
+    ``dot`` (:data:`DOTS`; ``None``: the layout's first): ``"tf32"`` (slices, tile, wide: what every quality figure
+    used), ``"bf16"`` (tile, wide: the dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32
+    accumulate; a timing probe, ~4e-3 relative on the logits against ~1e-3 for TF32), ``"bf16x2"`` (diag: the scaled
+    queries as the sum of two bf16 tensors, ~16 bits, against exact integer codes: two products) and ``"fp16"``
+    (diag, one product; a probe: 11 bits, and a scaled query past fp16's 65504 would overflow).
 
     2026-12-01 sweep on an H200 (benchmarks/RESULTS.md): wide 4 / 4 127.6 us at 2 bits, 131.4 at 4 bits at
     1 x 128K, 8.1x / 5.6x the time of their bytes (tile 4 / 4: 196.3 / 150.4). A pipelined multi-tile loop layout
@@ -523,8 +642,9 @@ def quant_block_lse(
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     if layout != "slices" and triton.next_power_of_2(tpp) != tpp:
         raise ValueError(f"layout={layout!r} takes a power-of-two tpp (blocks a tile), not {tpp}")
-    if dot not in DOTS or (dot != "tf32" and layout == "slices"):
-        raise ValueError(f"dot must be one of {DOTS} ('bf16' for the tile and wide layouts), not {dot!r} ({layout})")
+    dot = DOTS[layout][0] if dot is None else dot
+    if dot not in DOTS[layout]:
+        raise ValueError(f"layout={layout!r} takes dot in {DOTS[layout]}, not {dot!r}")
     MB = block_table.shape[1]
     out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
     if B == 0 or MB == 0:
@@ -537,7 +657,12 @@ def quant_block_lse(
     shape = {"HQ": HQ, "H": H, "G": G, "D": D, "W": W, "BS": BS, "BITS": bits}
     grid = (triton.cdiv(MB, tpp), B * H)
     GP = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
-    if layout == "tile":
+    if layout == "diag":
+        GD = triton.next_power_of_2(G)
+        BM = max(tpp, 16 // min(GD, 16))  # tpp * GD rows: at least tl.dot's 16
+        grid = (triton.cdiv(MB, BM), B * H)
+        quant_block_lse_diag_kernel[grid](*args, **shape, GP=GD, BM=BM, SPLIT=dot == "bf16x2", num_warps=num_warps)
+    elif layout == "tile":
         quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
     elif layout == "wide":
         quant_block_lse_wide_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
@@ -607,7 +732,7 @@ def quant_block_scores(
     layout: str | None = None,
     tpp: int | None = None,
     num_warps: int | None = None,
-    dot: str = "tf32",
+    dot: str | None = None,
     block_c: int | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the quantized keys, summed over each GQA group: ``[B, Hkv, MB]`` float32
