@@ -216,6 +216,8 @@ def cases():
                 ("diag", 4, 4, {}),
                 ("diag", 8, 4, {}),
                 ("diag", 4, 4, {"dot": "fp16"}),
+                ("diag_kq", 4, 4, {}),
+                ("diag_kq", 8, 8, {}),
             ):
                 lse = partial(quant_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout, **knobs)
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))

@@ -277,6 +277,8 @@ def test_triton_tail_is_the_same_on_a_wider_table(G, MB, wider, chunks, monkeypa
         ("diag", 4, 4, {}),
         ("diag", 8, 2, {}),
         ("diag", 4, 4, {"dot": "fp16"}),
+        ("diag_kq", 4, 4, {}),
+        ("diag_kq", 2, 8, {"dot": "fp16"}),
     ],
 )
 @pytest.mark.parametrize("G", [1, 3, 4, 8])

@@ -408,6 +408,7 @@ def quant_block_lse_diag_kernel(
     BM: tl.constexpr,
     BITS: tl.constexpr,
     SPLIT: tl.constexpr,
+    KQ: tl.constexpr,
 ):
     """``layout="diag"``: ``BM`` blocks a program, the group's heads of every block stacked as the rows of one
     operand. Row ``r = b * GP + g`` is query head ``g``'s queries scaled by block ``b``'s step (``q * delta_b``,
@@ -439,7 +440,10 @@ def quant_block_lse_diag_kernel(
     o_w = tl.arange(0, W)
     p_c = codes + (tl.maximum(bt_c, 0) * s_cn + i_h * BS * W + (o_c % BS) * W)[:, None] + o_w[None, :]
     b_c = tl.load(p_c, mask=(bt_c >= 0)[:, None], other=0).to(tl.int32)  # [C, W]
-    s = tl.zeros([R, C], dtype=tl.float32)
+    if KQ:
+        s = tl.zeros([C, R], dtype=tl.float32)  # the codes the first operand (M = C rows)
+    else:
+        s = tl.zeros([R, C], dtype=tl.float32)
     off = tl.zeros([R], dtype=tl.float32)
     # a code c as the 16-bit float MAGIC + c (exact: the low mantissa bits), no int-to-float conversion; the
     # products' MAGIC * a are taken off each row through off (float32: error ~1e-6 of the logits)
@@ -449,14 +453,22 @@ def quant_block_lse_diag_kernel(
         a_hi, a_lo, o_j = _diag_slice_operand(q, kmin, kmax, q_row, p_mr, m_r, j, scale, W, BITS, SPLIT)
         c_j = (((b_c >> (j * BITS)) & L) | MAGIC).to(tl.int16)  # [C, W]
         if SPLIT:
-            c_j = tl.trans(c_j.to(tl.bfloat16, bitcast=True))  # [W, C]
-            s += tl.dot(a_hi, c_j, out_dtype=tl.float32)
-            s += tl.dot(a_lo, c_j, out_dtype=tl.float32)
-            off += o_j - BIAS * tl.sum(a_hi.to(tl.float32) + a_lo.to(tl.float32), 1)
+            c_j = c_j.to(tl.bfloat16, bitcast=True)
+            a_sum = a_hi.to(tl.float32) + a_lo.to(tl.float32)
         else:
-            c_j = tl.trans(c_j.to(tl.float16, bitcast=True))
-            s += tl.dot(a_hi, c_j, out_dtype=tl.float32)
-            off += o_j - BIAS * tl.sum(a_hi.to(tl.float32), 1)
+            c_j = c_j.to(tl.float16, bitcast=True)
+            a_sum = a_hi.to(tl.float32)
+        off += o_j - BIAS * tl.sum(a_sum, 1)
+        if KQ:
+            s += tl.dot(c_j, tl.trans(a_hi), out_dtype=tl.float32)
+            if SPLIT:
+                s += tl.dot(c_j, tl.trans(a_lo), out_dtype=tl.float32)
+        else:
+            s += tl.dot(a_hi, tl.trans(c_j), out_dtype=tl.float32)
+            if SPLIT:
+                s += tl.dot(a_lo, tl.trans(c_j), out_dtype=tl.float32)
+    if KQ:
+        s = tl.trans(s)
     keep = ((o_r // GP)[:, None] == (o_c // BS)[None, :]) & ok_c[None, :]
     s = tl.where(keep, s + off[:, None], float("-inf"))
     mx = tl.max(s, 1)  # [R]
@@ -562,11 +574,12 @@ def quant_mass_kernel(
     tl.store(out + i_bh.to(tl.int64) * MB + o_c, tl.where(live, b_mass, float("-inf")), mask=m_c)
 
 
-LAYOUTS = ("slices", "tile", "wide", "diag")
+LAYOUTS = ("slices", "tile", "wide", "diag", "diag_kq")
 # Each layout's ``tl.dot`` precisions (``dot=``), its default first. "tf32" and "bf16x2" keep ~1e-3 of the logits or
 # better and are what the sweep may make a default (:data:`DEFAULT_DOTS`); "bf16" (tile, wide: operands rounded to
 # bf16) and "fp16" (diag: the scaled queries in fp16, which overflow past 65504) are timing probes.
-DOTS = {"slices": ("tf32",), "tile": ("tf32", "bf16"), "wide": ("tf32", "bf16"), "diag": ("bf16x2", "fp16")}
+DOTS = {"slices": ("tf32",), "tile": ("tf32", "bf16"), "wide": ("tf32", "bf16")}
+DOTS.update({"diag": ("bf16x2", "fp16"), "diag_kq": ("bf16x2", "fp16")})
 DEFAULT_DOTS = ("tf32", "bf16x2")
 
 # The scoring kernel's default knobs per code width (``quant_block_lse``): set from the sweep in benchmarks/RESULTS.md
@@ -614,7 +627,8 @@ def quant_block_lse(
     - ``"diag"`` (:func:`quant_block_lse_diag_kernel`): no dequantized key; the codes of ``tpp`` blocks (at least
       ``16 // GP``, ``GP`` the group rounded up to a power of two) are one operand as exact small integers, the
       group's queries scaled by each block's step the other (``tpp * GP`` rows), one product a slice of which the
-      block-diagonal entries are kept.
+      block-diagonal entries are kept. ``"diag_kq"``: the same product transposed (the codes the first operand,
+      ``tpp * BS`` rows: on a Hopper GPU Triton may then take warp-group MMAs).
 
     ``dot`` (:data:`DOTS`; ``None``: the layout's first): ``"tf32"`` (slices, tile, wide: what every quality figure
     used), ``"bf16"`` (tile, wide: the dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32
@@ -657,11 +671,13 @@ def quant_block_lse(
     shape = {"HQ": HQ, "H": H, "G": G, "D": D, "W": W, "BS": BS, "BITS": bits}
     grid = (triton.cdiv(MB, tpp), B * H)
     GP = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
-    if layout == "diag":
+    if layout.startswith("diag"):
         GD = triton.next_power_of_2(G)
         BM = max(tpp, 16 // min(GD, 16))  # tpp * GD rows: at least tl.dot's 16
         grid = (triton.cdiv(MB, BM), B * H)
-        quant_block_lse_diag_kernel[grid](*args, **shape, GP=GD, BM=BM, SPLIT=dot == "bf16x2", num_warps=num_warps)
+        quant_block_lse_diag_kernel[grid](
+            *args, **shape, GP=GD, BM=BM, SPLIT=dot == "bf16x2", KQ=layout == "diag_kq", num_warps=num_warps
+        )
     elif layout == "tile":
         quant_block_lse_tile_kernel[grid](*args, **shape, GP=GP, BM=tpp, BF16=dot == "bf16", num_warps=num_warps)
     elif layout == "wide":
