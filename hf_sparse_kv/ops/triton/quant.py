@@ -18,7 +18,9 @@ token holds channels ``i, i + W, ...`` (``W = D * bits // 8``), so a kernel hand
   ``"wide"`` (the same tile unpacked to every channel, one ``tl.dot`` of depth ``D``; 2026-12-01 sweep on an H200:
   wide 4 / 4 127.6 us at 2 bits, 131.4 at 4 bits at 1 x 128K, 8.1x / 5.6x the time of their bytes) and ``"diag"``
   (slices' algebra over a tile: the step-scaled queries of every block of the tile stacked as one operand's rows,
-  the codes as exact 16-bit floats the other, the block-diagonal of each slice's product kept).
+  the codes as exact 16-bit floats the other, the block-diagonal of each slice's product kept; ``"diag_kq"`` the
+  same product transposed, the default: 2026-12-03 sweep on an H200, diag_kq 4 / 4 104.9 us at 2 bits, 102.1 at
+  4 bits at 1 x 128K, against wide's 127.9 / 132.0 in the same run).
   A fourth form, the tile with the dot products as float32 FMAs, was timed 3-9x slower on an H200 and removed; a
   pipelined multi-tile loop layout (a few programs a row, each walking a range of tiles) was timed slower than
   wide at every point and removed too (benchmarks/RESULTS.md). It reads the codes (``bits / 16`` of 16-bit keys) and
@@ -586,9 +588,9 @@ DEFAULT_DOTS = ("tf32", "bf16x2")
 # (``python benchmarks/check_quant_keys.py --sweep``), the one place a launcher reads them. ``layout``: one of
 # :data:`LAYOUTS`; ``tpp``: blocks per program (a power of two for "tile" and "wide"); ``num_warps``.
 # ``python benchmarks/check_quant_keys.py --sweep --apply`` rewrites this literal.
-LSE_DEFAULTS = {  # 2026-12-01 sweep (--apply): least whole-scoring time over 1 x 128K + 8 x 32K
-    2: {"layout": "wide", "tpp": 4, "num_warps": 4},
-    4: {"layout": "wide", "tpp": 4, "num_warps": 4},
+LSE_DEFAULTS = {  # 2026-12-03 sweep (--apply, H200): least whole-scoring time over 1 x 128K + 8 x 32K
+    2: {"layout": "diag_kq", "tpp": 4, "num_warps": 4},
+    4: {"layout": "diag_kq", "tpp": 4, "num_warps": 4},
 }
 TAIL_TILE = 1024  # the tail's elements per program (``[BG, BC]`` log-sum-exps): BC = TAIL_TILE // BG blocks
 TAIL_CHUNKS = 32  # the chunks' partial (max, sum) merged per tile by the tail's second pass (quant_mass_kernel)
@@ -622,13 +624,13 @@ def quant_block_lse(
       codes are exact there; the scaled queries keep 10 bits: ~1e-3 relative, enough to rank blocks).
     - ``"tile"`` (:func:`quant_block_lse_tile_kernel`): ``tpp`` blocks' keys dequantized in registers, one
       ``tl.dot`` a slice for all of them (TF32 on a GPU).
-    - ``"wide"`` (:func:`quant_block_lse_wide_kernel`, the default with 4 blocks and 4 warps): the same tile
-      unpacked to all ``D`` channels, one ``tl.dot`` of depth ``D`` (TF32).
+    - ``"wide"`` (:func:`quant_block_lse_wide_kernel`, the default until 2026-12-03): the same tile unpacked to
+      all ``D`` channels, one ``tl.dot`` of depth ``D`` (TF32).
     - ``"diag"`` (:func:`quant_block_lse_diag_kernel`): no dequantized key; the codes of ``tpp`` blocks (at least
       ``16 // GP``, ``GP`` the group rounded up to a power of two) are one operand as exact small integers, the
       group's queries scaled by each block's step the other (``tpp * GP`` rows), one product a slice of which the
       block-diagonal entries are kept. ``"diag_kq"``: the same product transposed (the codes the first operand,
-      ``tpp * BS`` rows: on a Hopper GPU Triton may then take warp-group MMAs).
+      ``tpp * BS`` rows: on a Hopper GPU Triton may then take warp-group MMAs; the default, 4 blocks and 4 warps).
 
     ``dot`` (:data:`DOTS`; ``None``: the layout's first): ``"tf32"`` (slices, tile, wide: what every quality figure
     used), ``"bf16"`` (tile, wide: the dequantized keys and the queries rounded to bf16 before ``tl.dot``, float32
@@ -636,8 +638,9 @@ def quant_block_lse(
     queries as the sum of two bf16 tensors, ~16 bits, against exact integer codes: two products) and ``"fp16"``
     (diag, one product; a probe: 11 bits, and a scaled query past fp16's 65504 would overflow).
 
-    2026-12-01 sweep on an H200 (benchmarks/RESULTS.md): wide 4 / 4 127.6 us at 2 bits, 131.4 at 4 bits at
-    1 x 128K, 8.1x / 5.6x the time of their bytes (tile 4 / 4: 196.3 / 150.4). A pipelined multi-tile loop layout
+    2026-12-03 sweep on an H200 (benchmarks/RESULTS.md): at 1 x 128K, 2 / 4 bits, diag_kq 4 / 4 104.9 / 102.1 us,
+    diag 4 / 4 110.5 / 104.0, wide 4 / 4 127.9 / 132.0, tile 4 / 4 215.3 / 152.9; the fp16 probe diag 4 / 4 94.1 /
+    86.2 (not a default: it can overflow); 8 x 32K at 4 bits: diag_kq 196.3, wide 257.1. A pipelined multi-tile loop layout
     (a few programs a row, each walking a range of tiles, partials merged by the tail) was timed slower than wide at
     every point of its sweep and removed.
     """
