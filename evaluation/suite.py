@@ -3,6 +3,7 @@ limit; summaries with 95% intervals from the raw cells (:mod:`evaluation.suite_s
 
     hf-sparse-kv suite {smollm2,gemma3,qwen2.5} --out DIR [--time-limit S] [--set key=value]
     hf-sparse-kv suite qwen2.5 --out DIR --summarize          # tables and plots from DIR/cells.jsonl (CPU)
+    hf-sparse-kv suite qwen2.5 --out DIR --workers 2           # two processes on the folder (evaluation.suite_workers)
 
 The config is ``recipes/suite_<model>.yaml``. Every finished cell is one JSON line in ``DIR/cells.jsonl`` (field
 ``task``: ``perplexity``, ``needle`` or ``qa``; ``device`` and ``date``: where and when it ran); a rerun skips the
@@ -27,6 +28,7 @@ import argparse
 import os
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +44,7 @@ from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
 from .simulate import SimulateSession
 from .slots import DecodeSlots
+from .suite_workers import cell_key
 from .sweep import (
     PolicyCell,
     ResultsDir,
@@ -467,16 +470,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
 
 
 def _done_keys(rows: list[dict[str, Any]]) -> set[tuple]:
-    keys = set()
-    for r in rows:
-        cell = (r.get("policy"), r.get("budget"))
-        if r.get("task") == "perplexity":
-            keys.add(("perplexity", r["length"], r["window"], *cell))
-        elif r.get("task") == "needle":
-            keys.add(("needle", r["length"], r["variant"], r["trial"], *cell))
-        elif r.get("task") == "qa":
-            keys.add(("qa", r["length"], r["qa_task"], r["item"], *cell))
-    return keys
+    return {key for key in map(cell_key, rows) if key is not None}
 
 
 def run_suite(
@@ -486,22 +480,27 @@ def run_suite(
     model=None,
     tokenizer=None,
     texts: dict[str, str] | None = None,
+    *,
+    claim: Callable[[int], bool] | None = None,
+    cells_file: str = "cells.jsonl",
 ) -> dict[str, Any]:
     """Run the suite's jobs in order into ``out/cells.jsonl`` until done or ``time_limit`` seconds have passed.
 
     Returns ``{"finished": bool, "jobs_done": int, "jobs": int, "seconds": float}``; a stopped run resumes where it
     stopped when called again with the same ``out``. Jobs whose every unit is in ``out`` already are skipped before
-    anything loads: a finished suite called again loads neither the model nor the texts."""
+    anything loads: a finished suite called again loads neither the model nor the texts.
+
+    Several processes share one ``out`` (:mod:`evaluation.suite_workers`) through ``claim`` (called with a job's
+    index in :func:`plan` before it starts: ``False`` leaves the job to another process, which the returned
+    ``jobs_done`` then does not count) and ``cells_file`` (this process's ``cells*.jsonl`` in ``out``)."""
     t0 = time.monotonic()
     deadline = Deadline(time_limit)
-    results = ResultsDir(out)
+    results = ResultsDir(out, name=cells_file)
     import yaml
 
     (results.path / "suite.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     cells = cells_of(cfg)
-    done = _done_keys(results.rows())
-    jobs = plan(cfg)
-    todo = [job for job in jobs if any(u not in done for u in _units(cfg, job, cells))]
+    jobs, todo = remaining(cfg, results.rows())
     if todo and model is None:
         from .assets import load_model
 
@@ -510,13 +509,22 @@ def run_suite(
     if todo and texts is None:
         texts = {name: suite_text(name) for name in cfg.get("texts", ["essays", "kjv"])}
     if todo:  # every new cell says where and when it ran (an estimate for the GPU leaves out the CPU's cells)
-        results = ResultsDir(out, stamp={"device": device_name(model), "date": time.strftime("%Y-%m-%d")})
+        stamp = {"device": device_name(model), "date": time.strftime("%Y-%m-%d")}
+        results = ResultsDir(out, stamp=stamp, name=cells_file)
     torch.manual_seed(cfg.get("seed", 0))
     cache: dict = {}
+    done = _done_keys(results.rows())
     finished = len(jobs) - len(todo)
+    index = {id(job): i for i, job in enumerate(jobs)}
+    skipped = 0  # jobs left to other processes
     for job in todo:
         if deadline.passed():
             break
+        if claim is not None:  # shared with other processes: skip what they took or finished meanwhile
+            if not claim(index[id(job)]):
+                skipped += 1
+                continue
+            done = _done_keys(results.rows())
         print(f"[suite] {job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}")
         if job.task == "perplexity" and any(c.policy.compresses for c in _select(cells, job)):
             _perplexity_decode(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
@@ -534,8 +542,27 @@ def run_suite(
         "seconds": round(time.monotonic() - t0, 1),
         **environment(),
     }
-    print(f"[suite] {'finished' if status['finished'] else 'stopped by the time limit'}: {status}")
+    state = "finished" if status["finished"] else "stopped by the time limit"
+    if skipped and not deadline.passed():
+        state = f"done with its jobs ({skipped} left to other processes)"
+    print(f"[suite] {state}: {status}")
     return status
+
+
+def remaining(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[list[Job], list[Job]]:
+    """``(jobs, todo)``: the suite's jobs in :func:`plan`'s order and those with a unit whose cells are not all in
+    ``rows``."""
+    cells = cells_of(cfg)
+    done = _done_keys(rows)
+    jobs = plan(cfg)
+    return jobs, [job for job in jobs if any(u not in done for u in _units(cfg, job, cells))]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive number, not {text}")
+    return value
 
 
 def device_name(model) -> str:
@@ -769,6 +796,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="with --estimate: price the whole suite run again from an empty folder (from --out's cells all the same)",
     )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="suite processes sharing the folder, each with its own model, none running a job another took "
+        "(a small model's decoding leaves a GPU idle: two Qwen2.5-1.5B workers did ~1.7x the work on an H200)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (YAML)")
     a = p.parse_args(argv)
     overrides = {}
@@ -789,6 +823,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         print(ESTIMATE_NOT_COUNTED)
         return
-    if not a.summarize:
+    if not a.summarize and a.workers > 1:
+        from .suite_workers import run_workers
+
+        run_workers(cfg, a.out, a.time_limit, a.workers)
+    elif not a.summarize:
         run_suite(cfg, a.out, a.time_limit)
     print(summarize(a.out, title=str(cfg.get("model"))))

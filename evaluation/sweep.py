@@ -263,18 +263,27 @@ class Shard:
 
 
 class ResultsDir:
-    """The results folder: finished cells (read from every shard's file), appended one JSON line at a time.
+    """The results folder: finished cells (read from every ``cells*.jsonl``: each shard's or suite worker's file),
+    appended one JSON line at a time to this process's file (``name``; default ``cells.jsonl``, or the shard's).
 
     ``stamp``: fields written into every appended row that the row does not set itself (the suite's ``device`` and
     ``date``: where and when a cell ran, so that cells from different machines can be told apart later)."""
 
-    def __init__(self, path: str | Path, shard: Shard | None = None, stamp: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        shard: Shard | None = None,
+        stamp: dict[str, Any] | None = None,
+        name: str | None = None,
+    ):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.shard = shard or Shard()
         self.stamp = dict(stamp or {})
-        name = "cells.jsonl" if self.shard.world == 1 else f"cells.rank{self.shard.rank}.jsonl"
-        self.file = self.path / name
+        if name is not None and not (name.startswith("cells") and name.endswith(".jsonl") and "/" not in name):
+            raise ValueError(f"a results file is named cells*.jsonl (every such file is read back), not {name!r}")
+        default = "cells.jsonl" if self.shard.world == 1 else f"cells.rank{self.shard.rank}.jsonl"
+        self.file = self.path / (name or default)
 
     def rows(self) -> list[dict[str, Any]]:
         out = []

@@ -8,6 +8,7 @@
 # usage: device_call.sh SUITE SECONDS [PART ...] [-- suite args...]
 #   SUITE: smollm2 | gemma3 | qwen2.5;  no PART: `hf-sparse-kv suite SUITE` on its own config, else the parts in order
 #   (recipes/suite_chain.sh).  Outputs: $OUT/cells_suite_SUITE.jsonl, $OUT/log_suite_SUITE.txt
+#   `--workers N` among the suite args runs N suite processes on the folder (evaluation/suite_workers.py)
 # Environment (defaults): HF_SPARSE_KV_ASSETS (/root/hfsk_assets), HF_SPARSE_KV_EXTRAS (.stage/extras: the texts and
 # the gguf wheel), HF_SPARSE_KV_SITE (/tmp/site: where the wheel goes), PY (python3), OUT (/tmp/out)
 set -u
@@ -26,7 +27,11 @@ if [ ! -d "$R" ]; then
   cp "evaluation/results/suite_$SUITE/cells.jsonl" "$R"/ 2>/dev/null || true
 fi
 LOG=$OUTDIR/log_suite_$SUITE.txt
-keep() { cp "$R/cells.jsonl" "$OUTDIR/cells_suite_$SUITE.jsonl" 2>/dev/null || true; }
+# the cells so far, with those of running `--workers` merged in (python -m evaluation.suite_workers snapshot)
+keep() {
+  PYTHONPATH=$PWD python3 -m evaluation.suite_workers snapshot "$R" "$OUTDIR/cells_suite_$SUITE.jsonl" 2>/dev/null \
+    || cp "$R/cells.jsonl" "$OUTDIR/cells_suite_$SUITE.jsonl" 2>/dev/null || true
+}
 ( while sleep 20; do keep; done ) &
 COPIER=$!
 export PYTHONPATH=$SITE:$PWD HF_SPARSE_KV_ASSETS=$ASSETS PYTHONUNBUFFERED=1 PY

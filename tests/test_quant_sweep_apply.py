@@ -48,7 +48,9 @@ def test_best_points_least_total_time_among_right_tf32_points():
 
 
 def test_best_points_needs_every_shape():
-    rows = [r for r in _rows() if not (r.get("layout") in ("wide", "diag") and r["tpp"] != 2 and r["shape"] == "8x2048")]
+    rows = [
+        r for r in _rows() if not (r.get("layout") in ("wide", "diag") and r["tpp"] != 2 and r["shape"] == "8x2048")
+    ]
     assert cq.best_points(rows)[4] == {"layout": "tile", "tpp": 4, "num_warps": 4}
 
 
