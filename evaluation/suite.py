@@ -130,7 +130,11 @@ def plan(cfg: dict[str, Any]) -> list[Job]:
                 jobs.append(Job("needle", int(n), lbls, own(start, bds), {"variant": "single_start"}))
         if qa:
             jobs += [Job("qa", int(n), lbls, own(qa, bds)) for n in qa.get("lengths", lengths)]
-    jobs = [j for j in jobs if j.budgets]
+    unique: list[Job] = []  # a tier equal to an earlier one (decisive = every policy, one budget) adds nothing
+    for j in jobs:
+        if j.budgets and j not in unique:
+            unique.append(j)
+    jobs = unique
     if slow:
         jobs += [Job("perplexity", n, ("dense", *slow), budgets) for n in lengths]
     return jobs

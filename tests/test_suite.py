@@ -76,6 +76,14 @@ def test_plan_runs_the_decisive_cells_first():
     assert {j.length for j in first} == {8192, 16384, 32768}
 
 
+def test_plan_holds_each_job_once():
+    cfg = load_suite("qwen2.5")
+    labels = [c.label for c in cells_of(cfg)]
+    cfg.update(budgets=["1/16"], decisive={"policies": list(dict.fromkeys(labels)), "budgets": ["1/16"]})
+    jobs = plan(cfg)
+    assert jobs and all(a != b for i, a in enumerate(jobs) for b in jobs[:i])  # the two 1/16 tiers are one
+
+
 def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path, monkeypatch):
     cfg = _tiny_cfg("qwen2.5")
     model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
