@@ -165,6 +165,35 @@ def _select(cells: list[PolicyCell], job: Job) -> list[PolicyCell]:
     return [c for c in cells if c.label in job.labels and (c.budget is None or budget_label(c.budget) in job.budgets)]
 
 
+def check_windows(cfg: dict[str, Any], out: str | Path, rows: list[dict[str, Any]]) -> None:
+    """Refuse a run whose perplexity windows are not those of the folder's cells: window ``w`` of ``n`` starts at
+    a place that depends on ``n`` (:func:`_windows`) and scores ``scored`` tokens, so cells of another ``windows`` or
+    ``scored`` under the same index would be other text counted as done. The first run with windows writes them to
+    ``out/perplexity.json``; a folder without the file (older) is checked on its cells' window indices."""
+    import json
+
+    p = {"windows": 16, "scored": 256, **(cfg.get("perplexity") or {})}
+    if not int(p["windows"]):
+        return
+    mine = {"windows": int(p["windows"]), "scored": int(p["scored"])}
+    path = Path(out) / "perplexity.json"
+    if path.exists():
+        theirs = json.loads(path.read_text())
+        if theirs != mine:
+            raise ValueError(
+                f"{out} holds perplexity cells of {theirs}, this run asks for {mine}: a window's text depends on "
+                "both; use another --out (or perplexity={windows: 0} to leave perplexity out)"
+            )
+        return
+    top = max((r["window"] for r in rows if r.get("task") == "perplexity"), default=-1)
+    if top >= mine["windows"]:
+        raise ValueError(
+            f"{out} holds perplexity cells up to window {top}, this run asks for {mine['windows']} windows: a "
+            "window's text depends on the number of windows; use another --out"
+        )
+    path.write_text(json.dumps(mine))
+
+
 def _windows(tok, texts: dict[str, str], length: int, n: int, cache: dict) -> list[tuple[str, list[int]]]:
     """``n`` windows of ``length`` tokens, alternating over the texts, evenly spaced over each text."""
     names = list(texts)
@@ -502,9 +531,11 @@ def run_suite(
     results = ResultsDir(out, name=cells_file)
     import yaml
 
+    rows = results.rows()
+    check_windows(cfg, out, rows)  # before anything is written
     (results.path / "suite.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     cells = cells_of(cfg)
-    jobs, todo = remaining(cfg, results.rows())
+    jobs, todo = remaining(cfg, rows)
     if todo and model is None:
         from .assets import load_model
 

@@ -141,7 +141,7 @@ def run_workers(
     function each worker calls for :func:`~evaluation.suite.run_suite`'s ``model`` / ``tokenizer`` / ``texts``
     (``None``: each loads them from the config). Returns ``run_suite``'s status for the whole folder after the
     merge, with ``workers`` and each worker's ``exitcodes``."""
-    from .suite import remaining
+    from .suite import check_windows, remaining
     from .sweep import ResultsDir
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -149,6 +149,7 @@ def run_workers(
     t0 = time.monotonic()
     Path(out).mkdir(parents=True, exist_ok=True)
     merge_worker_cells(out)  # a stopped earlier invocation's cells first: the folder then holds one file again
+    check_windows(cfg, out, ResultsDir(out).rows())  # refused here, before any worker starts
     claims = tempfile.mkdtemp(prefix="hfsk_claims_")
     ctx = multiprocessing.get_context("spawn")
     try:

@@ -129,3 +129,26 @@ def test_workers_flag_refuses_a_count_below_one(tmp_path, capsys):
     assert "positive" in capsys.readouterr().err
     with pytest.raises(ValueError, match="positive int"):
         run_workers(_small_cfg(), tmp_path, None, 0)
+
+
+def test_a_folder_refuses_perplexity_windows_other_than_its_cells(tmp_path):
+    """Window w of n starts where n puts it: cells of 4 windows are not those of 16 under the same index."""
+    cfg = _small_cfg()  # 3 windows x 16 scored tokens
+    older = tmp_path / "older"  # a folder from before the record: its cells' window indices decide
+    older.mkdir()
+    row = {"task": "perplexity", "length": 640, "window": 5, "policy": "dense", "budget": "-", "nll_sum": 1.0}
+    (older / "cells.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="up to window 5"):
+        run_suite(cfg, older, **tiny_setup())
+    assert sorted(f.name for f in older.iterdir()) == ["cells.jsonl"]  # nothing written
+    out = tmp_path / "r"
+    assert run_suite(cfg, out, **tiny_setup())["finished"]
+    assert json.loads((out / "perplexity.json").read_text()) == {"windows": 3, "scored": 16}
+    for change in ({"windows": 4}, {"scored": 8}):
+        other = {**cfg, "perplexity": {**cfg["perplexity"], **change}}
+        with pytest.raises(ValueError, match="another --out"):
+            run_suite(other, out, **tiny_setup())
+        with pytest.raises(ValueError, match="another --out"):
+            run_workers(other, out, None, 2, setup=tiny_setup)
+    no_ppl = {**cfg, "perplexity": {"windows": 0}}  # leaving perplexity out is always fine
+    assert run_suite(no_ppl, out, **tiny_setup())["finished"]
