@@ -25,8 +25,11 @@ Needle and QA batches decode eagerly unless the config's ``static: true`` (or th
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +47,7 @@ from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
 from .simulate import SimulateSession
 from .slots import DecodeSlots
-from .suite_workers import cell_key
+from .suite_workers import WORKER_FILE, JobClaims, cell_key, merge_worker_cells
 from .sweep import (
     PolicyCell,
     ResultsDir,
@@ -593,6 +596,56 @@ def remaining(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[list[Job
     return jobs, [job for job in jobs if any(u not in done for u in _units(cfg, job, cells))]
 
 
+def _worker(cfg: dict[str, Any], out: str, time_limit: float | None, k: int, claims: str, setup) -> None:
+    print(f"[suite] worker {k}: pid {os.getpid()}", flush=True)
+    kwargs = setup() if setup is not None else {}
+    run_suite(cfg, out, time_limit, claim=JobClaims(claims), cells_file=WORKER_FILE.format(k), **kwargs)
+
+
+def run_workers(
+    cfg: dict[str, Any],
+    out: str | Path,
+    time_limit: float | None,
+    workers: int,
+    setup: Callable[[], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Run the suite ``cfg`` into ``out`` with ``workers`` processes (:mod:`evaluation.suite_workers`); ``setup``:
+    a picklable function each worker calls for :func:`run_suite`'s ``model`` / ``tokenizer`` / ``texts`` (``None``:
+    each loads them from the config). Returns ``run_suite``'s status for the whole folder after the
+    merge, with ``workers`` and each worker's ``exitcodes``."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int, not {workers!r}")
+    t0 = time.monotonic()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    merge_worker_cells(out)  # a stopped earlier invocation's cells first: the folder then holds one file again
+    check_windows(cfg, out, ResultsDir(out).rows())  # refused here, before any worker starts
+    claims = tempfile.mkdtemp(prefix="hfsk_claims_")
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        procs = [
+            ctx.Process(target=_worker, args=(cfg, str(out), time_limit, k, claims, setup)) for k in range(workers)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    finally:
+        shutil.rmtree(claims, ignore_errors=True)
+        merge_worker_cells(out)
+    jobs, todo = remaining(cfg, ResultsDir(out).rows())
+    status = {
+        "finished": not todo,
+        "jobs_done": len(jobs) - len(todo),
+        "jobs": len(jobs),
+        "seconds": round(time.monotonic() - t0, 1),
+        "workers": workers,
+        "exitcodes": [p.exitcode for p in procs],
+        **environment(),
+    }
+    print(f"[suite] {'finished' if status['finished'] else 'stopped'} ({workers} workers): {status}", flush=True)
+    return status
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -859,8 +912,6 @@ def main(argv: list[str] | None = None) -> None:
         print(ESTIMATE_NOT_COUNTED)
         return
     if not a.summarize and a.workers > 1:
-        from .suite_workers import run_workers
-
         run_workers(cfg, a.out, a.time_limit, a.workers)
     elif not a.summarize:
         run_suite(cfg, a.out, a.time_limit)

@@ -1,4 +1,5 @@
-"""Several suite processes on one results folder: ``hf-sparse-kv suite MODEL --out DIR --workers N``.
+"""Several suite processes on one results folder (``hf-sparse-kv suite MODEL --out DIR --workers N``,
+:func:`evaluation.suite.run_workers`): the claims, the cell keys and the merge they share, standard library only.
 
 A small model's captured decode steps leave a large GPU idle between launches: on one H200, two Qwen2.5-1.5B suite
 processes side by side did about 1.7x the work of one per device-minute (evaluation/RESULTS.md, 2026-12-03). Each
@@ -16,12 +17,7 @@ finished cells are kept and the next invocation runs the rest.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import shutil
-import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,63 +116,6 @@ def snapshot(out: str | Path, dest: str | Path) -> int:
     tmp.write_text((main.read_text() if main.exists() else "") + _joined(main, lines))
     tmp.replace(dest)
     return len(lines)
-
-
-def _worker(cfg: dict[str, Any], out: str, time_limit: float | None, k: int, claims: str, setup) -> None:
-    from .suite import run_suite
-
-    print(f"[suite] worker {k}: pid {os.getpid()}", flush=True)
-    kwargs = setup() if setup is not None else {}
-    run_suite(cfg, out, time_limit, claim=JobClaims(claims), cells_file=WORKER_FILE.format(k), **kwargs)
-
-
-def run_workers(
-    cfg: dict[str, Any],
-    out: str | Path,
-    time_limit: float | None,
-    workers: int,
-    setup: Callable[[], dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """Run the suite ``cfg`` into ``out`` with ``workers`` processes (module docstring); ``setup``: a picklable
-    function each worker calls for :func:`~evaluation.suite.run_suite`'s ``model`` / ``tokenizer`` / ``texts``
-    (``None``: each loads them from the config). Returns ``run_suite``'s status for the whole folder after the
-    merge, with ``workers`` and each worker's ``exitcodes``."""
-    from .suite import check_windows, remaining
-    from .sweep import ResultsDir
-
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive int, not {workers!r}")
-    t0 = time.monotonic()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    merge_worker_cells(out)  # a stopped earlier invocation's cells first: the folder then holds one file again
-    check_windows(cfg, out, ResultsDir(out).rows())  # refused here, before any worker starts
-    claims = tempfile.mkdtemp(prefix="hfsk_claims_")
-    ctx = multiprocessing.get_context("spawn")
-    try:
-        procs = [
-            ctx.Process(target=_worker, args=(cfg, str(out), time_limit, k, claims, setup)) for k in range(workers)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-    finally:
-        shutil.rmtree(claims, ignore_errors=True)
-        merge_worker_cells(out)
-    from .environment import environment
-
-    jobs, todo = remaining(cfg, ResultsDir(out).rows())
-    status = {
-        "finished": not todo,
-        "jobs_done": len(jobs) - len(todo),
-        "jobs": len(jobs),
-        "seconds": round(time.monotonic() - t0, 1),
-        "workers": workers,
-        "exitcodes": [p.exitcode for p in procs],
-        **environment(),
-    }
-    print(f"[suite] {'finished' if status['finished'] else 'stopped'} ({workers} workers): {status}", flush=True)
-    return status
 
 
 if __name__ == "__main__":  # python -m evaluation.suite_workers snapshot DIR DEST

@@ -8,7 +8,7 @@
 # usage: device_call.sh SUITE SECONDS [PART ...] [-- suite args...]
 #   SUITE: smollm2 | gemma3 | qwen2.5;  no PART: `hf-sparse-kv suite SUITE` on its own config, else the parts in order
 #   (recipes/suite_chain.sh).  Outputs: $OUT/cells_suite_SUITE.jsonl, $OUT/log_suite_SUITE.txt
-#   `--workers N` among the suite args runs N suite processes on the folder (evaluation/suite_workers.py)
+#   `--workers N` among the suite args runs N suite processes on the folder (evaluation.suite.run_workers)
 # Environment (defaults): HF_SPARSE_KV_ASSETS (/root/hfsk_assets), HF_SPARSE_KV_EXTRAS (.stage/extras: the texts and
 # the gguf wheel), HF_SPARSE_KV_SITE (/tmp/site: where the wheel goes), PY (python3), OUT (/tmp/out)
 set -u

@@ -12,8 +12,8 @@ from test_suite import _tiny_cfg
 from tiny_models import tiny_model
 
 from evaluation.suite import main as suite_main
-from evaluation.suite import remaining, run_suite
-from evaluation.suite_workers import JobClaims, merge_worker_cells, run_workers, snapshot
+from evaluation.suite import remaining, run_suite, run_workers
+from evaluation.suite_workers import JobClaims, merge_worker_cells, snapshot
 from evaluation.sweep import ResultsDir
 from evaluation.toy import CharTokenizer
 
