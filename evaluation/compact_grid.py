@@ -19,11 +19,18 @@ mass, summed over the GQA group) on the dequantized keys. The grid here is compu
 (a cache would refresh a group's min / max as its blocks fill, like ``QuantBlockTopK``'s codes). PyTorch reference
 only (``name: "evaluation.compact_grid:CompactGridBlockTopK"`` in a suite, or ``python -m evaluation.compact_grid``):
 no cache state, no kernel, not a policy of the library.
+
+Below 2 bits the ranking goes (1 bit: Quest's hit rate), and 2 bits of every key cost 1/8 of K's bytes before their
+grid. :class:`ProgressiveGridBlockTopK` stores a 2-bit code as two bit planes and reads the second only where it
+matters: the top plane of every key ranks the blocks and keeps ``candidates x`` the budget's, then the full codes of
+those blocks pick the budget (:func:`progressive_fraction`: at budget 1/16, 4 candidates a block and fp8 min / max per
+32 tokens, 1/16 + 1/32 + 1/64 = 7/64 of K's bytes).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -87,12 +94,23 @@ def group_grid(
 
 
 def dequantized_pool(
-    k_pool: torch.Tensor, block_table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    bits: int,
+    known: int | None = None,
 ) -> torch.Tensor:
     """``[NB, Hkv, BS, D]`` float32: every held block's keys rounded to the nearest of ``2 ** bits`` uniform levels
     from its ``lo`` to ``hi`` (``[B, MB, Hkv, D]``, the block's grid as stored; clamped to the end levels); blocks no
-    sequence holds are 0 (a block two sequences hold takes the later one's grid)."""
+    sequence holds are 0 (a block two sequences hold takes the later one's grid).
+
+    ``known``: only the code's top ``known`` bits are read (its bit planes stored apart, the low ones not read): the
+    key is the middle of the levels those bits leave (``known=1`` of 2 bits: level 0.5 or 2.5); ``None``: all."""
     levels = 2**bits - 1
+    unknown = 0 if known is None else bits - known
+    if not 0 <= unknown < bits:
+        raise ValueError(f"known must be 1 to {bits} code bits, not {known!r}")
     phys = block_table.long()
     held = phys >= 0
     l, h = lo[held][:, :, None, :], hi[held][:, :, None, :]  # [N, Hkv, 1, D]
@@ -100,6 +118,8 @@ def dequantized_pool(
     delta = (h - l) / levels
     safe = torch.where(delta > 0, delta, torch.ones_like(delta))
     code = torch.floor((keys - l) / safe + 0.5).clamp(0, levels)
+    if unknown:  # the levels sharing the top bits, and their middle
+        code = torch.div(code, 2**unknown, rounding_mode="floor") * 2**unknown + (2**unknown - 1) / 2
     out = torch.zeros(k_pool.shape, dtype=torch.float32, device=k_pool.device)
     out[phys[held]] = torch.where(delta > 0, l + code * delta, l)
     return out
@@ -135,6 +155,78 @@ class CompactGridBlockTopK(OracleBlockTopK):
         )
 
 
+@dataclass
+class ProgressiveGridBlockTopK(CompactGridBlockTopK):
+    """Two stages on one ``bits``-bit grid whose codes are stored as bit planes: every key's top bit plane ranks the
+    blocks (each key the middle of the levels its top bit leaves, :func:`dequantized_pool`'s ``known=1``) and keeps
+    ``candidates x`` the budget's blocks (the forced ones first), then the full codes of only those blocks rank them
+    by mass (module docstring) and the budget's best are kept. Scoring reads the top plane and the grid of every
+    key, and the other planes of the candidates (:func:`progressive_fraction`). Args as
+    :class:`CompactGridBlockTopK` (``bits`` 2 or 4), plus ``candidates`` (``c >= 1``). Reference ops only."""
+
+    bits: int = 2
+    candidates: float = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bits < 2:
+            raise ValueError(f"a progressive grid needs bits >= 2 (a top plane and more), not {self.bits!r}")
+        c = self.candidates
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or c < 1:
+            raise ValueError(f"candidates must be a number >= 1 (candidate blocks per budget block), not {c!r}")
+
+    def stage_masses(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(coarse, fine)``, each ``[B, Hkv, nblk]``: every block's mass under its keys' top bit plane and under
+        the full codes; ``-inf`` for blocks not in use."""
+        lo, hi = group_grid(state.k_pool, state.block_table, state.seq_lens, state.start, self.group)
+        lo, hi = stored(lo, self.meta), stored(hi, self.meta)
+        args = (state.block_table, state.seq_lens, state.start, state.scale, state.length)
+        top, full = (
+            dequantized_pool(state.k_pool, state.block_table, lo, hi, self.bits, known).to(state.k_pool.dtype)
+            for known in (1, None)
+        )
+        return oracle_block_scores(state.q, top, *args), oracle_block_scores(state.q, full, *args)
+
+    def scores(self, state: DecodeState) -> torch.Tensor:
+        """The fine mass on the candidates (forced blocks ``+inf``), below every candidate elsewhere in use
+        (``-finfo.max``), ``-inf`` for blocks not in use; called by ``select`` only when the step is sparse."""
+        coarse, fine = self.stage_masses(state)
+        forced = self.forced_blocks(state, self.sink, self.window).unsqueeze(1)  # [B, 1, nblk]
+        live = coarse > float("-inf")
+        coarse = coarse.masked_fill(forced & live, float("inf"))
+        counts = self.widths(state).per_sequence()
+        keep = torch.tensor([math.ceil(self.candidates * k) for k in counts], device=coarse.device)  # [B]
+        rank = coarse.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # [B, Hkv, nblk]
+        candidate = rank < keep[:, None, None]
+        fine = fine.masked_fill(forced & live, float("inf"))
+        low = torch.full_like(fine, -torch.finfo(fine.dtype).max).masked_fill(~live, float("-inf"))
+        return torch.where(candidate & live, fine, low)
+
+
+def progressive_fraction(bits: int, group: int, meta: str, candidates: float, budget: float) -> Fraction:
+    """What :class:`ProgressiveGridBlockTopK` reads per token, as a fraction of a 16-bit key's bytes: the top plane
+    (``1 / 16``) and the grid of every key (:func:`scoring_fraction`'s ``meta_bytes / group``), and the other
+    ``bits - 1`` planes of ``candidates x budget`` of the keys."""
+    c, b = Fraction(candidates).limit_denominator(1000), Fraction(budget).limit_denominator(1 << 20)
+    return scoring_fraction(1, group, meta) + min(Fraction(1), c * b) * Fraction(bits - 1, 16)
+
+
+def parse_progressive(text: str) -> tuple[int, int, str, float]:
+    """``"bits:group:meta:candidates"`` (e.g. ``"2:32:fp8:4"``) -> ``(bits, group, meta, candidates)``."""
+    parts = text.split(":")
+    try:
+        if len(parts) != 4:
+            raise ValueError
+        return (*parse_cell(":".join(parts[:3])), float(parts[3]))
+    except ValueError:
+        raise ValueError(f"a progressive cell is 'bits:group:meta:candidates' (e.g. '2:32:fp8:4'), not {text!r}")
+
+
+def progressive_label(bits: int, group: int, meta: str, candidates: float) -> str:
+    """The progressive cell's label: ``pg<bits>_g<group>_<meta>_c<candidates>``."""
+    return f"pg{bits}_g{group}_{meta}_c{candidates:g}"
+
+
 def parse_cell(text: str) -> tuple[int, int, str]:
     """``"bits:group:meta"`` (e.g. ``"1:16:fp8"``) -> ``(bits, group, meta)``; raises ``ValueError`` with the form."""
     parts = text.split(":")
@@ -152,32 +244,50 @@ def main(argv: list[str] | None = None) -> None:
     """Perplexity and fidelity of the compact-grid cells beside :mod:`evaluation.coarse_pool`'s (its CLI and rows
     file: dense, the oracle and ``quant<b>`` rows of an earlier run in the same ``--out`` are reused, same windows).
 
-        python -m evaluation.compact_grid --out DIR --cells 1:16:fp8 1:32:bf16 [coarse_pool args]
+        python -m evaluation.compact_grid --out DIR --cells 1:16:fp8 1:32:bf16 --progressive 2:32:fp8:4 [coarse_pool args]
     """
     from . import coarse_pool
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--cells", nargs="+", default=["1:16:fp8"], help="'bits:group:meta' per cell (module docstring)")
+    ap.add_argument("--cells", nargs="*", default=["1:16:fp8"], help="'bits:group:meta' per cell (module docstring)")
+    ap.add_argument(
+        "--progressive",
+        nargs="*",
+        default=[],
+        help="'bits:group:meta:candidates' per ProgressiveGridBlockTopK cell (top bit plane, then the candidates')",
+    )
+    ap.add_argument("--budget", default="1/16")
     args, rest = ap.parse_known_args(argv)
     try:
+        budget = float(Fraction(args.budget))
         specs = [parse_cell(c) for c in args.cells]
         for bits, group, meta in specs:  # refuse a bad cell before the model loads
             CompactGridBlockTopK(budget=16, bits=bits, group=group, meta=meta)
-    except ValueError as e:
+        steps = [parse_progressive(c) for c in args.progressive]
+        for bits, group, meta, c in steps:
+            ProgressiveGridBlockTopK(budget=16, bits=bits, group=group, meta=meta, candidates=c)
+    except (ValueError, ZeroDivisionError) as e:
         ap.error(str(e))
     for spec in specs:
         print(f"{label(*spec)}: scoring reads {scoring_fraction(*spec)} of K's bytes")
+    for spec in steps:
+        print(f"{progressive_label(*spec)}: scoring reads {progressive_fraction(*spec, budget)} of K's bytes")
 
     def extra(budget: float, sink: int, window: int) -> dict:
-        return {
+        cells = {
             label(bits, group, meta): CompactGridBlockTopK(
                 budget=budget, sink=sink, window=window, bits=bits, group=group, meta=meta
             )
             for bits, group, meta in specs
         }
+        for bits, group, meta, c in steps:
+            cells[progressive_label(bits, group, meta, c)] = ProgressiveGridBlockTopK(
+                budget=budget, sink=sink, window=window, bits=bits, group=group, meta=meta, candidates=c
+            )
+        return cells
 
-    coarse_pool.main(["--out", str(args.out), *rest], extra_cells=extra)
+    coarse_pool.main(["--out", str(args.out), "--budget", args.budget, *rest], extra_cells=extra)
 
 
 if __name__ == "__main__":
