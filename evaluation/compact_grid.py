@@ -145,14 +145,22 @@ class CompactGridBlockTopK(OracleBlockTopK):
         if not isinstance(self.group, int) or self.group <= 0:
             raise ValueError(f"group must be a positive number of tokens, not {self.group!r}")
 
-    def mass(self, state: DecodeState) -> torch.Tensor:
-        """``[B, Hkv, nblk]`` each block's mass under the quantized keys, ``-inf`` for blocks not in use."""
+    def grid(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)``, each ``[B, MB, Hkv, D]``: the step's per-``group`` min / max as ``meta`` stores them."""
         lo, hi = group_grid(state.k_pool, state.block_table, state.seq_lens, state.start, self.group)
-        lo, hi = stored(lo, self.meta), stored(hi, self.meta)
-        keys = dequantized_pool(state.k_pool, state.block_table, lo, hi, self.bits).to(state.k_pool.dtype)
+        return stored(lo, self.meta), stored(hi, self.meta)
+
+    def mass_on(self, state: DecodeState, lo: torch.Tensor, hi: torch.Tensor, known: int | None = None) -> torch.Tensor:
+        """``[B, Hkv, nblk]`` each block's mass under its keys' codes on the grid ``(lo, hi)`` (their top ``known``
+        bits only: :func:`dequantized_pool`), ``-inf`` for blocks not in use."""
+        keys = dequantized_pool(state.k_pool, state.block_table, lo, hi, self.bits, known).to(state.k_pool.dtype)
         return oracle_block_scores(
             state.q, keys, state.block_table, state.seq_lens, state.start, state.scale, state.length
         )
+
+    def mass(self, state: DecodeState) -> torch.Tensor:
+        """``[B, Hkv, nblk]`` each block's mass under the quantized keys, ``-inf`` for blocks not in use."""
+        return self.mass_on(state, *self.grid(state))
 
 
 @dataclass
@@ -178,14 +186,8 @@ class ProgressiveGridBlockTopK(CompactGridBlockTopK):
     def stage_masses(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coarse, fine)``, each ``[B, Hkv, nblk]``: every block's mass under its keys' top bit plane and under
         the full codes; ``-inf`` for blocks not in use."""
-        lo, hi = group_grid(state.k_pool, state.block_table, state.seq_lens, state.start, self.group)
-        lo, hi = stored(lo, self.meta), stored(hi, self.meta)
-        args = (state.block_table, state.seq_lens, state.start, state.scale, state.length)
-        top, full = (
-            dequantized_pool(state.k_pool, state.block_table, lo, hi, self.bits, known).to(state.k_pool.dtype)
-            for known in (1, None)
-        )
-        return oracle_block_scores(state.q, top, *args), oracle_block_scores(state.q, full, *args)
+        lo, hi = self.grid(state)
+        return self.mass_on(state, lo, hi, known=1), self.mass_on(state, lo, hi)
 
     def scores(self, state: DecodeState) -> torch.Tensor:
         """The fine mass on the candidates (forced blocks ``+inf``), below every candidate elsewhere in use
@@ -244,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     """Perplexity and fidelity of the compact-grid cells beside :mod:`evaluation.coarse_pool`'s (its CLI and rows
     file: dense, the oracle and ``quant<b>`` rows of an earlier run in the same ``--out`` are reused, same windows).
 
-        python -m evaluation.compact_grid --out DIR --cells 1:16:fp8 1:32:bf16 --progressive 2:32:fp8:4 [coarse_pool args]
+        python -m evaluation.compact_grid --out DIR --cells 1:16:fp8 1:32:bf16 \\
+            --progressive 2:32:fp8:4 [coarse_pool args]
     """
     from . import coarse_pool
 

@@ -230,8 +230,9 @@ def test_only_the_top_planes_candidates_are_kept_and_the_full_codes_pick_among_t
         _, fine = policy.stage_masses(state)
         forced = policy.forced_blocks(state, policy.sink, policy.window)
         plain = CompactGridBlockTopK(bits=2, group=BS, meta="exact", **LONG).select(state)
+        top = _coarse_top(policy, state)
         for b, k in enumerate(policy.widths(state).per_sequence()):
-            for h, cand in enumerate(_coarse_top(policy, state)[b]):
+            for h, cand in enumerate(top[b]):
                 chosen = set(sel.indices[b, h, :k].tolist())
                 assert chosen <= cand and len(chosen) == k
                 rest = fine[b, h].masked_fill(forced[b], float("inf"))  # the full codes' ranking of the candidates
