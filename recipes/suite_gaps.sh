@@ -93,6 +93,21 @@ case $PART in
     run "$M" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
       --set "policies=[{name: dense}, $O, $QU, {$MO, label: moments_gauss, estimate: gauss}, {$MO, label: moments_mean, estimate: mean}]" \
       --set 'decisive={policies: [dense], budgets: ["1/16"]}' --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
+  progressive_*)  # issue 13: 2-bit keys as bit planes (evaluation/compact_grid.py, reference ops), c = 4 and 2, at 1/16
+    # on issue 13's target cells: SmolLM2 4K + 8K, Gemma-3 32K, Qwen2.5 32K (+ its QA); ppl, single + multi-key needles
+    M=${PART#progressive_}
+    PG='name: "evaluation.compact_grid:ProgressiveGridBlockTopK", sink: 4, window: 32, bits: 2, group: 32, meta: fp8'
+    PGS="{$PG, label: pg2_g32_fp8_c4, candidates: 4}, {$PG, label: pg2_g32_fp8_c2, candidates: 2}"
+    ND='trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000'
+    case $M in
+      smollm2) L='[4096, 8192]'; QA='qa=null'; N="needle={$ND, batch: 16, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
+      qwen2.5) L='[32768]'; QA=$QA32; N="needle={$ND, batch: {32768: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}" ;;
+      *) L='[32768]'; QA='qa=null'; N="needle={$ND, batch: {32768: 4}, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
+    esac
+    run "$M" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
+      --set "policies=[{name: dense}, $O, $QU, $Q4, $PGS]" \
+      --set 'decisive={policies: [dense, oracle, pg2_g32_fp8_c4, pg2_g32_fp8_c2, quest, quant4], budgets: ["1/16"]}' \
+      --set "$N" --set "$QA" "$@" ;;
   qwen_multivalue_budgets)  # issue 12: Qwen2.5's multi-value needles at 32K at 1/8 and 1/32, TokenTopK's at 1/16
     run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/16", "1/32"]' \
       --set "policies=[{name: dense}, $O, $QU, $Q4, $TT]" \

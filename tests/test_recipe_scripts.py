@@ -74,9 +74,10 @@ def test_suite_chain_runs_parts_in_order_within_its_time(tmp_path):
     assert "== a skipped" in out and not log.exists()
 
 
-def test_device_call_seeds_once_runs_the_suite_and_brings_the_cells_back(tmp_path):
+def test_device_call_seeds_once_runs_the_suite_and_brings_the_new_cells_back(tmp_path):
     """``device_call.sh``: the assets in place, the results folder seeded from the tree's cells once (a second call
-    keeps what the first wrote), the suite (or the parts, through the chain) pointed at it, its cells in ``$OUT``."""
+    keeps what the first wrote), the suite (or the parts, through the chain) pointed at it, and in ``$OUT`` the cells
+    the tree's file lacks (the whole file outgrew what a call brings back)."""
     fake = tmp_path / "fake_python"  # records its arguments and adds one cell to the --out folder
     fake.write_text(
         '#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> "$ARGS_OUT"\n'
@@ -94,7 +95,6 @@ def test_device_call_seeds_once_runs_the_suite_and_brings_the_cells_back(tmp_pat
         "HF_SPARSE_KV_EXTRAS": str(extras), "HF_SPARSE_KV_SITE": str(site),
     }  # fmt: skip
     script = str(ROOT / "recipes" / "device_call.sh")
-    seed = (ROOT / "evaluation" / "results" / "suite_gemma3" / "cells.jsonl").read_text()
     subprocess.run(["bash", script, "gemma3", "300", "--", "--set", "x=1"], check=True, env=env, cwd=ROOT)
     res = assets / "results" / "suite_gemma3"
     called = args.read_text().splitlines()
@@ -111,9 +111,10 @@ def test_device_call_seeds_once_runs_the_suite_and_brings_the_cells_back(tmp_pat
         "x=1",
     ]
     assert (assets / "kjv.txt").read_text() == "k" and (out / "log_suite_gemma3.txt").exists()
-    assert (out / "cells_suite_gemma3.jsonl").read_text() == seed + '{"new": 1}\n'
+    assert (out / "cells_suite_gemma3.jsonl").read_text() == '{"new": 1}\n'
+    assert (res / "cells.jsonl").stat().st_size > 1000  # seeded: the tree's cells are there, only not sent back
     args.unlink()
     subprocess.run(["bash", script, "gemma3", "300", "gemma_grid"], check=True, env=env, cwd=ROOT)
     called = args.read_text().splitlines()
     assert called[:4] == ["-m", "evaluation.cli", "suite", "gemma3"] and called[called.index("--out") + 1] == str(res)
-    assert (out / "cells_suite_gemma3.jsonl").read_text() == seed + '{"new": 1}\n' * 2  # not seeded again
+    assert (out / "cells_suite_gemma3.jsonl").read_text() == '{"new": 1}\n' * 2  # not seeded again
