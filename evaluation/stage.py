@@ -207,20 +207,15 @@ SUITE_OF = {"smollm2": "smollm2", "gemma3-270m": "gemma3", "qwen2.5-coder-1.5b":
 
 def suite_call(model: str, device_dir: str = DEVICE_DIR, time_limit: int = 450, dest: str = STAGE_DIR) -> dict:
     """The remote call that runs (or resumes) a model's suite once its file is staged: ``.stage/extras`` carried
-    (texts + gguf wheel), cells and summary copied to ``$OUT``. The suite writes to ``<device_dir>/results/suite_<m>``,
+    (texts + gguf wheel), then ``recipes/device_call.sh``. The suite writes to ``<device_dir>/results/suite_<m>``,
     outside the working tree: the copy of the tree each call brings replaces tracked files, so cells written inside
     it would be reset by the next call to the same warm machine. A machine without that folder (a fresh one) starts it
-    from the tree's ``evaluation/results/suite_<m>/cells.jsonl`` (copy the returned ``cells.jsonl`` there after each
-    call, so that a fresh machine resumes too)."""
+    from the tree's ``evaluation/results/suite_<m>/cells.jsonl``; the call returns in ``$OUT/cells_suite_<m>.jsonl``
+    the cells that file lacks (append them to it after each call, so that a fresh machine resumes too)."""
     key = SUITE_OF[model]
-    out = f"evaluation/results/suite_{key}"
-    res = f"{device_dir}/results/suite_{key}"
     cmd = (
-        f"mkdir -p {device_dir} && cp {dest}/extras/*.txt {device_dir}/ && python3 -m pip install -q --no-index "
-        f"--no-deps --target /tmp/site {dest}/extras/gguf-*.whl && {{ [ -d {res} ] || {{ mkdir -p {res} && "
-        f"{{ cp {out}/cells.jsonl {res}/ 2>/dev/null || true; }}; }}; }} && PYTHONPATH=/tmp/site:$PWD "
-        f"HF_SPARSE_KV_ASSETS={device_dir} PYTHONUNBUFFERED=1 python3 -m evaluation.cli suite {key} --out {res} "
-        f"--time-limit {time_limit}; cp {res}/cells.jsonl {res}/summary.md $OUT/"
+        f"HF_SPARSE_KV_ASSETS={device_dir} HF_SPARSE_KV_EXTRAS={dest}/extras "
+        f"bash recipes/device_call.sh {key} {time_limit}"
     )
     return {"carry": [f"{dest}/extras"], "command": cmd, "timeout_s": 600}
 

@@ -3,8 +3,8 @@
 # (README, "A GPU machine without network"): after the model's staging calls (`hf-sparse-kv stage --model M`) and with
 # `.stage/extras` carried, run the suite (or parts of recipes/suite_gaps.sh) into a results folder outside the tree
 # that lives as long as the machine, seeded from the tree's cells.jsonl on its first call. While it runs, and at the
-# end, its cells.jsonl and log are copied to $OUT (so a call killed at its time limit still brings back every finished
-# cell). Run from the repository root.
+# end, the cells the tree's file lacks and the log are copied to $OUT (so a call killed at its time limit still brings
+# back every finished cell). Run from the repository root.
 # usage: device_call.sh SUITE SECONDS [PART ...] [-- suite args...]
 #   SUITE: smollm2 | gemma3 | qwen2.5;  no PART: `hf-sparse-kv suite SUITE` on its own config, else the parts in order
 #   (recipes/suite_chain.sh).  Outputs: $OUT/cells_suite_SUITE.jsonl (the cells the tree's

@@ -81,43 +81,44 @@ def test_staged_assets_are_found_through_the_environment(tmp_path, monkeypatch):
     assert suite_text("kjv") == "In the beginning."
 
 
-def test_suite_call_carries_the_extras_and_returns_the_cells():
+def test_suite_call_carries_the_extras_and_runs_device_call():
     from evaluation.stage import suite_call
 
     call = suite_call("qwen2.5-coder-1.5b")
     assert call["carry"] == [".stage/extras"] and len(call["command"]) < 2000
-    assert "HF_SPARSE_KV_ASSETS=/root/hfsk_assets" in call["command"] and "suite qwen2.5" in call["command"]
-    assert call["command"].endswith("cells.jsonl /root/hfsk_assets/results/suite_qwen2.5/summary.md $OUT/")
+    assert "HF_SPARSE_KV_ASSETS=/root/hfsk_assets" in call["command"]
+    assert call["command"].endswith("bash recipes/device_call.sh qwen2.5 450")
 
 
-def test_suite_call_resumes_outside_the_tree(tmp_path):
+def test_suite_call_resumes_outside_the_tree_and_returns_the_new_cells(tmp_path):
     """The call's bash, run twice on one machine: the first starts the device-side results from the tree's cells, the
-    second keeps what the first wrote even though the tree's copy was reset in between (python3 stubbed out)."""
-    import subprocess
+    second keeps what the first wrote even though the tree's copy was reset in between, and each returns the cells
+    the tree's file lacks (python3 stubbed out)."""
+    import shutil
 
     from evaluation.stage import suite_call
 
-    tree, dev, out = tmp_path / "tree", tmp_path / "dev", tmp_path / "out"
-    for d in (tree / "evaluation/results/suite_smollm2", tree / ".stage/extras", tree / "bin", out):
+    tree, dev, out, site = tmp_path / "tree", tmp_path / "dev", tmp_path / "out", tmp_path / "site"
+    for d in (tree / "evaluation/results/suite_smollm2", tree / ".stage/extras", tree / "bin", tree / "recipes", out):
         d.mkdir(parents=True)
-    (tree / "evaluation/results/suite_smollm2/cells.jsonl").write_text("tree\n", encoding="utf-8")
+    shutil.copy(os.path.join(ROOT, "recipes", "device_call.sh"), tree / "recipes" / "device_call.sh")
     (tree / ".stage/extras/essays.txt").write_text("text", encoding="utf-8")
-    # a stand-in for python3: pip does nothing, the suite appends a cell to --out and writes a summary
+    # a stand-in for python3: pip does nothing, the suite appends a cell to --out, anything else fails
     stub = tree / "bin/python3"
     stub.write_text(
-        '#!/usr/bin/env bash\n[ "$2" = pip ] && exit 0\n'
-        'while [ $# -gt 0 ] && [ "$1" != --out ]; do shift; done\n'
-        'echo run >> "$2/cells.jsonl"; echo s > "$2/summary.md"\n',
+        '#!/usr/bin/env bash\n[ "$2" = pip ] && exit 0\n[ "$2" = evaluation.cli ] || exit 1\n'
+        'while [ $# -gt 0 ] && [ "$1" != --out ]; do shift; done\necho run >> "$2/cells.jsonl"\n',
         encoding="utf-8",
     )
     stub.chmod(0o755)
     cmd = suite_call("smollm2", device_dir=str(dev))["command"]
-    env = {"PATH": f"{tree / 'bin'}:/usr/bin:/bin", "OUT": str(out)}
+    env = {"PATH": f"{tree / 'bin'}:/usr/bin:/bin", "OUT": str(out), "HF_SPARSE_KV_SITE": str(site)}
     for _ in range(2):
         (tree / "evaluation/results/suite_smollm2/cells.jsonl").write_text("tree\n", encoding="utf-8")  # the copy
         subprocess.run(["bash", "-c", cmd], cwd=tree, env=env, check=True, timeout=60)
     assert (dev / "results/suite_smollm2/cells.jsonl").read_text(encoding="utf-8") == "tree\nrun\nrun\n"
-    assert (out / "cells.jsonl").read_text(encoding="utf-8") == "tree\nrun\nrun\n"
+    assert (out / "cells_suite_smollm2.jsonl").read_text(encoding="utf-8") == "run\nrun\n"
+    assert (dev / "essays.txt").read_text(encoding="utf-8") == "text"
 
 
 def test_default_part_size_fits_beside_the_checkout(tmp_path):
