@@ -197,7 +197,7 @@ def check_windows(cfg: dict[str, Any], out: str | Path, rows: list[dict[str, Any
     path.write_text(json.dumps(mine))
 
 
-def _windows(tok, texts: dict[str, str], length: int, n: int, cache: dict) -> list[tuple[str, list[int]]]:
+def windows_of(tok, texts: dict[str, str], length: int, n: int, cache: dict) -> list[tuple[str, list[int]]]:
     """``n`` windows of ``length`` tokens, alternating over the texts, evenly spaced over each text."""
     names = list(texts)
     out = []
@@ -220,7 +220,7 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
     p = {"windows": 16, "scored": 256, "chunk": 64, "fidelity": True, **cfg.get("perplexity", {})}
     from hf_sparse_kv.policies import Dense
 
-    windows = _windows(tok, texts, job.length, p["windows"], cache)
+    windows = windows_of(tok, texts, job.length, p["windows"], cache)
     for (_, _, w), todo in _pending(cfg, job, cells, done):
         if deadline.passed():
             return
@@ -279,7 +279,7 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
 
     p = {"windows": 16, "scored": 256, "batch": 1, **cfg.get("perplexity", {})}
     todo_cells = next((mine for _, mine in _job_units(cfg, job, cells)), [])  # the budgeted cells
-    windows = _windows(tok, texts, job.length, p["windows"], cache)
+    windows = windows_of(tok, texts, job.length, p["windows"], cache)
     pending = [w for (_, _, w), _ in _pending(cfg, job, cells, done)]
     batch = batch_size(p["batch"], job.length)
     for b0 in range(0, len(pending), batch):

@@ -1,0 +1,415 @@
+"""Issue 13, a fast screen: how well a selector's approximate keys keep the oracle's blocks (hit rate, attention
+recall), measured on captured queries and keys, without scoring perplexity.
+
+The ``simulate`` way (:mod:`evaluation.simulate`) rebuilds each scored step's paged state and calls the policy on it;
+a reference selector that dequantizes every key then does so once per scored query (on 2 CPU cores ~150 s per
+window and cell at SmolLM2 4K). Here one dense forward of a window records, on every sparse layer, the post-RoPE
+queries of the last ``scored`` positions and every key (:func:`capture`); a *key variant* maps all keys to what a
+selector would see (:data:`VARIANTS`: the library's min / max grids, the 1-bit two-level code below, bit planes)
+once per layer, and every scored query ranks blocks by its GQA group's softmax mass under those keys
+(:func:`fidelity`), with the oracle's budget, forced blocks and counts (``OracleBlockTopK.plan`` at each query's
+length, ``forced_block_mask``) and the ``simulate`` way's hit rate and recall. Two-stage variants keep ``c x`` the
+count on a coarse variant's ranking, then the fine variant picks among them (:class:`Progressive`).
+
+One approximation: a variant's per-group statistics are taken over the group's keys in the window, so the group
+holding a query's own position sees up to ``group - 1`` later keys. That group lies inside the query's forced window
+(sink 4, window >= group: the blocks a query must read anyway), so rankings of the other blocks are untouched; only
+the softmax normalisation (how the GQA group's heads are weighted) moves slightly. Figures from here screen
+variants; a decision still needs the suite's perplexity and retrieval.
+
+    python -m evaluation.selector_probe --model smollm2 --length 4096 --windows 16 --scored 128 \\
+        --variants quant4 pg2_g32_fp8_c4 lloyd1_g32_fp8 --out evaluation/results/selector_probe_cpu/smollm2_4k.csv
+
+The 1-bit two-level code (``lloyd1``): each channel of a group of ``group`` tokens is split at its mean, and a key's
+channel is read back as the mean of the keys on its side (the best two levels for that split); stored: 1 bit a
+channel and the two levels (``meta``) a channel a group, ``1/16 + meta_bytes / group`` of K's bytes, as a 1-bit
+min / max grid. ``lloyd2`` splits each side again at its own mean (4 levels, ``2/16 + 2 meta_bytes / group``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_sparse_kv.ops.layout import cdiv, forced_block_mask
+from hf_sparse_kv.policies import OracleBlockTopK
+
+from .compact_grid import METAS, dequantized_pool, group_grid, stored
+from .simulate import _attention_modules, full_attention_layers
+
+ATTENTION_NAME = "hf_sparse_kv_selector_probe"
+CAPTURE_KWARG = "hf_sparse_kv_selector_probe_capture"
+
+
+# ------------------------------------------------------------------------------------------------- key variants
+
+
+@dataclass(frozen=True)
+class MinMax:
+    """``bits``-bit codes on a per-``group`` min / max grid stored as ``meta`` (:mod:`evaluation.compact_grid`;
+    ``bits=4, group=16, meta="bf16"`` is ``QuantBlockTopK(bits=4)``'s grid), only the top ``known`` bits read."""
+
+    bits: int
+    group: int
+    meta: str
+    known: int | None = None
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        """``k [T, Hkv, D]`` -> the keys as the codes hold them, ``[T, Hkv, D]`` float32."""
+        T, H, D = k.shape
+        nb = cdiv(T, block_size)
+        pool = torch.zeros(nb * block_size, H, D, dtype=torch.float32, device=k.device)
+        pool[:T] = k.float()
+        pool = pool.view(nb, block_size, H, D).transpose(1, 2)  # [NB, Hkv, BS, D]
+        table = torch.arange(nb, dtype=torch.int32, device=k.device).view(1, nb)
+        lens = torch.tensor([T], dtype=torch.int32, device=k.device)
+        lo, hi = group_grid(pool, table, lens, torch.zeros_like(lens), self.group)
+        out = dequantized_pool(pool, table, stored(lo, self.meta), stored(hi, self.meta), self.bits, self.known)
+        return out.transpose(1, 2).reshape(nb * block_size, H, D)[:T]
+
+    def fraction(self) -> Fraction:
+        """Bytes read per key, as a fraction of a 16-bit key's."""
+        return Fraction(self.known or self.bits, 16) + Fraction(METAS[self.meta], self.group)
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """``bits`` (1 or 2) levels-per-split codes: each channel of a ``group`` of tokens split at its mean, read back
+    as the mean of its side (``bits=2``: each side split again at its own mean, read back as its quarter's mean);
+    levels stored as ``meta``; ``known=1`` of 2 bits: only the first split read (its two half means)."""
+
+    bits: int
+    group: int
+    meta: str
+    known: int | None = None
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        """``k [T, Hkv, D]`` -> ``[T, Hkv, D]`` float32 (the last group may be partial)."""
+        T, H, D = k.shape
+        g = self.group
+        n = cdiv(T, g)
+        x = torch.zeros(n * g, H, D, dtype=torch.float32, device=k.device)
+        x[:T] = k.float()
+        valid = torch.zeros(n * g, 1, 1, dtype=torch.bool, device=k.device)
+        valid[:T] = True
+        x, valid = x.view(n, g, H, D), valid.view(n, g, 1, 1)
+        upper, lo, hi = _split(x, valid)
+        if self.bits == 1 or self.known == 1:
+            out = torch.where(upper, stored(hi, self.meta), stored(lo, self.meta))
+        else:
+            out = torch.empty_like(x)
+            for side in (False, True):
+                here = valid & (upper == side)
+                up2, lo2, hi2 = _split(x, here)
+                val = torch.where(up2, stored(hi2, self.meta), stored(lo2, self.meta))
+                out = torch.where(upper == side, val, out)
+        return out.reshape(n * g, H, D)[:T]
+
+    def fraction(self) -> Fraction:
+        levels = 2 ** (self.known or self.bits)
+        return Fraction(self.known or self.bits, 16) + Fraction(levels * METAS[self.meta], 2 * self.group)
+
+
+def _split(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [N, g, H, D]`` over the ``valid [N, g, 1|H, 1|D]`` entries of each group: ``(upper [N, g, H, D]`` (above
+    the group's per-channel mean), ``lo``, ``hi [N, 1, H, D]`` (the means below / above; the mean where a side is
+    empty))."""
+    w = valid.expand_as(x).float()
+    cnt = w.sum(1, keepdim=True)
+    mean = (x * w).sum(1, keepdim=True) / cnt.clamp(min=1)
+    upper = x > mean
+    wu = w * upper
+    wl = w - wu
+    hi = torch.where(wu.sum(1, keepdim=True) > 0, (x * wu).sum(1, keepdim=True) / wu.sum(1, keepdim=True), mean)
+    lo = torch.where(wl.sum(1, keepdim=True) > 0, (x * wl).sum(1, keepdim=True) / wl.sum(1, keepdim=True), mean)
+    return upper, lo.nan_to_num(0.0), hi.nan_to_num(0.0)
+
+
+@dataclass(frozen=True)
+class ProductQuantized:
+    """Product quantization (as PQCache does for retrieval): each key's ``D`` channels cut into ``D / sub_dim``
+    pieces, each piece stored as the index of the nearest of ``centroids`` centres (k-means on the window's keys,
+    per KV head and piece, ``iters`` rounds, seeded): ``log2(centroids) / (8 * 2 * sub_dim)`` of K's bytes (1/16 at
+    256 centres and 8 channels a piece); the centres (``centroids x D`` a head) are not counted."""
+
+    sub_dim: int = 8
+    centroids: int = 256
+    iters: int = 8
+    seed: int = 0
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        """``k [T, Hkv, D]`` -> every key's pieces replaced by their centres, ``[T, Hkv, D]`` float32."""
+        T, H, D = k.shape
+        if D % self.sub_dim:
+            raise ValueError(f"sub_dim {self.sub_dim} does not divide the head dim {D}")
+        m = D // self.sub_dim
+        x = k.float().reshape(T, H * m, self.sub_dim).transpose(0, 1)  # [H*m, T, d]
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
+        c = min(self.centroids, T)
+        centres = x[:, torch.randperm(T, generator=gen)[:c].to(x.device)].clone()  # [H*m, c, d]
+        for _ in range(self.iters):
+            assign = torch.cdist(x, centres).argmin(-1)  # [H*m, T]
+            count = torch.zeros(x.shape[0], c, device=x.device).scatter_add_(1, assign, torch.ones_like(x[..., 0]))
+            idx = assign.unsqueeze(-1).expand(-1, -1, self.sub_dim)
+            total = torch.zeros_like(centres).scatter_add_(1, idx, x)  # [H*m, c, d]
+            centres = torch.where(count.unsqueeze(-1) > 0, total / count.clamp(min=1).unsqueeze(-1), centres)
+        assign = torch.cdist(x, centres).argmin(-1)
+        out = torch.gather(centres, 1, assign.unsqueeze(-1).expand(-1, -1, self.sub_dim))  # [H*m, T, d]
+        return out.transpose(0, 1).reshape(T, H, D)
+
+    def fraction(self) -> Fraction:
+        return Fraction(math.ceil(math.log2(self.centroids)), 16 * self.sub_dim)
+
+
+@dataclass(frozen=True)
+class Exact:
+    """The keys themselves (the oracle's ranking: hit rate 1)."""
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        return k.float()
+
+    def fraction(self) -> Fraction:
+        return Fraction(1)
+
+
+@dataclass(frozen=True)
+class Progressive:
+    """``coarse`` ranks the blocks and keeps ``ceil(candidates x count)`` (forced first); ``fine`` picks the count
+    among them. Bytes: the coarse variant's for every key, the fine one's extra bits for the candidates'."""
+
+    coarse: object
+    fine: object
+    candidates: float
+
+
+def fine_extra(p: Progressive, budget: float) -> Fraction:
+    """What :class:`Progressive` reads per key, as a fraction of K's bytes (the fine stage on ``c x budget``)."""
+    extra = p.fine.fraction() - p.coarse.fraction()
+    c = Fraction(p.candidates).limit_denominator(1000) * Fraction(budget).limit_denominator(1 << 20)
+    return p.coarse.fraction() + min(Fraction(1), c) * max(extra, Fraction(0))
+
+
+VARIANTS: dict[str, object] = {
+    "exact": Exact(),
+    "quant4": MinMax(4, 16, "bf16"),
+    "quant2": MinMax(2, 16, "bf16"),
+    "cg2_g16_fp8": MinMax(2, 16, "fp8"),
+    "cg1_g16_fp8": MinMax(1, 16, "fp8"),
+    "pg2_g32_fp8_c4": Progressive(MinMax(2, 32, "fp8", known=1), MinMax(2, 32, "fp8"), 4),
+    "pg2_g32_fp8_c8": Progressive(MinMax(2, 32, "fp8", known=1), MinMax(2, 32, "fp8"), 8),
+    "lloyd1_g16_fp8": TwoLevel(1, 16, "fp8"),
+    "lloyd1_g32_fp8": TwoLevel(1, 32, "fp8"),
+    "lloyd1_g32_bf16": TwoLevel(1, 32, "bf16"),
+    "lloyd2_g32_fp8": TwoLevel(2, 32, "fp8"),
+    "pl2_g32_fp8_c4": Progressive(TwoLevel(2, 32, "fp8", known=1), TwoLevel(2, 32, "fp8"), 4),
+    "pl2_g32_fp8_c8": Progressive(TwoLevel(2, 32, "fp8", known=1), TwoLevel(2, 32, "fp8"), 8),
+    "lloyd1_c4_quant4": Progressive(TwoLevel(1, 32, "fp8"), MinMax(4, 16, "bf16"), 4),
+    "pq8": ProductQuantized(8),  # 1/16 of K's bytes
+    "pq4": ProductQuantized(4),  # 1/8
+    "pq16": ProductQuantized(16),  # 1/32
+    "pq8_c4_quant4": Progressive(ProductQuantized(8), MinMax(4, 16, "bf16"), 4),
+    "pq8_c2_quant4": Progressive(ProductQuantized(8), MinMax(4, 16, "bf16"), 2),
+    "pq16_c2_quant4": Progressive(ProductQuantized(16), MinMax(4, 16, "bf16"), 2),
+    "pq8_c2_quant2": Progressive(ProductQuantized(8), MinMax(2, 16, "bf16"), 2),
+}
+
+
+def variant_fraction(v: object, budget: float) -> Fraction:
+    """Bytes a variant reads per key at ``budget``, as a fraction of K's."""
+    return fine_extra(v, budget) if isinstance(v, Progressive) else v.fraction()
+
+
+# --------------------------------------------------------------------------------------------------- capture
+
+
+def _capture_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA, recording ``(query, key, scaling)`` of the layers the capture asks for."""
+    box = kwargs.pop(CAPTURE_KWARG, None)
+    if box is not None and module.layer_idx in box["layers"]:
+        box["out"][module.layer_idx] = (query[0, :, -box["scored"] :].float(), key[0].float(), float(scaling))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+@contextlib.contextmanager
+def _capturing(model, box: dict):
+    AttentionInterface.register(ATTENTION_NAME, _capture_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    original = model.config._attn_implementation
+
+    def hook(module, args, kwargs):
+        kwargs[CAPTURE_KWARG] = box
+        return args, kwargs
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        model.set_attn_implementation(original)
+
+
+def capture(model, ids: torch.Tensor, scored: int, dense_layers=(0, 1)) -> dict[int, tuple]:
+    """One dense forward of ``ids [1, W]`` without its last token: per sparse full-attention layer, ``(q [H, S, D],
+    k [Hkv, W - 1, D], scale)`` float32, ``q`` at positions ``W - 1 - S .. W - 2`` (the decode steps whose next
+    tokens the ``simulate`` way scores)."""
+    layers = full_attention_layers(model.config) - set(dense_layers)
+    box = {"layers": layers, "scored": scored, "out": {}}
+    with torch.no_grad(), _capturing(model, box):
+        model(ids[:, :-1], use_cache=False, logits_to_keep=1)
+    return box["out"]
+
+
+# ------------------------------------------------------------------------------------------------- fidelity
+
+
+def _group_mass(q: torch.Tensor, k: torch.Tensor, scale: float, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``q [H, S, D]``, ``k [Hkv, T, D]``: each block's softmax mass summed over the GQA group, ``[S, Hkv, NB]``,
+    keys after each query's position ``pos [S]`` masked out; also returns the per-head probabilities."""
+    H, S, _ = q.shape
+    Hkv, T, _ = k.shape
+    G = H // Hkv
+    logits = torch.einsum("hgsd,htd->shgt", q.view(Hkv, G, S, -1), k) * scale  # [S, Hkv, G, T]
+    causal = torch.arange(T, device=q.device).view(1, -1) <= pos.view(-1, 1)  # [S, T]
+    p = logits.masked_fill(~causal.view(S, 1, 1, T), float("-inf")).softmax(-1)
+    nb = cdiv(T, block_size)
+    mass = torch.nn.functional.pad(p.sum(2), (0, nb * block_size - T)).view(S, Hkv, nb, block_size).sum(-1)
+    return mass.masked_fill(~_in_use(pos, nb, block_size).unsqueeze(1), float("-inf")), p
+
+
+def _in_use(pos: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
+    return torch.arange(nb, device=pos.device).view(1, -1) <= (pos // block_size).view(-1, 1)  # [S, NB]
+
+
+def _pick(scores: torch.Tensor, keep: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """``[S, Hkv, NB]`` bool: per query the forced blocks and the best others by ``scores``, ``keep [S]`` in all."""
+    s = scores.masked_fill(forced.unsqueeze(1), float("inf"))
+    rank = s.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    return (rank < keep.view(-1, 1, 1)) & (scores > float("-inf"))
+
+
+def fidelity(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    variants: dict[str, object],
+    budget: float,
+    block_size: int = 16,
+    sink: int = 4,
+    window: int = 32,
+) -> dict[str, tuple[float, float, int]]:
+    """Per variant ``(hit-rate sum, recall sum, count)`` over the scored queries and KV heads of one layer: hit rate
+    = the share of the oracle's blocks (forced ones included, as the ``simulate`` way counts) a variant also picks;
+    recall = the dense softmax mass inside its blocks, averaged over each GQA group's heads.
+
+    ``q [H, S, D]`` at the last ``S`` of ``T`` positions, ``k [Hkv, T, D]``."""
+    S, T = q.shape[1], k.shape[1]
+    pos = torch.arange(T - S, T, device=q.device)
+    nb = cdiv(T, block_size)
+    oracle = OracleBlockTopK(budget=budget, sink=sink, window=window)
+    lens = tuple(int(p) + 1 for p in pos)
+    counts = oracle.plan(lens, block_size)
+    keep = torch.tensor(counts if counts is not None else [cdiv(n, block_size) for n in lens], device=q.device)
+    seq_lens = (pos + 1).int()
+    forced = forced_block_mask(seq_lens, torch.zeros_like(seq_lens), sink, window, block_size, nb)
+    exact, p = _group_mass(q, k, scale, pos, block_size)
+    o_set = _pick(exact, keep, forced)
+    head_mass = torch.nn.functional.pad(p, (0, nb * block_size - T)).view(*p.shape[:3], nb, block_size).sum(-1)
+    out = {}
+    cache: dict[object, torch.Tensor] = {}
+
+    def mass_of(v) -> torch.Tensor:
+        if v not in cache:
+            approx = v(k.transpose(0, 1), block_size).transpose(0, 1)  # [Hkv, T, D]
+            cache[v] = _group_mass(q, approx, scale, pos, block_size)[0]
+        return cache[v]
+
+    for name, v in variants.items():
+        if isinstance(v, Progressive):
+            cand = _pick(mass_of(v.coarse), torch.ceil(v.candidates * keep.float()).long(), forced)
+            fine = mass_of(v.fine).masked_fill(~cand, -torch.finfo(torch.float32).max)
+            fine = fine.masked_fill(exact == float("-inf"), float("-inf"))
+            sel = _pick(fine, keep, forced)
+        else:
+            sel = _pick(mass_of(v), keep, forced)
+        hit = (sel & o_set).sum(-1).float() / o_set.sum(-1).clamp(min=1)  # [S, Hkv]
+        recall = (head_mass * sel.unsqueeze(2)).sum(-1).mean(2)  # [S, Hkv]
+        out[name] = (float(hit.sum()), float(recall.sum()), hit.numel())
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Hit rate and recall of ``--variants`` on ``--windows`` windows (the suite's: essays and KJV alternating) of
+    ``--length`` tokens, the last ``--scored`` queries of every sparse layer; one CSV row per window and variant
+    (``--out``), a table with 95 % t intervals over windows on stdout."""
+    from .assets import load_model
+    from .stats import t_interval
+    from .suite import suite_text, windows_of
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--scored", type=int, default=128)
+    ap.add_argument("--budget", default="1/16")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dense-layers", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--variants", nargs="+", default=["exact", "quant4", "pg2_g32_fp8_c4", "lloyd1_g32_fp8"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    unknown = [v for v in a.variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    budget = float(Fraction(a.budget))
+    variants = {v: VARIANTS[v] for v in a.variants}
+    model, tok = load_model(a.model, dtype=getattr(torch, a.dtype))
+    texts = {name: suite_text(name) for name in ("essays", "kjv")}
+    windows = windows_of(tok, texts, a.length, a.windows, {})
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    per: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    with a.out.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "length", "budget", "window", "text", "variant", "bytes_of_k", "hit_rate", "recall", "n"])
+        for i, (text, window) in enumerate(windows):
+            got = capture(model, torch.tensor([window]), a.scored, a.dense_layers)
+            sums = {v: [0.0, 0.0, 0] for v in variants}
+            for q, k, scale in got.values():
+                for v, (h, r, n) in fidelity(q, k, scale, variants, budget, a.block_size).items():
+                    sums[v][0] += h
+                    sums[v][1] += r
+                    sums[v][2] += n
+            for v, (h, r, n) in sums.items():
+                frac = variant_fraction(variants[v], budget)
+                w.writerow([a.model, a.length, a.budget, i, text, v, str(frac), h / n, r / n, n])
+                per[v].append((h / n, r / n))
+            f.flush()
+            print(f"window {i} ({text}): " + ", ".join(f"{v} {per[v][-1][0]:.3f}" for v in variants), flush=True)
+    print(f"\n| variant | bytes of K | hit rate [95 %] | recall [95 %] |  ({a.model} {a.length}, {a.windows} windows)")
+    print("| --- | --- | --- | --- |")
+    for v, rows in per.items():
+        hit, rec = t_interval([h for h, _ in rows]), t_interval([r for _, r in rows])
+        print(f"| {v} | {variant_fraction(variants[v], budget)} | {_fmt(hit)} | {_fmt(rec)} |")
+
+
+def _fmt(ci) -> str:
+    mean, lo, hi = ci
+    return f"{mean:.3f} [{lo:.3f}, {hi:.3f}]" if not math.isnan(lo) else f"{mean:.3f}"
+
+
+if __name__ == "__main__":
+    main()
