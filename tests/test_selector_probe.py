@@ -1,0 +1,107 @@
+"""evaluation.selector_probe: the captured queries and keys, the key variants, and the hit rate / recall against the
+``simulate`` way's on the same window."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+from tiny_models import prompt, tiny_model
+
+from evaluation.selector_probe import (
+    VARIANTS,
+    Exact,
+    MinMax,
+    ProductQuantized,
+    Progressive,
+    TwoLevel,
+    capture,
+    fidelity,
+    main,
+    variant_fraction,
+)
+from evaluation.simulate import SimulateSession
+from hf_sparse_kv.policies import OracleBlockTopK, QuantBlockTopK
+
+
+def test_two_level_code_reads_back_each_sides_mean():
+    k = torch.tensor([0.0, 1.0, 2.0, 7.0]).view(4, 1, 1)  # one group of 4 tokens, 1 head, 1 channel
+    one = TwoLevel(1, 4, "exact")(k, block_size=4).flatten()
+    assert one.tolist() == [1.0, 1.0, 1.0, 7.0]  # split at the mean 2.5: {0, 1, 2} -> 1, {7} -> 7
+    two = TwoLevel(2, 4, "exact")(k, block_size=4).flatten()
+    assert two.tolist() == [0.5, 0.5, 2.0, 7.0]  # each side split again at its own mean
+    assert TwoLevel(2, 4, "exact", known=1)(k, block_size=4).flatten().tolist() == one.tolist()
+    assert TwoLevel(1, 32, "fp8").fraction() == Fraction(1, 16) + Fraction(1, 32)
+
+
+def test_product_quantization_with_a_centre_per_key_is_the_keys():
+    k = torch.randn(32, 2, 16, generator=torch.Generator().manual_seed(3))
+    out = ProductQuantized(sub_dim=4, centroids=256)(k, block_size=16)
+    assert torch.equal(out, k)
+    coarse = ProductQuantized(sub_dim=4, centroids=4)(k, block_size=16)
+    assert coarse.shape == k.shape and not torch.equal(coarse, k)
+    pieces = coarse.view(32, 2, 4, 4)  # every piece is one of at most 4 centres per head and piece
+    assert all(len(torch.unique(pieces[:, h, j], dim=0)) <= 4 for h in range(2) for j in range(4))
+    assert ProductQuantized(8).fraction() == Fraction(1, 16) and ProductQuantized(4).fraction() == Fraction(1, 8)
+    with pytest.raises(ValueError, match="does not divide"):
+        ProductQuantized(sub_dim=5)(k, block_size=16)
+
+
+def _layer(T=1024, S=16, H=4, Hkv=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(H, S, D, generator=g), torch.randn(Hkv, T, D, generator=g) * 2, D**-0.5
+
+
+def test_exact_keys_are_the_oracle_and_two_stages_bound_the_choice():
+    q, k, scale = _layer()
+    coarse, fine = MinMax(1, 16, "exact"), Exact()
+    got = fidelity(
+        q,
+        k,
+        scale,
+        {
+            "exact": Exact(),
+            "coarse": coarse,
+            "c1": Progressive(coarse, fine, 1),  # candidates = the count: the fine stage cannot change the set
+            "c_all": Progressive(coarse, fine, 1000),  # every block a candidate: the fine stage alone
+        },
+        budget=1 / 8,
+    )
+    rate = {name: h / n for name, (h, r, n) in got.items()}
+    assert rate["exact"] == 1.0 and rate["c_all"] == 1.0
+    assert got["c1"] == got["coarse"] and rate["coarse"] < 1.0
+    assert got["exact"][1] == pytest.approx(got["c_all"][1])
+
+
+def test_the_probe_agrees_with_the_simulate_way_on_one_window():
+    """Hit rate and recall of the oracle and of 4-bit keys on a tiny Llama's window, from the probe and from the
+    ``simulate`` way's fidelity (which rebuilds every step's paged state and calls the policies)."""
+    model = tiny_model("llama")
+    ids = prompt(1024)  # 64 blocks: at 1/8 about half of the 8 kept are chosen, not forced
+    scored, budget = 32, 1 / 8
+    got = capture(model, ids, scored, dense_layers=())
+    assert sorted(got) == list(range(model.config.num_hidden_layers))
+    q, k, _ = got[0]
+    assert q.shape[1] == scored and k.shape[1] == ids.shape[1] - 1
+    sums = {}
+    for q, k, scale in got.values():
+        for name, (h, r, n) in fidelity(q, k, scale, {"oracle": Exact(), "quant4": VARIANTS["quant4"]}, budget).items():
+            s = sums.setdefault(name, [0.0, 0.0, 0])
+            s[0], s[1], s[2] = s[0] + h, s[1] + r, s[2] + n
+    session = SimulateSession(model, ids, scored, block_size=16, chunk=16)
+    _, fo = session.run(OracleBlockTopK(budget=budget, sink=4, window=32), dense_layers=(), fidelity=True)
+    _, fq = session.run(QuantBlockTopK(budget=budget, sink=4, window=32, bits=4), dense_layers=(), fidelity=True)
+    assert sums["oracle"][0] / sums["oracle"][2] == 1.0 == fo.hit_rate
+    assert sums["oracle"][1] / sums["oracle"][2] == pytest.approx(fo.recall, abs=1e-4)
+    assert sums["quant4"][0] / sums["quant4"][2] < 0.99  # a choice was made (0.967 here)
+    assert sums["quant4"][0] / sums["quant4"][2] == pytest.approx(fq.hit_rate, abs=0.02)  # 0.972
+    assert sums["quant4"][1] / sums["quant4"][2] == pytest.approx(fq.recall, abs=0.01)
+
+
+def test_bytes_and_bad_variants():
+    assert variant_fraction(VARIANTS["quant4"], 1 / 16) == Fraction(3, 8)
+    assert variant_fraction(VARIANTS["pg2_g32_fp8_c4"], 1 / 16) == Fraction(7, 64)  # compact_grid's figure
+    assert variant_fraction(VARIANTS["pq8_c2_quant4"], 1 / 16) == Fraction(1, 16) + Fraction(1, 8) * Fraction(5, 16)
+    with pytest.raises(SystemExit):
+        main(["--variants", "no_such_variant", "--out", "unused.csv"])  # refused before any model loads
