@@ -172,6 +172,22 @@ class ProductQuantized:
 
 
 @dataclass(frozen=True)
+class Residual:
+    """Two stages of codes, the second on what the first leaves (residual product quantization): ``first(k) +
+    second(k - first(k))``; bytes: both."""
+
+    first: object
+    second: object
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        one = self.first(k, block_size)
+        return one + self.second(k.float() - one, block_size)
+
+    def fraction(self) -> Fraction:
+        return self.first.fraction() + self.second.fraction()
+
+
+@dataclass(frozen=True)
 class Exact:
     """The keys themselves (the oracle's ranking: hit rate 1)."""
 
@@ -221,6 +237,12 @@ VARIANTS: dict[str, object] = {
     "pq8_c2_quant4": Progressive(ProductQuantized(8), MinMax(4, 16, "bf16"), 2),
     "pq16_c2_quant4": Progressive(ProductQuantized(16), MinMax(4, 16, "bf16"), 2),
     "pq8_c2_quant2": Progressive(ProductQuantized(8), MinMax(2, 16, "bf16"), 2),
+    # the candidates' own keys as the fine stage: no scoring state but the codes (1/16 of K); the fine stage reads
+    # c x the budget's keys, of which the budget's are read again by the attention
+    "pq8_c2_exact": Progressive(ProductQuantized(8), Exact(), 2),
+    "pq8_c1.5_exact": Progressive(ProductQuantized(8), Exact(), 1.5),
+    "rvq8x2": Residual(ProductQuantized(8), ProductQuantized(8, seed=1)),  # 1/8
+    "pq8_c2_rvq8x2": Progressive(ProductQuantized(8), Residual(ProductQuantized(8), ProductQuantized(8, seed=1)), 2),
 }
 
 

@@ -15,6 +15,7 @@ from evaluation.selector_probe import (
     MinMax,
     ProductQuantized,
     Progressive,
+    Residual,
     TwoLevel,
     capture,
     fidelity,
@@ -44,6 +45,10 @@ def test_product_quantization_with_a_centre_per_key_is_the_keys():
     pieces = coarse.view(32, 2, 4, 4)  # every piece is one of at most 4 centres per head and piece
     assert all(len(torch.unique(pieces[:, h, j], dim=0)) <= 4 for h in range(2) for j in range(4))
     assert ProductQuantized(8).fraction() == Fraction(1, 16) and ProductQuantized(4).fraction() == Fraction(1, 8)
+    rough = ProductQuantized(sub_dim=4, centroids=4)
+    assert torch.allclose(Residual(rough, ProductQuantized(sub_dim=4, centroids=256))(k, 16), k, atol=1e-6)
+    err = (Residual(rough, rough)(k, 16) - k).norm()  # a second stage on what the first left: closer
+    assert err < (coarse - k).norm() and Residual(rough, rough).fraction() == 2 * rough.fraction()
     with pytest.raises(ValueError, match="does not divide"):
         ProductQuantized(sub_dim=5)(k, block_size=16)
 
