@@ -147,13 +147,12 @@ class ProductQuantized:
     iters: int = 8
     seed: int = 0
 
-    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
-        """``k [T, Hkv, D]`` -> every key's pieces replaced by their centres, ``[T, Hkv, D]`` float32."""
-        T, H, D = k.shape
+    def fit(self, k: torch.Tensor) -> torch.Tensor:
+        """The centres of ``k [T, Hkv, D]``'s pieces: ``[Hkv * D / sub_dim, min(centroids, T), sub_dim]``."""
+        T, _, D = k.shape
         if D % self.sub_dim:
             raise ValueError(f"sub_dim {self.sub_dim} does not divide the head dim {D}")
-        m = D // self.sub_dim
-        x = k.float().reshape(T, H * m, self.sub_dim).transpose(0, 1)  # [H*m, T, d]
+        x = self._pieces(k)  # [H*m, T, d]
         gen = torch.Generator(device="cpu").manual_seed(self.seed)
         c = min(self.centroids, T)
         centres = x[:, torch.randperm(T, generator=gen)[:c].to(x.device)].clone()  # [H*m, c, d]
@@ -163,9 +162,23 @@ class ProductQuantized:
             idx = assign.unsqueeze(-1).expand(-1, -1, self.sub_dim)
             total = torch.zeros_like(centres).scatter_add_(1, idx, x)  # [H*m, c, d]
             centres = torch.where(count.unsqueeze(-1) > 0, total / count.clamp(min=1).unsqueeze(-1), centres)
+        return centres
+
+    def apply(self, k: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+        """``k [T, Hkv, D]`` with every piece replaced by its nearest of ``centres`` (:meth:`fit`), float32."""
+        T, H, D = k.shape
+        x = self._pieces(k)
         assign = torch.cdist(x, centres).argmin(-1)
         out = torch.gather(centres, 1, assign.unsqueeze(-1).expand(-1, -1, self.sub_dim))  # [H*m, T, d]
         return out.transpose(0, 1).reshape(T, H, D)
+
+    def _pieces(self, k: torch.Tensor) -> torch.Tensor:
+        T, H, D = k.shape
+        return k.float().reshape(T, H * (D // self.sub_dim), self.sub_dim).transpose(0, 1)
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        """``k [T, Hkv, D]`` -> every key's pieces replaced by their centres (fitted on ``k``), float32."""
+        return self.apply(k, self.fit(k))
 
     def fraction(self) -> Fraction:
         return Fraction(math.ceil(math.log2(self.centroids)), 16 * self.sub_dim)

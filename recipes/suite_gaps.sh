@@ -108,6 +108,21 @@ case $PART in
       --set "policies=[{name: dense}, $O, $QU, $Q4, $PGS]" \
       --set 'decisive={policies: [dense, oracle, pg2_g32_fp8_c4, pg2_g32_fp8_c2, quest, quant4], budgets: ["1/16"]}' \
       --set "$N" --set "$QA" "$@" ;;
+  pq_*)  # issue 13: product-quantized keys as the coarse pass (evaluation/product_quant.py, reference ops), c = 2,
+    # the fine pass the candidates' own keys or their 4-bit codes, at 1/16 on the target cells (as progressive_*)
+    M=${PART#pq_}
+    PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, sub_dim: 8, centroids: 256, candidates: 2'
+    PQS="{$PQ, label: pq8_c2_exact, fine: exact}, {$PQ, label: pq8_c2_quant4, fine: quant4}"
+    ND='trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000'
+    case $M in
+      smollm2) L='[4096, 8192]'; QA='qa=null'; N="needle={$ND, batch: 16, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
+      qwen2.5) L='[32768]'; QA=$QA32; N="needle={$ND, batch: {32768: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}" ;;
+      *) L='[32768]'; QA='qa=null'; N="needle={$ND, batch: {32768: 4}, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
+    esac
+    run "$M" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
+      --set "policies=[{name: dense}, $O, $QU, $Q4, $PQS]" \
+      --set 'decisive={policies: [dense, oracle, pq8_c2_exact, pq8_c2_quant4, quest, quant4], budgets: ["1/16"]}' \
+      --set "$N" --set "$QA" "$@" ;;
   qwen_multivalue_budgets)  # issue 12: Qwen2.5's multi-value needles at 32K at 1/8 and 1/32, TokenTopK's at 1/16
     run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/16", "1/32"]' \
       --set "policies=[{name: dense}, $O, $QU, $Q4, $TT]" \
