@@ -254,6 +254,9 @@ VARIANTS: dict[str, object] = {
     # c x the budget's keys, of which the budget's are read again by the attention
     "pq8_c2_exact": Progressive(ProductQuantized(8), Exact(), 2),
     "pq8_c1.5_exact": Progressive(ProductQuantized(8), Exact(), 1.5),
+    "pq8_c4_exact": Progressive(ProductQuantized(8), Exact(), 4),
+    "pq4_c2_exact": Progressive(ProductQuantized(4), Exact(), 2),
+    "pq4_c2_quant4": Progressive(ProductQuantized(4), MinMax(4, 16, "bf16"), 2),
     "rvq8x2": Residual(ProductQuantized(8), ProductQuantized(8, seed=1)),  # 1/8
     "pq8_c2_rvq8x2": Progressive(ProductQuantized(8), Residual(ProductQuantized(8), ProductQuantized(8, seed=1)), 2),
 }
