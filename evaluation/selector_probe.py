@@ -29,7 +29,6 @@ min / max grid. ``lloyd2`` splits each side again at its own mean (4 levels, ``2
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import math
 from dataclasses import dataclass
@@ -37,15 +36,13 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_sparse_kv.ops.layout import cdiv, forced_block_mask
 from hf_sparse_kv.policies import OracleBlockTopK
 
 from .compact_grid import METAS, dequantized_pool, group_grid, stored
-from .simulate import _attention_modules, full_attention_layers
+from .simulate import attention_routed, full_attention_layers
 
 ATTENTION_NAME = "hf_sparse_kv_selector_probe"
 CAPTURE_KWARG = "hf_sparse_kv_selector_probe_capture"
@@ -278,33 +275,13 @@ def _capture_forward(module, query, key, value, attention_mask, dropout=0.0, sca
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-@contextlib.contextmanager
-def _capturing(model, box: dict):
-    AttentionInterface.register(ATTENTION_NAME, _capture_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    original = model.config._attn_implementation
-
-    def hook(module, args, kwargs):
-        kwargs[CAPTURE_KWARG] = box
-        return args, kwargs
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
-    model.set_attn_implementation(ATTENTION_NAME)
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        model.set_attn_implementation(original)
-
-
 def capture(model, ids: torch.Tensor, scored: int, dense_layers=(0, 1)) -> dict[int, tuple]:
     """One dense forward of ``ids [1, W]`` without its last token: per sparse full-attention layer, ``(q [H, S, D],
     k [Hkv, W - 1, D], scale)`` float32, ``q`` at positions ``W - 1 - S .. W - 2`` (the decode steps whose next
     tokens the ``simulate`` way scores)."""
     layers = full_attention_layers(model.config) - set(dense_layers)
     box = {"layers": layers, "scored": scored, "out": {}}
-    with torch.no_grad(), _capturing(model, box):
+    with torch.no_grad(), attention_routed(model, ATTENTION_NAME, _capture_forward, CAPTURE_KWARG, box):
         model(ids[:, :-1], use_cache=False, logits_to_keep=1)
     return box["out"]
 

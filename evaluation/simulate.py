@@ -294,26 +294,34 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def simulating(model: torch.nn.Module, ctx: SimulateContext):
-    """Scoped: route ``model``'s attention through :func:`simulate_attention_forward` with ``ctx``; restore after."""
-    if is_patched(model):
-        raise ValueError("simulate needs an unpatched model (call unpatch_model first)")
-    AttentionInterface.register(ATTENTION_NAME, simulate_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+def attention_routed(model: torch.nn.Module, name: str, forward, kwarg: str, value):
+    """Scoped: ``model``'s attention through ``forward`` (registered as ``name``, with SDPA's mask), every attention
+    module called with ``kwarg=value``; the hooks removed and the model's attention restored after."""
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
     original = model.config._attn_implementation
 
     def hook(module, args, kwargs):
-        kwargs[CONTEXT_KWARG] = ctx
+        kwargs[kwarg] = value
         return args, kwargs
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
-    model.set_attn_implementation(ATTENTION_NAME)
+    model.set_attn_implementation(name)
     try:
-        yield ctx
+        yield value
     finally:
         for h in handles:
             h.remove()
         model.set_attn_implementation(original)
+
+
+@contextlib.contextmanager
+def simulating(model: torch.nn.Module, ctx: SimulateContext):
+    """Scoped: route ``model``'s attention through :func:`simulate_attention_forward` with ``ctx``; restore after."""
+    if is_patched(model):
+        raise ValueError("simulate needs an unpatched model (call unpatch_model first)")
+    with attention_routed(model, ATTENTION_NAME, simulate_attention_forward, CONTEXT_KWARG, ctx):
+        yield ctx
 
 
 class SimulateSession:

@@ -17,6 +17,15 @@ MV32='needle={trials: 0, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8,
 QA32='qa={tasks: [variable_tracking, fact, common_words], items: 100, lengths: [32768], new_tokens: 8, batch: {32768: 8}}'
 CH='name: "evaluation.channel_quant:ChannelQuantBlockTopK", sink: 4, window: 32, bits: 4, rest: block'
 run() { ${PY:-python3} -m evaluation.cli suite "$@" --time-limit "$T"; }
+# issue 13's target cells of model $1 at 1/16: L (lengths), N (single + multi-key needles), QA (Qwen2.5's at 32K)
+targets() {
+  local nd='trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000'
+  case $1 in
+    smollm2) L='[4096, 8192]'; QA='qa=null'; N="needle={$nd, batch: 16, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
+    qwen2.5) L='[32768]'; QA=$QA32; N="needle={$nd, batch: {32768: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}" ;;
+    *) L='[32768]'; QA='qa=null'; N="needle={$nd, batch: {32768: 4}, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
+  esac
+}
 case $PART in
   qwen_channels)  # issue 13: a quarter of the channels (r = 32 of D = 128) at 32K, 1/16: ppl, single + multi-key needles
     C1="{$CH, label: chq4_quarter_block, channels: 32}"; C4="{$CH, label: chq4_quarter_block_g4, channels: 32, group: 4}"
@@ -98,12 +107,7 @@ case $PART in
     M=${PART#progressive_}
     PG='name: "evaluation.compact_grid:ProgressiveGridBlockTopK", sink: 4, window: 32, bits: 2, group: 32, meta: fp8'
     PGS="{$PG, label: pg2_g32_fp8_c4, candidates: 4}, {$PG, label: pg2_g32_fp8_c2, candidates: 2}"
-    ND='trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000'
-    case $M in
-      smollm2) L='[4096, 8192]'; QA='qa=null'; N="needle={$ND, batch: 16, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
-      qwen2.5) L='[32768]'; QA=$QA32; N="needle={$ND, batch: {32768: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}" ;;
-      *) L='[32768]'; QA='qa=null'; N="needle={$ND, batch: {32768: 4}, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
-    esac
+    targets "$M"
     run "$M" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
       --set "policies=[{name: dense}, $O, $QU, $Q4, $PGS]" \
       --set 'decisive={policies: [dense, oracle, pg2_g32_fp8_c4, pg2_g32_fp8_c2, quest, quant4], budgets: ["1/16"]}' \
@@ -113,12 +117,7 @@ case $PART in
     M=${PART#pq_}
     PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, sub_dim: 8, centroids: 256, candidates: 2'
     PQS="{$PQ, label: pq8_c2_exact, fine: exact}, {$PQ, label: pq8_c2_quant4, fine: quant4}"
-    ND='trials: 100, depths: [0.02, 0.1, 0.3, 0.5, 0.7, 0.9], new_tokens: 8, max_offset: 40000'
-    case $M in
-      smollm2) L='[4096, 8192]'; QA='qa=null'; N="needle={$ND, batch: 16, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
-      qwen2.5) L='[32768]'; QA=$QA32; N="needle={$ND, batch: {32768: 8}, hard: {variants: [multi_key], trials: 100, n_needles: 8}}" ;;
-      *) L='[32768]'; QA='qa=null'; N="needle={$ND, batch: {32768: 4}, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
-    esac
+    targets "$M"
     run "$M" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
       --set "policies=[{name: dense}, $O, $QU, $Q4, $PQS]" \
       --set 'decisive={policies: [dense, oracle, pq8_c2_exact, pq8_c2_quant4, quest, quant4], budgets: ["1/16"]}' \
