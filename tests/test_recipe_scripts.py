@@ -18,7 +18,12 @@ from evaluation.suite import cells_of, load_suite, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GAPS = ROOT / "recipes" / "suite_gaps.sh"
-WILDCARD_MODEL = {"reuse_*": "reuse_qwen2.5", "moments_*": "moments_gemma3"}
+WILDCARD_MODEL = {
+    "reuse_*": "reuse_qwen2.5",
+    "moments_*": "moments_gemma3",
+    "progressive_*": "progressive_qwen2.5",
+    "pq_*": "pq_smollm2",
+}
 
 
 def _parts() -> list[str]:
