@@ -64,10 +64,8 @@ class MinMax:
     def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
         """``k [T, Hkv, D]`` -> the keys as the codes hold them, ``[T, Hkv, D]`` float32."""
         T, H, D = k.shape
-        nb = cdiv(T, block_size)
-        pool = torch.zeros(nb * block_size, H, D, dtype=torch.float32, device=k.device)
-        pool[:T] = k.float()
-        pool = pool.view(nb, block_size, H, D).transpose(1, 2)  # [NB, Hkv, BS, D]
+        pool = _padded(k, block_size).transpose(1, 2)  # [NB, Hkv, BS, D]
+        nb = pool.shape[0]
         table = torch.arange(nb, dtype=torch.int32, device=k.device).view(1, nb)
         lens = torch.tensor([T], dtype=torch.int32, device=k.device)
         lo, hi = group_grid(pool, table, lens, torch.zeros_like(lens), self.group)
@@ -93,13 +91,9 @@ class TwoLevel:
     def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
         """``k [T, Hkv, D]`` -> ``[T, Hkv, D]`` float32 (the last group may be partial)."""
         T, H, D = k.shape
-        g = self.group
-        n = cdiv(T, g)
-        x = torch.zeros(n * g, H, D, dtype=torch.float32, device=k.device)
-        x[:T] = k.float()
-        valid = torch.zeros(n * g, 1, 1, dtype=torch.bool, device=k.device)
-        valid[:T] = True
-        x, valid = x.view(n, g, H, D), valid.view(n, g, 1, 1)
+        x = _padded(k, self.group)  # [n, g, Hkv, D]
+        n, g = x.shape[:2]
+        valid = (torch.arange(n * g, device=k.device) < T).view(n, g, 1, 1)
         upper, lo, hi = _split(x, valid)
         if self.bits == 1 or self.known == 1:
             out = torch.where(upper, stored(hi, self.meta), stored(lo, self.meta))
@@ -115,6 +109,16 @@ class TwoLevel:
     def fraction(self) -> Fraction:
         levels = 2 ** (self.known or self.bits)
         return Fraction(self.known or self.bits, 16) + Fraction(levels * METAS[self.meta], 2 * self.group)
+
+
+def _padded(k: torch.Tensor, size: int) -> torch.Tensor:
+    """``k [T, Hkv, D]`` in runs of ``size`` tokens, the last one zero-padded: ``[cdiv(T, size), size, Hkv, D]``
+    float32."""
+    T, H, D = k.shape
+    n = cdiv(T, size)
+    out = torch.zeros(n * size, H, D, dtype=torch.float32, device=k.device)
+    out[:T] = k.float()
+    return out.view(n, size, H, D)
 
 
 def _split(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -289,9 +293,9 @@ def capture(model, ids: torch.Tensor, scored: int, dense_layers=(0, 1)) -> dict[
 # ------------------------------------------------------------------------------------------------- fidelity
 
 
-def _group_mass(q: torch.Tensor, k: torch.Tensor, scale: float, pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``q [H, S, D]``, ``k [Hkv, T, D]``: each block's softmax mass summed over the GQA group, ``[S, Hkv, NB]``,
-    keys after each query's position ``pos [S]`` masked out; also returns the per-head probabilities."""
+def _head_mass(q: torch.Tensor, k: torch.Tensor, scale: float, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``q [H, S, D]``, ``k [Hkv, T, D]``: each query head's softmax mass in each block, ``[S, Hkv, G, NB]`` (``H =
+    Hkv x G``), keys after each query's position ``pos [S]`` masked out, ``-inf`` for blocks past it."""
     H, S, _ = q.shape
     Hkv, T, _ = k.shape
     G = H // Hkv
@@ -299,8 +303,8 @@ def _group_mass(q: torch.Tensor, k: torch.Tensor, scale: float, pos: torch.Tenso
     causal = torch.arange(T, device=q.device).view(1, -1) <= pos.view(-1, 1)  # [S, T]
     p = logits.masked_fill(~causal.view(S, 1, 1, T), float("-inf")).softmax(-1)
     nb = cdiv(T, block_size)
-    mass = torch.nn.functional.pad(p.sum(2), (0, nb * block_size - T)).view(S, Hkv, nb, block_size).sum(-1)
-    return mass.masked_fill(~_in_use(pos, nb, block_size).unsqueeze(1), float("-inf")), p
+    mass = torch.nn.functional.pad(p, (0, nb * block_size - T)).view(S, Hkv, G, nb, block_size).sum(-1)
+    return mass.masked_fill(~_in_use(pos, nb, block_size).view(S, 1, 1, nb), float("-inf"))
 
 
 def _in_use(pos: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
@@ -338,16 +342,16 @@ def fidelity(
     keep = torch.tensor(counts if counts is not None else [cdiv(n, block_size) for n in lens], device=q.device)
     seq_lens = (pos + 1).int()
     forced = forced_block_mask(seq_lens, torch.zeros_like(seq_lens), sink, window, block_size, nb)
-    exact, p = _group_mass(q, k, scale, pos, block_size)
+    head_mass = _head_mass(q, k, scale, pos, block_size)  # [S, Hkv, G, NB]
+    exact = head_mass.sum(2)  # the GQA group's mass: the oracle's ranking
     o_set = _pick(exact, keep, forced)
-    head_mass = torch.nn.functional.pad(p, (0, nb * block_size - T)).view(*p.shape[:3], nb, block_size).sum(-1)
     out = {}
     cache: dict[object, torch.Tensor] = {}
 
     def mass_of(v) -> torch.Tensor:
         if v not in cache:
             approx = v(k.transpose(0, 1), block_size).transpose(0, 1)  # [Hkv, T, D]
-            cache[v] = _group_mass(q, approx, scale, pos, block_size)[0]
+            cache[v] = _head_mass(q, approx, scale, pos, block_size).sum(2)
         return cache[v]
 
     for name, v in variants.items():
@@ -359,7 +363,7 @@ def fidelity(
         else:
             sel = _pick(mass_of(v), keep, forced)
         hit = (sel & o_set).sum(-1).float() / o_set.sum(-1).clamp(min=1)  # [S, Hkv]
-        recall = (head_mass * sel.unsqueeze(2)).sum(-1).mean(2)  # [S, Hkv]
+        recall = (head_mass.clamp(min=0) * sel.unsqueeze(2)).sum(-1).mean(2)  # [S, Hkv]
         out[name] = (float(hit.sum()), float(recall.sum()), hit.numel())
     return out
 
