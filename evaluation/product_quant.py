@@ -28,7 +28,7 @@ import torch
 from hf_sparse_kv.ops.reference import held_positions, oracle_block_scores
 from hf_sparse_kv.policies.base import DecodeState
 
-from .compact_grid import ProgressiveGridBlockTopK, dequantized_pool, group_grid, stored
+from .compact_grid import CompactGridBlockTopK, ProgressiveGridBlockTopK
 from .selector_probe import ProductQuantized
 
 FINE = ("exact", "quant4")
@@ -81,6 +81,5 @@ class ProductQuantBlockTopK(ProgressiveGridBlockTopK):
         coarse = oracle_block_scores(state.q, self.coded_pool(state), *args)
         if self.fine == "exact":
             return coarse, oracle_block_scores(state.q, state.k_pool, *args)
-        lo, hi = group_grid(state.k_pool, state.block_table, state.seq_lens, state.start, state.block_size)
-        keys = dequantized_pool(state.k_pool, state.block_table, stored(lo, "bf16"), stored(hi, "bf16"), 4)
-        return coarse, oracle_block_scores(state.q, keys.to(state.k_pool.dtype), *args)
+        quant4 = CompactGridBlockTopK(budget=self.budget, bits=4, group=state.block_size, meta="bf16")
+        return coarse, quant4.mass(state)
