@@ -26,6 +26,17 @@ targets() {
     *) L='[32768]'; QA='qa=null'; N="needle={$nd, batch: {32768: 4}, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
   esac
 }
+# issue 13's experiment on model $1's target cells: policies $2 beside dense, the oracle, Quest and quant4, their
+# labels $3 run first; the rest of the arguments go to the suite
+run_targets() {
+  local m=$1 extra=$2 labels=$3
+  shift 3
+  targets "$m"
+  run "$m" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
+    --set "policies=[{name: dense}, $O, $QU, $Q4, $extra]" \
+    --set "decisive={policies: [dense, oracle, $labels, quest, quant4], budgets: [\"1/16\"]}" \
+    --set "$N" --set "$QA" "$@"
+}
 case $PART in
   qwen_channels)  # issue 13: a quarter of the channels (r = 32 of D = 128) at 32K, 1/16: ppl, single + multi-key needles
     C1="{$CH, label: chq4_quarter_block, channels: 32}"; C4="{$CH, label: chq4_quarter_block_g4, channels: 32, group: 4}"
@@ -104,24 +115,14 @@ case $PART in
       --set 'decisive={policies: [dense], budgets: ["1/16"]}' --set 'needle={trials: 0}' --set 'qa=null' "$@" ;;
   progressive_*)  # issue 13: 2-bit keys as bit planes (evaluation/compact_grid.py, reference ops), c = 4 and 2, at 1/16
     # on issue 13's target cells: SmolLM2 4K + 8K, Gemma-3 32K, Qwen2.5 32K (+ its QA); ppl, single + multi-key needles
-    M=${PART#progressive_}
     PG='name: "evaluation.compact_grid:ProgressiveGridBlockTopK", sink: 4, window: 32, bits: 2, group: 32, meta: fp8'
     PGS="{$PG, label: pg2_g32_fp8_c4, candidates: 4}, {$PG, label: pg2_g32_fp8_c2, candidates: 2}"
-    targets "$M"
-    run "$M" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
-      --set "policies=[{name: dense}, $O, $QU, $Q4, $PGS]" \
-      --set 'decisive={policies: [dense, oracle, pg2_g32_fp8_c4, pg2_g32_fp8_c2, quest, quant4], budgets: ["1/16"]}' \
-      --set "$N" --set "$QA" "$@" ;;
+    run_targets "${PART#progressive_}" "$PGS" "pg2_g32_fp8_c4, pg2_g32_fp8_c2" "$@" ;;
   pq_*)  # issue 13: product-quantized keys as the coarse pass (evaluation/product_quant.py, reference ops), c = 2,
     # the fine pass the candidates' own keys or their 4-bit codes, at 1/16 on the target cells (as progressive_*)
-    M=${PART#pq_}
     PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, sub_dim: 8, centroids: 256, candidates: 2'
     PQS="{$PQ, label: pq8_c2_exact, fine: exact}, {$PQ, label: pq8_c2_quant4, fine: quant4}"
-    targets "$M"
-    run "$M" --out "$R" --set "lengths=$L" --set 'budgets=["1/16"]' \
-      --set "policies=[{name: dense}, $O, $QU, $Q4, $PQS]" \
-      --set 'decisive={policies: [dense, oracle, pq8_c2_exact, pq8_c2_quant4, quest, quant4], budgets: ["1/16"]}' \
-      --set "$N" --set "$QA" "$@" ;;
+    run_targets "${PART#pq_}" "$PQS" "pq8_c2_exact, pq8_c2_quant4" "$@" ;;
   qwen_multivalue_budgets)  # issue 12: Qwen2.5's multi-value needles at 32K at 1/8 and 1/32, TokenTopK's at 1/16
     run qwen2.5 --out "$R" --set 'lengths=[32768]' --set 'budgets=["1/8", "1/16", "1/32"]' \
       --set "policies=[{name: dense}, $O, $QU, $Q4, $TT]" \
