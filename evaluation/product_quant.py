@@ -9,7 +9,9 @@ a policy the suite can run (``name: "evaluation.product_quant:ProductQuantBlockT
 and retrieval where the probe cannot.
 
 Reference ops only, no cache state: at each step the centres are fitted on the keys the pool holds (every valid
-position of every held block; a cache would fit them once on the prompt and code each key as it is written), the
+position of every held block, at most ``sample`` of them drawn at random, seeded: a k-means over all of a 32K batch's
+keys at every layer of every step would take the suite longer than the model; a cache would fit them once on the
+prompt and code each key as it is written), every key is coded with them, the
 coarse mass is the GQA group's softmax mass under the coded keys, and the fine pass is ``fine``:
 
 - ``"exact"``: the candidates' own keys (their true mass): no scoring state but the codes (``log2(centroids) / (16 x
@@ -39,11 +41,13 @@ class ProductQuantBlockTopK(ProgressiveGridBlockTopK):
     """Blocks ranked by their mass under product-quantized keys keep ``candidates x`` the budget's (forced first);
     the ``fine`` pass picks the budget among them (module docstring). Args as
     :class:`~hf_sparse_kv.policies.Quest`, plus ``sub_dim`` (channels a piece; divides the head dim), ``centroids``
-    (centres a piece, 2 to 65536), ``iters`` (k-means rounds), ``candidates`` (``c >= 1``) and ``fine``."""
+    (centres a piece, 2 to 65536), ``iters`` (k-means rounds), ``sample`` (keys the centres are fitted on, at most;
+    ``None``: all), ``candidates`` (``c >= 1``) and ``fine``."""
 
     sub_dim: int = 8
     centroids: int = 256
     iters: int = 8
+    sample: int | None = 16384
     candidates: float = 2
     fine: str = "exact"
 
@@ -53,6 +57,10 @@ class ProductQuantBlockTopK(ProgressiveGridBlockTopK):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"{name} must be an integer from {lo} to {hi}, not {v!r}")
+        if self.sample is not None and (
+            isinstance(self.sample, bool) or not isinstance(self.sample, int) or self.sample < 1
+        ):
+            raise ValueError(f"sample must be a positive integer or None, not {self.sample!r}")
         if self.fine not in FINE:
             raise ValueError(f"fine must be one of {FINE}, not {self.fine!r}")
 
@@ -70,7 +78,7 @@ class ProductQuantBlockTopK(ProgressiveGridBlockTopK):
         valid = torch.zeros(NB, BS, dtype=torch.int32, device=pool.device)
         valid.index_add_(0, phys[held], w[held].int())
         valid = valid.view(-1) > 0
-        pq = ProductQuantized(self.sub_dim, self.centroids, self.iters)
+        pq = ProductQuantized(self.sub_dim, self.centroids, self.iters, sample=self.sample)
         coded = pq.apply(flat, pq.fit(flat[valid]))
         return coded.view(NB, BS, H, D).transpose(1, 2).to(pool.dtype)
 

@@ -141,20 +141,25 @@ class ProductQuantized:
     """Product quantization (as PQCache does for retrieval): each key's ``D`` channels cut into ``D / sub_dim``
     pieces, each piece stored as the index of the nearest of ``centroids`` centres (k-means on the window's keys,
     per KV head and piece, ``iters`` rounds, seeded): ``log2(centroids) / (8 * 2 * sub_dim)`` of K's bytes (1/16 at
-    256 centres and 8 channels a piece); the centres (``centroids x D`` a head) are not counted."""
+    256 centres and 8 channels a piece); the centres (``centroids x D`` a head) are not counted. ``sample``: fit on
+    at most that many keys (a seeded random subset; ``None``: all), every key still coded."""
 
     sub_dim: int = 8
     centroids: int = 256
     iters: int = 8
     seed: int = 0
+    sample: int | None = None
 
     def fit(self, k: torch.Tensor) -> torch.Tensor:
         """The centres of ``k [T, Hkv, D]``'s pieces: ``[Hkv * D / sub_dim, min(centroids, T), sub_dim]``."""
         T, _, D = k.shape
         if D % self.sub_dim:
             raise ValueError(f"sub_dim {self.sub_dim} does not divide the head dim {D}")
-        x = self._pieces(k)  # [H*m, T, d]
         gen = torch.Generator(device="cpu").manual_seed(self.seed)
+        if self.sample is not None and T > self.sample:
+            k = k[torch.randperm(T, generator=gen)[: self.sample].to(k.device)]
+            T = self.sample
+        x = self._pieces(k)  # [H*m, T, d]
         c = min(self.centroids, T)
         centres = x[:, torch.randperm(T, generator=gen)[:c].to(x.device)].clone()  # [H*m, c, d]
         for _ in range(self.iters):

@@ -66,7 +66,8 @@ def test_the_candidates_bound_the_choice_and_the_fine_pass_picks():
 
 
 def test_bad_arguments_are_refused():
-    for bad in ({"sub_dim": 0}, {"centroids": 1}, {"iters": 0}, {"fine": "bf16"}, {"candidates": 0.5}):
+    bad_args = ({"sub_dim": 0}, {"centroids": 1}, {"iters": 0}, {"fine": "bf16"}, {"candidates": 0.5})
+    for bad in (*bad_args, {"sample": 0}, {"sample": True}, {"sample": 2.5}):
         with pytest.raises(ValueError):
             ProductQuantBlockTopK(budget=0.25, **bad)
     state = _long_state(0)

@@ -53,6 +53,22 @@ def test_product_quantization_with_a_centre_per_key_is_the_keys():
         ProductQuantized(sub_dim=5)(k, block_size=16)
 
 
+def test_product_quantization_fits_on_a_sample_and_codes_every_key():
+    """With ``sample`` keys and as many centres, k-means keeps each centre on one sampled key: the centres of every
+    head and piece are the pieces of the same ``sample`` rows (fitted on all 64 keys they would be means)."""
+    k = torch.randn(64, 2, 8, generator=torch.Generator().manual_seed(0))
+    pq = ProductQuantized(sub_dim=4, centroids=16, iters=2, sample=16)
+    centres = pq.fit(k)  # [H * m, 16, 4]
+    pieces = pq._pieces(k)  # [H * m, 64, 4]
+    rows = [torch.cdist(c, p).argmin(-1) for c, p in zip(centres, pieces)]
+    for c, p, r in zip(centres, pieces, rows):
+        assert torch.equal(c, p[r])
+    assert all(set(r.tolist()) == set(rows[0].tolist()) for r in rows) and len(set(rows[0].tolist())) == 16
+    everywhere = ProductQuantized(sub_dim=4, centroids=16, iters=2).fit(k)
+    assert not all((pieces[0] == c).all(-1).any() for c in everywhere[0])
+    assert pq.apply(k, centres).shape == k.shape
+
+
 def _layer(T=1024, S=16, H=4, Hkv=2, D=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(H, S, D, generator=g), torch.randn(Hkv, T, D, generator=g) * 2, D**-0.5
