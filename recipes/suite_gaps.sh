@@ -118,6 +118,13 @@ case $PART in
     PG='name: "evaluation.compact_grid:ProgressiveGridBlockTopK", sink: 4, window: 32, bits: 2, group: 32, meta: fp8'
     PGS="{$PG, label: pg2_g32_fp8_c4, candidates: 4}, {$PG, label: pg2_g32_fp8_c2, candidates: 2}"
     run_targets "${PART#progressive_}" "$PGS" "pg2_g32_fp8_c4, pg2_g32_fp8_c2" "$@" ;;
+  pq_exact_*)  # the pq_* part's cells of pq8_c2_exact alone (its quant4 twin matched it where both ran, 2026-12-04)
+    PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, fine: exact'
+    run_targets "${PART#pq_exact_}" "{$PQ, label: pq8_c2_exact, sub_dim: 8, candidates: 2}" "pq8_c2_exact" "$@" ;;
+  pq_wide_*)  # product-quantized keys with more candidates (c = 4) or finer pieces (4 channels, 1/8 of K), exact fine
+    PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, fine: exact'
+    PQS="{$PQ, label: pq8_c4_exact, sub_dim: 8, candidates: 4}, {$PQ, label: pq4_c2_exact, sub_dim: 4, candidates: 2}"
+    run_targets "${PART#pq_wide_}" "$PQS" "pq8_c4_exact, pq4_c2_exact" "$@" ;;
   pq_*)  # issue 13: product-quantized keys as the coarse pass (evaluation/product_quant.py, reference ops), c = 2,
     # the fine pass the candidates' own keys or their 4-bit codes, at 1/16 on the target cells (as progressive_*)
     PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, sub_dim: 8, centroids: 256, candidates: 2'

@@ -22,6 +22,8 @@ WILDCARD_MODEL = {
     "reuse_*": "reuse_qwen2.5",
     "moments_*": "moments_gemma3",
     "progressive_*": "progressive_qwen2.5",
+    "pq_exact_*": "pq_exact_gemma3",
+    "pq_wide_*": "pq_wide_qwen2.5",
     "pq_*": "pq_smollm2",
 }
 
