@@ -142,13 +142,20 @@ class ProductQuantized:
     pieces, each piece stored as the index of the nearest of ``centroids`` centres (k-means on the window's keys,
     per KV head and piece, ``iters`` rounds, seeded): ``log2(centroids) / (8 * 2 * sub_dim)`` of K's bytes (1/16 at
     256 centres and 8 channels a piece); the centres (``centroids x D`` a head) are not counted. ``sample``: fit on
-    at most that many keys (a seeded random subset; ``None``: all), every key still coded."""
+    at most that many keys (a seeded random subset; ``None``: all), every key still coded. ``prefix``: fit on the
+    first ``ceil(prefix x T)`` keys only (``None``: all), as a cache that fits its centres once on the prompt
+    would code the keys written after it."""
 
     sub_dim: int = 8
     centroids: int = 256
     iters: int = 8
     seed: int = 0
     sample: int | None = None
+    prefix: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefix is not None and not 0 < self.prefix <= 1:
+            raise ValueError(f"prefix must be a fraction in (0, 1], not {self.prefix!r}")
 
     def fit(self, k: torch.Tensor) -> torch.Tensor:
         """The centres of ``k [T, Hkv, D]``'s pieces: ``[Hkv * D / sub_dim, min(centroids, T), sub_dim]``."""
@@ -156,6 +163,9 @@ class ProductQuantized:
         if D % self.sub_dim:
             raise ValueError(f"sub_dim {self.sub_dim} does not divide the head dim {D}")
         gen = torch.Generator(device="cpu").manual_seed(self.seed)
+        if self.prefix is not None:
+            T = max(1, math.ceil(self.prefix * T))
+            k = k[:T]
         if self.sample is not None and T > self.sample:
             k = k[torch.randperm(T, generator=gen)[: self.sample].to(k.device)]
             T = self.sample
@@ -263,6 +273,12 @@ VARIANTS: dict[str, object] = {
     "pq8_c4_exact": Progressive(ProductQuantized(8), Exact(), 4),
     "pq4_c2_exact": Progressive(ProductQuantized(4), Exact(), 2),
     "pq4_c2_quant4": Progressive(ProductQuantized(4), MinMax(4, 16, "bf16"), 2),
+    # centres fitted on the window's first half / eighth only (a cache fitting once on the prompt codes later keys
+    # with them): does the coarse pass hold on keys the fit never saw?
+    "pq8_c4_exact_fit1/2": Progressive(ProductQuantized(8, prefix=0.5), Exact(), 4),
+    "pq8_c4_exact_fit1/8": Progressive(ProductQuantized(8, prefix=0.125), Exact(), 4),
+    "pq4_c2_exact_fit1/2": Progressive(ProductQuantized(4, prefix=0.5), Exact(), 2),
+    "pq4_c2_exact_fit1/8": Progressive(ProductQuantized(4, prefix=0.125), Exact(), 2),
     "rvq8x2": Residual(ProductQuantized(8), ProductQuantized(8, seed=1)),  # 1/8
     "pq8_c2_rvq8x2": Progressive(ProductQuantized(8), Residual(ProductQuantized(8), ProductQuantized(8, seed=1)), 2),
 }

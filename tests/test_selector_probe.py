@@ -74,6 +74,18 @@ def _layer(T=1024, S=16, H=4, Hkv=2, D=16, seed=0):
     return torch.randn(H, S, D, generator=g), torch.randn(Hkv, T, D, generator=g) * 2, D**-0.5
 
 
+def test_product_quantization_fitted_on_a_prefix_ignores_the_keys_after_it():
+    k = torch.randn(64, 2, 8, generator=torch.Generator().manual_seed(1))
+    later = k.clone()
+    later[32:] = 1e4  # keys the fit must not see
+    pq = ProductQuantized(sub_dim=4, centroids=8, iters=3, prefix=0.5)
+    assert torch.equal(pq.fit(later), ProductQuantized(sub_dim=4, centroids=8, iters=3).fit(k[:32]))
+    assert pq.apply(later, pq.fit(later)).shape == k.shape  # every key coded, the later ones too
+    for bad in (0.0, 1.5, -0.5):
+        with pytest.raises(ValueError, match="prefix"):
+            ProductQuantized(prefix=bad)
+
+
 def test_exact_keys_are_the_oracle_and_two_stages_bound_the_choice():
     q, k, scale = _layer()
     coarse, fine = MinMax(1, 16, "exact"), Exact()
