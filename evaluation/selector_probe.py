@@ -200,6 +200,39 @@ class ProductQuantized:
         return Fraction(math.ceil(math.log2(self.centroids)), 16 * self.sub_dim)
 
 
+@dataclass(frozen=True, eq=False)
+class Calibrated:
+    """Product quantization whose centres were fitted on other keys (:func:`bind`: the same layer of another window,
+    of the other text, at the same positions), as an offline calibration file would give them; unbound it refuses."""
+
+    pq: ProductQuantized
+    centres: torch.Tensor | None = None  # [Hkv * D / sub_dim, centroids, sub_dim] once bound
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        if self.centres is None:
+            raise ValueError("a Calibrated variant codes keys with centres fitted elsewhere: bind() it first")
+        return self.pq.apply(k, self.centres)
+
+    def fraction(self) -> Fraction:
+        return self.pq.fraction()
+
+
+def bind(variant: object, keys: torch.Tensor) -> object:
+    """``variant`` with every :class:`Calibrated` part's centres fitted on ``keys [T, Hkv, D]``; others unchanged."""
+    if isinstance(variant, Calibrated):
+        return Calibrated(variant.pq, variant.pq.fit(keys))
+    if isinstance(variant, Progressive):
+        return Progressive(bind(variant.coarse, keys), bind(variant.fine, keys), variant.candidates)
+    return variant
+
+
+def calibrated(variant: object) -> bool:
+    """Whether ``variant`` has a :class:`Calibrated` part (it needs :func:`bind` per layer)."""
+    if isinstance(variant, Progressive):
+        return calibrated(variant.coarse) or calibrated(variant.fine)
+    return isinstance(variant, Calibrated)
+
+
 @dataclass(frozen=True)
 class Residual:
     """Two stages of codes, the second on what the first leaves (residual product quantization): ``first(k) +
@@ -279,6 +312,9 @@ VARIANTS: dict[str, object] = {
     "pq8_c4_exact_fit1/8": Progressive(ProductQuantized(8, prefix=0.125), Exact(), 4),
     "pq4_c2_exact_fit1/2": Progressive(ProductQuantized(4, prefix=0.5), Exact(), 2),
     "pq4_c2_exact_fit1/8": Progressive(ProductQuantized(4, prefix=0.125), Exact(), 2),
+    # centres fitted on the previous window (the other text, the same positions), as a calibration file would be
+    "pq8_c4_exact_cal": Progressive(Calibrated(ProductQuantized(8)), Exact(), 4),
+    "pq4_c2_exact_cal": Progressive(Calibrated(ProductQuantized(4)), Exact(), 2),
     "rvq8x2": Residual(ProductQuantized(8), ProductQuantized(8, seed=1)),  # 1/8
     "pq8_c2_rvq8x2": Progressive(ProductQuantized(8), Residual(ProductQuantized(8), ProductQuantized(8, seed=1)), 2),
 }
@@ -425,11 +461,20 @@ def main(argv: list[str] | None = None) -> None:
     with a.out.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["model", "length", "budget", "window", "text", "variant", "bytes_of_k", "hit_rate", "recall", "n"])
+        # a calibrated variant's centres come from the window before (window 0's from the last one)
+        prev = None
+        if any(calibrated(v) for v in variants.values()):
+            prev = capture(model, torch.tensor([windows[-1][1]]), a.scored, a.dense_layers)
         for i, (text, window) in enumerate(windows):
             got = capture(model, torch.tensor([window]), a.scored, a.dense_layers)
             sums = {v: [0.0, 0.0, 0] for v in variants}
-            for q, k, scale in got.values():
-                for v, (h, r, n) in fidelity(q, k, scale, variants, budget, a.block_size).items():
+            for layer, (q, k, scale) in got.items():
+                bound = (
+                    variants
+                    if prev is None
+                    else {v: bind(x, prev[layer][1].transpose(0, 1)) for v, x in variants.items()}
+                )
+                for v, (h, r, n) in fidelity(q, k, scale, bound, budget, a.block_size).items():
                     sums[v][0] += h
                     sums[v][1] += r
                     sums[v][2] += n
@@ -439,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
                 per[v].append((h / n, r / n))
             f.flush()
             print(f"window {i} ({text}): " + ", ".join(f"{v} {per[v][-1][0]:.3f}" for v in variants), flush=True)
+            prev = got if prev is not None else None
     print(f"\n| variant | bytes of K | hit rate [95 %] | recall [95 %] |  ({a.model} {a.length}, {a.windows} windows)")
     print("| --- | --- | --- | --- |")
     for v, rows in per.items():

@@ -11,12 +11,15 @@ from tiny_models import prompt, tiny_model
 
 from evaluation.selector_probe import (
     VARIANTS,
+    Calibrated,
     Exact,
     MinMax,
     ProductQuantized,
     Progressive,
     Residual,
     TwoLevel,
+    bind,
+    calibrated,
     capture,
     fidelity,
     main,
@@ -84,6 +87,21 @@ def test_product_quantization_fitted_on_a_prefix_ignores_the_keys_after_it():
     for bad in (0.0, 1.5, -0.5):
         with pytest.raises(ValueError, match="prefix"):
             ProductQuantized(prefix=bad)
+
+
+def test_calibrated_product_quantization_codes_with_centres_fitted_elsewhere():
+    gen = torch.Generator().manual_seed(2)
+    mine, other = torch.randn(64, 2, 8, generator=gen), torch.randn(64, 2, 8, generator=gen)
+    pq = ProductQuantized(sub_dim=4, centroids=8, iters=3)
+    variant = Progressive(Calibrated(pq), Exact(), 2)
+    assert calibrated(variant) and not calibrated(Progressive(pq, Exact(), 2)) and not calibrated(pq)
+    with pytest.raises(ValueError, match="bind"):
+        variant.coarse(mine, 16)
+    bound = bind(variant, other)
+    assert torch.equal(bound.coarse(mine, 16), pq.apply(mine, pq.fit(other)))  # the other keys' centres
+    assert not torch.equal(bound.coarse(mine, 16), pq(mine, 16))  # not the ones fitted on the keys coded
+    assert torch.equal(bind(variant, mine).coarse(mine, 16), pq(mine, 16))
+    assert bound.fine is variant.fine and bound.candidates == 2 and bind(pq, other) is pq
 
 
 def test_exact_keys_are_the_oracle_and_two_stages_bound_the_choice():
