@@ -18,7 +18,9 @@ head a projection ``P [Hkv, D, R]``:
   ``B = Cq^(-1/2) U_R S_R`` (stored as ``"qproj"``; the other methods project both by one ``P``).
 
 The result is a small dict (``torch.save`` it; ``hf-sparse-kv calibrate-selector`` does) that the projected policies
-take as ``calibration=``.
+take as ``calibration=``. ``method="pq"`` instead fits product-quantization centres per layer and KV head
+(:func:`~hf_sparse_kv.policies.product.fit_centres` over the recorded keys) for a two-stage policy's
+``coarse="pq"``: calibrate it on as many tokens as the contexts it will serve (RoPE: :mod:`.policies.product`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .policies.product import METHOD as PQ_METHOD
+from .policies.product import fit_centres
 from .policies.projected import METHODS
 
 ATTENTION_NAME = "hf_sparse_kv_record"
@@ -125,18 +129,31 @@ def projection(q: torch.Tensor, k: torch.Tensor, rank: int, method: str) -> torc
 
 
 def calibrate_selector(
-    model: torch.nn.Module, input_ids: torch.Tensor, method: str = "channels", rank: int | None = None
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    method: str = "channels",
+    rank: int | None = None,
+    sub_dim: int = 8,
+    centroids: int = 256,
 ) -> dict:
     """Run ``model`` over ``input_ids [B, N]`` and return the calibration of a projected selector:
     ``{"method", "rank", "tokens", "model", "proj": {layer index: [Hkv, D, R] float32}}`` (and ``"qproj"``, the
     queries' projections, for ``"svd"``); ``rank`` defaults to
-    ``D // 8`` (the compressed keys then weigh 1/8 of the keys)."""
+    ``D // 8`` (the compressed keys then weigh 1/8 of the keys). With ``method="pq"``, the centres of a
+    product-quantized coarse pass instead: ``{"method": "pq", "sub_dim", "centroids", "tokens", "model", "centres":
+    {layer index: [Hkv, D / sub_dim, centroids, sub_dim] float32}}``."""
+    if method not in (*METHODS, PQ_METHOD):
+        raise ValueError(f"method must be one of {(*METHODS, PQ_METHOD)}, got {method!r}")
     record = record_qk(model, input_ids)
     if not record:
         raise ValueError("no attention layer was recorded: is this a transformers causal LM?")
     D = next(iter(record.values()))[1].shape[-1]
-    rank = rank or max(1, D // 8)
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    if method == PQ_METHOD:
+        centres = {layer: fit_centres(k.cpu(), sub_dim, centroids) for layer, (_, k) in sorted(record.items())}
+        meta = {"sub_dim": sub_dim, "centroids": centroids, "tokens": int(input_ids.numel()), "model": name}
+        return {"method": PQ_METHOD, **meta, "centres": centres}
+    rank = rank or max(1, D // 8)
     out = {"method": method, "rank": rank, "tokens": int(input_ids.numel()), "model": name}
     if method == "svd":
         pairs = {layer: query_aware(q.cpu(), k.cpu(), rank) for layer, (q, k) in sorted(record.items())}

@@ -11,6 +11,7 @@ from test_selectors import _calibration
 from tiny_models import prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.calibrate_selector import calibrate_selector
 from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.ops.layout import cdiv
@@ -90,6 +91,10 @@ def test_compiled_static_step_equals_eager(policy, mode):
     )
 
 
+def _pq(model) -> dict:
+    return calibrate_selector(model, prompt(96, seed=5), "pq", sub_dim=4, centroids=16)
+
+
 # the selectors, built on the model they run on (a calibration where they need one), and the custom ops their step
 # calls besides the decode ops (hf_sparse_kv.ops.library)
 SELECTORS = {
@@ -118,6 +123,10 @@ SELECTORS = {
     "TopPBlockTopK(pool=heads)": (
         lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=0.8, pool="heads"),
         {"block_scores", "candidate_scores", "candidate_mass", "topk_indices"},
+    ),
+    "TopPBlockTopK(coarse=pq)": (
+        lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=_pq(m)),
+        {"pq_write", "pq_block_scores", "candidate_scores", "candidate_mass", "topk_indices"},
     ),
     "QuantBlockTopK": (
         lambda m: QuantBlockTopK(24, 2, 4, bits=2),

@@ -32,6 +32,7 @@ def _calibration(model, method="channels", rank=4):
 
 def _policies(model):
     cal, pca = _calibration(model), _calibration(model, "pca")
+    pq = calibrate_selector(model, prompt(96, seed=5), "pq", sub_dim=4, centroids=16)
     return [
         ProjectedBlockTopK(budget=24, sink=4, window=8, calibration=cal),
         ProjectedBlockTopK(budget=0.3, sink=0, window=8, calibration=pca),
@@ -42,11 +43,13 @@ def _policies(model):
         ProjectedBlockTopK(budget=24, sink=4, window=8, calibration=_calibration(model, "svd")),
         TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=0.8),
         TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=0.8, pool="heads"),
+        TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=pq),
+        TwoStageTokenTopK(budget=21, sink=4, window=5, candidates=2, coarse="pq", calibration=pq),
     ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("which", range(9))
+@pytest.mark.parametrize("which", range(11))
 def test_one_selection_every_mode(arch, which):
     model = tiny_model(arch)
     policy = _policies(model)[which]
@@ -66,7 +69,7 @@ def test_one_selection_every_mode(arch, which):
     assert not torch.allclose(ref_scores, dense_scores, atol=1e-4), "the policy should really be sparse here"
 
 
-@pytest.mark.parametrize("which", [0, 2, 3, 5])
+@pytest.mark.parametrize("which", [0, 2, 3, 5, 9])
 def test_left_padded_batch_gives_each_prompt_its_own_output(which):
     model = tiny_model("qwen2")
     policy = _policies(model)[which]
@@ -220,7 +223,7 @@ def test_query_aware_projection_at_full_rank_is_the_identity_form():
     assert (exact - approx).pow(2).mean() < 0.9 * exact.pow(2).mean()
 
 
-@pytest.mark.parametrize("which", [0, 3, 4, 6, 7, 8])
+@pytest.mark.parametrize("which", [0, 3, 4, 6, 7, 8, 9])
 def test_static_decode_step_equals_eager(which):
     """The selectors inside DecodeGraphs (captured on CUDA: the compressed keys' refresh and the selection replay
     from device buffers) compute what the eager step computes."""
@@ -236,7 +239,7 @@ def test_static_decode_step_equals_eager(which):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("which", [2, 5, "floor"])
+@pytest.mark.parametrize("which", [2, 5, 10, "floor"])
 def test_static_token_step_equals_eager(which):
     """The token selectors in a static step (mode="token"). ``"floor"``: at some lengths (41 tokens) the forced
     blocks (the sink's, a 12-token window over two blocks, the current one) outnumber the 3 candidate blocks the

@@ -14,8 +14,9 @@ still fuses everything around the ops (norms, rotary, MLP); the ops hold no host
 them.
 
 The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form, ``candidate_mass``,
-``block_shares``, ``quant_write``, ``quant_block_scores``: the compressed-key, two-stage, top-p and low-bit-key
-policies) are registered the same way; ``projected_write`` and ``quant_write`` run inside a static step's write (the
+``block_shares``, ``quant_write``, ``quant_block_scores``, ``pq_write``, ``pq_block_scores``: the compressed-key,
+two-stage, top-p, low-bit-key and product-quantized-key policies) are registered the same way; ``projected_write``,
+``quant_write`` and ``pq_write`` run inside a static step's write (the
 :class:`~hf_sparse_kv.policies.StateSpec` refreshes) and mutate their state.
 
 The ops whose reference is plain tensor code with static shapes (``blocks_to_tokens``, ``selection_to_mask``,
@@ -369,6 +370,51 @@ def _(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, win
     return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::pq_write", mutates_args=("codes",))
+def pq_write_op(
+    codes: torch.Tensor,
+    k_pool: torch.Tensor,
+    centres: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    backend: str,
+) -> None:
+    """``reference.pq_write``: the product-quantization codes ``codes [NB, Hkv, BS, m]`` of the stored positions
+    ``lo[b] <= p < hi[b]`` from ``k_pool [NB, Hkv, BS, D]`` and ``centres [Hkv, m, C, d]``, in place."""
+    _impl(backend, "pq_write")(codes, k_pool, centres, block_table, lo, hi, span)
+
+
+@pq_write_op.register_fake
+def _(codes, k_pool, centres, block_table, lo, hi, span, backend):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::pq_block_scores", mutates_args=())
+def pq_block_scores_op(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    centres: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    sink: int,
+    window: int | None,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.pq_block_scores``: each block's mass under the product-quantized keys, ``[B, Hkv, MB]`` float32
+    (``+inf`` at the forced blocks still held when ``window`` is given)."""
+    fn = _impl(backend, "pq_block_scores")
+    return fn(q, codes, centres, block_table, seq_lens, start, scale, sink, window)
+
+
+@pq_block_scores_op.register_fake
+def _(q, codes, centres, block_table, seq_lens, start, scale, sink, window, backend):
+    return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
+
+
 REGISTERED = (
     "paged_write",
     "block_scores",
@@ -385,6 +431,8 @@ REGISTERED = (
     "candidate_mass",
     "quant_write",
     "quant_block_scores",
+    "pq_write",
+    "pq_block_scores",
 )
 
 
@@ -454,6 +502,12 @@ def registered_ops(backend: str) -> SimpleNamespace:
             q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window, backend
         )
 
+    def pq_write(codes, k_pool, centres, block_table, lo, hi, span):
+        pq_write_op(codes, k_pool, centres, block_table, lo, hi, span, backend)
+
+    def pq_block_scores(q, codes, centres, block_table, seq_lens, start, scale, sink=0, window=None):
+        return pq_block_scores_op(q, codes, centres, block_table, seq_lens, start, scale, sink, window, backend)
+
     return SimpleNamespace(
         name=backend,
         paged_write=paged_write,
@@ -475,4 +529,6 @@ def registered_ops(backend: str) -> SimpleNamespace:
         candidate_mass=candidate_mass,
         quant_write=quant_write,
         quant_block_scores=quant_block_scores,
+        pq_write=pq_write,
+        pq_block_scores=pq_block_scores,
     )

@@ -743,6 +743,106 @@ def lse_block_mass(
     )
 
 
+# ---------------------------------------------------------------------------------- product-quantized keys
+
+
+PQ_CHUNK = 4096  # keys the reference codes at once (their distances are [chunk, Hkv, m, C] float32)
+
+
+def pq_encode(keys: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """Product-quantization codes of ``keys [..., Hkv, D]``: each key's ``m = D / d`` pieces of ``d`` channels as the
+    index of the nearest of their ``C`` centres (``centres [Hkv, m, C, d]``, ``C <= 256``): ``[..., Hkv, m]`` uint8.
+    Nearest by squared distance, computed as ``|c|^2 - 2 k . c`` in float32 (ties to the lower index)."""
+    Hkv, m, C, d = centres.shape
+    if keys.shape[-2:] != (Hkv, m * d):
+        raise ValueError(f"keys [..., {Hkv}, {m * d}] expected for these centres, got {tuple(keys.shape)}")
+    if C > 256:
+        raise ValueError(f"uint8 codes hold at most 256 centres a piece, got {C}")
+    lead = keys.shape[:-2]
+    x = keys.float().reshape(-1, Hkv, m, d)
+    c = centres.float()
+    norms = c.pow(2).sum(-1)  # [Hkv, m, C]
+    out = torch.empty(x.shape[:-1], dtype=torch.uint8, device=keys.device)
+    for i in range(0, x.shape[0], PQ_CHUNK):  # a host loop over static sizes: no sync
+        part = x[i : i + PQ_CHUNK]
+        dist = norms - 2 * torch.einsum("nhmd,hmcd->nhmc", part, c)
+        out[i : i + PQ_CHUNK] = dist.argmin(-1).to(torch.uint8)
+    return out.reshape(*lead, Hkv, m)
+
+
+def pq_decode(codes: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """The keys :func:`pq_encode`'s codes stand for: ``codes [..., Hkv, X, m]`` (``X``: a block's tokens) ->
+    ``[..., Hkv, X, m * d]`` float32, each piece replaced by its centre (``centres [Hkv, m, C, d]``)."""
+    Hkv, m = centres.shape[:2]
+    h = torch.arange(Hkv, device=codes.device).view(Hkv, 1, 1)
+    j = torch.arange(m, device=codes.device).view(1, 1, m)
+    return centres.float()[h, j, codes.long()].flatten(-2)
+
+
+def pq_write(
+    codes: torch.Tensor,
+    k_pool: torch.Tensor,
+    centres: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+) -> None:
+    """Store the product-quantization codes (:func:`pq_encode`) of the stored positions ``lo[b] <= p < hi[b]``, in
+    place. A key's code depends on that key alone (the centres are fixed: a calibration), so only the written
+    positions are coded.
+
+    Args:
+        codes: ``[NB, Hkv, BS, m]`` uint8; k_pool: ``[NB, Hkv, BS, D]``; centres: ``[Hkv, m, C, d]`` float32;
+        block_table: ``[B, MB]``; lo, hi: ``[B]`` the positions written; span: a host int ``>= max(hi - lo)``.
+
+    Vectorized as :func:`projected_write` (no host read of ``lo``/``hi``): positions past ``hi - 1`` repeat it, a
+    sequence with nothing to write stores its old entry back.
+    """
+    B, BS = block_table.shape[0], k_pool.shape[2]
+    if span <= 0 or B == 0:
+        return
+    lo, hi = lo.long().view(B, 1), hi.long().view(B, 1)
+    pos = lo + torch.arange(span, device=k_pool.device).view(1, span)  # [B, span]
+    wrote = hi > lo
+    pos = torch.where(wrote, torch.minimum(pos, hi - 1), lo)
+    phys, off = physical_slots(block_table, pos, BS)
+    new = pq_encode(k_pool[phys, :, off], centres)  # [B, span, Hkv, m]
+    codes[phys, :, off] = torch.where(wrote.view(B, 1, 1, 1), new, codes[phys, :, off])
+
+
+def pq_block_scores(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    centres: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    sink: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Each block's softmax mass under the product-quantized keys, summed over each GQA group:
+    :func:`oracle_block_scores` with every key replaced by its centres (:func:`pq_decode`), as
+    :func:`quant_block_scores` does with low-bit keys.
+
+    Args:
+        q: ``[B, Hq, D]`` decode queries (unscaled); codes: ``[NB, Hkv, BS, m]`` uint8 (:func:`pq_write`);
+            centres: ``[Hkv, m, C, d]``; block_table: ``[B, MB]``; seq_lens, start: ``[B]``; scale: softmax scale.
+        sink, window: with ``window`` given, the blocks of :func:`forced_block_mask` still held score ``+inf``.
+
+    Returns:
+        ``[B, Hkv, MB]`` float32; ``-inf`` past each sequence's last block and for evicted blocks.
+    """
+    B, MB = block_table.shape
+    BS = codes.shape[2]
+    phys = block_table.long().clamp(min=0)
+    keys = pq_decode(codes[phys], centres).flatten(0, 1)  # [B * MB, Hkv, BS, D]
+    table = torch.arange(B * MB, device=q.device).view(B, MB).masked_fill(block_table < 0, -1)
+    s = oracle_block_scores(q, keys, table.int(), seq_lens, start, scale, length=MB * BS)  # -inf: not live
+    return _forced_and_live(s, live_blocks(block_table, seq_lens, BS), seq_lens, start, sink, window, BS)
+
+
 def candidate_scores(
     q: torch.Tensor,
     k_pool: torch.Tensor,

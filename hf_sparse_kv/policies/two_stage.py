@@ -4,9 +4,10 @@ picks the budget.
 The coarse pass is Quest's bound over the block min/max (``coarse="quest"``: the max of the bounds over the GQA
 group, ``ops.block_scores``; ``"quest_heads"``: each query head's bounds turned into its estimated shares of the
 softmax mass, averaged over the group as the oracle sums the true shares; ``"quest_heads_max"``: those shares' max
-over the group; ``ops.block_shares``, no Triton kernel yet; none needs extra state) or the compressed keys of
-:mod:`.projected` (``coarse="projected"``, with a ``calibration``); the forced blocks (sink, window, current)
-score ``+inf`` there, so they are always candidates. The exact pass (``ops.candidate_scores``) reads the candidates'
+over the group; ``ops.block_shares``, no Triton kernel yet; none needs extra state), the compressed keys of
+:mod:`.projected` (``coarse="projected"``, with a ``calibration``) or the product-quantized keys of :mod:`.product`
+(``coarse="pq"``, with a ``calibration`` of centres: each block's mass under the coded keys; reference ops only);
+the forced blocks (sink, window, current) score ``+inf`` there, so they are always candidates. The exact pass (``ops.candidate_scores``) reads the candidates'
 keys, ``candidates x budget x D`` elements per (sequence, KV head), and
 
 - :class:`TwoStageBlockTopK` ranks the candidate blocks by the max of their tokens' exact scores (max over the GQA
@@ -28,10 +29,11 @@ import torch
 from ..ops.layout import cdiv, forced_block_bound, forced_block_count, forced_block_mask, window_positions
 from .base import Counts, DecodeState, Selection, StateSpec, int_max, int_min
 from .blocks import _BlockTopK
+from .product import ProductCodes
 from .projected import CompressedKeys
 from .tokens import TokenTopK
 
-COARSE = ("quest", "quest_heads", "quest_heads_max", "projected")
+COARSE = ("quest", "quest_heads", "quest_heads_max", "projected", "pq")
 SHARE_POOL = {"quest_heads": "mean", "quest_heads_max": "max"}  # coarse -> ops.block_shares' pool
 
 
@@ -47,9 +49,10 @@ class CoarsePass:
             )
         self.coarse, self.candidates = coarse, candidates
         self.keys = CompressedKeys(calibration, owner) if coarse == "projected" else None
+        self.codes = ProductCodes(calibration, owner) if coarse == "pq" else None
 
     def cache_state(self) -> tuple[StateSpec, ...]:
-        return (self.keys.spec,) if self.keys is not None else ()
+        return tuple(part.spec for part in (self.keys, self.codes) if part is not None)
 
     def scores(self, state: DecodeState, sink: int, window: int) -> torch.Tensor:
         """``[B, Hkv, nblk]`` float32, forced blocks ``+inf``, blocks not in use ``-inf``."""
@@ -58,6 +61,8 @@ class CoarsePass:
                 state.q, state.kmin, state.kmax, state.block_table, state.seq_lens, state.block_size, state.scale,
                 SHARE_POOL[self.coarse], state.start, sink, window,
             )  # fmt: skip
+        if self.codes is not None:
+            return self.codes.scores(state, sink, window)
         if self.keys is None:
             return state.ops.block_scores(
                 state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
@@ -183,8 +188,8 @@ class TwoStageBlockTopK(_TwoStage, _BlockTopK):
     """Coarse pass to ``candidates x`` the budget's blocks, then the blocks with the largest exact token score.
 
     Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``candidates`` (``c >= 1``),
-    ``coarse`` (``"quest"``, ``"quest_heads"``, ``"quest_heads_max"`` or ``"projected"``), ``calibration`` (for
-    ``coarse="projected"``).
+    ``coarse`` (``"quest"``, ``"quest_heads"``, ``"quest_heads_max"``, ``"projected"`` or ``"pq"``),
+    ``calibration`` (for ``coarse="projected"`` or ``"pq"``).
     """
 
     def coarse_blocks(self, width: int, block_size: int) -> int:

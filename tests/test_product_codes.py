@@ -1,0 +1,185 @@
+"""Product-quantized keys as a coarse pass (hf_sparse_kv/policies/product.py and the reference ops pq_encode,
+pq_decode, pq_write, pq_block_scores): codes are the nearest centres, writes code exactly the positions written, the
+scores are the oracle's mass on the decoded keys, the codes follow the cache through padding, decode, beams and
+crop, and a missing or mismatched calibration is refused with advice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_selectors import BS, _decode_state, _left_pad
+from tiny_models import DEVICE, prompt, tiny_model
+
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.calibrate_selector import calibrate_selector
+from hf_sparse_kv.ops import get_ops, reference
+from hf_sparse_kv.policies import OracleBlockTopK, TopPBlockTopK, TwoStageBlockTopK
+from hf_sparse_kv.policies.product import fit_centres, load_calibration
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _centres(seed: int = 0, H: int = 2, m: int = 4, C: int = 8, d: int = 4) -> torch.Tensor:
+    return torch.randn(H, m, C, d, generator=torch.Generator().manual_seed(seed))
+
+
+def test_codes_are_the_nearest_centres_and_decode_to_them():
+    c = _centres()
+    keys = torch.randn(3, 5, 2, 16, generator=torch.Generator().manual_seed(1))  # [..., Hkv, D]
+    codes = reference.pq_encode(keys, c)
+    assert codes.shape == (3, 5, 2, 4) and codes.dtype == torch.uint8
+    pieces = keys.view(3, 5, 2, 4, 1, 4)
+    brute = (pieces - c.view(1, 1, 2, 4, 8, 4)).pow(2).sum(-1).argmin(-1)
+    assert torch.equal(codes.long(), brute)
+    back = reference.pq_decode(codes.transpose(1, 2), c)  # [3, Hkv, 5, D]
+    want = torch.stack([torch.cat([c[h, j, codes[a, t, h, j].long()] for j in range(4)]) for a in range(3)
+                        for h in range(2) for t in range(5)]).view(3, 2, 5, 16)  # fmt: skip
+    assert torch.equal(back, want)
+    exact = reference.pq_decode(reference.pq_encode(back.transpose(1, 2), c).transpose(1, 2), c)
+    assert torch.equal(exact, back)  # a decoded key is its own code
+    with pytest.raises(ValueError, match="expected"):
+        reference.pq_encode(torch.randn(3, 2, 12), c)
+
+
+def test_a_write_codes_exactly_the_positions_written():
+    NB, H, D = 6, 2, 16
+    gen = torch.Generator().manual_seed(2)
+    k_pool = torch.randn(NB, H, BS, D, generator=gen)
+    c = _centres(3)
+    table = torch.tensor([[2, 0, 4], [1, 5, -1]], dtype=torch.int32)
+    codes = torch.full((NB, H, BS, 4), 255, dtype=torch.uint8)
+    lo, hi = torch.tensor([3, 7]), torch.tensor([13, 7])  # the second sequence writes nothing
+    reference.pq_write(codes, k_pool, c, table, lo, hi, span=10)
+    for b in range(2):
+        for p in range(3 * BS):
+            blk = int(table[b, p // BS])
+            if blk < 0:
+                continue
+            got = codes[blk, :, p % BS]
+            if lo[b] <= p < hi[b]:
+                assert torch.equal(got, reference.pq_encode(k_pool[blk, :, p % BS], c))
+            else:
+                assert (got == 255).all(), (b, p)
+
+
+def test_scores_are_the_oracle_mass_on_the_decoded_keys():
+    NB, H, D, G = 8, 2, 16, 3
+    gen = torch.Generator().manual_seed(4)
+    c = _centres(5)
+    codes = torch.randint(0, 8, (NB, H, BS, 4), dtype=torch.uint8, generator=gen)
+    q = torch.randn(2, H * G, D, generator=gen)
+    table = torch.tensor([[3, 1, 6, 0], [2, 7, -1, -1]], dtype=torch.int32)
+    seq_lens, start = torch.tensor([29, 13]), torch.tensor([0, 2])
+    got = reference.pq_block_scores(q, codes, c, table, seq_lens, start, 0.25)
+    keys = reference.pq_decode(codes, c)
+    want = reference.oracle_block_scores(q, keys, table, seq_lens, start, 0.25, length=4 * BS)
+    torch.testing.assert_close(got, want)
+    forced = reference.pq_block_scores(q, codes, c, table, seq_lens, start, 0.25, sink=2, window=4)
+    assert (
+        forced[0, :, 0].isinf().all() and forced[0, :, 3].isinf().all() and torch.equal(forced[0, :, 1], got[0, :, 1])
+    )
+
+
+def test_centres_fitted_on_as_many_keys_as_centres_code_those_keys_exactly():
+    keys = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(6))  # [Hkv, N, D]
+    c = fit_centres(keys, sub_dim=4, centroids=16)
+    assert c.shape == (2, 2, 16, 4)
+    coded = reference.pq_decode(reference.pq_encode(keys.transpose(0, 1), c).transpose(0, 1), c)
+    torch.testing.assert_close(coded, keys)
+    few = fit_centres(keys, sub_dim=4, centroids=4)
+    assert not torch.allclose(
+        reference.pq_decode(reference.pq_encode(keys.transpose(0, 1), few).transpose(0, 1), few), keys
+    )
+    for bad, match in (({"sub_dim": 3}, "divide"), ({"centroids": 300}, "256"), ({"centroids": 32}, "at least")):
+        with pytest.raises(ValueError, match=match):
+            fit_centres(keys, **{"sub_dim": 4, "centroids": 16, **bad})
+
+
+def test_with_exact_centres_the_coarse_pass_alone_picks_the_oracle_blocks():
+    """Centres fitted with one centre per stored key code every key exactly: the coarse mass is the oracle's, and
+    one candidate per budget block (the coarse choice alone) selects the oracle's blocks. The state holds no codes
+    (as evaluation's simulate way builds it): the policy codes the pool itself."""
+    state = _decode_state(length=120, batch=2)
+    keys = reference.gather_dense(state.k_pool, state.block_table, 120)  # [B, Hkv, L, D]
+    keys = keys.transpose(0, 1).flatten(1, 2).cpu()  # [Hkv, 240, D]
+    cal = {"method": "pq", "centres": {1: fit_centres(keys, sub_dim=8, centroids=240)}}
+    assert "pqcodes" not in state.state
+    policy = TwoStageBlockTopK(budget=48, sink=2, window=4, candidates=1, coarse="pq", calibration=cal)
+    oracle = OracleBlockTopK(budget=48, sink=2, window=4)
+    got, want = policy.select(state), oracle.select(state)
+    assert got.counts == want.counts
+    assert [[set(h.tolist()) for h in seq] for seq in got.indices] == [
+        [set(h.tolist()) for h in seq] for seq in want.indices
+    ]
+    rough = {"method": "pq", "centres": {1: fit_centres(keys, sub_dim=8, centroids=2)}}
+    coarse = TwoStageBlockTopK(budget=48, sink=2, window=4, candidates=1, coarse="pq", calibration=rough)
+    assert not torch.equal(coarse.select(state).indices, want.indices)  # the inputs do separate the rankings
+
+
+def _check_codes(cache: PagedKVCache, cal: dict) -> None:
+    """Every stored position's codes are its key's (pq_encode with the layer's centres)."""
+    for layer in cache.paged_layers:
+        c = cal["centres"][layer.index].to(DEVICE)
+        for b, row in enumerate(cache.table.rows):
+            for p in range(layer.length - cache.pads[b]):
+                blk, off = row[p // BS], p % BS
+                want = reference.pq_encode(layer.k_pool[blk, :, off], c)
+                assert torch.equal(layer.state["pqcodes"][blk, :, off], want), (layer.index, b, p)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_codes_follow_prefill_padding_decode_beams_and_crop(backend):
+    model = tiny_model("llama")
+    cal = calibrate_selector(model, prompt(96, seed=5), "pq", sub_dim=4, centroids=16)
+    policy = TopPBlockTopK(16, 2, 4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=cal)
+    patch_model(model, policy=policy, block_size=BS, backend=backend)
+    cache = PagedKVCache(model.config, block_size=BS, backend=backend)
+    ids, mask = _left_pad([prompt(n, seed=n)[0] for n in (29, 21)])
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=True, **kw)
+        _check_codes(cache, cal)
+        for i in range(3):
+            mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
+            model(prompt(1, batch=2, seed=10 + i), attention_mask=mask, use_cache=True, **kw)
+        _check_codes(cache, cal)
+        cache.reorder_cache(torch.tensor([1, 1], device=DEVICE))
+        mask = torch.cat([mask[[1, 1]], mask.new_ones(2, 1)], 1)
+        model(prompt(1, batch=2, seed=20), attention_mask=mask, use_cache=True, **kw)
+        _check_codes(cache, cal)
+        cache.crop(27)
+        mask = torch.cat([mask[:, :27], mask.new_ones(2, 1)], 1)
+        model(prompt(1, batch=2, seed=21), attention_mask=mask, use_cache=True, **kw)
+        _check_codes(cache, cal)
+    unpatch_model(model)
+
+
+def test_missing_or_mismatched_calibration_is_refused_with_advice(tmp_path):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="calibrate-selector --method pq"):
+        TopPBlockTopK(budget=0.25, coarse="pq")
+    projected = calibrate_selector(model, prompt(96, seed=5), "channels", 4)
+    with pytest.raises(ValueError, match="method 'pq'"):
+        TwoStageBlockTopK(budget=0.25, coarse="pq", calibration=projected)
+    other = tiny_model("qwen2")  # another head layout
+    cal = calibrate_selector(other, prompt(96, seed=5), "pq", sub_dim=4, centroids=16)
+    heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    if cal["centres"][1].shape[0] == heads and cal["centres"][1].shape[1] * 4 == dim:
+        cal["centres"] = {i: c[:1] for i, c in cal["centres"].items()}
+    patch_model(model, policy=TwoStageBlockTopK(16, 2, 4, coarse="pq", calibration=cal), block_size=BS)
+    with pytest.raises(ValueError, match="calibrate-selector --method pq"):
+        model.generate(prompt(40), max_new_tokens=2, do_sample=False)
+    unpatch_model(model)
+    path = tmp_path / "pq.pt"
+    good = calibrate_selector(model, prompt(96, seed=5), "pq", sub_dim=4, centroids=16)
+    torch.save(good, path)
+    loaded = load_calibration(path)
+    assert all(torch.equal(loaded["centres"][i], good["centres"][i]) for i in good["centres"])
+    with pytest.raises(ValueError, match="method"):
+        calibrate_selector(model, prompt(96, seed=5), "kmeans")
+
+
+def test_the_triton_namespace_runs_the_reference_pq_ops():
+    pytest.importorskip("triton")
+    ops = get_ops("triton", DEVICE)
+    assert ops.pq_write is reference.pq_write and ops.pq_block_scores is reference.pq_block_scores
