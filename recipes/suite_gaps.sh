@@ -26,6 +26,8 @@ targets() {
     *) L='[32768]'; QA='qa=null'; N="needle={$nd, batch: {32768: 4}, hard: {variants: [multi_key], trials: 100, n_needles: 4}}" ;;
   esac
 }
+# the asset name of suite $1's model (recipes/suite_<model>.yaml)
+model_of() { case $1 in gemma3) echo gemma3-270m ;; qwen2.5) echo qwen2.5-coder-1.5b ;; *) echo "$1" ;; esac; }
 # issue 13's experiment on model $1's target cells: policies $2 beside dense, the oracle, Quest and quant4, their
 # labels $3 run first; the rest of the arguments go to the suite
 run_targets() {
@@ -125,6 +127,17 @@ case $PART in
     PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, fine: exact'
     PQS="{$PQ, label: pq8_c4_exact, sub_dim: 8, candidates: 4}, {$PQ, label: pq4_c2_exact, sub_dim: 4, candidates: 2}"
     run_targets "${PART#pq_wide_}" "$PQS" "pq8_c4_exact, pq4_c2_exact" "$@" ;;
+  pq_lib_*)  # issue 13: the library's coarse="pq" (TopPBlockTopK, c = 4, p = 1: the oracle's criterion on the
+    # candidates) with centres calibrated once, on the KJV's first L tokens (L: the longest length served; the suite's
+    # windows alternate essays and KJV, so half of them share text with the calibration), on the target cells
+    M=${PART#pq_lib_}
+    case $M in smollm2) CT=8192 ;; *) CT=32768 ;; esac
+    A=${HF_SPARSE_KV_ASSETS:-/root/hfsk_assets}
+    CAL=$A/pq_$M.pt
+    [ -f "$CAL" ] || ${PY:-python3} -m evaluation.cli calibrate-selector --model "$(model_of "$M")" --method pq \
+      --text "$A/kjv.txt" --tokens "$CT" --out "$CAL" || exit 1
+    PL="{name: top_p_block_topk, label: pq8_c4_cal, sink: 4, window: 32, candidates: 4, p: 1.0, pool: heads, coarse: pq, calibration: \"$CAL\"}"
+    run_targets "$M" "$PL" "pq8_c4_cal" "$@" ;;
   pq_*)  # issue 13: product-quantized keys as the coarse pass (evaluation/product_quant.py, reference ops), c = 2,
     # the fine pass the candidates' own keys or their 4-bit codes, at 1/16 on the target cells (as progressive_*)
     PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, sub_dim: 8, centroids: 256, candidates: 2'

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from evaluation.suite import cells_of, load_suite, plan
@@ -24,6 +25,7 @@ WILDCARD_MODEL = {
     "progressive_*": "progressive_qwen2.5",
     "pq_exact_*": "pq_exact_gemma3",
     "pq_wide_*": "pq_wide_qwen2.5",
+    "pq_lib_*": "pq_lib_gemma3",
     "pq_*": "pq_smollm2",
 }
 
@@ -48,7 +50,10 @@ def test_the_gaps_script_has_parts():
 @pytest.mark.parametrize("part", _parts())
 def test_every_gaps_part_plans_a_suite(tmp_path, part):
     out = tmp_path / "args.txt"
-    env = {**os.environ, "PY": str(_recorder(tmp_path)), "ARGS_OUT": str(out)}
+    assets = tmp_path / "assets"  # a part that calibrates first finds its calibration there (a stand-in)
+    assets.mkdir()
+    torch.save({"method": "pq", "centres": {1: torch.zeros(1, 2, 4, 4)}}, assets / f"pq_{part.split('_')[-1]}.pt")
+    env = {**os.environ, "PY": str(_recorder(tmp_path)), "ARGS_OUT": str(out), "HF_SPARSE_KV_ASSETS": str(assets)}
     subprocess.run(["bash", str(GAPS), str(tmp_path / "res"), part, "77"], check=True, env=env, cwd=ROOT)
     args = out.read_text().splitlines()
     assert args[:4] == ["-m", "evaluation.cli", "suite", args[3]] and args[-2:] == ["--time-limit", "77"]
@@ -62,6 +67,29 @@ def test_every_gaps_part_plans_a_suite(tmp_path, part):
     labels = {c.label for c in cells_of(cfg)}  # builds every policy of the part
     assert set(cfg["decisive"]["policies"]) <= labels, "a decisive label that names no policy of the part"
     assert plan(cfg)
+
+
+def test_the_pq_lib_part_calibrates_once_then_runs_its_suite(tmp_path):
+    """``pq_lib_<model>`` writes the model's pq calibration on the KJV (the longest length's tokens) into the assets
+    folder when it is not there yet, then runs the suite with it; a second run finds it and only runs the suite."""
+    log, assets = tmp_path / "calls.txt", tmp_path / "assets"
+    assets.mkdir()
+    fake = tmp_path / "fake_python"
+    fake.write_text('#!/usr/bin/env bash\necho "$@" >> "$ARGS_OUT"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PY": str(fake), "ARGS_OUT": str(log), "HF_SPARSE_KV_ASSETS": str(assets)}
+    run = ["bash", str(GAPS), str(tmp_path / "res"), "pq_lib_qwen2.5", "77"]
+    subprocess.run(run, check=True, env=env, cwd=ROOT)
+    calls = log.read_text().splitlines()
+    cal = assets / "pq_qwen2.5.pt"
+    assert len(calls) == 2 and calls[0].startswith("-m evaluation.cli calibrate-selector --model qwen2.5-coder-1.5b")
+    assert f"--method pq --text {assets}/kjv.txt --tokens 32768 --out {cal}" in calls[0]
+    assert calls[1].startswith("-m evaluation.cli suite qwen2.5") and f'calibration: "{cal}"' in calls[1]
+    cal.write_bytes(b"")  # there now: not calibrated again
+    log.unlink()
+    subprocess.run(run, check=True, env=env, cwd=ROOT)
+    calls = log.read_text().splitlines()
+    assert len(calls) == 1 and calls[0].startswith("-m evaluation.cli suite qwen2.5")
 
 
 def test_suite_chain_runs_parts_in_order_within_its_time(tmp_path):
