@@ -39,6 +39,7 @@ from hf_sparse_kv.ops.triton import (
     decode_tokens,
     merge_partials,
     paged_write,
+    pq_block_scores,
     projected_scores,
     projected_write,
     quant_block_scores,
@@ -234,6 +235,16 @@ def cases():
         out.append((f"topk_indices chunks N={n}", partial(topk_indices, scores, k, method="chunks", chunks=chunks)))
     scores = torch.randn(2, 3, 9000, generator=g)
     out.append(("topk_indices chunks counts", partial(topk_indices, scores, 600, counts, method="chunks")))
+    for H, G, M, d, BS in ((2, 4, 16, 8, 16), (1, 4, 32, 8, 16), (2, 6, 16, 8, 64)):  # Llama-3, Gemma-3, Qwen2.5-like
+        B, MB, C = 2, 8, 256
+        q = torch.randn(B, H * G, M * d, generator=g).to(torch.bfloat16)
+        codes = torch.randint(0, C, (B * MB, H, BS, M), dtype=torch.uint8, generator=g)
+        centres = torch.randn(H, M, C, d, generator=g)
+        table = torch.arange(B * MB, dtype=torch.int32).view(B, MB)
+        lens, zero = torch.full((B,), MB * BS - 3, dtype=torch.int32), torch.zeros(B, dtype=torch.int32)
+        args = (q, codes, centres, table, lens, zero, 0.088)
+        out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS}", partial(pq_block_scores, *args)))
+        out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS} sink+window", partial(pq_block_scores, *args, 4, 32)))
     return out
 
 

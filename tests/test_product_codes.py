@@ -179,7 +179,31 @@ def test_missing_or_mismatched_calibration_is_refused_with_advice(tmp_path):
         calibrate_selector(model, prompt(96, seed=5), "kmeans")
 
 
-def test_the_triton_namespace_runs_the_reference_pq_ops():
+def test_the_triton_scores_are_the_reference_scores():
+    """``pq_block_scores`` through its Triton kernel (the interpreter on the CPU) against the reference: held and
+    evicted blocks, left padding, a partial last block, forced blocks, one and several query heads a KV head, and a
+    piece count the kernel does not take (the reference runs); ``pq_write`` has no kernel (the reference runs)."""
     pytest.importorskip("triton")
+    from hf_sparse_kv.ops.triton.product import pq_block_lse
+
     ops = get_ops("triton", DEVICE)
-    assert ops.pq_write is reference.pq_write and ops.pq_block_scores is reference.pq_block_scores
+    assert ops.pq_write is reference.pq_write and ops.pq_block_scores is not reference.pq_block_scores
+    gen = torch.Generator().manual_seed(7)
+    for H, G, m, C, d, bs in ((2, 3, 4, 8, 4, 8), (1, 4, 8, 16, 2, 16), (2, 1, 3, 8, 4, 8)):
+        NB, MB = 12, 5
+        centres = torch.randn(H, m, C, d, generator=gen).to(DEVICE)
+        codes = torch.randint(0, C, (NB, H, bs, m), dtype=torch.uint8, generator=gen).to(DEVICE)
+        q = torch.randn(2, H * G, m * d, generator=gen).to(DEVICE)
+        table = torch.tensor([[3, 1, 6, 0, 9], [2, -1, 7, 11, -1]], dtype=torch.int32, device=DEVICE)
+        seq_lens = torch.tensor([4 * bs + 3, 4 * bs - 1], device=DEVICE)
+        start = torch.tensor([0, bs + 2], device=DEVICE)
+        args = (q, codes, centres, table, seq_lens, start, 0.3)
+        for forced in ({}, {"sink": 2, "window": bs}):
+            want = reference.pq_block_scores(*args, **forced)
+            torch.testing.assert_close(ops.pq_block_scores(*args, **forced), want, rtol=1e-5, atol=1e-6)
+        if m & (m - 1) == 0:
+            keys = reference.pq_decode(codes, centres)
+            s = torch.einsum("bhgd,bmhtd->bhgmt", q.view(2, H, G, -1), keys[table.long().clamp(min=0)]) * 0.3
+            ok = reference.held_positions(table, seq_lens, start, bs).view(2, 1, 1, MB, bs)
+            lse = s.masked_fill(~ok, float("-inf")).logsumexp(-1).flatten(1, 2)
+            torch.testing.assert_close(pq_block_lse(*args), lse, rtol=1e-5, atol=1e-5)

@@ -46,8 +46,8 @@ _OP_NAMES = (
 
 
 # the ops without a Triton kernel: the Triton namespace runs their reference (evaluation oracles, plain tensor code, and
-# block_shares and the product-quantized keys' pq_write / pq_block_scores, coarse passes of issue 13 measured for
-# quality only so far)
+# block_shares, the per-head coarse score of issue 13 measured for quality only so far, and pq_write, the
+# product-quantized keys' codes at a write)
 REFERENCE_ONLY = (
     "gather_dense",
     "token_scores",
@@ -56,7 +56,6 @@ REFERENCE_ONLY = (
     "selection_to_mask",
     "block_shares",
     "pq_write",
-    "pq_block_scores",
 )
 
 

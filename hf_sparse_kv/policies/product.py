@@ -17,8 +17,10 @@ the position, so the calibration's keys must span the positions the model will d
 lose 0.07 on the second half. The codes are a per-token :class:`StateSpec` (``"pqcodes"``, ``[NB, Hkv, BS, m]``
 uint8) that every write refreshes through ``ops.pq_write`` (a key's code depends on that key alone).
 
-Reference ops only so far (``ops.REFERENCE_ONLY``: the Triton backend runs them in PyTorch, right but not fast); no
-uncalibrated default: without ``calibration`` the policy raises, naming the command that writes one.
+``pq_block_scores`` has a Triton kernel (a table of ``q_piece . centre`` gathered by the codes: ``ops/triton/
+product.py``; tested against the reference under the interpreter, built for sm_90, not yet run or timed on a GPU);
+``pq_write`` runs its reference (``ops.REFERENCE_ONLY``: vectorized PyTorch, no host sync). There is no uncalibrated
+default: without ``calibration`` the policy raises, naming the command that writes one.
 """
 
 from __future__ import annotations

@@ -1,0 +1,140 @@
+"""Product-quantized keys for selection: the Triton twin of ``reference.pq_block_scores``.
+
+A key's codes are ``M = D / d`` bytes, piece ``j``'s code the index of its nearest of the ``C`` centres
+``centres[h, j]`` (``reference.pq_encode``). The score of query head ``g`` against a coded key is a sum of ``M``
+table entries: ``scale * q_g . k_hat = sum_j T[g, j, code_j]`` with the table ``T[g, j, c] = scale * q_g[piece j] .
+centres[h, j, c]`` (``[B, Hq, M, C]`` float32, one einsum before the kernel: ``G x D x C`` multiply-adds a KV head,
+e.g. 128 KiB of table for 4 query heads, 16 pieces and 256 centres; it stays in L2).
+
+- :func:`pq_block_lse`: one program per (tile of ``BM`` logical blocks, sequence, KV head) loads the tile's codes as
+  one ``[BM, BS, M]`` uint8 tile through the block table (``M`` bytes a token, one contiguous run a block), and for
+  each of the group's ``G`` query heads gathers the ``[BM, BS, M]`` table entries those codes name, sums them over
+  the pieces and stores each block's log-sum-exp over its valid positions (``start <= p < seq_len``, block held;
+  ``-inf`` where none is): ``reference``'s ``oracle_block_scores`` on the decoded keys, before its softmax. It reads
+  the codes (``M`` bytes a key: 1/16 of a 16-bit key at ``d = 8``) and gathers from the table.
+- :func:`pq_block_scores`: :func:`pq_block_lse`, then the low-bit keys' tail (``quant.quant_lse_mass``: each
+  head's softmax shares summed over the group, ``+inf`` at the forced blocks); shapes the kernel does not take
+  (``M`` or ``BS`` not a power of two) run the reference.
+
+Tested against the reference under the interpreter and built for sm_90 on the CPU (tests/compile_sm90.py); not yet
+run or timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .quant import quant_lse_mass
+
+
+@triton.jit
+def pq_block_lse_kernel(
+    table,  # [B, HQ, M, C] float32: scale * q_piece . centre
+    codes,  # [NB, H, BS, M] uint8
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B]
+    out,  # [B, HQ, MB] float32
+    s_cn,  # codes stride between blocks
+    MB,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_m = i_m * BM + tl.arange(0, BM)  # [BM] logical blocks
+    m_m = o_m < MB
+    phys = tl.load(block_table + i_b * MB + o_m, mask=m_m, other=-1)
+    held = m_m & (phys >= 0)
+    phys = tl.maximum(phys, 0).to(tl.int64)
+    o_t = tl.arange(0, BS)
+    o_j = tl.arange(0, M)
+    n = tl.load(seq_lens + i_b)
+    s0 = tl.load(start + i_b)
+    pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
+    ok = held[:, None] & (pos >= s0) & (pos < n)
+    ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
+    row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])  # [BM, BS, M]
+    code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
+    entry = o_j[None, None, :] * C + code  # [BM, BS, M] offsets into a head's [M, C] table
+    for g in tl.static_range(G):
+        head = (i_b * HQ + i_h * G + g).to(tl.int64)
+        s = tl.sum(tl.load(table + head * (M * C) + entry, mask=ok3, other=0.0), axis=2)  # [BM, BS]
+        s = tl.where(ok, s, float("-inf"))
+        top = tl.max(s, axis=1)  # [BM]
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.sum(tl.exp(s - safe[:, None]), axis=1)
+        empty = top == float("-inf")  # no valid position: total is 0
+        lse = tl.where(empty, float("-inf"), safe + tl.log(tl.where(empty, 1.0, total)))
+        tl.store(out + head * MB + o_m, lse, mask=m_m)
+
+
+def pq_table(q: torch.Tensor, centres: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[B, Hq, M, C]`` float32: ``scale * q_g[piece j] . centres[h, j, c]`` for query head ``g`` of KV head ``h``
+    (``q [B, Hq, D]``, ``centres [Hkv, M, C, d]``)."""
+    B, HQ, _ = q.shape
+    H, M, C, d = centres.shape
+    qg = q.float().view(B, H, HQ // H, M, d)
+    return (torch.einsum("bhgjd,hjcd->bhgjc", qg, centres.float()) * scale).reshape(B, HQ, M, C).contiguous()
+
+
+def pq_block_lse(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    centres: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    tpp: int = 4,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
+    block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for). ``tpp``: blocks a
+    program (a power of two)."""
+    B, HQ, D = q.shape
+    _, H, BS, M = codes.shape
+    _, _, C, d = centres.shape
+    assert codes.dtype == torch.uint8 and centres.shape[:2] == (H, M) and M * d == D and HQ % H == 0
+    assert codes.stride()[1:] == (BS * M, M, 1), "codes must be contiguous within a block"
+    assert triton.next_power_of_2(M) == M and triton.next_power_of_2(BS) == BS and triton.next_power_of_2(tpp) == tpp
+    MB = block_table.shape[1]
+    out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
+    if B == 0 or MB == 0:
+        return out
+    table = pq_table(q, centres, scale)
+    grid = (triton.cdiv(MB, tpp), B * H)
+    pq_block_lse_kernel[grid](
+        table, codes, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, codes.stride(0), MB,
+        HQ=HQ, H=H, G=HQ // H, M=M, C=C, BS=BS, BM=tpp, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def pq_block_scores(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    centres: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    sink: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Each block's softmax mass under the product-quantized keys, summed over each GQA group: ``[B, Hkv, MB]``
+    float32 (the contract of ``reference.pq_block_scores``), in a table einsum and three launches
+    (:func:`pq_block_lse`, then ``quant_lse_mass``). Pieces or blocks not a power of two run the reference."""
+    H, BS, M = codes.shape[1], codes.shape[2], codes.shape[3]
+    if triton.next_power_of_2(M) != M or triton.next_power_of_2(BS) != BS:
+        return reference.pq_block_scores(q, codes, centres, block_table, seq_lens, start, scale, sink, window)
+    lse = pq_block_lse(q, codes, centres, block_table, seq_lens, start, scale)
+    return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window)
