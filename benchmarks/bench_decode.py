@@ -19,9 +19,11 @@ Providers, timed in the same run:
   (TopPBlockTopK, c = 4, p = 0.9: its bytes are the budget's cap), ``mass_c8`` (TopPBlockTopK, c = 8, p = 1: the
   candidates ranked by their softmax mass, ``candidate_scores(reduce="mass")``), ``massh_c8`` (the same ranked by
   each query head's mass, ``pool="heads"``: ``candidate_scores(reduce="head_mass")``), ``quant2`` / ``quant4``
-  (QuantBlockTopK: every block's mass under 2- / 4-bit keys, ``quant_block_scores``); each also as
-  ``<name>:sel`` (the selection alone), and ``proj:write`` / ``quant2:write`` (the compressed keys' / the 2-bit
-  codes' refresh of one decode token)
+  (QuantBlockTopK: every block's mass under 2- / 4-bit keys, ``quant_block_scores``), ``pq_c4`` (TopPBlockTopK,
+  c = 4, p = 1, ``coarse="pq"``: the candidates by their mass under product-quantized keys, one byte per 8 channels,
+  random centres, ``pq_block_scores``); each also as ``<name>:sel`` (the selection alone), and ``proj:write`` /
+  ``quant2:write`` / ``pq:write`` (the compressed keys' / the 2-bit codes' / the pq codes' refresh of one decode
+  token)
 
 Bytes are the KV bytes each provider must read by design (``+sel`` adds the min/max metadata of every block); GB/s
 and the fraction of the HBM bandwidth measured at the start of the run follow from them.
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import bench, env_info, hbm_bandwidth, print_table, write_csv
+from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
@@ -87,7 +89,7 @@ TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
 SELECTORS = (
     "quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8", "massh_c8",
-    "quant2", "quant4",
+    "quant2", "quant4", "pq_c4",
 )  # fmt: skip
 
 
@@ -212,13 +214,14 @@ def compressed_keys(caches, H: int, D: int) -> tuple[dict, list[torch.Tensor], t
     return cal, ckeys, P.to(DEV)
 
 
-def layer_states(layer, caches, bt, BS, ops, ckeys, kcodes=None) -> list[DecodeState]:
-    """One :class:`DecodeState` per layer (its own pool, metadata, compressed keys and, given ``kcodes``, low-bit
-    codes; the shared query and table)."""
+def layer_states(layer, caches, bt, BS, ops, ckeys, kcodes=None, pqcodes=None) -> list[DecodeState]:
+    """One :class:`DecodeState` per layer (its own pool, metadata, compressed keys and, given ``kcodes`` /
+    ``pqcodes``, low-bit / product-quantization codes; the shared query and table)."""
     B, L = layer.B, layer.L
 
     def state(i, c):
         extra = {} if kcodes is None else {"kcodes": kcodes[i]}
+        extra |= {} if pqcodes is None else {"pqcodes": pqcodes[i]}
         return DecodeState(
             q=layer.q, k_pool=c[0], kmin=c[2], kmax=c[3], kmean=c[4], block_table=bt, seq_lens=layer.seq_lens,
             start=layer.zero, lens=(L,) * B, length=L, block_size=BS, scale=layer.scale, ops=ops,
@@ -256,7 +259,13 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "quant2": QuantBlockTopK(budget=f, bits=2),
         "quant4": QuantBlockTopK(budget=f, bits=4),
     }
+    # product quantization: 256 random centres per 8-channel piece (the timing does not depend on where they lie)
+    centres = torch.randn(H, D // 8, 256, 8, generator=torch.Generator().manual_seed(1))
+    pq_cal = {"method": "pq", "centres": dict.fromkeys(range(len(caches)), centres)}
+    policies["pq_c4"] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=pq_cal)
+    pqcodes = [R.pq_encode(c[0].transpose(1, 2), centres.to(DEV)).transpose(1, 2).contiguous() for c in caches]
     states = layer_states(layer, caches, bt, BS, ops, ckeys)
+    pq_states = layer_states(layer, caches, bt, BS, ops, ckeys, pqcodes=pqcodes)
     codes = {b: [R.quantize_keys(c[0], c[2], c[3], b) for c in caches] for b in (2, 4)}  # as the writes leave them
     quant_states = {b: layer_states(layer, caches, bt, BS, ops, ckeys, codes[b]) for b in (2, 4)}
 
@@ -268,14 +277,16 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     fns, need = {}, {}
     n_layers = len(caches)
     for name, policy in policies.items():
-        st = quant_states[policy.bits] if name.startswith("quant") else states
+        st = quant_states[policy.bits] if name.startswith("quant") else pq_states if name == "pq_c4" else states
         fns[name] = [lambda i=i, p=policy, st=st: attend(i, p.select(st[i])) for i in range(n_layers)]
         fns[f"{name}:sel"] = [lambda i=i, p=policy, st=st: p.select(st[i]) for i in range(n_layers)]
         sel = policy.select(st[0])
         width = sel.counts[0] * (BS if sel.kind == "block" else 1)
         attn = kv_bytes(B, H, width, D) + (B * H * width * 4 if sel.kind == "token" else 0)
-        two_stage = name.startswith(("2st", "topp", "mass"))
+        two_stage = name.startswith(("2st", "topp", "mass", "pq"))
         score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
+        if name == "pq_c4":  # the codes of every token (one byte per 8 channels), then the candidates' keys below
+            score = B * H * L * (D // 8)
         if name.startswith("quant"):  # the codes of every token and the min / max of every block
             score = meta_bytes(B, H, L // BS, D) + B * H * L * D * policy.bits // 8
         if two_stage:
@@ -296,6 +307,12 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         for i in range(n_layers)
     ]
     need["quant2:write"] = B * H * BS * (D * 2 + D * 2 // 8)  # the block's keys read, its codes written
+    pq_codes = policies["pq_c4"]._coarse.codes
+    fns["pq:write"] = [
+        lambda i=i: pq_codes.refresh(pqcodes[i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops)
+        for i in range(n_layers)
+    ]
+    need["pq:write"] = B * H * (D * 2 + D // 8)  # the token's key read, its codes written
     return fns, need
 
 
@@ -638,7 +655,7 @@ def tune_selectors(ops, args, hbm) -> None:
         grp = sorted(grp, key=lambda r: r.get("us", float("inf")))
         top += grp[:4] + [r for r in grp[4:] if r["default"]]
     print_table(top, cols, f"scoring kernels: the 4 fastest configs and the default per shape (HBM {hbm:.0f} GB/s)")
-    names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write", "quant2:write"]
+    names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write", "quant2:write", "pq:write"]
     print_table(sel_rows, ["model", "B", "L", *names], "selectors with the best knobs: selection + attention (name) "
                 "and selection alone (name:sel), us per layer")  # fmt: skip
     folder = os.path.dirname(os.path.abspath(args.out))
@@ -817,6 +834,8 @@ def main():
     global DEV
     DEV = args.device
     assert DEV == "cpu" or torch.cuda.is_available(), "this benchmark needs a CUDA device (or --device cpu)"
+    if DEV == "cpu":
+        cpu_dry_run()  # the interpreter and the tests' shims to it (it failed in topk under NumPy >= 2.4 without)
     torch.manual_seed(0)
     torch._dynamo.config.cache_size_limit = 64
 
@@ -882,7 +901,7 @@ def main():
         f"decode, bf16, us per layer (median of {args.rep} graph replays of {args.layers} layers); HBM {hbm:.0f} GB/s",
     )
     if args.selectors:
-        names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write", "quant2:write"]
+        names = [n for s in SELECTORS for n in (s, f"{s}:sel")] + ["proj:write", "quant2:write", "pq:write"]
         print_table(
             [{**r, "L": f"{r['L'] // KI}K"} for r in rows],
             ["model", "B", "L", "BS", "budget", "dense", "block+sel", *names],
