@@ -514,6 +514,16 @@ def projected_write(
         k_pool: ``[NB, Hkv, BS, D]``; proj: ``[Hkv, D, R]`` (float32); block_table: ``[B, MB]``.
         lo, hi: ``[B]`` the positions written; span: a host int ``>= max(hi - lo)``.
 
+    Vectorized (:func:`store_written`): no host read of ``lo``/``hi``.
+    """
+    store_written(ckeys, k_pool, block_table, lo, hi, span, lambda k: torch.einsum("bthd,hdr->bthr", k, proj.float()))
+
+
+def store_written(state, k_pool, block_table, lo, hi, span: int, code) -> None:
+    """Store ``code`` of the keys at the stored positions ``lo[b] <= p < hi[b]`` into the per-token ``state [NB, Hkv,
+    BS, ...]``, in place (the writes of :func:`projected_write` and :func:`pq_write`). ``code``: keys ``[B, span, Hkv,
+    D]`` float32 -> ``[B, span, Hkv, ...]``, cast to ``state``'s dtype.
+
     Vectorized over (sequence, position) without reading ``lo``/``hi`` on the host: each sequence computes ``span``
     positions, those past ``hi - 1`` repeat it (the same value stored twice), and a sequence with nothing to write
     stores its old entry back.
@@ -526,8 +536,8 @@ def projected_write(
     wrote = hi > lo
     pos = torch.where(wrote, torch.minimum(pos, hi - 1), lo)
     phys, off = physical_slots(block_table, pos, BS)
-    new = torch.einsum("bthd,hdr->bthr", k_pool[phys, :, off].float(), proj.float())  # [B, span, Hkv, R]
-    ckeys[phys, :, off] = torch.where(wrote.view(B, 1, 1, 1), new.to(ckeys.dtype), ckeys[phys, :, off])
+    new = code(k_pool[phys, :, off].float())
+    state[phys, :, off] = torch.where(wrote.view(B, 1, 1, 1), new.to(state.dtype), state[phys, :, off])
 
 
 def projected_scores(
@@ -796,19 +806,9 @@ def pq_write(
         codes: ``[NB, Hkv, BS, m]`` uint8; k_pool: ``[NB, Hkv, BS, D]``; centres: ``[Hkv, m, C, d]`` float32;
         block_table: ``[B, MB]``; lo, hi: ``[B]`` the positions written; span: a host int ``>= max(hi - lo)``.
 
-    Vectorized as :func:`projected_write` (no host read of ``lo``/``hi``): positions past ``hi - 1`` repeat it, a
-    sequence with nothing to write stores its old entry back.
+    Vectorized (:func:`store_written`): no host read of ``lo``/``hi``.
     """
-    B, BS = block_table.shape[0], k_pool.shape[2]
-    if span <= 0 or B == 0:
-        return
-    lo, hi = lo.long().view(B, 1), hi.long().view(B, 1)
-    pos = lo + torch.arange(span, device=k_pool.device).view(1, span)  # [B, span]
-    wrote = hi > lo
-    pos = torch.where(wrote, torch.minimum(pos, hi - 1), lo)
-    phys, off = physical_slots(block_table, pos, BS)
-    new = pq_encode(k_pool[phys, :, off], centres)  # [B, span, Hkv, m]
-    codes[phys, :, off] = torch.where(wrote.view(B, 1, 1, 1), new, codes[phys, :, off])
+    store_written(codes, k_pool, block_table, lo, hi, span, lambda k: pq_encode(k, centres))
 
 
 def pq_block_scores(
