@@ -30,9 +30,9 @@ category by its name (``category``), case-insensitive, the first rule that match
 - selection, attention, write: our Triton kernels (``OURS``, substrings of the kernel names of
   ``hf_sparse_kv/ops/triton/*.py``; a test checks that every kernel there is listed): the scoring
   (``block_scores_kernel``, ``projected_scores_kernel``, ``candidate_*_kernel``, ``quant_block_lse*_kernel``,
-  ``quant_lse_stats_kernel``, ``quant_mass_kernel``) and the top-k (``topk_indices_kernel``, ``topk_radix_*_kernel``)
+  ``quant_lse_stats_kernel``, ``quant_mass_kernel``, ``pq_block_lse_kernel``) and the top-k (``topk_indices_kernel``, ``topk_radix_*_kernel``)
   are selection; ``sparse_decode_fwd_kernel`` and ``merge_partials_kernel`` attention; ``paged_write_kernel`` and the
-  declared state's refresh (``projected_write_kernel``, ``quant_write_kernel``) write
+  declared state's refresh (``projected_write_kernel``, ``quant_write_kernel``; ``pq_write``, a reference) write
 - attention: SDPA's kernels in the unpatched row (names containing flash, fmha, attention, sdpa, efficient, cudnn)
 - matmul: cuBLAS / CUTLASS kernels (names containing gemm, gemv, cublas, cutlass, nvjet, xmma): the weights
 - rest: everything else: the norms, rope, SiLU and residual adds of the eager steps, the argmax of the next token, the
@@ -101,6 +101,7 @@ OURS = (  # (substring, category): our Triton kernels (ops/triton/*.py), and for
     ("paged_write", "write"),
     ("projected_write", "write"),
     ("quant_write", "write"),
+    ("pq_write", "write"),
     ("sparse_decode_fwd", "attention"),
     ("merge_partials", "attention"),
     ("decode_blocks", "attention"),
@@ -115,6 +116,7 @@ OURS = (  # (substring, category): our Triton kernels (ops/triton/*.py), and for
     ("quant_block_lse", "selection"),
     ("quant_lse_stats", "selection"),
     ("quant_mass", "selection"),
+    ("pq_block_lse", "selection"),
     ("lse_block_mass", "selection"),
     ("topk_indices", "selection"),
     ("topk_radix", "selection"),
