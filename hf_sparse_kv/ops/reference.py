@@ -696,12 +696,30 @@ def quant_block_scores(
     Returns:
         ``[B, Hkv, MB]`` float32; ``-inf`` past each sequence's last block and for evicted blocks.
     """
-    B, MB = block_table.shape
-    BS = codes.shape[2]
     phys = block_table.long().clamp(min=0)  # the table's blocks only, dequantized once each
-    keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits).flatten(0, 1)  # [B * MB, Hkv, BS, D]
+    keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
+    return decoded_block_mass(q, keys, block_table, seq_lens, start, scale, sink, window)
+
+
+def decoded_block_mass(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    sink: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """:func:`oracle_block_scores` over approximate keys ``keys [B, MB, Hkv, BS, D]``, the table's blocks decoded in
+    its order (the tail of :func:`quant_block_scores` and :func:`pq_block_scores`): ``[B, Hkv, MB]`` float32, the
+    forced blocks still held ``+inf`` when ``window`` is given, ``-inf`` for blocks not in use."""
+    B, MB = block_table.shape
+    BS = keys.shape[3]
     table = torch.arange(B * MB, device=q.device).view(B, MB).masked_fill(block_table < 0, -1)
-    s = oracle_block_scores(q, keys, table.int(), seq_lens, start, scale, length=MB * BS)  # -inf: not live
+    s = oracle_block_scores(
+        q, keys.flatten(0, 1), table.int(), seq_lens, start, scale, length=MB * BS
+    )  # -inf: not live
     return _forced_and_live(s, live_blocks(block_table, seq_lens, BS), seq_lens, start, sink, window, BS)
 
 
@@ -834,13 +852,8 @@ def pq_block_scores(
     Returns:
         ``[B, Hkv, MB]`` float32; ``-inf`` past each sequence's last block and for evicted blocks.
     """
-    B, MB = block_table.shape
-    BS = codes.shape[2]
-    phys = block_table.long().clamp(min=0)
-    keys = pq_decode(codes[phys], centres).flatten(0, 1)  # [B * MB, Hkv, BS, D]
-    table = torch.arange(B * MB, device=q.device).view(B, MB).masked_fill(block_table < 0, -1)
-    s = oracle_block_scores(q, keys, table.int(), seq_lens, start, scale, length=MB * BS)  # -inf: not live
-    return _forced_and_live(s, live_blocks(block_table, seq_lens, BS), seq_lens, start, sink, window, BS)
+    keys = pq_decode(codes[block_table.long().clamp(min=0)], centres)  # [B, MB, Hkv, BS, D]
+    return decoded_block_mass(q, keys, block_table, seq_lens, start, scale, sink, window)
 
 
 def candidate_scores(

@@ -6,9 +6,10 @@ group, ``ops.block_scores``; ``"quest_heads"``: each query head's bounds turned 
 softmax mass, averaged over the group as the oracle sums the true shares; ``"quest_heads_max"``: those shares' max
 over the group; ``ops.block_shares``, no Triton kernel yet; none needs extra state), the compressed keys of
 :mod:`.projected` (``coarse="projected"``, with a ``calibration``) or the product-quantized keys of :mod:`.product`
-(``coarse="pq"``, with a ``calibration`` of centres: each block's mass under the coded keys; reference ops only);
-the forced blocks (sink, window, current) score ``+inf`` there, so they are always candidates. The exact pass (``ops.candidate_scores``) reads the candidates'
-keys, ``candidates x budget x D`` elements per (sequence, KV head), and
+(``coarse="pq"``, with a ``calibration`` of centres: each block's mass under the coded keys, ``ops.pq_block_scores``);
+the forced blocks (sink, window, current) score ``+inf`` there, so they are always candidates. The exact pass
+(``ops.candidate_scores``) reads the candidates' keys, ``candidates x budget x D`` elements per (sequence, KV head),
+and
 
 - :class:`TwoStageBlockTopK` ranks the candidate blocks by the max of their tokens' exact scores (max over the GQA
   group) and keeps the budget's blocks;
