@@ -47,6 +47,7 @@ def pq_block_lse_kernel(
     C: tl.constexpr,
     BS: tl.constexpr,
     BM: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -61,13 +62,21 @@ def pq_block_lse_kernel(
     s0 = tl.load(start + i_b)
     pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
     ok = held[:, None] & (pos >= s0) & (pos < n)
-    ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
-    row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])  # [BM, BS, M]
-    code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
-    entry = o_j[None, None, :] * C + code  # [BM, BS, M] offsets into a head's [M, C] table
+    if not LOOP:
+        ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
+        row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])  # [BM, BS, M]
+        code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
+        entry = o_j[None, None, :] * C + code  # [BM, BS, M] offsets into a head's [M, C] table
+    base = phys[:, None] * s_cn + (i_h * BS + o_t[None, :]) * M  # [BM, BS] a token's first code
     for g in tl.static_range(G):
         head = (i_b * HQ + i_h * G + g).to(tl.int64)
-        s = tl.sum(tl.load(table + head * (M * C) + entry, mask=ok3, other=0.0), axis=2)  # [BM, BS]
+        if LOOP:  # piece by piece: a warp's gathers fall in one piece's row of C entries
+            s = tl.zeros([BM, BS], dtype=tl.float32)
+            for j in tl.static_range(M):
+                cj = tl.load(codes + base + j, mask=ok, other=0).to(tl.int32)
+                s += tl.load(table + head * (M * C) + j * C + cj, mask=ok, other=0.0)
+        else:  # the tile's codes at once: a warp's gathers spread over the pieces' rows
+            s = tl.sum(tl.load(table + head * (M * C) + entry, mask=ok3, other=0.0), axis=2)  # [BM, BS]
         s = tl.where(ok, s, float("-inf"))
         top = tl.max(s, axis=1)  # [BM]
         safe = tl.where(top == float("-inf"), 0.0, top)
@@ -96,10 +105,14 @@ def pq_block_lse(
     scale: float,
     tpp: int = 4,
     num_warps: int = 4,
+    layout: str = "tile",
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for). ``tpp``: blocks a
-    program (a power of two)."""
+    program (a power of two); ``layout``: ``"tile"`` (a tile's codes loaded at once, each query head's gathers over
+    every piece) or ``"loop"`` (a static loop over the pieces, each gather within one piece's row of the table)."""
+    if layout not in ("tile", "loop"):
+        raise ValueError(f"layout must be 'tile' or 'loop', got {layout!r}")
     B, HQ, D = q.shape
     _, H, BS, M = codes.shape
     _, _, C, d = centres.shape
@@ -114,7 +127,7 @@ def pq_block_lse(
     grid = (triton.cdiv(MB, tpp), B * H)
     pq_block_lse_kernel[grid](
         table, codes, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, codes.stride(0), MB,
-        HQ=HQ, H=H, G=HQ // H, M=M, C=C, BS=BS, BM=tpp, num_warps=num_warps,
+        HQ=HQ, H=H, G=HQ // H, M=M, C=C, BS=BS, BM=tpp, LOOP=layout == "loop", num_warps=num_warps,
     )  # fmt: skip
     return out
 
