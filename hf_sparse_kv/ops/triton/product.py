@@ -17,9 +17,9 @@ e.g. 128 KiB of table for 4 query heads, 16 pieces and 256 centres; it stays in 
   (``M`` or ``BS`` not a power of two) run the reference.
 
 Tested against the reference under the interpreter and built for sm_90 on the CPU (tests/compile_sm90.py). On the
-H200 (2026-12-04, benchmarks/check_pq.py, Llama-3-8B layer): right against the float32 reference at every knob, and
-gather-bound: the default (tile, 8 blocks a program, 2 warps, the fastest point at 1 x 128K and 8 x 32K) takes 56 /
-106 us, 14-28x the time of the codes' bytes, 3x Quest's scores (benchmarks/RESULTS.md).
+H200 (2026-12-04, benchmarks/check_pq.py, Llama-3-8B layer): right against the float32 reference at every knob; the
+default (tile, 8 blocks a program, 2 warps, the fastest point at 1 x 128K and 8 x 32K) takes 56 / 106 us, 13-14x the
+time of the codes' bytes, 3x Quest's scores; its time grows with the warps at a fixed tile (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
