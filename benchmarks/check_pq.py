@@ -1,12 +1,12 @@
 """The product-quantized keys' scoring kernel against the float32 reference on fresh random inputs at the
 Llama-3-8B layer's shape (8 KV heads, 4 query heads each, head dim 128, block size 16; 8-channel pieces, 256 centres:
-one byte per 8 channels of a key), then every layout x knobs of ``pq_block_lse`` checked and timed.
+one byte per 8 channels of a key), then every knob of ``pq_block_lse`` checked and timed.
 
     python benchmarks/check_pq.py                 # a CUDA device
     TRITON_INTERPRET=1 python benchmarks/check_pq.py --device cpu --smoke     # a dry run on the CPU
 
-At 1 x 128K (8200 blocks) and 8 x 32K (2048 blocks each): each point of :data:`GRID` (layout ``"tile"`` / ``"loop"``,
-blocks a program, warps) is checked (``pq_block_scores`` at those knobs against ``reference.pq_block_scores`` in
+At 1 x 128K (8200 blocks) and 8 x 32K (2048 blocks each): each point of :data:`GRID` (blocks a program, warps) is
+checked (``pq_block_scores`` at those knobs against ``reference.pq_block_scores`` in
 float32: relative error of the mass, the reference's top-1/16 blocks shared, the same ``+-inf`` pattern) and timed
 (``common.bench``: CUDA graph, L2 flushed, median): the kernel alone (``us``, the table made beforehand) and the whole
 scoring (``scores_us``: the table's einsum, the kernel, the tail). Then, at the same shapes: the table alone, one
@@ -35,9 +35,9 @@ from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, wri
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 
-# (layout, blocks a program, warps): the shipped default (tile 4 / 4) first
-GRID = tuple((lay, tpp, w) for lay in ("tile", "loop") for tpp in (1, 2, 4, 8) for w in (2, 4, 8))
-SMOKE_GRID = (("tile", 4, 4), ("loop", 2, 4))
+# (blocks a program, warps); a layout looping over the pieces was slower at every point (2026-12-04) and is removed
+GRID = tuple((tpp, w) for tpp in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8))
+SMOKE_GRID = ((8, 2), (2, 4))
 SHAPES = ((1, 8200), (8, 2048))  # (sequences, blocks each): 1 x 128K and 8 x 32K at block size 16
 SMOKE_SHAPES = ((1, 12), (2, 5))
 
@@ -99,16 +99,16 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     ref = R.pq_block_scores(q.float(), codes, centres, table, lens, zero, scale)
     nbytes = codes.numel()
     k16 = max(1, MB // 16)
-    for layout, tpp, warps in SMOKE_GRID if smoke else GRID:
-        lse_fn = functools.partial(pq_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout)
+    for tpp, warps in SMOKE_GRID if smoke else GRID:
+        lse_fn = functools.partial(pq_block_lse, *args, tpp=tpp, num_warps=warps)
         out = quant_lse_mass(lse_fn(), table, lens, zero, BS, H, 0, None)
         rel, same, inf_ok = compare(out, ref, k16)
         tab = pq_table(q, centres, scale)
-        kernel = functools.partial(_kernel_only, tab, codes, table, lens, zero, H, G, M, C, BS, tpp, warps, layout)
+        kernel = functools.partial(_kernel_only, tab, codes, table, lens, zero, H, G, M, C, BS, tpp, warps)
         us, mode = bench(kernel, rep=20)
         whole, _ = bench(lambda f=lse_fn: quant_lse_mass(f(), table, lens, zero, BS, H, 0, None), rep=20)
-        what = f"lse {layout} tpp={tpp} w={warps}"
-        rows.append({"shape": shape, "what": what, "layout": layout, "tpp": tpp, "num_warps": warps, "us": us,
+        what = f"lse tpp={tpp} w={warps}"
+        rows.append({"shape": shape, "what": what, "tpp": tpp, "num_warps": warps, "us": us,
                      "timing": mode, "rel_err": rel, "shared": same, "inf_ok": inf_ok, "GB/s": nbytes / us / 1e3,
                      "floor": us / (nbytes / hbm / 1e3) if hbm else None, "scores_us": whole})  # fmt: skip
         print(f"{shape} {what}: {us:.1f} us (scores {whole:.1f}), rel err {rel:.1e}, shared {same:.4f}, "
@@ -135,7 +135,7 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     return rows
 
 
-def _kernel_only(tab, codes, table, lens, start, H, G, M, C, BS, tpp, warps, layout):
+def _kernel_only(tab, codes, table, lens, start, H, G, M, C, BS, tpp, warps):
     """``pq_block_lse_kernel`` alone on a table made beforehand (``[B, Hq, MB]`` float32)."""
     import triton
 
@@ -145,7 +145,7 @@ def _kernel_only(tab, codes, table, lens, start, H, G, M, C, BS, tpp, warps, lay
     out = torch.empty(B, H * G, MB, dtype=torch.float32, device=tab.device)
     pq_block_lse_kernel[(triton.cdiv(MB, tpp), B * H)](
         tab, codes, table, lens, start, out, codes.stride(0), MB,
-        HQ=H * G, H=H, G=G, M=M, C=C, BS=BS, BM=tpp, LOOP=layout == "loop", num_warps=warps,
+        HQ=H * G, H=H, G=G, M=M, C=C, BS=BS, BM=tpp, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -46,7 +46,6 @@ from hf_sparse_kv.ops.triton import (
     quant_write,
     topk_indices,
 )
-from hf_sparse_kv.ops.triton.product import pq_block_lse
 from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
 
@@ -246,7 +245,6 @@ def cases():
         args = (q, codes, centres, table, lens, zero, 0.088)
         out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS}", partial(pq_block_scores, *args)))
         out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS} sink+window", partial(pq_block_scores, *args, 4, 32)))
-        out.append((f"pq_block_lse H={H} G={G} M={M} BS={BS} loop", partial(pq_block_lse, *args, layout="loop")))
     return out
 
 

@@ -182,8 +182,8 @@ def test_missing_or_mismatched_calibration_is_refused_with_advice(tmp_path):
 def test_the_triton_scores_are_the_reference_scores():
     """``pq_block_scores`` through its Triton kernel (the interpreter on the CPU) against the reference: held and
     evicted blocks, left padding, a partial last block, forced blocks, one and several query heads a KV head, and a
-    piece count the kernel does not take (the reference runs), the kernel's two layouts; ``pq_write`` has no kernel (the
-    reference runs)."""
+    piece count the kernel does not take (the reference runs), two tile sizes; ``pq_write`` has no kernel (the reference
+    runs)."""
     pytest.importorskip("triton")
     from hf_sparse_kv.ops.triton.product import pq_block_lse
 
@@ -207,7 +207,5 @@ def test_the_triton_scores_are_the_reference_scores():
             s = torch.einsum("bhgd,bmhtd->bhgmt", q.view(2, H, G, -1), keys[table.long().clamp(min=0)]) * 0.3
             ok = reference.held_positions(table, seq_lens, start, bs).view(2, 1, 1, MB, bs)
             lse = s.masked_fill(~ok, float("-inf")).logsumexp(-1).flatten(1, 2)
-            for layout in ("tile", "loop"):
-                torch.testing.assert_close(pq_block_lse(*args, layout=layout), lse, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="layout"):
-        pq_block_lse(*args, layout="rows")
+            for tpp, warps in ((8, 2), (1, 4)):
+                torch.testing.assert_close(pq_block_lse(*args, tpp, warps), lse, rtol=1e-5, atol=1e-5)

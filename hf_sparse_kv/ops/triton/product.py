@@ -19,7 +19,9 @@ e.g. 128 KiB of table for 4 query heads, 16 pieces and 256 centres; it stays in 
 Tested against the reference under the interpreter and built for sm_90 on the CPU (tests/compile_sm90.py). On the
 H200 (2026-12-04, benchmarks/check_pq.py, Llama-3-8B layer): right against the float32 reference at every knob; the
 default (tile, 8 blocks a program, 2 warps, the fastest point at 1 x 128K and 8 x 32K) takes 56 / 106 us, 13-14x the
-time of the codes' bytes, 3x Quest's scores; its time grows with the warps at a fixed tile (benchmarks/RESULTS.md).
+time of the codes' bytes, 3x Quest's scores; its time grows with the warps at a fixed tile. A layout looping over the
+pieces (each warp's lookups in one piece's row of the table) was slower at every knob and is removed
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ def pq_block_lse_kernel(
     C: tl.constexpr,
     BS: tl.constexpr,
     BM: tl.constexpr,
-    LOOP: tl.constexpr,
 ):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -64,21 +65,13 @@ def pq_block_lse_kernel(
     s0 = tl.load(start + i_b)
     pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
     ok = held[:, None] & (pos >= s0) & (pos < n)
-    if not LOOP:
-        ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
-        row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])  # [BM, BS, M]
-        code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
-        entry = o_j[None, None, :] * C + code  # [BM, BS, M] offsets into a head's [M, C] table
-    base = phys[:, None] * s_cn + (i_h * BS + o_t[None, :]) * M  # [BM, BS] a token's first code
+    ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
+    row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])  # [BM, BS, M]
+    code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
+    entry = o_j[None, None, :] * C + code  # [BM, BS, M] offsets into a head's [M, C] table
     for g in tl.static_range(G):
         head = (i_b * HQ + i_h * G + g).to(tl.int64)
-        if LOOP:  # piece by piece: a warp's gathers fall in one piece's row of C entries
-            s = tl.zeros([BM, BS], dtype=tl.float32)
-            for j in tl.static_range(M):
-                cj = tl.load(codes + base + j, mask=ok, other=0).to(tl.int32)
-                s += tl.load(table + head * (M * C) + j * C + cj, mask=ok, other=0.0)
-        else:  # the tile's codes at once: a warp's gathers spread over the pieces' rows
-            s = tl.sum(tl.load(table + head * (M * C) + entry, mask=ok3, other=0.0), axis=2)  # [BM, BS]
+        s = tl.sum(tl.load(table + head * (M * C) + entry, mask=ok3, other=0.0), axis=2)  # [BM, BS]
         s = tl.where(ok, s, float("-inf"))
         top = tl.max(s, axis=1)  # [BM]
         safe = tl.where(top == float("-inf"), 0.0, top)
@@ -107,14 +100,10 @@ def pq_block_lse(
     scale: float,
     tpp: int = 8,
     num_warps: int = 2,
-    layout: str = "tile",
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for). ``tpp``: blocks a
-    program (a power of two); ``layout``: ``"tile"`` (a tile's codes loaded at once, each query head's gathers over
-    every piece) or ``"loop"`` (a static loop over the pieces, each gather within one piece's row of the table)."""
-    if layout not in ("tile", "loop"):
-        raise ValueError(f"layout must be 'tile' or 'loop', got {layout!r}")
+    program (a power of two)."""
     B, HQ, D = q.shape
     _, H, BS, M = codes.shape
     _, _, C, d = centres.shape
@@ -129,7 +118,7 @@ def pq_block_lse(
     grid = (triton.cdiv(MB, tpp), B * H)
     pq_block_lse_kernel[grid](
         table, codes, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, codes.stride(0), MB,
-        HQ=HQ, H=H, G=HQ // H, M=M, C=C, BS=BS, BM=tpp, LOOP=layout == "loop", num_warps=num_warps,
+        HQ=HQ, H=H, G=HQ // H, M=M, C=C, BS=BS, BM=tpp, num_warps=num_warps,
     )  # fmt: skip
     return out
 
