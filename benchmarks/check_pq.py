@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from check_quant_keys import compare
+from check_quant_keys import compare, layer_inputs
 from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import get_ops
@@ -85,16 +85,9 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     from hf_sparse_kv.ops.triton.quant import quant_lse_mass
 
     rows = []
-    NB, d = B * MB, D // M
-    k_pool = torch.randn(NB, H, BS, D, device=dev).to(torch.bfloat16)
-    centres = torch.randn(H, M, C, d, device=dev)
+    k_pool, table, lens, zero, q, scale, shape = layer_inputs(dev, B, MB, H, G, D, BS)
+    centres = torch.randn(H, M, C, D // M, device=dev)
     codes = R.pq_encode(k_pool.transpose(1, 2), centres).transpose(1, 2).contiguous()  # [NB, H, BS, M] uint8
-    table = torch.arange(NB, device=dev, dtype=torch.int32).view(B, MB)
-    lens = torch.tensor([MB * BS - 3 * i for i in range(B)], device=dev, dtype=torch.int32)
-    zero = torch.zeros(B, dtype=torch.int32, device=dev)
-    q = torch.randn(B, H * G, D, device=dev).to(torch.bfloat16)
-    scale = D**-0.5
-    shape = f"{B}x{MB * BS // 1024}K" if MB * BS >= 1024 else f"{B}x{MB * BS}"
     args = (q, codes, centres, table, lens, zero, scale)
     ref = R.pq_block_scores(q.float(), codes, centres, table, lens, zero, scale)
     nbytes = codes.numel()

@@ -208,6 +208,19 @@ def compare(out: torch.Tensor, ref: torch.Tensor, k: int) -> tuple[float, float,
     return rel, same / a_sel.flatten(0, 1).numel(), bool(torch.equal(out.isinf(), ref.isinf()))
 
 
+def layer_inputs(dev, B: int, MB: int, H: int, G: int, D: int, BS: int) -> tuple:
+    """Fresh random inputs of one layer's selection: ``(k_pool [B * MB, H, BS, D] bf16, block_table [B, MB] (block i
+    of sequence b at b * MB + i), seq_lens [B] (the first sequence 3 tokens short of full, each next 3 shorter), start
+    [B] zeros, q [B, H * G, D] bf16, scale, a label like "8x32K")``."""
+    k_pool = torch.randn(B * MB, H, BS, D, device=dev).to(torch.bfloat16)
+    table = torch.arange(B * MB, device=dev, dtype=torch.int32).view(B, MB)
+    lens = torch.tensor([MB * BS - 3 * i for i in range(B)], device=dev, dtype=torch.int32)
+    zero = torch.zeros(B, dtype=torch.int32, device=dev)
+    q = torch.randn(B, H * G, D, device=dev).to(torch.bfloat16)
+    shape = f"{B}x{MB * BS // 1024}K" if MB * BS >= 1024 else f"{B}x{MB * BS}"
+    return k_pool, table, lens, zero, q, D**-0.5, shape
+
+
 def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
     """Every point of :data:`GRID` checked and timed, then the whole scoring and selection (module docstring)."""
     from hf_sparse_kv.ops.triton.quant import LSE_DEFAULTS, quant_block_lse
@@ -218,16 +231,9 @@ def sweep(dev, H, G, D, BS, smoke: bool = False) -> list[dict]:
     print(f"copy bandwidth {hbm and round(hbm)} GB/s", flush=True)
     rows = []
     for B, MB in SMOKE_SHAPES if smoke else SHAPES:
-        NB = B * MB
-        k_pool = torch.randn(NB, H, BS, D, device=dev).to(torch.bfloat16)
+        k_pool, table, lens, zero, q, scale, shape = layer_inputs(dev, B, MB, H, G, D, BS)
         kmin, kmax = k_pool.amin(2), k_pool.amax(2)
         kmean = k_pool.float().mean(2).to(torch.bfloat16)
-        table = torch.arange(NB, device=dev, dtype=torch.int32).view(B, MB)
-        lens = torch.tensor([MB * BS - 3 * i for i in range(B)], device=dev, dtype=torch.int32)
-        zero = torch.zeros(B, dtype=torch.int32, device=dev)
-        q = torch.randn(B, H * G, D, device=dev).to(torch.bfloat16)
-        scale = D**-0.5
-        shape = f"{B}x{MB * BS // 1024}K" if MB * BS >= 1024 else f"{B}x{MB * BS}"
         for bits in (2, 4):
             codes = R.quantize_keys(k_pool, kmin, kmax, bits)
             nbytes = codes.numel() + 2 * kmin.numel() * kmin.element_size()

@@ -41,3 +41,17 @@ def test_topk_dry_run_checks_and_writes_its_rows(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = list(csv.DictReader(path.open()))
     assert [(r["R"], r["N"], r["k"]) for r in rows] == [("2", "100", "8")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="check_pq.py times the GPU when there is one")
+def test_pq_check_dry_run_finds_every_point_right(tmp_path):
+    """``check_pq.py --smoke`` on the CPU: each grid point's scores against the float32 reference (relative error,
+    the reference's top blocks shared, the ``+-inf`` pattern) written per shape, beside the rows it times."""
+    path = tmp_path / "pq.csv"
+    out = _run(["benchmarks/check_pq.py", "--device", "cpu", "--smoke", "--out", str(path)], interpret=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = list(csv.DictReader(path.open()))
+    points = [r for r in rows if r["tpp"]]
+    assert {r["shape"] for r in points} == {"1x192", "2x80"} and len(points) == 4
+    assert all(float(r["rel_err"]) < 1e-5 and float(r["shared"]) == 1.0 and r["inf_ok"] == "True" for r in points)
+    assert {"table einsum", "quest scores + top-k 1/16", "pq scores + top-k 4/16"} <= {r["what"] for r in rows}
