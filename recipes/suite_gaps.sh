@@ -138,6 +138,10 @@ case $PART in
       --text "$A/kjv.txt" --tokens "$CT" --out "$CAL" || exit 1
     PL="{name: top_p_block_topk, label: pq8_c4_cal, sink: 4, window: 32, candidates: 4, p: 1.0, pool: heads, coarse: pq, calibration: \"$CAL\"}"
     run_targets "$M" "$PL" "pq8_c4_cal" "$@" ;;
+  pq_fit_*)  # issue 13: the library's coarse="pq" as pq_lib_ (c = 4, p = 1), its centres fitted on each prompt's keys at
+    # its prefill (calibration="prefill": no file; the suite's simulate way fits them on each chunk's stored keys)
+    PL="{name: top_p_block_topk, label: pq8_c4_prefill, sink: 4, window: 32, candidates: 4, p: 1.0, pool: heads, coarse: pq, calibration: prefill}"
+    run_targets "${PART#pq_fit_}" "$PL" "pq8_c4_prefill" "$@" ;;
   pq_*)  # issue 13: product-quantized keys as the coarse pass (evaluation/product_quant.py, reference ops), c = 2,
     # the fine pass the candidates' own keys or their 4-bit codes, at 1/16 on the target cells (as progressive_*)
     PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, sub_dim: 8, centroids: 256, candidates: 2'

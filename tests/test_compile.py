@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_selectors import _calibration
+from test_selectors import PQ_FIT, _calibration
 from tiny_models import prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
@@ -126,6 +126,10 @@ SELECTORS = {
     ),
     "TopPBlockTopK(coarse=pq)": (
         lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=_pq(m)),
+        {"pq_write", "pq_block_scores", "candidate_scores", "candidate_mass", "topk_indices"},
+    ),
+    "TopPBlockTopK(coarse=pq, prefill fit)": (
+        lambda m: TopPBlockTopK(24, 2, 4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=PQ_FIT),
         {"pq_write", "pq_block_scores", "candidate_scores", "candidate_mass", "topk_indices"},
     ),
     "QuantBlockTopK": (

@@ -209,3 +209,89 @@ def test_the_triton_scores_are_the_reference_scores():
             lse = s.masked_fill(~ok, float("-inf")).logsumexp(-1).flatten(1, 2)
             for tpp, warps in ((8, 2), (1, 4)):
                 torch.testing.assert_close(pq_block_lse(*args, tpp, warps), lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_prefill_fit_codes_each_prompt_with_centres_fitted_on_its_keys(backend):
+    """``calibration="prefill"`` (here 4-channel pieces, 16 centres): the prefill fits each layer's centres on the keys
+    it stores (what ``fit_centres`` makes of them) and codes them; decode tokens are coded with the same centres; a new
+    cache's prefill refits them, in the same tensors (captured steps keep reading them)."""
+    from hf_sparse_kv.policies.product import stored_keys
+
+    model = tiny_model("llama")
+    fit = {"method": "pq", "fit": "prefill", "sub_dim": 4, "centroids": 16}
+    policy = TopPBlockTopK(16, 2, 4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=fit)
+    patch_model(model, policy=policy, block_size=BS, backend=backend)
+    codes = policy._coarse.codes
+    fitted = []
+    for seeds in ((29, 21), (33, 18)):
+        cache = PagedKVCache(model.config, block_size=BS, backend=backend)
+        ids, mask = _left_pad([prompt(n, seed=n)[0] for n in seeds])
+        kw = {cache_kwarg(model): cache}
+        with torch.no_grad():
+            model(ids, attention_mask=mask, use_cache=True, **kw)
+            centres = {}
+            for layer in cache.paged_layers:
+                hi = torch.tensor([layer.length - p for p in cache.pads])
+                keys = stored_keys(layer.k_pool, cache.table.tensor(layer.device), hi)
+                assert keys.shape[1] == sum(seeds)
+                want = fit_centres(keys, 4, 16)
+                centres[layer.index] = codes.centres(layer.index, layer.device, *keys.shape[::2])
+                torch.testing.assert_close(centres[layer.index], want, rtol=0, atol=0)
+            _check_codes(cache, {"centres": centres})
+            for i in range(3):
+                mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
+                model(prompt(1, batch=2, seed=10 + i), attention_mask=mask, use_cache=True, **kw)
+            _check_codes(cache, {"centres": centres})
+            assert all(torch.equal(codes.centres(i, DEVICE, 0, 0), c) for i, c in centres.items())
+        fitted.append({i: (c, c.clone()) for i, c in centres.items()})
+    first, second = fitted
+    assert all(first[i][0] is second[i][0] for i in first), "a refit writes into the same tensor"
+    assert not all(torch.equal(first[i][1], second[i][1]) for i in first), "a new prompt's prefill refits the centres"
+    unpatch_model(model)
+
+
+def test_prefill_fit_is_refused_where_it_cannot_run():
+    from hf_sparse_kv.policies import product
+
+    codes = product.ProductCodes("prefill", "TopPBlockTopK")
+    assert codes.fit_sizes == (8, 256)
+    with pytest.raises(ValueError, match="prefill the cache"):
+        codes.centres(0, "cpu", 2, 64)
+    for bad in ({"method": "pq", "fit": "prefill", "centroids": 300}, {"method": "quant", "fit": "prefill"}):
+        with pytest.raises(ValueError):
+            product.ProductCodes(bad, "TopPBlockTopK")
+    with pytest.raises(ValueError, match="divisible by 8"):
+        codes.fit(0, torch.randn(2, 40, 12))
+    small = codes.fit(0, torch.randn(2, 40, 16))  # fewer keys than centres: repeated, fitted all the same
+    assert small.shape == (2, 2, 256, 8)
+    lo = torch.zeros(2, dtype=torch.long)
+    assert product._starts(lo) and not product._starts(lo + torch.tensor([0, 3]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.compiler, "is_compiling", lambda: True)
+        with pytest.raises(RuntimeError, match="prefill eagerly"):
+            product._starts(lo)
+
+
+def test_stored_keys_takes_each_held_slot_once():
+    """``stored_keys``: the slots the table's rows hold below their lengths, a block two rows share once (up to the
+    longer row's slots), evicted entries and blocks no row holds left out."""
+    from hf_sparse_kv.policies.product import stored_keys
+
+    k_pool = torch.arange(6 * 1 * 4 * 2, dtype=torch.float32).view(6, 1, 4, 2)  # key of (block n, slot t): 8n + 2t
+    table = torch.tensor([[0, 2, 5], [0, -1, 3]])
+    keys = stored_keys(k_pool, table, torch.tensor([10, 9]))  # row 0: block 0 (4), 2 (4), 5 (2); row 1: 0 (4), 3 (1)
+    firsts = sorted(int(v) for v in keys[0, :, 0])
+    want = [8 * n + 2 * t for n, slots in ((0, 4), (2, 4), (3, 1), (5, 2)) for t in range(slots)]
+    assert firsts == want and keys.shape == (1, len(want), 2)
+
+
+def test_fitting_pieces_a_chunk_at_a_time_gives_the_same_centres(monkeypatch):
+    """``fit_centres`` bounds its distances by fitting rows of pieces a chunk at a time: each piece's k-means is its
+    own, so the centres do not depend on the chunking."""
+    from hf_sparse_kv.policies import product
+
+    keys = torch.randn(2, 300, 16, generator=torch.Generator().manual_seed(3))
+    whole = fit_centres(keys, 4, 16)
+    monkeypatch.setattr(product, "FIT_ELEMENTS", 300 * 16 * 3)  # 3 of the 8 rows a pass
+    torch.testing.assert_close(fit_centres(keys, 4, 16), whole, rtol=0, atol=0)

@@ -26,6 +26,7 @@ WILDCARD_MODEL = {
     "pq_exact_*": "pq_exact_gemma3",
     "pq_wide_*": "pq_wide_qwen2.5",
     "pq_lib_*": "pq_lib_gemma3",
+    "pq_fit_*": "pq_fit_smollm2",
     "pq_*": "pq_smollm2",
 }
 

@@ -30,6 +30,9 @@ def _calibration(model, method="channels", rank=4):
     return calibrate_selector(model, prompt(96, seed=5), method, rank)
 
 
+PQ_FIT = {"method": "pq", "fit": "prefill", "sub_dim": 4, "centroids": 16}  # centres fitted at each prefill
+
+
 def _policies(model):
     cal, pca = _calibration(model), _calibration(model, "pca")
     pq = calibrate_selector(model, prompt(96, seed=5), "pq", sub_dim=4, centroids=16)
@@ -45,11 +48,12 @@ def _policies(model):
         TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=0.8, pool="heads"),
         TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=pq),
         TwoStageTokenTopK(budget=21, sink=4, window=5, candidates=2, coarse="pq", calibration=pq),
+        TopPBlockTopK(budget=24, sink=2, window=4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=PQ_FIT),
     ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("which", range(11))
+@pytest.mark.parametrize("which", range(12))
 def test_one_selection_every_mode(arch, which):
     model = tiny_model(arch)
     policy = _policies(model)[which]
@@ -69,7 +73,7 @@ def test_one_selection_every_mode(arch, which):
     assert not torch.allclose(ref_scores, dense_scores, atol=1e-4), "the policy should really be sparse here"
 
 
-@pytest.mark.parametrize("which", [0, 2, 3, 5, 9])
+@pytest.mark.parametrize("which", [0, 2, 3, 5, 9, 11])
 def test_left_padded_batch_gives_each_prompt_its_own_output(which):
     model = tiny_model("qwen2")
     policy = _policies(model)[which]
@@ -223,7 +227,7 @@ def test_query_aware_projection_at_full_rank_is_the_identity_form():
     assert (exact - approx).pow(2).mean() < 0.9 * exact.pow(2).mean()
 
 
-@pytest.mark.parametrize("which", [0, 3, 4, 6, 7, 8, 9])
+@pytest.mark.parametrize("which", [0, 3, 4, 6, 7, 8, 9, 11])
 def test_static_decode_step_equals_eager(which):
     """The selectors inside DecodeGraphs (captured on CUDA: the compressed keys' refresh and the selection replay
     from device buffers) compute what the eager step computes."""

@@ -17,10 +17,20 @@ the position, so the calibration's keys must span the positions the model will d
 lose 0.07 on the second half. The codes are a per-token :class:`StateSpec` (``"pqcodes"``, ``[NB, Hkv, BS, m]``
 uint8) that every write refreshes through ``ops.pq_write`` (a key's code depends on that key alone).
 
+Or the centres come from the prompt itself: ``calibration="prefill"`` (8-channel pieces, 256 centres) or
+``{"method": "pq", "fit": "prefill", "sub_dim": d, "centroids": C}`` fits each layer's centres at the write that
+starts its cache (a multi-token write at position 0 of every sequence: the prefill, or a cache's state adopted or
+reloaded), on the keys stored then (at most :data:`PREFILL_SAMPLE` of them, drawn seeded; fewer keys than centres
+are repeated, and k-means then leaves nearly every key a centre of its own), and codes them with these; later
+writes (decode tokens, further chunks) code with the same centres. The fit reads the write's lengths on the host,
+so that write cannot run inside a compiled graph or a CUDA-graph capture (it raises there; decode steps are
+unaffected). Where a state carries no codes (evaluation's simulate way) the centres are fitted on the state's stored
+keys at every call. A layer's centres keep their tensor across fits (captured decode steps read the new ones).
+
 ``pq_block_scores`` has a Triton kernel (a table of ``q_piece . centre`` gathered by the codes: ``ops/triton/
-product.py``; tested against the reference under the interpreter, built for sm_90, not yet run or timed on a GPU);
+product.py``; tested against the reference, built for sm_90, timed on the H200: benchmarks/RESULTS.md);
 ``pq_write`` runs its reference (``ops.REFERENCE_ONLY``: vectorized PyTorch, no host sync). There is no uncalibrated
-default: without ``calibration`` the policy raises, naming the command that writes one.
+default: without ``calibration`` the policy raises, naming the command that writes one and ``"prefill"``.
 """
 
 from __future__ import annotations
@@ -35,11 +45,16 @@ from .base import DecodeState, StateSpec
 
 STATE_NAME = "pqcodes"
 METHOD = "pq"
+PREFILL = "prefill"
+PREFILL_SAMPLE = 16384  # keys a prefill fit draws at most per layer
+FIT_ELEMENTS = (
+    2**26
+)  # float32 distances a k-means pass holds at most (256 MiB): rows of pieces fitted a chunk at a time
 MISSING = (
     "{cls} with coarse='pq' needs calibration=: a file written by `hf-sparse-kv calibrate-selector --method pq "
     "--model M --out pq.pt` (or the dict hf_sparse_kv.calibrate_selector.calibrate_selector(model, input_ids, "
-    "method='pq') returns), over text as long as the contexts it will serve. It holds each layer's key centres; "
-    "there is no uncalibrated default."
+    "method='pq') returns), over text as long as the contexts it will serve, or calibration='prefill' (centres "
+    "fitted on each prompt's keys at its prefill). There is no uncalibrated default."
 )
 
 
@@ -58,12 +73,17 @@ def fit_centres(keys: torch.Tensor, sub_dim: int, centroids: int, iters: int = 8
     x = keys.float().reshape(Hkv, N, m, sub_dim).transpose(1, 2).reshape(Hkv * m, N, sub_dim)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     centres = x[:, torch.randperm(N, generator=gen)[:centroids].to(x.device)].clone()  # [Hkv * m, C, d]
-    for _ in range(iters):
-        dist = centres.pow(2).sum(-1).unsqueeze(1) - 2 * x @ centres.transpose(1, 2)  # [Hkv * m, N, C]
-        assign = dist.argmin(-1)
-        count = torch.zeros(x.shape[0], centroids, device=x.device).scatter_add_(1, assign, torch.ones_like(x[..., 0]))
-        total = torch.zeros_like(centres).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, sub_dim), x)
-        centres = torch.where(count.unsqueeze(-1) > 0, total / count.clamp(min=1).unsqueeze(-1), centres)
+    rows = max(1, FIT_ELEMENTS // (N * centroids))  # rows a pass: its distances [rows, N, C] bounded
+    for r in range(0, x.shape[0], rows):
+        xr, cr = x[r : r + rows], centres[r : r + rows]
+        for _ in range(iters):
+            dist = cr.pow(2).sum(-1).unsqueeze(1) - 2 * xr @ cr.transpose(1, 2)  # [rows, N, C]
+            assign = dist.argmin(-1)
+            ones = torch.ones_like(xr[..., 0])
+            count = torch.zeros(xr.shape[0], centroids, device=x.device).scatter_add_(1, assign, ones)
+            total = torch.zeros_like(cr).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, sub_dim), xr)
+            cr = torch.where(count.unsqueeze(-1) > 0, total / count.clamp(min=1).unsqueeze(-1), cr)
+        centres[r : r + rows] = cr
     return centres.view(Hkv, m, centroids, sub_dim).contiguous()
 
 
@@ -85,25 +105,113 @@ def load_calibration(calibration: str | Path | dict) -> dict[str, Any]:
     return {**calibration, "centres": centres}
 
 
+def prefill_fit(calibration) -> tuple[int, int] | None:
+    """``(sub_dim, centroids)`` when ``calibration`` asks for centres fitted at the prefill (``"prefill"``: 8, 256;
+    or ``{"method": "pq", "fit": "prefill", "sub_dim": d, "centroids": C}``), else ``None`` (checked)."""
+    if isinstance(calibration, str) and calibration == PREFILL:
+        return 8, 256
+    if isinstance(calibration, dict) and calibration.get("fit") == PREFILL:
+        if calibration.get("method") != METHOD:
+            raise ValueError(
+                "a prefill-fitted calibration is {'method': 'pq', 'fit': 'prefill', 'sub_dim', 'centroids'}"
+            )
+        d, C = int(calibration.get("sub_dim", 8)), int(calibration.get("centroids", 256))
+        if d < 1 or not 2 <= C <= 256:
+            raise ValueError(f"sub_dim must be >= 1 and centroids in [2, 256] (one-byte codes), got {d}, {C}")
+        return d, C
+    return None
+
+
+def _eager_only(t: torch.Tensor) -> None:
+    """Raise where a host read of ``t`` cannot run: inside a compiled graph or a CUDA-graph capture."""
+    if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        raise RuntimeError(
+            "calibration='prefill' fits the centres at the write that starts a cache, which reads the write's "
+            "lengths on the host: prefill eagerly (compile or capture the decode steps only)"
+        )
+
+
+def _starts(lo: torch.Tensor) -> bool:
+    """Whether a write at ``lo [B]`` starts every sequence (a host read of ``lo``)."""
+    _eager_only(lo)
+    return not bool((lo > 0).any())
+
+
+def stored_keys(k_pool: torch.Tensor, block_table: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The keys the table's sequences hold at positions ``[0, hi[b])``, each stored slot once: ``[Hkv, N, D]``
+    (``k_pool [NB, Hkv, BS, D]``, ``block_table [B, MB]`` (-1: no block), ``hi [B]``). A block several rows share
+    (evaluation's simulate way, beams) counts once, up to the longest of their lengths in it. Reads ``hi`` on the
+    host (its longest length), so not inside a compiled graph or a CUDA-graph capture."""
+    _eager_only(hi)
+    NB, _, BS, _ = k_pool.shape
+    n = int(hi.max()) if hi.numel() else 0
+    nblk = min(-(-n // BS), block_table.shape[1])
+    blocks = block_table[:, :nblk].long().to(k_pool.device)
+    start = torch.arange(nblk, device=k_pool.device).view(1, -1) * BS
+    filled = (hi.to(k_pool.device).view(-1, 1) - start).clamp(0, BS)  # [B, nblk] slots each row reads
+    filled = torch.where(blocks >= 0, filled, 0)
+    count = torch.zeros(NB + 1, dtype=filled.dtype, device=k_pool.device)
+    count.scatter_reduce_(0, torch.where(blocks >= 0, blocks, NB).flatten(), filled.flatten(), "amax")
+    ok = torch.arange(BS, device=k_pool.device).view(1, BS) < count[:NB].view(-1, 1)  # [NB, BS]
+    return k_pool.transpose(0, 1)[:, ok]
+
+
 class ProductCodes:
-    """What the product-quantized coarse pass keeps: the calibration, its per-device copies, the codes' state and
-    its refresh. One instance per policy; its :class:`StateSpec` is made once (the cache compares them)."""
+    """What the product-quantized coarse pass keeps: the calibration (or the prefill fit's sizes), its per-device
+    centres, the codes' state and its refresh. One instance per policy; its :class:`StateSpec` is made once (the
+    cache compares them)."""
 
     def __init__(self, calibration, owner: str):
         if calibration is None:
             raise ValueError(MISSING.format(cls=owner))
-        self.calibration = load_calibration(calibration)
-        self.sub_dim = next(iter(self.calibration["centres"].values())).shape[3]
+        self.fit_sizes = prefill_fit(calibration)
+        self.calibration = None if self.fit_sizes else load_calibration(calibration)
+        if self.fit_sizes:
+            self.sub_dim = self.fit_sizes[0]
+        else:
+            self.sub_dim = next(iter(self.calibration["centres"].values())).shape[3]
         self.on_device: dict = {}  # (layer, device) -> [Hkv, m, C, d]
         d = self.sub_dim
         self.spec = StateSpec(STATE_NAME, "token", lambda D: (D // d,), self.refresh, dtype=torch.uint8)
 
+    def fit(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Fit ``layer``'s centres on ``keys [Hkv, N, D]`` (the prefill's; at most :data:`PREFILL_SAMPLE` drawn,
+        seeded; fewer than the centres repeated) into its tensor on the keys' device, in place once it exists."""
+        d, C = self.fit_sizes
+        _, N, D = keys.shape
+        if D % d:
+            raise ValueError(
+                f"calibration='prefill' with {d}-channel pieces needs a head dim divisible by {d}, got {D}"
+            )
+        if N == 0:
+            raise ValueError(f"no stored keys to fit layer {layer}'s product-quantization centres on")
+        gen = torch.Generator(device="cpu").manual_seed(layer)
+        if N > PREFILL_SAMPLE:
+            keys = keys[:, torch.randperm(N, generator=gen)[:PREFILL_SAMPLE].to(keys.device)]
+        elif N < C:
+            keys = keys.repeat(1, -(-C // N), 1)
+        centres = fit_centres(keys, d, C)
+        key = (layer, str(keys.device))
+        if key in self.on_device:
+            self.on_device[key].copy_(centres)
+        else:
+            self.on_device[key] = centres
+        return self.on_device[key]
+
     def centres(self, layer: int | None, device, heads: int, dim: int) -> torch.Tensor:
         """``[Hkv, m, C, d]`` float32 of ``layer`` on ``device``, copied at the first call (the prefill's refresh), so
-        that a decode step, static or captured, copies nothing from the host."""
+        that a decode step, static or captured, copies nothing from the host; with a prefill fit, the centres its
+        prefill fitted."""
         if layer is None:
             raise ValueError("a product-quantized coarse pass needs the layer index (DecodeState.layer)")
         key = (layer, str(device))
+        if self.fit_sizes:
+            if key not in self.on_device:
+                raise ValueError(
+                    f"calibration='prefill' fits layer {layer}'s centres at the write that starts its cache, and none "
+                    "was seen: prefill the cache through the patched model first"
+                )
+            return self.on_device[key]
         if key not in self.on_device:
             c = self.calibration["centres"].get(layer)
             if c is None:
@@ -122,7 +230,10 @@ class ProductCodes:
         return self.on_device[key]
 
     def refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
-        """The StateSpec refresh: ``ops.pq_write`` of the positions ``[lo, hi)``."""
+        """The StateSpec refresh: ``ops.pq_write`` of the positions ``[lo, hi)``; with a prefill fit, a multi-token
+        write that starts every sequence at position 0 first fits the layer's centres on the keys it stores."""
+        if self.fit_sizes and ((layer, str(k_pool.device)) not in self.on_device or (span > 1 and _starts(lo))):
+            self.fit(layer, stored_keys(k_pool, block_table, hi))
         centres = self.centres(layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         ops.pq_write(state, k_pool, centres, block_table, lo, hi, span)
 
@@ -131,8 +242,12 @@ class ProductCodes:
         use ``+inf``, blocks not in use ``-inf``. A state without the cache's codes (a :class:`DecodeState` built
         outside a patched model, e.g. evaluation's simulate way) gets them coded from ``k_pool`` here."""
         k_pool = state.k_pool
-        centres = self.centres(state.layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         codes = state.state.get(STATE_NAME)
+        if codes is None and self.fit_sizes:  # no cache behind the state: fit on its stored keys
+            if state.layer is None:
+                raise ValueError("a product-quantized coarse pass needs the layer index (DecodeState.layer)")
+            self.fit(state.layer, stored_keys(k_pool, state.block_table, state.seq_lens))
+        centres = self.centres(state.layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         if codes is None:
             codes = pq_encode(k_pool.transpose(1, 2), centres).transpose(1, 2).contiguous()
         return state.ops.pq_block_scores(

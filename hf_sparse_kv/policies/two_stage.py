@@ -190,7 +190,8 @@ class TwoStageBlockTopK(_TwoStage, _BlockTopK):
 
     Args: ``budget`` (tokens or a fraction), ``sink``, ``window`` (tokens), ``candidates`` (``c >= 1``),
     ``coarse`` (``"quest"``, ``"quest_heads"``, ``"quest_heads_max"``, ``"projected"`` or ``"pq"``),
-    ``calibration`` (for ``coarse="projected"`` or ``"pq"``).
+    ``calibration`` (for ``coarse="projected"`` or ``"pq"``; ``"pq"`` also takes ``"prefill"``: centres fitted on
+    each prompt's keys, :mod:`.product`).
     """
 
     def coarse_blocks(self, width: int, block_size: int) -> int:
