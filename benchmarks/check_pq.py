@@ -81,7 +81,7 @@ def sweep(dev, H, G, D, BS, smoke: bool = False, M: int = 16, C: int = 256) -> l
 
 def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     """The grid checked and timed at ``B`` sequences of ``MB`` blocks, then the other rows (:func:`sweep`)."""
-    from hf_sparse_kv.ops.triton.product import pq_block_lse, pq_block_scores, pq_table
+    from hf_sparse_kv.ops.triton.product import pq_block_lse, pq_block_scores, pq_table, pq_table_lse
     from hf_sparse_kv.ops.triton.quant import quant_lse_mass
 
     rows = []
@@ -92,13 +92,12 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     ref = R.pq_block_scores(q.float(), codes, centres, table, lens, zero, scale)
     nbytes = codes.numel()
     k16 = max(1, MB // 16)
+    tab = pq_table(q, centres, scale)  # the kernel's input, made once
     for tpp, warps in SMOKE_GRID if smoke else GRID:
         lse_fn = functools.partial(pq_block_lse, *args, tpp=tpp, num_warps=warps)
         out = quant_lse_mass(lse_fn(), table, lens, zero, BS, H, 0, None)
         rel, same, inf_ok = compare(out, ref, k16)
-        tab = pq_table(q, centres, scale)
-        kernel = functools.partial(_kernel_only, tab, codes, table, lens, zero, H, G, M, C, BS, tpp, warps)
-        us, mode = bench(kernel, rep=20)
+        us, mode = bench(functools.partial(pq_table_lse, tab, codes, table, lens, zero, tpp, warps), rep=20)
         whole, _ = bench(lambda f=lse_fn: quant_lse_mass(f(), table, lens, zero, BS, H, 0, None), rep=20)
         what = f"lse tpp={tpp} w={warps}"
         rows.append({"shape": shape, "what": what, "tpp": tpp, "num_warps": warps, "us": us,
@@ -126,21 +125,6 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
                      "floor": us / (moved / hbm / 1e3) if moved and hbm else None})  # fmt: skip
         print(f"{shape} {what}: {us:.1f} us", flush=True)
     return rows
-
-
-def _kernel_only(tab, codes, table, lens, start, H, G, M, C, BS, tpp, warps):
-    """``pq_block_lse_kernel`` alone on a table made beforehand (``[B, Hq, MB]`` float32)."""
-    import triton
-
-    from hf_sparse_kv.ops.triton.product import pq_block_lse_kernel
-
-    B, MB = table.shape
-    out = torch.empty(B, H * G, MB, dtype=torch.float32, device=tab.device)
-    pq_block_lse_kernel[(triton.cdiv(MB, tpp), B * H)](
-        tab, codes, table, lens, start, out, codes.stride(0), MB,
-        HQ=H * G, H=H, G=G, M=M, C=C, BS=BS, BM=tpp, num_warps=warps,
-    )  # fmt: skip
-    return out
 
 
 if __name__ == "__main__":

@@ -174,6 +174,13 @@ class ProductCodes:
         d = self.sub_dim
         self.spec = StateSpec(STATE_NAME, "token", lambda D: (D // d,), self.refresh, dtype=torch.uint8)
 
+    @staticmethod
+    def _key(layer: int | None, device) -> tuple[int, str]:
+        """The key of ``layer``'s centres on ``device`` in :attr:`on_device` (a layer index is needed)."""
+        if layer is None:
+            raise ValueError("a product-quantized coarse pass needs the layer index (DecodeState.layer)")
+        return layer, str(device)
+
     def fit(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Fit ``layer``'s centres on ``keys [Hkv, N, D]`` (the prefill's; at most :data:`PREFILL_SAMPLE` drawn,
         seeded; fewer than the centres repeated) into its tensor on the keys' device, in place once it exists."""
@@ -185,13 +192,13 @@ class ProductCodes:
             )
         if N == 0:
             raise ValueError(f"no stored keys to fit layer {layer}'s product-quantization centres on")
+        key = self._key(layer, keys.device)
         gen = torch.Generator(device="cpu").manual_seed(layer)
         if N > PREFILL_SAMPLE:
             keys = keys[:, torch.randperm(N, generator=gen)[:PREFILL_SAMPLE].to(keys.device)]
         elif N < C:
             keys = keys.repeat(1, -(-C // N), 1)
         centres = fit_centres(keys, d, C)
-        key = (layer, str(keys.device))
         if key in self.on_device:
             self.on_device[key].copy_(centres)
         else:
@@ -202,9 +209,7 @@ class ProductCodes:
         """``[Hkv, m, C, d]`` float32 of ``layer`` on ``device``, copied at the first call (the prefill's refresh), so
         that a decode step, static or captured, copies nothing from the host; with a prefill fit, the centres its
         prefill fitted."""
-        if layer is None:
-            raise ValueError("a product-quantized coarse pass needs the layer index (DecodeState.layer)")
-        key = (layer, str(device))
+        key = self._key(layer, device)
         if self.fit_sizes:
             if key not in self.on_device:
                 raise ValueError(
@@ -232,7 +237,7 @@ class ProductCodes:
     def refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
         """The StateSpec refresh: ``ops.pq_write`` of the positions ``[lo, hi)``; with a prefill fit, a multi-token
         write that starts every sequence at position 0 first fits the layer's centres on the keys it stores."""
-        if self.fit_sizes and ((layer, str(k_pool.device)) not in self.on_device or (span > 1 and _starts(lo))):
+        if self.fit_sizes and (self._key(layer, k_pool.device) not in self.on_device or (span > 1 and _starts(lo))):
             self.fit(layer, stored_keys(k_pool, block_table, hi))
         centres = self.centres(layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         ops.pq_write(state, k_pool, centres, block_table, lo, hi, span)
@@ -244,8 +249,6 @@ class ProductCodes:
         k_pool = state.k_pool
         codes = state.state.get(STATE_NAME)
         if codes is None and self.fit_sizes:  # no cache behind the state: fit on its stored keys
-            if state.layer is None:
-                raise ValueError("a product-quantized coarse pass needs the layer index (DecodeState.layer)")
             self.fit(state.layer, stored_keys(k_pool, state.block_table, state.seq_lens))
         centres = self.centres(state.layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         if codes is None:

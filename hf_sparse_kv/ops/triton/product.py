@@ -104,17 +104,32 @@ def pq_block_lse(
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for). ``tpp``: blocks a
     program (a power of two)."""
-    B, HQ, D = q.shape
-    _, H, BS, M = codes.shape
-    _, _, C, d = centres.shape
-    assert codes.dtype == torch.uint8 and centres.shape[:2] == (H, M) and M * d == D and HQ % H == 0
+    _, HQ, D = q.shape
+    H, M, _, d = centres.shape
+    assert codes.shape[1] == H and codes.shape[3] == M and M * d == D and HQ % H == 0
+    return pq_table_lse(pq_table(q, centres, scale), codes, block_table, seq_lens, start, tpp, num_warps)
+
+
+def pq_table_lse(
+    table: torch.Tensor,
+    codes: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    tpp: int = 8,
+    num_warps: int = 2,
+) -> torch.Tensor:
+    """:func:`pq_block_lse` on a table :func:`pq_table` made (``table [B, Hq, M, C]`` float32): the kernel alone,
+    ``[B, Hq, MB]`` float32."""
+    B, HQ, M, C = table.shape
+    _, H, BS, _ = codes.shape
+    assert codes.dtype == torch.uint8 and codes.shape[3] == M and table.is_contiguous() and HQ % H == 0
     assert codes.stride()[1:] == (BS * M, M, 1), "codes must be contiguous within a block"
     assert triton.next_power_of_2(M) == M and triton.next_power_of_2(BS) == BS and triton.next_power_of_2(tpp) == tpp
     MB = block_table.shape[1]
-    out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, HQ, MB, dtype=torch.float32, device=table.device)
     if B == 0 or MB == 0:
         return out
-    table = pq_table(q, centres, scale)
     grid = (triton.cdiv(MB, tpp), B * H)
     pq_block_lse_kernel[grid](
         table, codes, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, codes.stride(0), MB,
