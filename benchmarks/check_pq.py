@@ -11,9 +11,12 @@ float32: relative error of the mass, the reference's top-1/16 blocks shared, the
 (``common.bench``: CUDA graph, L2 flushed, median): the kernel alone (``us``, the table made beforehand) and the whole
 scoring (``scores_us``: the table's einsum, the kernel, the tail). Then, at the same shapes: the table alone, one
 decode token's codes written (``pq_write``, the reference ops), Quest's scores and Quest's scores + top-k at 1/16,
-and the PQ scores + top-k of the c = 4 candidates (4/16). ``floor``: time over the codes' bytes at the copy bandwidth
-measured in the run. The CSV goes to ``--out``, else ``$OUT/pq_sweep.csv`` when ``OUT`` is set, else
-``benchmarks/results/pq_sweep.csv``.
+the PQ scores + top-k of the c = 4 candidates (4/16), one layer's centres fitted at a prefill
+(``calibration="prefill"``: ``ProductCodes.fit`` on the layer's stored keys, timed eagerly) with the reference's and
+with the kernel's assignment, and ``pq_encode``'s kernel at a few tiles on one k-means round's keys (codes equal to the
+reference's: ``shared``). ``floor``: time over
+the codes' bytes at the copy bandwidth measured in the run. The CSV goes to ``--out``, else ``$OUT/pq_sweep.csv``
+when ``OUT`` is set, else ``benchmarks/results/pq_sweep.csv``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, wri
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
+from hf_sparse_kv.policies.product import ProductCodes
 
 # (blocks a program, warps); a layout looping over the pieces was slower at every point (2026-12-04) and is removed
 GRID = tuple((tpp, w) for tpp in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8))
@@ -81,7 +85,7 @@ def sweep(dev, H, G, D, BS, smoke: bool = False, M: int = 16, C: int = 256) -> l
 
 def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     """The grid checked and timed at ``B`` sequences of ``MB`` blocks, then the other rows (:func:`sweep`)."""
-    from hf_sparse_kv.ops.triton.product import pq_block_lse, pq_block_scores, pq_table, pq_table_lse
+    from hf_sparse_kv.ops.triton.product import pq_block_lse, pq_block_scores, pq_encode, pq_table, pq_table_lse
     from hf_sparse_kv.ops.triton.quant import quant_lse_mass
 
     rows = []
@@ -117,8 +121,25 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
         "quest scores + top-k 1/16": lambda: ops.topk_indices(quest(), k16),
         "pq scores + top-k 4/16": lambda: ops.topk_indices(pq_block_scores(*args, sink=4, window=32), 4 * k16),
     }
+    extra["pq_write, one token (Triton)"] = lambda: ops.pq_write(codes, k_new, centres, table, lo, lo + 1, 1)
+    # the smoke run fits 16 centres on 40 keys: the interpreter runs each (tokens, head, piece) program in NumPy
+    fitter = ProductCodes({"method": "pq", "fit": "prefill", "sub_dim": D // M, "centroids": 16 if smoke else C}, "")
+    stored = k_pool.transpose(0, 1).reshape(H, -1, D)  # [H, NB * BS, D]: every slot, as a prefill would store
+    stored = stored[:, :40] if smoke else stored
+    extra["prefill fit, one layer (reference codes)"] = lambda: fitter.fit(0, stored, R.pq_encode)
+    if not smoke:  # 8 rounds of ~100 interpreted programs each take ~4 s on the CPU
+        extra["prefill fit, one layer (Triton codes)"] = lambda: fitter.fit(0, stored, ops.pq_encode)
+    sample = stored[:, : min(stored.shape[1], 16384)].transpose(0, 1)  # [N, H, D]: one k-means round's keys
+    sample = sample[:24] if smoke else sample
+    want = R.pq_encode(sample, centres)
+    for bn, warps in ((16, 1),) if smoke else ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8)):
+        enc = functools.partial(pq_encode, sample, centres, bn, warps)
+        us, mode = bench(enc, rep=20)
+        rows.append({"shape": shape, "what": f"pq_encode {sample.shape[0]} keys bn={bn} w={warps}", "us": us,
+                     "timing": mode, "shared": (enc() == want).float().mean().item()})  # fmt: skip
+        print(f"{shape} pq_encode bn={bn} w={warps}: {us:.1f} us, codes equal {rows[-1]['shared']:.5f}", flush=True)
     for what, fn in extra.items():
-        us, mode = bench(fn, rep=20)
+        us, mode = bench(fn, rep=5 if "fit" in what else 20, graph="fit" not in what)
         moved = {"pq_block_scores (default)": nbytes, "quest scores": 2 * kmin.numel() * kmin.element_size()}.get(what)
         rows.append({"shape": shape, "what": what, "us": us, "timing": mode,
                      "GB/s": moved / us / 1e3 if moved else None,

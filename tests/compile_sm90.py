@@ -40,6 +40,7 @@ from hf_sparse_kv.ops.triton import (
     merge_partials,
     paged_write,
     pq_block_scores,
+    pq_encode,
     projected_scores,
     projected_write,
     quant_block_scores,
@@ -245,6 +246,10 @@ def cases():
         args = (q, codes, centres, table, lens, zero, 0.088)
         out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS}", partial(pq_block_scores, *args)))
         out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS} sink+window", partial(pq_block_scores, *args, 4, 32)))
+    for N, H, M, C, d in ((16384, 8, 16, 256, 8), (3, 2, 16, 256, 8), (40, 1, 3, 100, 4)):  # a fit; a decode write
+        keys = torch.randn(N, H, M * d, generator=g).to(torch.bfloat16)
+        centres = torch.randn(H, M, C, d, generator=g)
+        out.append((f"pq_encode N={N} H={H} M={M} C={C} d={d}", partial(pq_encode, keys, centres)))
     return out
 
 

@@ -46,7 +46,9 @@ def test_topk_dry_run_checks_and_writes_its_rows(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="check_pq.py times the GPU when there is one")
 def test_pq_check_dry_run_finds_every_point_right(tmp_path):
     """``check_pq.py --smoke`` on the CPU: each grid point's scores against the float32 reference (relative error,
-    the reference's top blocks shared, the ``+-inf`` pattern) written per shape, beside the rows it times."""
+    the reference's top blocks shared, the ``+-inf`` pattern) written per shape, beside the rows it times: the
+    prefill fit (the reference's assignment: the kernel's is too slow under the interpreter), ``pq_encode``'s kernel
+    with its codes against the reference's."""
     path = tmp_path / "pq.csv"
     out = _run(["benchmarks/check_pq.py", "--device", "cpu", "--smoke", "--out", str(path)], interpret=True)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -55,3 +57,7 @@ def test_pq_check_dry_run_finds_every_point_right(tmp_path):
     assert {r["shape"] for r in points} == {"1x192", "2x80"} and len(points) == 4
     assert all(float(r["rel_err"]) < 1e-5 and float(r["shared"]) == 1.0 and r["inf_ok"] == "True" for r in points)
     assert {"table einsum", "quest scores + top-k 1/16", "pq scores + top-k 4/16"} <= {r["what"] for r in rows}
+    fits = [r for r in rows if r["what"] == "prefill fit, one layer (reference codes)"]
+    assert len(fits) == 2 and all(float(r["us"]) > 0 for r in fits)
+    encodes = [r for r in rows if r["what"].startswith("pq_encode")]
+    assert len(encodes) == 2 and all(float(r["shared"]) >= 0.99 for r in encodes)

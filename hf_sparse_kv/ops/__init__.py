@@ -4,7 +4,7 @@ Each backend is a namespace exposing the same functions with the signatures of :
 ``paged_write``, ``gather_dense``, ``block_scores``, ``block_shares``, ``token_scores``, ``oracle_block_scores``,
 ``topk_indices``, ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``,
 ``decode_masked``, ``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``,
-``candidate_scores``, ``candidate_mass``, ``quant_write``, ``quant_block_scores``, ``pq_write``,
+``candidate_scores``, ``candidate_mass``, ``quant_write``, ``quant_block_scores``, ``pq_encode``, ``pq_write``,
 ``pq_block_scores``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
 on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not
 implement: :data:`REFERENCE_ONLY` lists them (plain PyTorch on the tensors' device: right, not fast).
@@ -40,14 +40,14 @@ _OP_NAMES = (
     "candidate_mass",
     "quant_write",
     "quant_block_scores",
+    "pq_encode",
     "pq_write",
     "pq_block_scores",
 )
 
 
 # the ops without a Triton kernel: the Triton namespace runs their reference (evaluation oracles, plain tensor code, and
-# block_shares, the per-head coarse score of issue 13 measured for quality only so far, and pq_write, the
-# product-quantized keys' codes at a write)
+# block_shares, the per-head coarse score of issue 13 measured for quality only so far)
 REFERENCE_ONLY = (
     "gather_dense",
     "token_scores",
@@ -55,7 +55,6 @@ REFERENCE_ONLY = (
     "blocks_to_tokens",
     "selection_to_mask",
     "block_shares",
-    "pq_write",
 )
 
 

@@ -14,7 +14,7 @@ still fuses everything around the ops (norms, rotary, MLP); the ops hold no host
 them.
 
 The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form, ``candidate_mass``,
-``block_shares``, ``quant_write``, ``quant_block_scores``, ``pq_write``, ``pq_block_scores``: the compressed-key,
+``block_shares``, ``quant_write``, ``quant_block_scores``, ``pq_encode``, ``pq_write``, ``pq_block_scores``: the compressed-key,
 two-stage, top-p, low-bit-key and product-quantized-key policies) are registered the same way; ``projected_write``,
 ``quant_write`` and ``pq_write`` run inside a static step's write (the
 :class:`~hf_sparse_kv.policies.StateSpec` refreshes) and mutate their state.
@@ -370,6 +370,18 @@ def _(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, win
     return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::pq_encode", mutates_args=())
+def pq_encode_op(keys: torch.Tensor, centres: torch.Tensor, backend: str) -> torch.Tensor:
+    """``reference.pq_encode``: the codes ``[..., Hkv, m]`` uint8 of ``keys [..., Hkv, D]``, each piece's nearest of
+    ``centres [Hkv, m, C, d]``."""
+    return _impl(backend, "pq_encode")(keys, centres)
+
+
+@pq_encode_op.register_fake
+def _(keys, centres, backend):
+    return keys.new_empty(*keys.shape[:-1], centres.shape[1], dtype=torch.uint8)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::pq_write", mutates_args=("codes",))
 def pq_write_op(
     codes: torch.Tensor,
@@ -431,6 +443,7 @@ REGISTERED = (
     "candidate_mass",
     "quant_write",
     "quant_block_scores",
+    "pq_encode",
     "pq_write",
     "pq_block_scores",
 )
@@ -502,6 +515,9 @@ def registered_ops(backend: str) -> SimpleNamespace:
             q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window, backend
         )
 
+    def pq_encode(keys, centres):
+        return pq_encode_op(keys, centres, backend)
+
     def pq_write(codes, k_pool, centres, block_table, lo, hi, span):
         pq_write_op(codes, k_pool, centres, block_table, lo, hi, span, backend)
 
@@ -529,6 +545,7 @@ def registered_ops(backend: str) -> SimpleNamespace:
         candidate_mass=candidate_mass,
         quant_write=quant_write,
         quant_block_scores=quant_block_scores,
+        pq_encode=pq_encode,
         pq_write=pq_write,
         pq_block_scores=pq_block_scores,
     )

@@ -28,13 +28,15 @@ unaffected). Where a state carries no codes (evaluation's simulate way) the cent
 keys at every call. A layer's centres keep their tensor across fits (captured decode steps read the new ones).
 
 ``pq_block_scores`` has a Triton kernel (a table of ``q_piece . centre`` gathered by the codes: ``ops/triton/
-product.py``; tested against the reference, built for sm_90, timed on the H200: benchmarks/RESULTS.md);
-``pq_write`` runs its reference (``ops.REFERENCE_ONLY``: vectorized PyTorch, no host sync). There is no uncalibrated
-default: without ``calibration`` the policy raises, naming the command that writes one and ``"prefill"``.
+product.py``; tested against the reference, built for sm_90, timed on the H200: benchmarks/RESULTS.md); so has
+``pq_encode``, the nearest-centre assignment that ``pq_write`` codes the written keys with and each k-means round of
+a prefill fit runs (its distances stay in registers). There is no uncalibrated default: without ``calibration`` the
+policy raises, naming the command that writes one and ``"prefill"``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +49,6 @@ STATE_NAME = "pqcodes"
 METHOD = "pq"
 PREFILL = "prefill"
 PREFILL_SAMPLE = 16384  # keys a prefill fit draws at most per layer
-FIT_ELEMENTS = (
-    2**26
-)  # float32 distances a k-means pass holds at most (256 MiB): rows of pieces fitted a chunk at a time
 MISSING = (
     "{cls} with coarse='pq' needs calibration=: a file written by `hf-sparse-kv calibrate-selector --method pq "
     "--model M --out pq.pt` (or the dict hf_sparse_kv.calibrate_selector.calibrate_selector(model, input_ids, "
@@ -58,10 +57,15 @@ MISSING = (
 )
 
 
-def fit_centres(keys: torch.Tensor, sub_dim: int, centroids: int, iters: int = 8, seed: int = 0) -> torch.Tensor:
+def fit_centres(
+    keys: torch.Tensor, sub_dim: int, centroids: int, iters: int = 8, seed: int = 0, encode: Callable | None = None
+) -> torch.Tensor:
     """k-means of ``keys [Hkv, N, D]``'s pieces of ``sub_dim`` channels, per KV head and piece: ``[Hkv, D / sub_dim,
     centroids, sub_dim]`` float32. Seeded: the first centres are ``centroids`` of the keys drawn at random; ``iters``
-    rounds of nearest-centre assignment and means (a centre without keys stays)."""
+    rounds of nearest-centre assignment and means (a centre without keys stays). The assignment is ``encode`` (a
+    backend's ``pq_encode``; default the reference's, which holds ``[chunk, Hkv, m, C]`` distances at a time). The
+    means are ``scatter_add_`` sums: bit for bit on the CPU, up to float32 rounding on CUDA (its atomics add in any
+    order; 2.3e-7 relative at most on the H200)."""
     Hkv, N, D = keys.shape
     if sub_dim < 1 or D % sub_dim:
         raise ValueError(f"sub_dim must divide the head dim {D}, got {sub_dim}")
@@ -69,22 +73,20 @@ def fit_centres(keys: torch.Tensor, sub_dim: int, centroids: int, iters: int = 8
         raise ValueError(f"centroids must lie in [2, 256] (one-byte codes), got {centroids}")
     if N < centroids:
         raise ValueError(f"fitting {centroids} centres needs at least as many keys, got {N}: calibrate on more tokens")
+    encode = encode or pq_encode
     m = D // sub_dim
-    x = keys.float().reshape(Hkv, N, m, sub_dim).transpose(1, 2).reshape(Hkv * m, N, sub_dim)
+    x = keys.float()
+    pieces = x.view(Hkv, N, m, sub_dim).transpose(1, 2)  # [Hkv, m, N, d]
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    centres = x[:, torch.randperm(N, generator=gen)[:centroids].to(x.device)].clone()  # [Hkv * m, C, d]
-    rows = max(1, FIT_ELEMENTS // (N * centroids))  # rows a pass: its distances [rows, N, C] bounded
-    for r in range(0, x.shape[0], rows):
-        xr, cr = x[r : r + rows], centres[r : r + rows]
-        for _ in range(iters):
-            dist = cr.pow(2).sum(-1).unsqueeze(1) - 2 * xr @ cr.transpose(1, 2)  # [rows, N, C]
-            assign = dist.argmin(-1)
-            ones = torch.ones_like(xr[..., 0])
-            count = torch.zeros(xr.shape[0], centroids, device=x.device).scatter_add_(1, assign, ones)
-            total = torch.zeros_like(cr).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, sub_dim), xr)
-            cr = torch.where(count.unsqueeze(-1) > 0, total / count.clamp(min=1).unsqueeze(-1), cr)
-        centres[r : r + rows] = cr
-    return centres.view(Hkv, m, centroids, sub_dim).contiguous()
+    centres = pieces[:, :, torch.randperm(N, generator=gen)[:centroids].to(x.device)].contiguous()  # [Hkv, m, C, d]
+    tokens = x.transpose(0, 1)  # [N, Hkv, D]: the layout pq_encode codes
+    ones = torch.ones(1, 1, 1, device=x.device).expand(Hkv, m, N)
+    for _ in range(iters):
+        assign = encode(tokens, centres).long().permute(1, 2, 0)  # [Hkv, m, N]
+        count = torch.zeros(Hkv, m, centroids, device=x.device).scatter_add_(2, assign, ones)
+        total = torch.zeros_like(centres).scatter_add_(2, assign.unsqueeze(-1).expand(-1, -1, -1, sub_dim), pieces)
+        centres = torch.where(count.unsqueeze(-1) > 0, total / count.clamp(min=1).unsqueeze(-1), centres)
+    return centres.contiguous()
 
 
 def load_calibration(calibration: str | Path | dict) -> dict[str, Any]:
@@ -181,9 +183,10 @@ class ProductCodes:
             raise ValueError("a product-quantized coarse pass needs the layer index (DecodeState.layer)")
         return layer, str(device)
 
-    def fit(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+    def fit(self, layer: int, keys: torch.Tensor, encode: Callable | None = None) -> torch.Tensor:
         """Fit ``layer``'s centres on ``keys [Hkv, N, D]`` (the prefill's; at most :data:`PREFILL_SAMPLE` drawn,
-        seeded; fewer than the centres repeated) into its tensor on the keys' device, in place once it exists."""
+        seeded; fewer than the centres repeated) into its tensor on the keys' device, in place once it exists;
+        ``encode``: the nearest-centre assignment (a backend's ``pq_encode``, :func:`fit_centres`)."""
         d, C = self.fit_sizes
         _, N, D = keys.shape
         if D % d:
@@ -198,7 +201,7 @@ class ProductCodes:
             keys = keys[:, torch.randperm(N, generator=gen)[:PREFILL_SAMPLE].to(keys.device)]
         elif N < C:
             keys = keys.repeat(1, -(-C // N), 1)
-        centres = fit_centres(keys, d, C)
+        centres = fit_centres(keys, d, C, encode=encode)
         if key in self.on_device:
             self.on_device[key].copy_(centres)
         else:
@@ -238,7 +241,7 @@ class ProductCodes:
         """The StateSpec refresh: ``ops.pq_write`` of the positions ``[lo, hi)``; with a prefill fit, a multi-token
         write that starts every sequence at position 0 first fits the layer's centres on the keys it stores."""
         if self.fit_sizes and (self._key(layer, k_pool.device) not in self.on_device or (span > 1 and _starts(lo))):
-            self.fit(layer, stored_keys(k_pool, block_table, hi))
+            self.fit(layer, stored_keys(k_pool, block_table, hi), ops.pq_encode)
         centres = self.centres(layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         ops.pq_write(state, k_pool, centres, block_table, lo, hi, span)
 
@@ -249,10 +252,10 @@ class ProductCodes:
         k_pool = state.k_pool
         codes = state.state.get(STATE_NAME)
         if codes is None and self.fit_sizes:  # no cache behind the state: fit on its stored keys
-            self.fit(state.layer, stored_keys(k_pool, state.block_table, state.seq_lens))
+            self.fit(state.layer, stored_keys(k_pool, state.block_table, state.seq_lens), state.ops.pq_encode)
         centres = self.centres(state.layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         if codes is None:
-            codes = pq_encode(k_pool.transpose(1, 2), centres).transpose(1, 2).contiguous()
+            codes = state.ops.pq_encode(k_pool.transpose(1, 2), centres).transpose(1, 2).contiguous()
         return state.ops.pq_block_scores(
             state.q, codes, centres, state.block_table, state.seq_lens, state.start, state.scale, sink, window
         )

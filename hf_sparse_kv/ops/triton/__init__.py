@@ -7,7 +7,7 @@ from .candidates import candidate_scores
 from .masked_decode import decode_masked
 from .merge import merge_partials
 from .paged_write import paged_write
-from .product import pq_block_scores
+from .product import pq_block_scores, pq_encode, pq_write
 from .projected import projected_scores, projected_write
 from .quant import quant_block_scores, quant_write
 from .token_decode import decode_tokens
@@ -23,6 +23,8 @@ __all__ = [
     "merge_partials",
     "paged_write",
     "pq_block_scores",
+    "pq_encode",
+    "pq_write",
     "projected_scores",
     "projected_write",
     "quant_block_scores",

@@ -1,4 +1,5 @@
-"""Product-quantized keys for selection: the Triton twin of ``reference.pq_block_scores``.
+"""Product-quantized keys for selection: the Triton twins of ``reference.pq_block_scores``, ``pq_encode`` and
+``pq_write``.
 
 A key's codes are ``M = D / d`` bytes, piece ``j``'s code the index of its nearest of the ``C`` centres
 ``centres[h, j]`` (``reference.pq_encode``). The score of query head ``g`` against a coded key is a sum of ``M``
@@ -12,14 +13,17 @@ e.g. 128 KiB of table for 4 query heads, 16 pieces and 256 centres; it stays in 
   the pieces and stores each block's log-sum-exp over its valid positions (``start <= p < seq_len``, block held;
   ``-inf`` where none is): ``reference``'s ``oracle_block_scores`` on the decoded keys, before its softmax. It reads
   the codes (``M`` bytes a key: 1/16 of a 16-bit key at ``d = 8``) and gathers from the table.
+- :func:`pq_encode`: the codes themselves, each piece's nearest centre, one program per (tokens, KV head, piece)
+  with the piece's centres and the tokens' distances in registers; :func:`pq_write` codes the written keys with it.
 - :func:`pq_block_scores`: :func:`pq_block_lse`, then the low-bit keys' tail (``quant.quant_lse_mass``: each
   head's softmax shares summed over the group, ``+inf`` at the forced blocks); shapes the kernel does not take
   (``M`` or ``BS`` not a power of two) run the reference.
 
 Tested against the reference under the interpreter and built for sm_90 on the CPU (tests/compile_sm90.py). On the
 H200 (2026-12-04, benchmarks/check_pq.py, Llama-3-8B layer): right against the float32 reference at every knob; the
-default (tile, 8 blocks a program, 2 warps, the fastest point at 1 x 128K and 8 x 32K) takes 56 / 106 us, 13-14x the
-time of the codes' bytes, 3x Quest's scores; its time grows with the warps at a fixed tile. A layout looping over the
+default (8 blocks a program, 1 warp: the fastest point of the second sweep, blocks 1-16 x warps 1-8) takes 46 / 93 us
+at 1 x 128K / 8 x 32K (56 / 105 at 2 warps), ~12x the time of the codes' bytes, 2.6x Quest's scores; its time grows
+with the warps at a fixed tile. A layout looping over the
 pieces (each warp's lookups in one piece's row of the table) was slower at every knob and is removed
 (benchmarks/RESULTS.md).
 """
@@ -81,6 +85,83 @@ def pq_block_lse_kernel(
         tl.store(out + head * MB + o_m, lse, mask=m_m)
 
 
+@triton.jit
+def pq_encode_kernel(
+    keys,  # [N, H, D]: last dim contiguous
+    centres,  # [H, M, C, d] float32, contiguous
+    out,  # [N, H, M] uint8, contiguous
+    N,
+    s_kn,  # keys' stride between tokens
+    s_kh,  # keys' stride between heads
+    H: tl.constexpr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,  # C rounded up to a power of two
+    d: tl.constexpr,
+    BN: tl.constexpr,  # tokens a program
+):
+    i_n, i_hj = tl.program_id(0), tl.program_id(1)
+    i_h, i_j = i_hj // M, i_hj % M
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    o_c = tl.arange(0, CP)
+    m_c = o_c < C
+    base_c = centres + i_hj * C * d
+    base_k = keys + o_n.to(tl.int64) * s_kn + i_h * s_kh + i_j * d
+    dot = tl.zeros([BN, CP], dtype=tl.float32)
+    norm = tl.zeros([CP], dtype=tl.float32)
+    for k in tl.static_range(d):  # d multiply-adds a (token, centre): no tensor-core tile is that thin
+        b_c = tl.load(base_c + o_c * d + k, mask=m_c, other=0.0)
+        b_x = tl.load(base_k + k, mask=m_n, other=0.0).to(tl.float32)
+        dot += b_x[:, None] * b_c[None, :]
+        norm += b_c * b_c
+    dist = tl.where(m_c[None, :], norm[None, :] - 2 * dot, float("inf"))
+    code = tl.argmin(dist, axis=1, tie_break_left=True)
+    tl.store(out + o_n.to(tl.int64) * (H * M) + i_hj, code.to(tl.uint8), mask=m_n)
+
+
+def pq_encode(keys: torch.Tensor, centres: torch.Tensor, block_n: int = 32, num_warps: int = 2) -> torch.Tensor:
+    """Product-quantization codes of ``keys [..., Hkv, D]`` against ``centres [Hkv, m, C, d]``: ``[..., Hkv, m]``
+    uint8, each piece's nearest centre by ``|c|^2 - 2 k . c`` in float32 (the contract of ``reference.pq_encode``;
+    a near tie may go the other way: the sums run in another order). One program per (``block_n`` tokens, head,
+    piece) holds the piece's ``C`` centres and the tokens' ``[block_n, C]`` distances in registers: nothing of that
+    size is written (the reference writes ``[chunk, Hkv, m, C]`` float32 distances). Defaults from the H200
+    (2026-12-04, 16384 keys x 8 heads x 16 pieces x 256 centres): 0.97 ms at 32 tokens and 2 warps, 1.05 at 64 / 2,
+    1.72 at 64 / 4, 15.2 at 128 / 8; the reference's codes everywhere."""
+    Hkv, m, C, d = centres.shape
+    if keys.shape[-2:] != (Hkv, m * d):
+        raise ValueError(f"keys [..., {Hkv}, {m * d}] expected for these centres, got {tuple(keys.shape)}")
+    if C > 256:
+        raise ValueError(f"uint8 codes hold at most 256 centres a piece, got {C}")
+    lead = keys.shape[:-2]
+    x = keys.reshape(-1, Hkv, m * d)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    N = x.shape[0]
+    out = torch.empty(N, Hkv, m, dtype=torch.uint8, device=keys.device)
+    if N:
+        grid = (triton.cdiv(N, block_n), Hkv * m)
+        pq_encode_kernel[grid](
+            x, centres.float().contiguous(), out, N, x.stride(0), x.stride(1),
+            H=Hkv, M=m, C=C, CP=triton.next_power_of_2(C), d=d, BN=block_n, num_warps=num_warps,
+        )  # fmt: skip
+    return out.reshape(*lead, Hkv, m)
+
+
+def pq_write(
+    codes: torch.Tensor,
+    k_pool: torch.Tensor,
+    centres: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+) -> None:
+    """``reference.pq_write`` with the keys coded by :func:`pq_encode`: the written positions gathered, coded and
+    stored by ``reference.store_written`` (vectorized, no host read of ``lo`` / ``hi``)."""
+    reference.store_written(codes, k_pool, block_table, lo, hi, span, lambda k: pq_encode(k, centres))
+
+
 def pq_table(q: torch.Tensor, centres: torch.Tensor, scale: float) -> torch.Tensor:
     """``[B, Hq, M, C]`` float32: ``scale * q_g[piece j] . centres[h, j, c]`` for query head ``g`` of KV head ``h``
     (``q [B, Hq, D]``, ``centres [Hkv, M, C, d]``)."""
@@ -99,7 +180,7 @@ def pq_block_lse(
     start: torch.Tensor,
     scale: float,
     tpp: int = 8,
-    num_warps: int = 2,
+    num_warps: int = 1,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for). ``tpp``: blocks a
@@ -117,7 +198,7 @@ def pq_table_lse(
     seq_lens: torch.Tensor,
     start: torch.Tensor,
     tpp: int = 8,
-    num_warps: int = 2,
+    num_warps: int = 1,
 ) -> torch.Tensor:
     """:func:`pq_block_lse` on a table :func:`pq_table` made (``table [B, Hq, M, C]`` float32): the kernel alone,
     ``[B, Hq, MB]`` float32."""
