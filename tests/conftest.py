@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
     from interpreter_shims import apply as _apply_interpreter_shims  # tests/ is on sys.path (pytest's rootdir mode)
 
     _apply_interpreter_shims()
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite in one worker process per core (pytest-xdist): each worker keeps to one thread,
+    # else the workers' torch threads contend for the same cores and every test slows down
+    torch.set_num_threads(1)
 # -------------------------------------------------------------------------------------------------------------------
 
 

