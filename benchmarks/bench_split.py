@@ -32,7 +32,8 @@ category by its name (``category``), case-insensitive, the first rule that match
   (``block_scores_kernel``, ``projected_scores_kernel``, ``candidate_*_kernel``, ``quant_block_lse*_kernel``,
   ``quant_lse_stats_kernel``, ``quant_mass_kernel``, ``pq_block_lse_kernel``) and the top-k (``topk_indices_kernel``, ``topk_radix_*_kernel``)
   are selection; ``sparse_decode_fwd_kernel`` and ``merge_partials_kernel`` attention; ``paged_write_kernel`` and the
-  declared state's refresh (``projected_write_kernel``, ``quant_write_kernel``; ``pq_write``, a reference) write
+  declared state's refresh (``projected_write_kernel``, ``quant_write_kernel``, ``pq_write_kernel``, and
+  ``pq_encode_kernel`` of a prefill fit) write
 - attention: SDPA's kernels in the unpatched row (names containing flash, fmha, attention, sdpa, efficient, cudnn)
 - matmul: cuBLAS / CUTLASS kernels (names containing gemm, gemv, cublas, cutlass, nvjet, xmma): the weights
 - rest: everything else: the norms, rope, SiLU and residual adds of the eager steps, the argmax of the next token, the
@@ -102,6 +103,7 @@ OURS = (  # (substring, category): our Triton kernels (ops/triton/*.py), and for
     ("projected_write", "write"),
     ("quant_write", "write"),
     ("pq_write", "write"),
+    ("pq_encode", "write"),  # a prefill fit's k-means rounds (the write that starts a cache)
     ("sparse_decode_fwd", "attention"),
     ("merge_partials", "attention"),
     ("decode_blocks", "attention"),

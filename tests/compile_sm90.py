@@ -41,6 +41,7 @@ from hf_sparse_kv.ops.triton import (
     paged_write,
     pq_block_scores,
     pq_encode,
+    pq_write,
     projected_scores,
     projected_write,
     quant_block_scores,
@@ -250,6 +251,14 @@ def cases():
         keys = torch.randn(N, H, M * d, generator=g).to(torch.bfloat16)
         centres = torch.randn(H, M, C, d, generator=g)
         out.append((f"pq_encode N={N} H={H} M={M} C={C} d={d}", partial(pq_encode, keys, centres)))
+    for H, M, C, d, BS in ((8, 16, 256, 8, 16), (1, 32, 256, 8, 16), (2, 3, 100, 4, 64)):  # Llama-3, Gemma-3, odd
+        NB, B, MB = 6, 2, 3
+        k_pool = torch.randn(NB, H, BS, M * d, generator=g).to(torch.bfloat16)
+        codes = torch.zeros(NB, H, BS, M, dtype=torch.uint8)
+        table = torch.arange(B * MB, dtype=torch.int32).view(B, MB)
+        lo, hi = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([BS * MB, 6], dtype=torch.int32)
+        args = (codes, k_pool, torch.randn(H, M, C, d, generator=g), table, lo, hi, BS * MB)
+        out.append((f"pq_write H={H} M={M} C={C} d={d} BS={BS}", partial(pq_write, *args)))
     return out
 
 

@@ -18,7 +18,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_split
 
 ATTENTION_KERNELS = {"sparse_decode_fwd_kernel", "merge_partials_kernel"}
-WRITE_KERNELS = {"paged_write_kernel", "projected_write_kernel", "quant_write_kernel"}
+WRITE_KERNELS = {
+    "paged_write_kernel", "projected_write_kernel", "quant_write_kernel", "pq_write_kernel", "pq_encode_kernel"
+}  # fmt: skip
 
 
 def test_every_triton_kernel_of_ours_has_its_category():

@@ -267,7 +267,8 @@ def _nearest(keys: torch.Tensor, centres: torch.Tensor, codes: torch.Tensor) -> 
 def test_the_triton_codes_are_the_nearest_centres(shape):
     """``pq_encode``'s kernel (one program per tokens x head x piece, distances in registers) codes every piece with
     its nearest centre, as the reference does (the same codes but for near ties), at power-of-two and other centre
-    counts, bf16 and float32 keys, strided keys; ``pq_write`` through it stores the reference's codes."""
+    counts, bf16 and float32 keys, strided keys; ``pq_write``'s kernel stores the same nearest centres at the written
+    positions (a block's part, whole blocks, an empty range) and nothing elsewhere."""
     pytest.importorskip("triton")
     from hf_sparse_kv.ops.triton.product import pq_encode
 
@@ -285,14 +286,22 @@ def test_the_triton_codes_are_the_nearest_centres(shape):
     with pytest.raises(ValueError, match="expected"):
         pq_encode(torch.randn(3, H, m * d + 1, device=DEVICE), centres)
     ops = get_ops("triton", DEVICE)
-    NB, BS_ = 6, 8
+    NB, BS_ = 7, 8
     k_pool = torch.randn(NB, H, BS_, m * d, generator=gen).to(DEVICE, torch.bfloat16)
-    table = torch.tensor([[4, 0, 2], [1, 5, -1]], dtype=torch.int32, device=DEVICE)
-    lo, hi = torch.tensor([3, 0], device=DEVICE), torch.tensor([19, 9], device=DEVICE)
-    got, want = (torch.zeros(NB, H, BS_, m, dtype=torch.uint8, device=DEVICE) for _ in range(2))
+    table = torch.tensor([[4, 0, 2], [1, 5, -1], [6, 3, -1]], dtype=torch.int32, device=DEVICE)
+    lo, hi = torch.tensor([3, 0, 5], device=DEVICE), torch.tensor([19, 9, 5], device=DEVICE)  # the last writes nothing
+    old = torch.randint(0, min(C, 256), (NB, H, BS_, m), dtype=torch.uint8, generator=gen).to(DEVICE)
+    got, want = old.clone(), old.clone()
     ops.pq_write(got, k_pool, centres, table, lo, hi, 16)
     reference.pq_write(want, k_pool, centres, table, lo, hi, 16)
-    assert (got == want).float().mean() >= 0.99
+    written = torch.zeros(NB, BS_, dtype=torch.bool)
+    for b, (a, z) in enumerate(zip(lo.tolist(), hi.tolist())):
+        for p in range(a, z):
+            written[table[b, p // BS_].item(), p % BS_] = True
+    written = written.view(NB, 1, BS_, 1).expand_as(got).to(DEVICE)
+    assert torch.equal(got[~written], old[~written]), "a slot outside [lo, hi) was written"
+    assert (got[written] == want[written]).float().mean() >= 0.99
+    assert _nearest(k_pool.transpose(1, 2)[written[:, 0, :, 0]], centres, got.transpose(1, 2)[written[:, 0, :, 0]])
 
 
 def test_a_fit_through_the_triton_codes_is_the_reference_fit():

@@ -29,9 +29,10 @@ keys at every call. A layer's centres keep their tensor across fits (captured de
 
 ``pq_block_scores`` has a Triton kernel (a table of ``q_piece . centre`` gathered by the codes: ``ops/triton/
 product.py``; tested against the reference, built for sm_90, timed on the H200: benchmarks/RESULTS.md); so has
-``pq_encode``, the nearest-centre assignment that ``pq_write`` codes the written keys with and each k-means round of
-a prefill fit runs (its distances stay in registers). There is no uncalibrated default: without ``calibration`` the
-policy raises, naming the command that writes one and ``"prefill"``.
+``pq_encode``, the nearest-centre assignment each k-means round of a prefill fit runs (its distances stay in
+registers), and ``pq_write``, which computes the same codes for the written positions and stores them in place.
+There is no uncalibrated default: without ``calibration`` the policy raises, naming the command that writes one and
+``"prefill"``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ e.g. 128 KiB of table for 4 query heads, 16 pieces and 256 centres; it stays in 
   ``-inf`` where none is): ``reference``'s ``oracle_block_scores`` on the decoded keys, before its softmax. It reads
   the codes (``M`` bytes a key: 1/16 of a 16-bit key at ``d = 8``) and gathers from the table.
 - :func:`pq_encode`: the codes themselves, each piece's nearest centre, one program per (tokens, KV head, piece)
-  with the piece's centres and the tokens' distances in registers; :func:`pq_write` codes the written keys with it.
+  with the piece's centres and the tokens' distances in registers (a prefill fit's k-means rounds run it).
+- :func:`pq_write`: the same nearest centres computed and stored in place, one program per (block the written
+  positions touch, sequence, KV head), as ``quant_write`` writes the low-bit codes.
 - :func:`pq_block_scores`: :func:`pq_block_lse`, then the low-bit keys' tail (``quant.quant_lse_mass``: each
   head's softmax shares summed over the group, ``+inf`` at the forced blocks); shapes the kernel does not take
   (``M`` or ``BS`` not a power of two) run the reference.
@@ -148,6 +150,56 @@ def pq_encode(keys: torch.Tensor, centres: torch.Tensor, block_n: int = 32, num_
     return out.reshape(*lead, Hkv, m)
 
 
+@triton.jit
+def pq_write_kernel(
+    codes,  # [NB, H, BS, M] uint8
+    k_pool,  # [NB, H, BS, D]
+    centres,  # [H, M, C, d] float32, contiguous
+    block_table,  # [B, MB]
+    lo,  # [B]
+    hi,  # [B]
+    s_pn,  # key pool stride between blocks
+    s_cn,  # codes stride between blocks
+    MB,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,  # C rounded up to a power of two
+    d: tl.constexpr,
+    BS: tl.constexpr,
+):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    b_lo = tl.load(lo + i_b).to(tl.int64)
+    b_hi = tl.load(hi + i_b).to(tl.int64)
+    lb = b_lo // BS + i_n
+    if (b_hi <= b_lo) | (lb > (b_hi - 1) // BS) | (lb >= MB):
+        return
+    b_phys = tl.load(block_table + i_b * MB + lb).to(tl.int64)
+    if b_phys < 0:
+        return
+    o_t = tl.arange(0, BS)
+    pos = lb * BS + o_t
+    m_t = (pos >= b_lo) & (pos < b_hi)
+    o_c = tl.arange(0, CP)
+    m_c = o_c < C
+    base_k = k_pool + b_phys * s_pn + i_h * BS * D + o_t * D
+    base_o = codes + b_phys * s_cn + i_h * BS * M + o_t * M
+    for j in range(M):
+        base_c = centres + (i_h * M + j) * C * d
+        dot = tl.zeros([BS, CP], dtype=tl.float32)
+        norm = tl.zeros([CP], dtype=tl.float32)
+        for k in tl.static_range(d):
+            b_c = tl.load(base_c + o_c * d + k, mask=m_c, other=0.0)
+            b_x = tl.load(base_k + j * d + k, mask=m_t, other=0.0).to(tl.float32)
+            dot += b_x[:, None] * b_c[None, :]
+            norm += b_c * b_c
+        dist = tl.where(m_c[None, :], norm[None, :] - 2 * dot, float("inf"))
+        code = tl.argmin(dist, axis=1, tie_break_left=True)
+        tl.store(base_o + j, code.to(tl.uint8), mask=m_t)
+
+
 def pq_write(
     codes: torch.Tensor,
     k_pool: torch.Tensor,
@@ -157,9 +209,30 @@ def pq_write(
     hi: torch.Tensor,
     span: int,
 ) -> None:
-    """``reference.pq_write`` with the keys coded by :func:`pq_encode`: the written positions gathered, coded and
-    stored by ``reference.store_written`` (vectorized, no host read of ``lo`` / ``hi``)."""
-    reference.store_written(codes, k_pool, block_table, lo, hi, span, lambda k: pq_encode(k, centres))
+    """Store, in place, the codes (:func:`pq_encode`'s, nearest centre a piece) of the stored positions ``lo[b] <= p <
+    hi[b]`` (the contract of ``reference.pq_write``): one program per (block the positions touch, sequence, KV head)
+    reads the block's keys and writes the codes of its positions in range, nothing else (no gather, no scatter).
+
+    Args:
+        codes: ``[NB, Hkv, BS, m]`` uint8 (inner dims contiguous); k_pool: ``[NB, Hkv, BS, D]`` (inner dims
+        contiguous); centres: ``[Hkv, m, C, d]``; block_table: ``[B, MB]``; lo, hi: ``[B]``; span: a host int
+        ``>= max(hi - lo)``.
+    """
+    NB, H, BS, D = k_pool.shape
+    Hc, M, C, d = centres.shape
+    assert Hc == H and M * d == D and C <= 256, f"centres {tuple(centres.shape)} for keys {tuple(k_pool.shape)}"
+    assert codes.shape == (NB, H, BS, M) and codes.dtype == torch.uint8, f"{codes.shape} {codes.dtype}"
+    assert k_pool.stride()[1:] == (BS * D, D, 1) and codes.stride()[1:] == (BS * M, M, 1)
+    assert triton.next_power_of_2(BS) == BS, "a power-of-two block"
+    B = block_table.shape[0]
+    assert lo.shape == (B,) and hi.shape == (B,)
+    if span <= 0 or B == 0:
+        return
+    pq_write_kernel[(triton.cdiv(span, BS) + 1, B * H)](
+        codes, k_pool, centres.float().contiguous(), block_table.contiguous(), lo.contiguous(), hi.contiguous(),
+        k_pool.stride(0), codes.stride(0), block_table.shape[1],
+        H=H, D=D, M=M, C=C, CP=triton.next_power_of_2(C), d=d, BS=BS, num_warps=4,
+    )  # fmt: skip
 
 
 def pq_table(q: torch.Tensor, centres: torch.Tensor, scale: float) -> torch.Tensor:
