@@ -37,6 +37,7 @@ There is no uncalibrated default: without ``calibration`` the policy raises, nam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,9 @@ def fit_centres(
     centroids, sub_dim]`` float32. Seeded: the first centres are ``centroids`` of the keys drawn at random; ``iters``
     rounds of nearest-centre assignment and means (a centre without keys stays). The assignment is ``encode`` (a
     backend's ``pq_encode``; default the reference's, which holds ``[chunk, Hkv, m, C]`` distances at a time). The
-    means are ``scatter_add_`` sums: bit for bit on the CPU, up to float32 rounding on CUDA (its atomics add in any
-    order; 2.3e-7 relative at most on the H200)."""
+    means are summed in 64-bit fixed point, so a fit is the same run after run on any device (float sums by
+    ``scatter_add_`` on CUDA differed by up to 2.3e-7 relative from run to run on the H200: its atomics add in any
+    order)."""
     Hkv, N, D = keys.shape
     if sub_dim < 1 or D % sub_dim:
         raise ValueError(f"sub_dim must divide the head dim {D}, got {sub_dim}")
@@ -81,12 +83,20 @@ def fit_centres(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     centres = pieces[:, :, torch.randperm(N, generator=gen)[:centroids].to(x.device)].contiguous()  # [Hkv, m, C, d]
     tokens = x.transpose(0, 1)  # [N, Hkv, D]: the layout pq_encode codes
-    ones = torch.ones(1, 1, 1, device=x.device).expand(Hkv, m, N)
+    # the means' sums in 64-bit fixed point: the pieces scaled by a power of two that keeps any sum of N of them
+    # below 2^62 (exact in float32, rounded below 2^-shift), added as integers, which give the same total in any
+    # order: a fit is bit for bit the same on every run, where scatter_add_ of floats on CUDA adds with atomics
+    top = float(x.abs().amax())  # a host read: a fit runs eagerly (ProductCodes.fit)
+    shift = min(100, math.floor(62 - math.log2(N)) - (math.ceil(math.log2(top)) if top > 0 else 0))
+    fixed = (pieces * 2.0**shift).round().long()  # [Hkv, m, N, d]
+    ones = torch.ones(1, 1, 1, dtype=torch.long, device=x.device).expand(Hkv, m, N)
     for _ in range(iters):
         assign = encode(tokens, centres).long().permute(1, 2, 0)  # [Hkv, m, N]
-        count = torch.zeros(Hkv, m, centroids, device=x.device).scatter_add_(2, assign, ones)
-        total = torch.zeros_like(centres).scatter_add_(2, assign.unsqueeze(-1).expand(-1, -1, -1, sub_dim), pieces)
-        centres = torch.where(count.unsqueeze(-1) > 0, total / count.clamp(min=1).unsqueeze(-1), centres)
+        count = torch.zeros(Hkv, m, centroids, dtype=torch.long, device=x.device).scatter_add_(2, assign, ones)
+        total = torch.zeros(Hkv, m, centroids, sub_dim, dtype=torch.long, device=x.device)
+        total.scatter_add_(2, assign.unsqueeze(-1).expand(-1, -1, -1, sub_dim), fixed)
+        mean = (total.double() * 2.0**-shift / count.clamp(min=1).unsqueeze(-1)).float()
+        centres = torch.where(count.unsqueeze(-1) > 0, mean, centres)
     return centres.contiguous()
 
 

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .. import reference
 from .quant import quant_lse_mass
+from .written import written_block
 
 
 @triton.jit
@@ -88,6 +89,22 @@ def pq_block_lse_kernel(
 
 
 @triton.jit
+def nearest_centre(base_x, m_x, base_c, o_c, m_c, d: tl.constexpr, R: tl.constexpr, CP: tl.constexpr):
+    """``[R]`` int32: for ``R`` pieces of ``d`` channels (``base_x [R]`` pointers to their first channel, ``m_x``
+    their mask), the index of the nearest of the piece's centres (``base_c``: ``[C, d]`` float32, rows ``o_c [CP]``
+    valid where ``m_c``) by ``|c|^2 - 2 x . c`` in float32, ties to the lower index."""
+    dot = tl.zeros([R, CP], dtype=tl.float32)
+    norm = tl.zeros([CP], dtype=tl.float32)
+    for k in tl.static_range(d):  # d multiply-adds a (piece, centre): no tensor-core tile is that thin
+        b_c = tl.load(base_c + o_c * d + k, mask=m_c, other=0.0)
+        b_x = tl.load(base_x + k, mask=m_x, other=0.0).to(tl.float32)
+        dot += b_x[:, None] * b_c[None, :]
+        norm += b_c * b_c
+    dist = tl.where(m_c[None, :], norm[None, :] - 2 * dot, float("inf"))
+    return tl.argmin(dist, axis=1, tie_break_left=True)
+
+
+@triton.jit
 def pq_encode_kernel(
     keys,  # [N, H, D]: last dim contiguous
     centres,  # [H, M, C, d] float32, contiguous
@@ -108,17 +125,8 @@ def pq_encode_kernel(
     m_n = o_n < N
     o_c = tl.arange(0, CP)
     m_c = o_c < C
-    base_c = centres + i_hj * C * d
     base_k = keys + o_n.to(tl.int64) * s_kn + i_h * s_kh + i_j * d
-    dot = tl.zeros([BN, CP], dtype=tl.float32)
-    norm = tl.zeros([CP], dtype=tl.float32)
-    for k in tl.static_range(d):  # d multiply-adds a (token, centre): no tensor-core tile is that thin
-        b_c = tl.load(base_c + o_c * d + k, mask=m_c, other=0.0)
-        b_x = tl.load(base_k + k, mask=m_n, other=0.0).to(tl.float32)
-        dot += b_x[:, None] * b_c[None, :]
-        norm += b_c * b_c
-    dist = tl.where(m_c[None, :], norm[None, :] - 2 * dot, float("inf"))
-    code = tl.argmin(dist, axis=1, tie_break_left=True)
+    code = nearest_centre(base_k, m_n, centres + i_hj * C * d, o_c, m_c, d, BN, CP)
     tl.store(out + o_n.to(tl.int64) * (H * M) + i_hj, code.to(tl.uint8), mask=m_n)
 
 
@@ -171,13 +179,8 @@ def pq_write_kernel(
 ):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    b_lo = tl.load(lo + i_b).to(tl.int64)
-    b_hi = tl.load(hi + i_b).to(tl.int64)
-    lb = b_lo // BS + i_n
-    if (b_hi <= b_lo) | (lb > (b_hi - 1) // BS) | (lb >= MB):
-        return
-    b_phys = tl.load(block_table + i_b * MB + lb).to(tl.int64)
-    if b_phys < 0:
+    b_lo, b_hi, lb, b_phys, ok = written_block(lo, hi, block_table, i_b, i_n, MB, BS)
+    if not ok:
         return
     o_t = tl.arange(0, BS)
     pos = lb * BS + o_t
@@ -187,16 +190,7 @@ def pq_write_kernel(
     base_k = k_pool + b_phys * s_pn + i_h * BS * D + o_t * D
     base_o = codes + b_phys * s_cn + i_h * BS * M + o_t * M
     for j in range(M):
-        base_c = centres + (i_h * M + j) * C * d
-        dot = tl.zeros([BS, CP], dtype=tl.float32)
-        norm = tl.zeros([CP], dtype=tl.float32)
-        for k in tl.static_range(d):
-            b_c = tl.load(base_c + o_c * d + k, mask=m_c, other=0.0)
-            b_x = tl.load(base_k + j * d + k, mask=m_t, other=0.0).to(tl.float32)
-            dot += b_x[:, None] * b_c[None, :]
-            norm += b_c * b_c
-        dist = tl.where(m_c[None, :], norm[None, :] - 2 * dot, float("inf"))
-        code = tl.argmin(dist, axis=1, tie_break_left=True)
+        code = nearest_centre(base_k + j * d, m_t, centres + (i_h * M + j) * C * d, o_c, m_c, d, BS, CP)
         tl.store(base_o + j, code.to(tl.uint8), mask=m_t)
 
 

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .. import reference
 from .forced import forced_block, forced_bounds
+from .written import written_block
 
 
 @triton.jit
@@ -58,13 +59,8 @@ def quant_write_kernel(
 ):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    b_lo = tl.load(lo + i_b).to(tl.int64)
-    b_hi = tl.load(hi + i_b).to(tl.int64)
-    lb = b_lo // BS + i_n
-    if (b_hi <= b_lo) | (lb > (b_hi - 1) // BS) | (lb >= MB):
-        return
-    b_phys = tl.load(block_table + i_b * MB + lb).to(tl.int64)
-    if b_phys < 0:
+    _, b_hi, lb, b_phys, ok = written_block(lo, hi, block_table, i_b, i_n, MB, BS)
+    if not ok:
         return
     fill = tl.minimum(b_hi - lb * BS, BS)
     L: tl.constexpr = (1 << BITS) - 1
