@@ -93,6 +93,11 @@ def test_centres_fitted_on_as_many_keys_as_centres_code_those_keys_exactly():
     for bad, match in (({"sub_dim": 3}, "divide"), ({"centroids": 300}, "256"), ({"centroids": 32}, "at least")):
         with pytest.raises(ValueError, match=match):
             fit_centres(keys, **{"sub_dim": 4, "centroids": 16, **bad})
+    for value in (float("nan"), float("inf")):
+        broken = keys.clone()
+        broken[1, 3, 5] = value
+        with pytest.raises(ValueError, match="NaN or inf"):
+            fit_centres(broken, sub_dim=4, centroids=16)
 
 
 def test_with_exact_centres_the_coarse_pass_alone_picks_the_oracle_blocks():

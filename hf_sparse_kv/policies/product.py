@@ -87,6 +87,8 @@ def fit_centres(
     # below 2^62 (exact in float32, rounded below 2^-shift), added as integers, which give the same total in any
     # order: a fit is bit for bit the same on every run, where scatter_add_ of floats on CUDA adds with atomics
     top = float(x.abs().amax())  # a host read: a fit runs eagerly (ProductCodes.fit)
+    if not math.isfinite(top):
+        raise ValueError("the keys to fit product-quantization centres on hold NaN or inf")
     shift = min(100, math.floor(62 - math.log2(N)) - (math.ceil(math.log2(top)) if top > 0 else 0))
     fixed = (pieces * 2.0**shift).round().long()  # [Hkv, m, N, d]
     ones = torch.ones(1, 1, 1, dtype=torch.long, device=x.device).expand(Hkv, m, N)
