@@ -36,7 +36,9 @@ metadata its selection scores (Quest: min and max, BlockTopK: mean, of every blo
 ``--generate BxL`` also times real ``generate()`` calls: a real prefill of ``L`` random tokens, then
 ``--new-tokens`` (128) greedy tokens, for the unpatched model (dynamic cache; static cache, which transformers
 compiles), patched Dense and Quest 1/16 captured (on a ``PagedKVCache`` the script passes in, so that the row can
-report its ``captured_steps``: decode steps replayed from a graph). One call per row: a logits processor takes a
+report its ``captured_steps``: decode steps replayed from a graph), and issue 13's product-quantized coarse pass with
+its centres fitted at the prefill (``pq prefill-fit c4``: ``TopPBlockTopK(candidates=4, p=1, coarse="pq",
+calibration="prefill")``, whose TTFT holds the fit). One call per row: a logits processor takes a
 device-synchronised timestamp at every new token, so TTFT is the time to the first token and ``ms_per_token`` the
 median time between two tokens (a forward, argmax and generate's own work; the capture of a new plan's graph, or a
 compile, is one slow step the median ignores and ``mean_step_ms`` includes). With ``B > 1`` the prompts are also run
@@ -91,7 +93,7 @@ from transformers import StaticCache
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.ops.layout import cdiv
-from hf_sparse_kv.policies import BlockTopK, Dense, Quest, SinkWindow
+from hf_sparse_kv.policies import BlockTopK, Dense, Quest, SinkWindow, TopPBlockTopK
 
 
 def llama8b_config(layers: int) -> LlamaConfig:
@@ -278,6 +280,9 @@ COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compi
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
 ]
 STATIC_ROW = "unpatched StaticCache + compile"
+PQ_PREFILL = TopPBlockTopK(
+    budget=0.0625, sink=4, window=32, candidates=4, p=1.0, pool="heads", coarse="pq", calibration="prefill"
+)
 GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments, how the captured step is
     # compiled: None (not), "graph" (inductor), "graph+merged" (inductor, merge_projections=True))
     ("generate: unpatched sdpa", None, {}, None),
@@ -287,6 +292,9 @@ GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() argumen
     ("generate: graph+compile: patched Dense", Dense(), {}, "graph"),
     ("generate: graph+compile: Quest 1/16 block", Quest(budget=0.0625), {}, "graph"),
     ("generate: graph+compile+merged: Quest 1/16 block", Quest(budget=0.0625), {}, "graph+merged"),
+    # issue 13's product-quantized coarse pass, its centres fitted at the prefill (TTFT holds the fit), 4 x candidates
+    ("generate: graph: pq prefill-fit c4 1/16 block", PQ_PREFILL, {}, None),
+    ("generate: graph+compile+merged: pq prefill-fit c4 1/16 block", PQ_PREFILL, {}, "graph+merged"),
 ]
 
 

@@ -48,6 +48,17 @@ def test_bench_e2e_dry_run_writes_floors_generate_and_padded_rows(monkeypatch, t
     assert all(line[1:9].count(":") == 2 and " s] " in line for line in progress)  # [HH:MM:SS +elapsed s]
 
 
+def test_bench_e2e_times_the_prefill_fit_row(monkeypatch, tmp_path):
+    """The product-quantized row fits its centres at the prefill of each ``generate()`` (TTFT holds the fit) and
+    decodes with them, unpadded and left-padded."""
+    row = "generate: graph: pq prefill-fit c4 1/16 block"
+    _run(monkeypatch, tmp_path, "--shapes", "", "--rows", row)
+    with open(tmp_path / "e2e.csv") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    assert list(rows) == [row, f"{row} (left-padded)"]
+    assert all(float(r["ttft_s"]) > 0 and float(r["ms_per_token"]) > 0 for r in rows.values())
+
+
 def test_bench_e2e_refuses_an_unknown_row(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="unknown"):
         _run(monkeypatch, tmp_path, "--rows", "graph: Quest 1/16 blocks")
