@@ -777,15 +777,22 @@ def lse_block_mass(
 PQ_CHUNK = 4096  # keys the reference codes at once (their distances are [chunk, Hkv, m, C] float32)
 
 
-def pq_encode(keys: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
-    """Product-quantization codes of ``keys [..., Hkv, D]``: each key's ``m = D / d`` pieces of ``d`` channels as the
-    index of the nearest of their ``C`` centres (``centres [Hkv, m, C, d]``, ``C <= 256``): ``[..., Hkv, m]`` uint8.
-    Nearest by squared distance, computed as ``|c|^2 - 2 k . c`` in float32 (ties to the lower index)."""
+def pq_encode_sizes(keys: torch.Tensor, centres: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(Hkv, m, C, d)`` of ``centres [Hkv, m, C, d]``, checked against ``keys [..., Hkv, m * d]`` and the uint8
+    codes' 256 centres (:func:`pq_encode`'s and its kernel's inputs)."""
     Hkv, m, C, d = centres.shape
     if keys.shape[-2:] != (Hkv, m * d):
         raise ValueError(f"keys [..., {Hkv}, {m * d}] expected for these centres, got {tuple(keys.shape)}")
     if C > 256:
         raise ValueError(f"uint8 codes hold at most 256 centres a piece, got {C}")
+    return Hkv, m, C, d
+
+
+def pq_encode(keys: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """Product-quantization codes of ``keys [..., Hkv, D]``: each key's ``m = D / d`` pieces of ``d`` channels as the
+    index of the nearest of their ``C`` centres (``centres [Hkv, m, C, d]``, ``C <= 256``): ``[..., Hkv, m]`` uint8.
+    Nearest by squared distance, computed as ``|c|^2 - 2 k . c`` in float32 (ties to the lower index)."""
+    Hkv, m, _, d = pq_encode_sizes(keys, centres)
     lead = keys.shape[:-2]
     x = keys.float().reshape(-1, Hkv, m, d)
     c = centres.float()

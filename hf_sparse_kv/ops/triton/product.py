@@ -25,9 +25,8 @@ Tested against the reference under the interpreter and built for sm_90 on the CP
 H200 (2026-12-04, benchmarks/check_pq.py, Llama-3-8B layer): right against the float32 reference at every knob; the
 default (8 blocks a program, 1 warp: the fastest point of the second sweep, blocks 1-16 x warps 1-8) takes 46 / 93 us
 at 1 x 128K / 8 x 32K (56 / 105 at 2 warps), ~12x the time of the codes' bytes, 2.6x Quest's scores; its time grows
-with the warps at a fixed tile. A layout looping over the
-pieces (each warp's lookups in one piece's row of the table) was slower at every knob and is removed
-(benchmarks/RESULTS.md).
+with the warps at a fixed tile. A layout looping over the pieces (each warp's lookups in one piece's row of the
+table) was slower at every knob and is removed (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -138,11 +137,7 @@ def pq_encode(keys: torch.Tensor, centres: torch.Tensor, block_n: int = 32, num_
     size is written (the reference writes ``[chunk, Hkv, m, C]`` float32 distances). Defaults from the H200
     (2026-12-04, 16384 keys x 8 heads x 16 pieces x 256 centres): 0.97 ms at 32 tokens and 2 warps, 1.05 at 64 / 2,
     1.72 at 64 / 4, 15.2 at 128 / 8; the reference's codes everywhere."""
-    Hkv, m, C, d = centres.shape
-    if keys.shape[-2:] != (Hkv, m * d):
-        raise ValueError(f"keys [..., {Hkv}, {m * d}] expected for these centres, got {tuple(keys.shape)}")
-    if C > 256:
-        raise ValueError(f"uint8 codes hold at most 256 centres a piece, got {C}")
+    Hkv, m, C, d = reference.pq_encode_sizes(keys, centres)
     lead = keys.shape[:-2]
     x = keys.reshape(-1, Hkv, m * d)
     if x.stride(-1) != 1:
