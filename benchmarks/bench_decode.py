@@ -33,6 +33,7 @@ and the fraction of the HBM bandwidth measured at the start of the run follow fr
     python benchmarks/bench_decode.py --selector-targets      # the selectors at 1 x 128K and 8 x 32K, 1/16, BS 16
     python benchmarks/bench_decode.py --tune-selectors        # their scoring kernels checked and swept there, then
                                                               # the selectors with the best knobs (~2-3 minutes)
+    python benchmarks/bench_decode.py --tune-quest            # Quest's scoring kernel checked and swept there
 """
 
 from __future__ import annotations
@@ -488,6 +489,42 @@ def tune(ops, args, hbm):
     write_csv(os.path.join(folder, "bench_decode_tune_scores.csv"), scores)
 
 
+QUEST_KNOBS = {"block_m": (16, 32, 64), "num_warps": (4, 8), "tiles_per_program": (1, 2, 4, 8), "num_stages": (1, 2, 3)}
+
+
+def tune_quest(ops, args, hbm) -> None:
+    """``--tune-quest``: Quest's scoring kernel (``block_scores``, with the forced blocks as the policy calls it) at
+    every point of :data:`QUEST_KNOBS`, at the targets' shapes: each point checked against the default's scores
+    (the same ``+-inf`` pattern, relative error) and timed over the 4 layers' metadata; prints the 5 fastest and the
+    default per shape, writes ``bench_decode_tune_quest.csv``."""
+    rows = []
+    for t in at_target_shapes(ops, args):
+        layer, B, L, BS = t.layer, t.B, t.L, t.BS
+        key = {"model": t.model, "B": B, "L": L, "BS": BS}
+        meta = meta_bytes(B, layer.H, L // BS, layer.D)
+        tail = (t.bt, layer.seq_lens, BS, "quest", torch.zeros_like(layer.seq_lens), 4, 32)
+        want = ops.block_scores(layer.q, *t.caches[0][2:], *tail)
+        for knobs in itertools.product(*QUEST_KNOBS.values()):
+            kw = dict(zip(QUEST_KNOBS, knobs))
+            fns = [functools.partial(ops.block_scores, layer.q, *c[2:], *tail, **kw) for c in t.caches]
+            try:
+                err = scores_err(fns[0](), want)
+                us, _ = bench(fns, rep=20)
+            except Exception as e:  # noqa: BLE001 - a point that does not compile (registers, shared memory)
+                print(f"  tune-quest {kw}: {type(e).__name__}")
+                continue
+            default = kw == {"block_m": 32, "num_warps": 4, "tiles_per_program": 1, "num_stages": 1}
+            rows.append({**key, **kw, "us": us, "pct_hbm": 100 * meta / (us * 1e-6) / 1e9 / hbm, "err": err,
+                         "default": default})  # fmt: skip
+    best = []
+    for _, grp in itertools.groupby(rows, key=lambda r: (r["model"], r["B"], r["L"], r["BS"])):
+        grp = sorted(grp, key=lambda r: r["us"])
+        best += grp[:5] + [r for r in grp if r["default"]]
+    cols = ["model", "B", "L", "BS", *QUEST_KNOBS, "us", "pct_hbm", "err", "default"]
+    print_table(best, cols, "Quest's block_scores knobs: the 5 fastest and the default per shape")
+    write_csv(os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_decode_tune_quest.csv"), rows)
+
+
 def scores_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative RMSE of scores over the reference's finite entries; ``inf`` where the ``+-inf`` entries differ."""
     same = torch.equal(out.isposinf(), ref.isposinf()) and torch.equal(out.isneginf(), ref.isneginf())
@@ -816,6 +853,9 @@ def main():
     p.add_argument("--rep", type=int, default=30, help="timed replays per provider")
     p.add_argument("--layers", type=int, default=4, help="layers per timed graph, each on its own cache")
     p.add_argument("--tune", action="store_true", help="also sweep the decode_blocks knobs at the targets' shapes")
+    p.add_argument("--tune-quest", action="store_true",
+                   help="only: check and sweep Quest's scoring kernel (block_scores) knobs at the targets' shapes "
+                   "(CUDA only; ~1-2 minutes on an H200)")  # fmt: skip
     p.add_argument("--merge-share", action="store_true", help="only time stage 1 and the merge at the targets' shapes")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check against the reference")
     p.add_argument("--out", default="benchmarks/results/bench_decode.csv")
@@ -862,6 +902,11 @@ def main():
         return
     if args.tune:
         tune(ops, args, hbm)
+    if args.tune_quest:
+        if DEV != "cuda":
+            raise SystemExit("--tune-quest times the kernel's knobs at the targets' shapes: it needs a CUDA device")
+        tune_quest(ops, args, hbm)
+        return
     if args.merge_share:
         merge_share(ops, args, hbm)
         return

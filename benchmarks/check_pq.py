@@ -5,11 +5,11 @@ one byte per 8 channels of a key), then every knob of ``pq_block_lse`` checked a
     python benchmarks/check_pq.py                 # a CUDA device
     TRITON_INTERPRET=1 python benchmarks/check_pq.py --device cpu --smoke     # a dry run on the CPU
 
-At 1 x 128K (8200 blocks) and 8 x 32K (2048 blocks each): each point of :data:`GRID` (blocks a program, warps) is
-checked (``pq_block_scores`` at those knobs against ``reference.pq_block_scores`` in
+At 1 x 128K (8200 blocks) and 8 x 32K (2048 blocks each): each point of :data:`GRID` (layout, blocks a program,
+warps) is checked (``pq_block_scores`` at those knobs against ``reference.pq_block_scores`` in
 float32: relative error of the mass, the reference's top-1/16 blocks shared, the same ``+-inf`` pattern) and timed
 (``common.bench``: CUDA graph, L2 flushed, median): the kernel alone (``us``, the table made beforehand) and the whole
-scoring (``scores_us``: the table's einsum, the kernel, the tail). Then, at the same shapes: the table alone, one
+scoring (``scores_us``: the table, the kernel, the tail). Then, at the same shapes: the table alone, one
 decode token's codes written (``pq_write``, the reference ops), Quest's scores and Quest's scores + top-k at 1/16,
 the PQ scores + top-k of the c = 4 candidates (4/16), one layer's centres fitted at a prefill
 (``calibration="prefill"``: ``ProductCodes.fit`` on the layer's stored keys, timed eagerly) with the reference's and
@@ -39,9 +39,10 @@ from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 from hf_sparse_kv.policies.product import ProductCodes
 
-# (blocks a program, warps); a layout looping over the pieces was slower at every point (2026-12-04) and is removed
+# (blocks a program, warps); the layouts before (one load a (token, piece, head), or a loop over the pieces) were
+# slower at every point (2026-12-04) and are removed
 GRID = tuple((tpp, w) for tpp in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8))
-SMOKE_GRID = ((8, 2), (2, 4))
+SMOKE_GRID = ((2, 4), (4, 1))
 SHAPES = ((1, 8200), (8, 2048))  # (sequences, blocks each): 1 x 128K and 8 x 32K at block size 16
 SMOKE_SHAPES = ((1, 12), (2, 5))
 
@@ -85,7 +86,13 @@ def sweep(dev, H, G, D, BS, smoke: bool = False, M: int = 16, C: int = 256) -> l
 
 def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     """The grid checked and timed at ``B`` sequences of ``MB`` blocks, then the other rows (:func:`sweep`)."""
-    from hf_sparse_kv.ops.triton.product import pq_block_lse, pq_block_scores, pq_encode, pq_table, pq_table_lse
+    from hf_sparse_kv.ops.triton.product import (
+        pq_block_lse,
+        pq_block_scores,
+        pq_encode,
+        pq_group_table,
+        pq_group_table_lse,
+    )
     from hf_sparse_kv.ops.triton.quant import quant_lse_mass
 
     rows = []
@@ -96,12 +103,12 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     ref = R.pq_block_scores(q.float(), codes, centres, table, lens, zero, scale)
     nbytes = codes.numel()
     k16 = max(1, MB // 16)
-    tab = pq_table(q, centres, scale)  # the kernel's input, made once
+    tab = pq_group_table(q, centres, scale)  # the kernel's input, made once
     for tpp, warps in SMOKE_GRID if smoke else GRID:
         lse_fn = functools.partial(pq_block_lse, *args, tpp=tpp, num_warps=warps)
         out = quant_lse_mass(lse_fn(), table, lens, zero, BS, H, 0, None)
         rel, same, inf_ok = compare(out, ref, k16)
-        us, mode = bench(functools.partial(pq_table_lse, tab, codes, table, lens, zero, tpp, warps), rep=20)
+        us, mode = bench(functools.partial(pq_group_table_lse, tab, codes, table, lens, zero, G, tpp, warps), rep=20)
         whole, _ = bench(lambda f=lse_fn: quant_lse_mass(f(), table, lens, zero, BS, H, 0, None), rep=20)
         what = f"lse tpp={tpp} w={warps}"
         rows.append({"shape": shape, "what": what, "tpp": tpp, "num_warps": warps, "us": us,
@@ -114,7 +121,7 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
     quest = functools.partial(ops.block_scores, q, kmin, kmax, kmin, table, lens, BS, "quest", zero, 4, 32)
     extra = {
-        "table einsum": lambda: pq_table(q, centres, scale),
+        "table": lambda: pq_group_table(q, centres, scale),
         "pq_block_scores (default)": lambda: pq_block_scores(*args),
         "pq_write, one token (reference)": lambda: R.pq_write(codes, k_new, centres, table, lo, lo + 1, 1),
         "quest scores": quest,

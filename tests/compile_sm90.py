@@ -48,6 +48,7 @@ from hf_sparse_kv.ops.triton import (
     quant_write,
     topk_indices,
 )
+from hf_sparse_kv.ops.triton.product import pq_block_lse
 from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
 
@@ -113,11 +114,13 @@ def cases():
         walk = {"reduce": "token", "sink": 4, "window": 32, "tiles_per_program": 2}
         knobs = {"num_warps": 8, "tiles_per_program": 2}
         mass_walk = {"tiles_per_program": 2, "num_stages": 3}
+        quest_walk = {"block_m": 16, "tiles_per_program": 4, "num_stages": 3}
         out += [
             (f"decode_blocks {tag}", partial(decode_blocks, *paged, blocks, zero, zero, 0.1)),
             (f"decode_tokens {tag}", partial(decode_tokens, *paged, tokens, zero, zero, 0.1)),
             (f"block_scores quest {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest")),
             (f"block_scores mean+forced {tag}", partial(block_scores, q, *meta, table, lens, BS, "mean", zero, 4, 32)),
+            (f"block_scores quest walk {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest", **quest_walk)),
             (f"paged_write {tag}", partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new)),
             (f"candidate_scores {tag}", partial(candidate_scores, q, k_pool, table, lens, zero, blocks[..., :5])),
             (
@@ -247,6 +250,7 @@ def cases():
         args = (q, codes, centres, table, lens, zero, 0.088)
         out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS}", partial(pq_block_scores, *args)))
         out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS} sink+window", partial(pq_block_scores, *args, 4, 32)))
+        out.append((f"pq_block_lse tpp=16 w=2 H={H} G={G} M={M} BS={BS}", partial(pq_block_lse, *args, 16, 2)))
     for N, H, M, C, d in ((16384, 8, 16, 256, 8), (3, 2, 16, 256, 8), (40, 1, 3, 100, 4)):  # a fit; a decode write
         keys = torch.randn(N, H, M * d, generator=g).to(torch.bfloat16)
         centres = torch.randn(H, M, C, d, generator=g)

@@ -186,15 +186,16 @@ def test_missing_or_mismatched_calibration_is_refused_with_advice(tmp_path):
 
 def test_the_triton_scores_are_the_reference_scores():
     """``pq_block_scores`` through its Triton kernel (the interpreter on the CPU) against the reference: held and
-    evicted blocks, left padding, a partial last block, forced blocks, one and several query heads a KV head, and a
-    piece count the kernel does not take (the reference runs), two tile sizes."""
+    evicted blocks, left padding, a partial last block, forced blocks, one and several query heads a KV head (a group
+    of 3 and of 6: the group table pads them to 4 and 8), and a piece count the kernel does not take (the reference
+    runs); three tile sizes; the group's table itself."""
     pytest.importorskip("triton")
-    from hf_sparse_kv.ops.triton.product import pq_block_lse
+    from hf_sparse_kv.ops.triton.product import pq_block_lse, pq_group_table
 
     ops = get_ops("triton", DEVICE)
     assert ops.pq_block_scores is not reference.pq_block_scores
     gen = torch.Generator().manual_seed(7)
-    for H, G, m, C, d, bs in ((2, 3, 4, 8, 4, 8), (1, 4, 8, 16, 2, 16), (2, 1, 3, 8, 4, 8)):
+    for H, G, m, C, d, bs in ((2, 3, 4, 8, 4, 8), (1, 4, 8, 16, 2, 16), (2, 1, 3, 8, 4, 8), (2, 6, 4, 8, 4, 8)):
         NB, MB = 12, 5
         centres = torch.randn(H, m, C, d, generator=gen).to(DEVICE)
         codes = torch.randint(0, C, (NB, H, bs, m), dtype=torch.uint8, generator=gen).to(DEVICE)
@@ -211,8 +212,13 @@ def test_the_triton_scores_are_the_reference_scores():
             s = torch.einsum("bhgd,bmhtd->bhgmt", q.view(2, H, G, -1), keys[table.long().clamp(min=0)]) * 0.3
             ok = reference.held_positions(table, seq_lens, start, bs).view(2, 1, 1, MB, bs)
             lse = s.masked_fill(~ok, float("-inf")).logsumexp(-1).flatten(1, 2)
-            for tpp, warps in ((8, 2), (1, 4)):
+            for tpp, warps in ((4, 1), (1, 4), (8, 2)):
                 torch.testing.assert_close(pq_block_lse(*args, tpp, warps), lse, rtol=1e-5, atol=1e-5)
+        table_g = pq_group_table(q, centres, 0.3)  # [B, H, m, C, GP]: the group's heads last, zero past G
+        assert table_g.shape == (2, H, m, C, 1 << (G - 1).bit_length())
+        want = torch.einsum("bhgjd,hjcd->bhjcg", q.view(2, H, G, m, d), centres) * 0.3
+        torch.testing.assert_close(table_g[..., :G], want, rtol=1e-5, atol=1e-6)
+        assert (table_g[..., G:] == 0).all()
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

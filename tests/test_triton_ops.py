@@ -223,6 +223,22 @@ def test_block_scores_force_sink_window_and_current_block(sink, window):
     assert rel_err(out[fin], ref[fin]) < 1e-5
 
 
+@pytest.mark.parametrize("tiles,stages", [(2, 1), (3, 2), (8, 3)])
+def test_block_scores_walking_several_tiles_a_program(tiles, stages):
+    """``tiles_per_program`` tiles of ``block_m`` blocks a program, the loop pipelined or not: the same scores as the
+    reference (a table of 150 blocks: the last program's tiles partly or wholly past the table), forced blocks too."""
+    c = make_case(2, 2, 4, 32, 8, [1190, 411], seed=tiles)
+    kmin, kmax, kmean = make_meta(c["k_pool"].shape[0], 2, 32, seed=tiles)
+    start = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    for method in ("quest", "mean"):
+        args = (c["q"], kmin, kmax, kmean, c["block_table"], c["seq_lens"], 8, method, start, 4, 40)
+        ref = R.block_scores(*args)
+        out = OPS.block_scores(*args, block_m=16, tiles_per_program=tiles, num_stages=stages)
+        assert torch.equal(out.isposinf(), ref.isposinf()) and torch.equal(out.isneginf(), ref.isneginf())
+        fin = ref.isfinite()
+        assert rel_err(out[fin], ref[fin]) < 1e-5
+
+
 def test_block_scores_of_freed_blocks_are_neg_inf():
     c = make_case(2, 2, 4, 32, 16, [100, 37], seed=5)
     kmin, kmax, kmean = make_meta(c["k_pool"].shape[0], 2, 32, seed=5)

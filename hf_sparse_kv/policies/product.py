@@ -194,6 +194,9 @@ class ProductCodes:
         """The key of ``layer``'s centres on ``device`` in :attr:`on_device` (a layer index is needed)."""
         if layer is None:
             raise ValueError("a product-quantized coarse pass needs the layer index (DecodeState.layer)")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" names the current device: one key for both
+            device = torch.device("cuda", torch.cuda.current_device())
         return layer, str(device)
 
     def fit(self, layer: int, keys: torch.Tensor, encode: Callable | None = None) -> torch.Tensor:

@@ -4,29 +4,32 @@
 A key's codes are ``M = D / d`` bytes, piece ``j``'s code the index of its nearest of the ``C`` centres
 ``centres[h, j]`` (``reference.pq_encode``). The score of query head ``g`` against a coded key is a sum of ``M``
 table entries: ``scale * q_g . k_hat = sum_j T[g, j, code_j]`` with the table ``T[g, j, c] = scale * q_g[piece j] .
-centres[h, j, c]`` (``[B, Hq, M, C]`` float32, one einsum before the kernel: ``G x D x C`` multiply-adds a KV head,
-e.g. 128 KiB of table for 4 query heads, 16 pieces and 256 centres; it stays in L2).
+centres[h, j, c]``.
 
-- :func:`pq_block_lse`: one program per (tile of ``BM`` logical blocks, sequence, KV head) loads the tile's codes as
-  one ``[BM, BS, M]`` uint8 tile through the block table (``M`` bytes a token, one contiguous run a block), and for
-  each of the group's ``G`` query heads gathers the ``[BM, BS, M]`` table entries those codes name, sums them over
-  the pieces and stores each block's log-sum-exp over its valid positions (``start <= p < seq_len``, block held;
-  ``-inf`` where none is): ``reference``'s ``oracle_block_scores`` on the decoded keys, before its softmax. It reads
-  the codes (``M`` bytes a key: 1/16 of a 16-bit key at ``d = 8``) and gathers from the table.
+- :func:`pq_group_table`: the table, ``[B, Hkv, M, C, GP]`` float32 with the GQA group's ``G`` query heads last
+  (rounded up to a power of two ``GP``, zero past ``G``), one program per (sequence, KV head, piece): ``G x D x C``
+  multiply-adds a KV head, e.g. 64 KiB of table for 4 query heads, 16 pieces and 256 centres; it stays in L2.
+- :func:`pq_group_table_lse`: one program per (tile of ``BM`` logical blocks, sequence, KV head) loads the tile's
+  codes as one ``[BM, BS, M]`` uint8 tile through the block table (``M`` bytes a token, one contiguous run a block),
+  gathers for each (token, piece) the group's ``GP`` entries of its code in one vector load, sums them over the
+  pieces and stores each block's log-sum-exp per query head over its valid positions (``start <= p < seq_len``,
+  block held; ``-inf`` where none is): ``reference``'s ``oracle_block_scores`` on the decoded keys, before its
+  softmax. It reads the codes (``M`` bytes a key: 1/16 of a 16-bit key at ``d = 8``) and gathers from the table.
+  :func:`pq_block_lse` is the two.
 - :func:`pq_encode`: the codes themselves, each piece's nearest centre, one program per (tokens, KV head, piece)
   with the piece's centres and the tokens' distances in registers (a prefill fit's k-means rounds run it).
 - :func:`pq_write`: the same nearest centres computed and stored in place, one program per (block the written
-  positions touch, sequence, KV head), as ``quant_write`` writes the low-bit codes.
+  positions touch, sequence, KV head, piece), as ``quant_write`` writes the low-bit codes.
 - :func:`pq_block_scores`: :func:`pq_block_lse`, then the low-bit keys' tail (``quant.quant_lse_mass``: each
   head's softmax shares summed over the group, ``+inf`` at the forced blocks); shapes the kernel does not take
   (``M`` or ``BS`` not a power of two) run the reference.
 
 Tested against the reference under the interpreter and built for sm_90 on the CPU (tests/compile_sm90.py). On the
-H200 (2026-12-04, benchmarks/check_pq.py, Llama-3-8B layer): right against the float32 reference at every knob; the
-default (8 blocks a program, 1 warp: the fastest point of the second sweep, blocks 1-16 x warps 1-8) takes 46 / 93 us
-at 1 x 128K / 8 x 32K (56 / 105 at 2 warps), ~12x the time of the codes' bytes, 2.6x Quest's scores; its time grows
-with the warps at a fixed tile. A layout looping over the pieces (each warp's lookups in one piece's row of the
-table) was slower at every knob and is removed (benchmarks/RESULTS.md).
+H200 (2026-12-04, benchmarks/check_pq.py, Llama-3-8B layer; benchmarks/RESULTS.md), right against the float32
+reference at every knob: the lse kernel at its default (4 blocks a program, 1 warp) 42.8 / 88.5 us at 1 x 128K /
+8 x 32K, the table 4.8 / 8.0 us; the layout before (one scalar load a (token, piece, head), the table a torch
+einsum of 18 / 22 us) took 47.3 / 91.3 us at its best. Its time grows with the warps at a fixed tile (e.g. 1 block
+a program: 55 / 87 / 168 us at 1 / 2 / 4 warps); a layout looping over the pieces was slower at every knob.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from .written import written_block
 
 
 @triton.jit
-def pq_block_lse_kernel(
-    table,  # [B, HQ, M, C] float32: scale * q_piece . centre
+def pq_group_lse_kernel(
+    table,  # [B, H, M, C, GP] float32: scale * q_piece . centre, the group's heads last (zero past G)
     codes,  # [NB, H, BS, M] uint8
     block_table,  # [B, MB]
     seq_lens,  # [B]
@@ -53,6 +56,7 @@ def pq_block_lse_kernel(
     HQ: tl.constexpr,
     H: tl.constexpr,
     G: tl.constexpr,
+    GP: tl.constexpr,  # G rounded up to a power of two
     M: tl.constexpr,
     C: tl.constexpr,
     BS: tl.constexpr,
@@ -67,6 +71,7 @@ def pq_block_lse_kernel(
     phys = tl.maximum(phys, 0).to(tl.int64)
     o_t = tl.arange(0, BS)
     o_j = tl.arange(0, M)
+    o_g = tl.arange(0, GP)
     n = tl.load(seq_lens + i_b)
     s0 = tl.load(start + i_b)
     pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
@@ -74,17 +79,51 @@ def pq_block_lse_kernel(
     ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
     row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])  # [BM, BS, M]
     code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
-    entry = o_j[None, None, :] * C + code  # [BM, BS, M] offsets into a head's [M, C] table
-    for g in tl.static_range(G):
-        head = (i_b * HQ + i_h * G + g).to(tl.int64)
-        s = tl.sum(tl.load(table + head * (M * C) + entry, mask=ok3, other=0.0), axis=2)  # [BM, BS]
-        s = tl.where(ok, s, float("-inf"))
-        top = tl.max(s, axis=1)  # [BM]
-        safe = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(tl.exp(s - safe[:, None]), axis=1)
-        empty = top == float("-inf")  # no valid position: total is 0
-        lse = tl.where(empty, float("-inf"), safe + tl.log(tl.where(empty, 1.0, total)))
-        tl.store(out + head * MB + o_m, lse, mask=m_m)
+    entry = (o_j[None, None, :] * C + code) * GP  # [BM, BS, M]: a (piece, centre)'s GP entries, one vector load
+    base = table + i_bh.to(tl.int64) * (M * C * GP)
+    val = tl.load(base + entry[:, :, :, None] + o_g[None, None, None, :], mask=ok3[:, :, :, None], other=0.0)
+    s = tl.sum(val, axis=2)  # [BM, BS, GP]
+    s = tl.where(ok[:, :, None], s, float("-inf"))
+    top = tl.max(s, axis=1)  # [BM, GP]
+    empty = top == float("-inf")  # no valid position
+    safe = tl.where(empty, 0.0, top)
+    total = tl.sum(tl.exp(s - safe[:, None, :]), axis=1)
+    lse = tl.where(empty, float("-inf"), safe + tl.log(tl.where(empty, 1.0, total)))
+    head = (i_b * HQ + i_h * G + o_g).to(tl.int64)  # [GP]
+    tl.store(out + head[None, :] * MB + o_m[:, None], lse, mask=m_m[:, None] & (o_g[None, :] < G))
+
+
+@triton.jit
+def pq_group_table_kernel(
+    q,  # [B, HQ, D]: last dim contiguous
+    centres,  # [H, M, C, d] float32, contiguous
+    table,  # [B, H, M, C, GP] float32
+    scale,
+    s_qb,  # q's stride between sequences
+    s_qh,  # q's stride between heads
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,  # C rounded up to a power of two
+    d: tl.constexpr,
+):
+    i_bh, i_j = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_c = tl.arange(0, CP)
+    m_c = o_c < C
+    o_g = tl.arange(0, GP)
+    m_g = o_g < G
+    base_q = q + i_b.to(tl.int64) * s_qb + (i_h * G + o_g) * s_qh + i_j * d  # [GP]
+    base_c = centres + ((i_h * M + i_j) * C + o_c) * d  # [CP]
+    acc = tl.zeros([CP, GP], dtype=tl.float32)
+    for k in tl.static_range(d):
+        b_c = tl.load(base_c + k, mask=m_c, other=0.0)
+        b_q = tl.load(base_q + k, mask=m_g, other=0.0).to(tl.float32)
+        acc += b_c[:, None] * b_q[None, :]
+    out = table + ((i_bh.to(tl.int64) * M + i_j) * C + o_c[:, None]) * GP + o_g[None, :]
+    tl.store(out, acc * scale, mask=m_c[:, None] & (o_g[None, :] < GP))
 
 
 @triton.jit
@@ -172,7 +211,7 @@ def pq_write_kernel(
     d: tl.constexpr,
     BS: tl.constexpr,
 ):
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_bh, i_j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     b_lo, b_hi, lb, b_phys, ok = written_block(lo, hi, block_table, i_b, i_n, MB, BS)
     if not ok:
@@ -182,11 +221,9 @@ def pq_write_kernel(
     m_t = (pos >= b_lo) & (pos < b_hi)
     o_c = tl.arange(0, CP)
     m_c = o_c < C
-    base_k = k_pool + b_phys * s_pn + i_h * BS * D + o_t * D
-    base_o = codes + b_phys * s_cn + i_h * BS * M + o_t * M
-    for j in range(M):
-        code = nearest_centre(base_k + j * d, m_t, centres + (i_h * M + j) * C * d, o_c, m_c, d, BS, CP)
-        tl.store(base_o + j, code.to(tl.uint8), mask=m_t)
+    base_k = k_pool + b_phys * s_pn + i_h * BS * D + o_t * D + i_j * d
+    code = nearest_centre(base_k, m_t, centres + (i_h * M + i_j) * C * d, o_c, m_c, d, BS, CP)
+    tl.store(codes + b_phys * s_cn + i_h * BS * M + o_t * M + i_j, code.to(tl.uint8), mask=m_t)
 
 
 def pq_write(
@@ -199,8 +236,11 @@ def pq_write(
     span: int,
 ) -> None:
     """Store, in place, the codes (:func:`pq_encode`'s, nearest centre a piece) of the stored positions ``lo[b] <= p <
-    hi[b]`` (the contract of ``reference.pq_write``): one program per (block the positions touch, sequence, KV head)
-    reads the block's keys and writes the codes of its positions in range, nothing else (no gather, no scatter).
+    hi[b]`` (the contract of ``reference.pq_write``): one program per (block the positions touch, sequence, KV head,
+    piece) reads the piece of the block's keys and writes the codes of its positions in range, nothing else (no
+    gather, no scatter). On the H200 (2026-12-04, one decode token, Llama-3-8B layer) a program per (block, sequence,
+    head) looping over the 16 pieces took 68 / 65 us at 1 x 128K / 8 x 32K: 16 dependent rounds of loads from 16
+    programs; one program a piece runs them side by side.
 
     Args:
         codes: ``[NB, Hkv, BS, m]`` uint8 (inner dims contiguous); k_pool: ``[NB, Hkv, BS, D]`` (inner dims
@@ -217,20 +257,11 @@ def pq_write(
     assert lo.shape == (B,) and hi.shape == (B,)
     if span <= 0 or B == 0:
         return
-    pq_write_kernel[(triton.cdiv(span, BS) + 1, B * H)](
+    pq_write_kernel[(triton.cdiv(span, BS) + 1, B * H, M)](
         codes, k_pool, centres.float().contiguous(), block_table.contiguous(), lo.contiguous(), hi.contiguous(),
         k_pool.stride(0), codes.stride(0), block_table.shape[1],
         H=H, D=D, M=M, C=C, CP=triton.next_power_of_2(C), d=d, BS=BS, num_warps=4,
     )  # fmt: skip
-
-
-def pq_table(q: torch.Tensor, centres: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[B, Hq, M, C]`` float32: ``scale * q_g[piece j] . centres[h, j, c]`` for query head ``g`` of KV head ``h``
-    (``q [B, Hq, D]``, ``centres [Hkv, M, C, d]``)."""
-    B, HQ, _ = q.shape
-    H, M, C, d = centres.shape
-    qg = q.float().view(B, H, HQ // H, M, d)
-    return (torch.einsum("bhgjd,hjcd->bhgjc", qg, centres.float()) * scale).reshape(B, HQ, M, C).contiguous()
 
 
 def pq_block_lse(
@@ -241,42 +272,67 @@ def pq_block_lse(
     seq_lens: torch.Tensor,
     start: torch.Tensor,
     scale: float,
-    tpp: int = 8,
+    tpp: int = 4,
     num_warps: int = 1,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
-    block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for). ``tpp``: blocks a
-    program (a power of two)."""
+    block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for): :func:`pq_group_table`,
+    then :func:`pq_group_table_lse` (``tpp``: blocks a program, a power of two)."""
     _, HQ, D = q.shape
     H, M, _, d = centres.shape
     assert codes.shape[1] == H and codes.shape[3] == M and M * d == D and HQ % H == 0
-    return pq_table_lse(pq_table(q, centres, scale), codes, block_table, seq_lens, start, tpp, num_warps)
+    table = pq_group_table(q, centres, scale)
+    return pq_group_table_lse(table, codes, block_table, seq_lens, start, HQ // H, tpp, num_warps)
 
 
-def pq_table_lse(
+def pq_group_table(q: torch.Tensor, centres: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[B, Hkv, M, C, GP]`` float32: ``scale * q_g[piece j] . centres[h, j, c]`` at ``[b, h, j, c, g]`` for query
+    head ``g < G`` of KV head ``h`` (``q [B, Hq, D]``, ``centres [Hkv, M, C, d]``), zero at the ``GP - G`` heads that
+    round ``G`` up to a power of two: a (piece, centre)'s entries for the whole group lie side by side. One Triton
+    program per (sequence, KV head, piece)."""
+    B, HQ, D = q.shape
+    H, M, C, d = centres.shape
+    assert HQ % H == 0 and M * d == D, f"q {tuple(q.shape)} for centres {tuple(centres.shape)}"
+    G = HQ // H
+    GP = triton.next_power_of_2(G)
+    out = torch.empty(B, H, M, C, GP, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    pq_group_table_kernel[(B * H, M)](
+        q, centres.float().contiguous(), out, float(scale), q.stride(0), q.stride(1),
+        H=H, G=G, GP=GP, M=M, C=C, CP=triton.next_power_of_2(C), d=d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def pq_group_table_lse(
     table: torch.Tensor,
     codes: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     start: torch.Tensor,
-    tpp: int = 8,
+    group: int,
+    tpp: int = 4,
     num_warps: int = 1,
 ) -> torch.Tensor:
-    """:func:`pq_block_lse` on a table :func:`pq_table` made (``table [B, Hq, M, C]`` float32): the kernel alone,
-    ``[B, Hq, MB]`` float32."""
-    B, HQ, M, C = table.shape
-    _, H, BS, _ = codes.shape
-    assert codes.dtype == torch.uint8 and codes.shape[3] == M and table.is_contiguous() and HQ % H == 0
+    """:func:`pq_block_lse` on a table :func:`pq_group_table` made (``table [B, Hkv, M, C, GP]`` float32, ``group``
+    query heads a KV head): the kernel alone, ``[B, Hkv * group, MB]`` float32."""
+    B, H, M, C, GP = table.shape
+    BS = codes.shape[2]
+    assert codes.dtype == torch.uint8 and codes.shape[1] == H and codes.shape[3] == M and table.is_contiguous()
+    assert GP == triton.next_power_of_2(group), f"a table of {GP} heads for a group of {group}"
     assert codes.stride()[1:] == (BS * M, M, 1), "codes must be contiguous within a block"
     assert triton.next_power_of_2(M) == M and triton.next_power_of_2(BS) == BS and triton.next_power_of_2(tpp) == tpp
     MB = block_table.shape[1]
-    out = torch.empty(B, HQ, MB, dtype=torch.float32, device=table.device)
+    out = torch.empty(B, H * group, MB, dtype=torch.float32, device=table.device)
     if B == 0 or MB == 0:
         return out
     grid = (triton.cdiv(MB, tpp), B * H)
-    pq_block_lse_kernel[grid](
+    pq_group_lse_kernel[grid](
         table, codes, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out, codes.stride(0), MB,
-        HQ=HQ, H=H, G=HQ // H, M=M, C=C, BS=BS, BM=tpp, num_warps=num_warps,
+        HQ=H * group, H=H, G=group, GP=GP, M=M, C=C, BS=BS, BM=tpp, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -293,8 +349,8 @@ def pq_block_scores(
     window: int | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the product-quantized keys, summed over each GQA group: ``[B, Hkv, MB]``
-    float32 (the contract of ``reference.pq_block_scores``), in a table einsum and three launches
-    (:func:`pq_block_lse`, then ``quant_lse_mass``). Pieces or blocks not a power of two run the reference."""
+    float32 (the contract of ``reference.pq_block_scores``), in four launches (:func:`pq_block_lse`'s two, then
+    ``quant_lse_mass``'s). Pieces or blocks not a power of two run the reference."""
     H, BS, M = codes.shape[1], codes.shape[2], codes.shape[3]
     if triton.next_power_of_2(M) != M or triton.next_power_of_2(BS) != BS:
         return reference.pq_block_scores(q, codes, centres, block_table, seq_lens, start, scale, sink, window)
