@@ -118,7 +118,7 @@ OURS = (  # (substring, category): our Triton kernels (ops/triton/*.py), and for
     ("quant_block_lse", "selection"),
     ("quant_lse_stats", "selection"),
     ("quant_mass", "selection"),
-    ("pq_block_lse", "selection"),
+    ("pq_group", "selection"),  # pq_group_table_kernel, pq_group_lse_kernel
     ("lse_block_mass", "selection"),
     ("topk_indices", "selection"),
     ("topk_radix", "selection"),

@@ -43,6 +43,22 @@ def test_topk_dry_run_checks_and_writes_its_rows(tmp_path):
     assert [(r["R"], r["N"], r["k"]) for r in rows] == [("2", "100", "8")]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="probe_pq.py times the GPU when there is one")
+def test_pq_probe_dry_run_checks_its_variants_against_the_library(tmp_path):
+    """``probe_pq.py --smoke`` on the CPU: every variant of the scoring kernel runs, the ones that must give the
+    library's scores do (the script asserts it), the bf16 table within its rounding, and each row says how many of
+    each query head's top 4/16 blocks it keeps (all of them where the scores are the library's)."""
+    path = tmp_path / "probe.csv"
+    out = _run(["benchmarks/probe_pq.py", "--device", "cpu", "--smoke", "--out", str(path)], interpret=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = list(csv.DictReader(path.open()))
+    assert {r["what"] for r in rows} >= {"library", "copy", "bf16", "no_gather", "codes_first"}
+    assert {r["shape"] for r in rows} == {"1x192", "2x80"}
+    exact = [r for r in rows if r["what"] in ("library", "copy", "ca", "evict_last", "codes_cg", "codes_first")]
+    assert len(exact) == 12 and all(float(r["top4_shared"]) == 1.0 and float(r["rel_err"]) < 1e-5 for r in exact)
+    assert all(float(r["rel_err"]) < 2e-2 for r in rows if r["what"].startswith("bf16"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="check_pq.py times the GPU when there is one")
 def test_pq_check_dry_run_finds_every_point_right(tmp_path):
     """``check_pq.py --smoke`` on the CPU: each grid point's scores against the float32 reference (relative error,
@@ -56,7 +72,8 @@ def test_pq_check_dry_run_finds_every_point_right(tmp_path):
     points = [r for r in rows if r["tpp"]]
     assert {r["shape"] for r in points} == {"1x192", "2x80"} and len(points) == 4
     assert all(float(r["rel_err"]) < 1e-5 and float(r["shared"]) == 1.0 and r["inf_ok"] == "True" for r in points)
-    assert {"table einsum", "quest scores + top-k 1/16", "pq scores + top-k 4/16"} <= {r["what"] for r in rows}
+    assert {"table", "quest scores + top-k 1/16", "pq scores + top-k 4/16"} <= {r["what"] for r in rows}
+    assert {"pq_write, one token (Triton)", "pq_write, one token (reference)"} <= {r["what"] for r in rows}
     fits = [r for r in rows if r["what"] == "prefill fit, one layer (reference codes)"]
     assert len(fits) == 2 and all(float(r["us"]) > 0 for r in fits)
     encodes = [r for r in rows if r["what"].startswith("pq_encode")]
