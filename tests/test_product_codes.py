@@ -385,6 +385,29 @@ def test_stored_keys_takes_each_held_slot_once():
     assert firsts == want and keys.shape == (1, len(want), 2)
 
 
+def test_a_long_prompt_fit_gathers_only_the_keys_it_draws(monkeypatch):
+    """With more stored keys than a prefill fit keeps, ``stored_keys(..., draw_seed=layer)`` gathers only the drawn
+    keys, and they are the keys (same order, same values) ``ProductCodes.fit`` draws from all of them: the fitted
+    centres are bit for bit those of the whole gather (a 128K prompt no longer copies all its keys per layer)."""
+    from hf_sparse_kv.policies import product
+    from hf_sparse_kv.policies.product import ProductCodes, prefill_draw, stored_keys
+
+    monkeypatch.setattr(product, "PREFILL_SAMPLE", 37)
+    gen = torch.Generator().manual_seed(11)
+    k_pool = torch.randn(9, 2, 8, 16, generator=gen)
+    table = torch.tensor([[4, 0, 7, 2, 8], [1, 5, -1, 6, 3]])
+    hi = torch.tensor([37, 38])  # 37 + 30 held keys (row 1's third block evicted): 37 drawn
+    every = stored_keys(k_pool, table, hi)
+    assert every.shape == (2, 67, 16) and prefill_draw(67, 3).shape == (37,) and prefill_draw(37, 3) is None
+    drawn = stored_keys(k_pool, table, hi, draw_seed=3)
+    torch.testing.assert_close(drawn, every[:, prefill_draw(67, 3)], rtol=0, atol=0)
+    few = torch.tensor([20, 17])  # 20 + 16 keys: no draw
+    torch.testing.assert_close(stored_keys(k_pool, table, few, draw_seed=3), stored_keys(k_pool, table, few))
+    fit = {"method": "pq", "fit": "prefill", "sub_dim": 4, "centroids": 8}
+    a, b = ProductCodes(fit, "T"), ProductCodes(fit, "T")
+    torch.testing.assert_close(a.fit(3, every), b.fit(3, drawn), rtol=0, atol=0)
+
+
 def test_fitting_keys_a_chunk_at_a_time_gives_the_same_centres(monkeypatch):
     """``fit_centres``' assignment is the reference ``pq_encode``, which bounds its distances by coding the keys a chunk
     at a time: each key's code is its own, so the centres do not depend on the chunking."""

@@ -152,11 +152,23 @@ def _starts(lo: torch.Tensor) -> bool:
     return not bool((lo > 0).any())
 
 
-def stored_keys(k_pool: torch.Tensor, block_table: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def prefill_draw(n: int, seed: int) -> torch.Tensor | None:
+    """Which of ``n`` stored keys a prefill fit keeps: ``[PREFILL_SAMPLE]`` int64 indices drawn without replacement
+    (seeded by ``seed``, the layer's index), or ``None`` when ``n <= PREFILL_SAMPLE`` (all of them)."""
+    if n <= PREFILL_SAMPLE:
+        return None
+    return torch.randperm(n, generator=torch.Generator(device="cpu").manual_seed(seed))[:PREFILL_SAMPLE]
+
+
+def stored_keys(
+    k_pool: torch.Tensor, block_table: torch.Tensor, hi: torch.Tensor, draw_seed: int | None = None
+) -> torch.Tensor:
     """The keys the table's sequences hold at positions ``[0, hi[b])``, each stored slot once: ``[Hkv, N, D]``
-    (``k_pool [NB, Hkv, BS, D]``, ``block_table [B, MB]`` (-1: no block), ``hi [B]``). A block several rows share
-    (evaluation's simulate way, beams) counts once, up to the longest of their lengths in it. Reads ``hi`` on the
-    host (its longest length), so not inside a compiled graph or a CUDA-graph capture."""
+    (``k_pool [NB, Hkv, BS, D]``, ``block_table [B, MB]`` (-1: no block), ``hi [B]``), in the order of their
+    physical slots. A block several rows share (evaluation's simulate way, beams) counts once, up to the longest of
+    their lengths in it. With ``draw_seed``, only the keys :func:`prefill_draw` keeps of them (the same keys, in the
+    same order, as drawing from all ``N``), gathered alone: a long prompt's fit never copies all its keys. Reads
+    ``hi`` and the slots on the host, so not inside a compiled graph or a CUDA-graph capture."""
     _eager_only(hi)
     NB, _, BS, _ = k_pool.shape
     n = int(hi.max()) if hi.numel() else 0
@@ -168,7 +180,11 @@ def stored_keys(k_pool: torch.Tensor, block_table: torch.Tensor, hi: torch.Tenso
     count = torch.zeros(NB + 1, dtype=filled.dtype, device=k_pool.device)
     count.scatter_reduce_(0, torch.where(blocks >= 0, blocks, NB).flatten(), filled.flatten(), "amax")
     ok = torch.arange(BS, device=k_pool.device).view(1, BS) < count[:NB].view(-1, 1)  # [NB, BS]
-    return k_pool.transpose(0, 1)[:, ok]
+    slots = ok.flatten().nonzero().squeeze(1)  # [N] block * BS + slot, ascending
+    drawn = prefill_draw(slots.numel(), draw_seed) if draw_seed is not None else None
+    if drawn is not None:
+        slots = slots[drawn.to(slots.device)]
+    return k_pool[slots // BS, :, slots % BS].transpose(0, 1).contiguous()  # [N, Hkv, D] -> [Hkv, N, D]
 
 
 class ProductCodes:
@@ -212,9 +228,9 @@ class ProductCodes:
         if N == 0:
             raise ValueError(f"no stored keys to fit layer {layer}'s product-quantization centres on")
         key = self._key(layer, keys.device)
-        gen = torch.Generator(device="cpu").manual_seed(layer)
-        if N > PREFILL_SAMPLE:
-            keys = keys[:, torch.randperm(N, generator=gen)[:PREFILL_SAMPLE].to(keys.device)]
+        drawn = prefill_draw(N, layer)
+        if drawn is not None:
+            keys = keys[:, drawn.to(keys.device)]
         elif N < C:
             keys = keys.repeat(1, -(-C // N), 1)
         centres = fit_centres(keys, d, C, encode=encode)
@@ -257,7 +273,7 @@ class ProductCodes:
         """The StateSpec refresh: ``ops.pq_write`` of the positions ``[lo, hi)``; with a prefill fit, a multi-token
         write that starts every sequence at position 0 first fits the layer's centres on the keys it stores."""
         if self.fit_sizes and (self._key(layer, k_pool.device) not in self.on_device or (span > 1 and _starts(lo))):
-            self.fit(layer, stored_keys(k_pool, block_table, hi), ops.pq_encode)
+            self.fit(layer, stored_keys(k_pool, block_table, hi, draw_seed=layer), ops.pq_encode)
         centres = self.centres(layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         ops.pq_write(state, k_pool, centres, block_table, lo, hi, span)
 
@@ -268,7 +284,8 @@ class ProductCodes:
         k_pool = state.k_pool
         codes = state.state.get(STATE_NAME)
         if codes is None and self.fit_sizes:  # no cache behind the state: fit on its stored keys
-            self.fit(state.layer, stored_keys(k_pool, state.block_table, state.seq_lens), state.ops.pq_encode)
+            keys = stored_keys(k_pool, state.block_table, state.seq_lens, draw_seed=state.layer)
+            self.fit(state.layer, keys, state.ops.pq_encode)
         centres = self.centres(state.layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         if codes is None:
             codes = state.ops.pq_encode(k_pool.transpose(1, 2), centres).transpose(1, 2).contiguous()
