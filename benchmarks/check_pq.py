@@ -45,24 +45,18 @@ GRID = tuple((tpp, w) for tpp in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8))
 SMOKE_GRID = ((2, 4), (4, 1))
 SHAPES = ((1, 8200), (8, 2048))  # (sequences, blocks each): 1 x 128K and 8 x 32K at block size 16
 SMOKE_SHAPES = ((1, 12), (2, 5))
-# pq_encode's (tokens a program, warps, centres a step; None: all at once): the default first
-ENCODE_TILES = ((32, 2, None), (32, 2, 64), (64, 2, 64), (64, 4, 64), (128, 4, 64), (128, 4, 32), (128, 8, 64),
-                (64, 4, 128), (128, 4, 128), (256, 8, 64))  # fmt: skip
-SMOKE_ENCODE_TILES = ((16, 1, None), (16, 1, 128))
-FIT_TILE = (128, 4, 64)  # a fit timed at this pq_encode tile beside the default's
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 points, 2 KV heads (a dry run)")
-    ap.add_argument("--encode-only", action="store_true", help="only pq_encode's tiles and the prefill fits, one shape")
     ap.add_argument("--out", help="the CSV (default: $OUT/pq_sweep.csv when OUT is set, else benchmarks/results/)")
     a = ap.parse_args()
     dev = a.device
     if torch.device(dev).type == "cpu":
         cpu_dry_run()
-    rows = sweep(dev, 2 if a.smoke else 8, 4, 128, 16, a.smoke, encode_only=a.encode_only)
+    rows = sweep(dev, 2 if a.smoke else 8, 4, 128, 16, a.smoke)
     folder = tempfile.gettempdir() if a.smoke else "benchmarks/results"
     out = a.out or os.path.join(os.environ.get("OUT") or folder, "pq_sweep.csv")
     write_csv(out, rows)
@@ -75,7 +69,7 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def sweep(dev, H, G, D, BS, smoke: bool = False, M: int = 16, C: int = 256, encode_only: bool = False) -> list[dict]:
+def sweep(dev, H, G, D, BS, smoke: bool = False, M: int = 16, C: int = 256) -> list[dict]:
     """Every point of :data:`GRID` checked and timed, then the table, the write and the selections beside Quest's."""
     ops = get_ops("triton", dev)
     cuda = torch.device(dev).type == "cuda"
@@ -83,14 +77,14 @@ def sweep(dev, H, G, D, BS, smoke: bool = False, M: int = 16, C: int = 256, enco
     print(f"copy bandwidth {hbm and round(hbm)} GB/s", flush=True)
     torch.manual_seed(0)
     rows = []
-    for B, MB in (SMOKE_SHAPES if smoke else SHAPES)[: 1 if encode_only else None]:
-        rows += one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C, encode_only)
+    for B, MB in SMOKE_SHAPES if smoke else SHAPES:
+        rows += one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C)
         if cuda:
             torch.cuda.empty_cache()
     return rows
 
 
-def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C, encode_only=False) -> list[dict]:
+def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C) -> list[dict]:
     """The grid checked and timed at ``B`` sequences of ``MB`` blocks, then the other rows (:func:`sweep`)."""
     from hf_sparse_kv.ops.triton.product import (
         pq_block_lse,
@@ -110,7 +104,7 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C, encode_only=False)
     nbytes = codes.numel()
     k16 = max(1, MB // 16)
     tab = pq_group_table(q, centres, scale)  # the kernel's input, made once
-    for tpp, warps in () if encode_only else SMOKE_GRID if smoke else GRID:
+    for tpp, warps in SMOKE_GRID if smoke else GRID:
         lse_fn = functools.partial(pq_block_lse, *args, tpp=tpp, num_warps=warps)
         out = quant_lse_mass(lse_fn(), table, lens, zero, BS, H, 0, None)
         rel, same, inf_ok = compare(out, ref, k16)
@@ -135,8 +129,6 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C, encode_only=False)
         "pq scores + top-k 4/16": lambda: ops.topk_indices(pq_block_scores(*args, sink=4, window=32), 4 * k16),
     }
     extra["pq_write, one token (Triton)"] = lambda: ops.pq_write(codes, k_new, centres, table, lo, lo + 1, 1)
-    if encode_only:
-        extra = {}
     # the smoke run fits 16 centres on 40 keys: the interpreter runs each (tokens, head, piece) program in NumPy
     fitter = ProductCodes({"method": "pq", "fit": "prefill", "sub_dim": D // M, "centroids": 16 if smoke else C}, "")
     stored = k_pool.transpose(0, 1).reshape(H, -1, D)  # [H, NB * BS, D]: every slot, as a prefill would store
@@ -144,24 +136,15 @@ def one_shape(dev, ops, hbm, B, MB, H, G, D, BS, smoke, M, C, encode_only=False)
     extra["prefill fit, one layer (reference codes)"] = lambda: fitter.fit(0, stored, R.pq_encode)
     if not smoke:  # 8 rounds of ~100 interpreted programs each take ~4 s on the CPU
         extra["prefill fit, one layer (Triton codes)"] = lambda: fitter.fit(0, stored, ops.pq_encode)
-        tiled = functools.partial(pq_encode, block_n=FIT_TILE[0], num_warps=FIT_TILE[1], block_c=FIT_TILE[2])
-        extra["prefill fit, one layer (Triton codes, bn={} w={} bc={})".format(*FIT_TILE)] = lambda: fitter.fit(
-            0, stored, tiled
-        )
     sample = stored[:, : min(stored.shape[1], 16384)].transpose(0, 1)  # [N, H, D]: one k-means round's keys
     sample = sample[:24] if smoke else sample
     want = R.pq_encode(sample, centres)
-    default = None
-    for bn, warps, bc in SMOKE_ENCODE_TILES if smoke else ENCODE_TILES:
-        enc = functools.partial(pq_encode, sample, centres, bn, warps, bc)
+    for bn, warps in ((16, 1),) if smoke else ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8)):
+        enc = functools.partial(pq_encode, sample, centres, bn, warps)
         us, mode = bench(enc, rep=20)
-        got = enc()
-        default = got if default is None else default
-        rows.append({"shape": shape, "what": f"pq_encode {sample.shape[0]} keys bn={bn} w={warps} bc={bc}", "us": us,
-                     "timing": mode, "shared": (got == want).float().mean().item(),
-                     "same_as_default": torch.equal(got, default)})  # fmt: skip
-        print(f"{shape} pq_encode bn={bn} w={warps} bc={bc}: {us:.1f} us, codes equal {rows[-1]['shared']:.5f}, "
-              f"the default tile's codes {rows[-1]['same_as_default']}", flush=True)  # fmt: skip
+        rows.append({"shape": shape, "what": f"pq_encode {sample.shape[0]} keys bn={bn} w={warps}", "us": us,
+                     "timing": mode, "shared": (enc() == want).float().mean().item()})  # fmt: skip
+        print(f"{shape} pq_encode bn={bn} w={warps}: {us:.1f} us, codes equal {rows[-1]['shared']:.5f}", flush=True)
     for what, fn in extra.items():
         us, mode = bench(fn, rep=5 if "fit" in what else 20, graph="fit" not in what)
         moved = {"pq_block_scores (default)": nbytes, "quest scores": 2 * kmin.numel() * kmin.element_size()}.get(what)

@@ -255,7 +255,6 @@ def cases():
         keys = torch.randn(N, H, M * d, generator=g).to(torch.bfloat16)
         centres = torch.randn(H, M, C, d, generator=g)
         out.append((f"pq_encode N={N} H={H} M={M} C={C} d={d}", partial(pq_encode, keys, centres)))
-        out.append((f"pq_encode N={N} H={H} M={M} C={C} d={d} 128/4/64", partial(pq_encode, keys, centres, 128, 4, 64)))
     for H, M, C, d, BS in ((8, 16, 256, 8, 16), (1, 32, 256, 8, 16), (2, 3, 100, 4, 64)):  # Llama-3, Gemma-3, odd
         NB, B, MB = 6, 2, 3
         k_pool = torch.randn(NB, H, BS, M * d, generator=g).to(torch.bfloat16)

@@ -277,8 +277,7 @@ def _nearest(keys: torch.Tensor, centres: torch.Tensor, codes: torch.Tensor) -> 
 def test_the_triton_codes_are_the_nearest_centres(shape):
     """``pq_encode``'s kernel (one program per tokens x head x piece, distances in registers) codes every piece with
     its nearest centre, as the reference does (the same codes but for near ties), at power-of-two and other centre
-    counts, bf16 and float32 keys, strided keys, the centres taken all at once or 16 / 64 a step (the same codes);
-    ``pq_write``'s kernel stores the same nearest centres at the written
+    counts, bf16 and float32 keys, strided keys; ``pq_write``'s kernel stores the same nearest centres at the written
     positions (a block's part, whole blocks, an empty range) and nothing elsewhere."""
     pytest.importorskip("triton")
     from hf_sparse_kv.ops.triton.product import pq_encode
@@ -294,8 +293,6 @@ def test_the_triton_codes_are_the_nearest_centres(shape):
         assert got.dtype == torch.uint8 and got.shape == want.shape == (N, H, m)
         assert _nearest(keys, centres, got)
         assert (got == want).float().mean() >= 0.99 if N else got.numel() == 0
-        for block_c in (16, 64) if N * m < 200 else ():  # the centres a step at a time (a step past C masked): the
-            assert torch.equal(pq_encode(keys, centres, 16, 2, block_c), got)  # same codes, bit for bit
     with pytest.raises(ValueError, match="expected"):
         pq_encode(torch.randn(3, H, m * d + 1, device=DEVICE), centres)
     ops = get_ops("triton", DEVICE)

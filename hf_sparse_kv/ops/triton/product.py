@@ -127,45 +127,25 @@ def pq_group_table_kernel(
 
 
 @triton.jit
-def nearest_centre(
-    base_x, m_x, base_c, C, d: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
-    S_C: tl.constexpr = None, S_K: tl.constexpr = 1, CB: tl.constexpr = None,
-):  # fmt: skip
+def nearest_centre(base_x, m_x, base_c, o_c, m_c, d: tl.constexpr, R: tl.constexpr, CP: tl.constexpr):
     """``[R]`` int32: for ``R`` pieces of ``d`` channels (``base_x [R]`` pointers to their first channel, ``m_x``
-    their mask), the index of the nearest of the piece's ``C`` centres (``CP``: ``C`` rounded up to a power of two;
-    ``base_c``: float32, centre ``c``'s channel ``k`` at ``c * S_C + k * S_K``: ``S_C = d, S_K = 1`` for ``[C, d]``
-    rows, the default; ``S_C = 1, S_K = C`` for the ``[d, C]`` transpose, whose loads are contiguous) by ``|c|^2 -
-    2 x . c`` in float32, ties to the lower index. ``CB``: centres a step (a power of two dividing ``CP``; default all), the
-    ``[R, CB]`` distances of one step in registers, the running minimum kept across steps (a later step wins only
-    when strictly nearer): the same codes for every ``CB``."""
-    S_CC: tl.constexpr = d if S_C is None else S_C
-    STEP: tl.constexpr = CP if CB is None else CB
-    o_b = tl.arange(0, STEP)
-    best = tl.full([R], float("inf"), tl.float32)
-    code = tl.zeros([R], dtype=tl.int32)
-    for c0 in tl.static_range(0, CP, STEP):
-        o_cc = c0 + o_b
-        m_cc = o_cc < C
-        dot = tl.zeros([R, STEP], dtype=tl.float32)
-        norm = tl.zeros([STEP], dtype=tl.float32)
-        for k in tl.static_range(d):  # d multiply-adds a (piece, centre): no tensor-core tile is that thin
-            b_c = tl.load(base_c + o_cc * S_CC + k * S_K, mask=m_cc, other=0.0)
-            b_x = tl.load(base_x + k, mask=m_x, other=0.0).to(tl.float32)
-            dot += b_x[:, None] * b_c[None, :]
-            norm += b_c * b_c
-        dist = tl.where(m_cc[None, :], norm[None, :] - 2 * dot, float("inf"))
-        low = tl.min(dist, axis=1)
-        at = tl.argmin(dist, axis=1, tie_break_left=True) + c0
-        take = low < best
-        code = tl.where(take, at, code)
-        best = tl.where(take, low, best)
-    return code
+    their mask), the index of the nearest of the piece's centres (``base_c``: ``[C, d]`` float32, rows ``o_c [CP]``
+    valid where ``m_c``) by ``|c|^2 - 2 x . c`` in float32, ties to the lower index."""
+    dot = tl.zeros([R, CP], dtype=tl.float32)
+    norm = tl.zeros([CP], dtype=tl.float32)
+    for k in tl.static_range(d):  # d multiply-adds a (piece, centre): no tensor-core tile is that thin
+        b_c = tl.load(base_c + o_c * d + k, mask=m_c, other=0.0)
+        b_x = tl.load(base_x + k, mask=m_x, other=0.0).to(tl.float32)
+        dot += b_x[:, None] * b_c[None, :]
+        norm += b_c * b_c
+    dist = tl.where(m_c[None, :], norm[None, :] - 2 * dot, float("inf"))
+    return tl.argmin(dist, axis=1, tie_break_left=True)
 
 
 @triton.jit
 def pq_encode_kernel(
     keys,  # [N, H, D]: last dim contiguous
-    centres,  # [H, M, d, C] float32, contiguous: each piece's centres transposed (contiguous loads)
+    centres,  # [H, M, C, d] float32, contiguous
     out,  # [N, H, M] uint8, contiguous
     N,
     s_kn,  # keys' stride between tokens
@@ -176,30 +156,26 @@ def pq_encode_kernel(
     CP: tl.constexpr,  # C rounded up to a power of two
     d: tl.constexpr,
     BN: tl.constexpr,  # tokens a program
-    CB: tl.constexpr,  # centres a step
 ):
     i_n, i_hj = tl.program_id(0), tl.program_id(1)
     i_h, i_j = i_hj // M, i_hj % M
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
+    o_c = tl.arange(0, CP)
+    m_c = o_c < C
     base_k = keys + o_n.to(tl.int64) * s_kn + i_h * s_kh + i_j * d
-    code = nearest_centre(base_k, m_n, centres + i_hj * C * d, C, d, BN, CP, 1, C, CB)
+    code = nearest_centre(base_k, m_n, centres + i_hj * C * d, o_c, m_c, d, BN, CP)
     tl.store(out + o_n.to(tl.int64) * (H * M) + i_hj, code.to(tl.uint8), mask=m_n)
 
 
-def pq_encode(
-    keys: torch.Tensor, centres: torch.Tensor, block_n: int = 32, num_warps: int = 2, block_c: int | None = None
-) -> torch.Tensor:
+def pq_encode(keys: torch.Tensor, centres: torch.Tensor, block_n: int = 32, num_warps: int = 2) -> torch.Tensor:
     """Product-quantization codes of ``keys [..., Hkv, D]`` against ``centres [Hkv, m, C, d]``: ``[..., Hkv, m]``
     uint8, each piece's nearest centre by ``|c|^2 - 2 k . c`` in float32 (the contract of ``reference.pq_encode``;
     a near tie may go the other way: the sums run in another order). One program per (``block_n`` tokens, head,
     piece) holds the piece's ``C`` centres and the tokens' ``[block_n, C]`` distances in registers: nothing of that
     size is written (the reference writes ``[chunk, Hkv, m, C]`` float32 distances). Defaults from the H200
     (2026-12-04, 16384 keys x 8 heads x 16 pieces x 256 centres): 0.97 ms at 32 tokens and 2 warps, 1.05 at 64 / 2,
-    1.72 at 64 / 4, 15.2 at 128 / 8; the reference's codes everywhere (with each piece's centres read as rows of ``d``
-    channels then: 8 loads of one channel each, strided). The centres are now passed transposed (``[Hkv, m, d, C]``,
-    one contiguous load a channel), ``block_c`` of them a step (a power of two; default all ``C``): the same codes
-    at every ``block_c`` (tested)."""
+    1.72 at 64 / 4, 15.2 at 128 / 8; the reference's codes everywhere."""
     Hkv, m, C, d = reference.pq_encode_sizes(keys, centres)
     lead = keys.shape[:-2]
     x = keys.reshape(-1, Hkv, m * d)
@@ -209,12 +185,9 @@ def pq_encode(
     out = torch.empty(N, Hkv, m, dtype=torch.uint8, device=keys.device)
     if N:
         grid = (triton.cdiv(N, block_n), Hkv * m)
-        CP = triton.next_power_of_2(C)
-        CB = min(block_c or CP, CP)
-        assert triton.next_power_of_2(CB) == CB, f"block_c must be a power of two, got {block_c}"
         pq_encode_kernel[grid](
-            x, centres.float().transpose(-1, -2).contiguous(), out, N, x.stride(0), x.stride(1),
-            H=Hkv, M=m, C=C, CP=CP, d=d, BN=block_n, CB=CB, num_warps=num_warps,
+            x, centres.float().contiguous(), out, N, x.stride(0), x.stride(1),
+            H=Hkv, M=m, C=C, CP=triton.next_power_of_2(C), d=d, BN=block_n, num_warps=num_warps,
         )  # fmt: skip
     return out.reshape(*lead, Hkv, m)
 
@@ -246,8 +219,10 @@ def pq_write_kernel(
     o_t = tl.arange(0, BS)
     pos = lb * BS + o_t
     m_t = (pos >= b_lo) & (pos < b_hi)
+    o_c = tl.arange(0, CP)
+    m_c = o_c < C
     base_k = k_pool + b_phys * s_pn + i_h * BS * D + o_t * D + i_j * d
-    code = nearest_centre(base_k, m_t, centres + (i_h * M + i_j) * C * d, C, d, BS, CP)
+    code = nearest_centre(base_k, m_t, centres + (i_h * M + i_j) * C * d, o_c, m_c, d, BS, CP)
     tl.store(codes + b_phys * s_cn + i_h * BS * M + o_t * M + i_j, code.to(tl.uint8), mask=m_t)
 
 
