@@ -16,7 +16,9 @@ Variants (``MODE``; the library's tile: 4 blocks a program, 1 warp, unless the r
   the codes and gather as ``codes_first``;
 - ``no_gather``: every (token, piece) reads its piece's first entry (the same address for every code): all the
   kernel's work but the random gather;
-- ``no_lse``: the gather and the sum over the pieces, then a plain max over the block's tokens (no exp / log).
+- ``no_lse``: the gather and the sum over the pieces, then a plain max over the block's tokens (no exp / log);
+- ``pieces_loop``: a static loop over the pieces, each a ``[BM, BS]`` load of its codes and a ``[BM, BS, GP]``
+  gather added to the scores (no sum across lanes over the pieces; not run on the GPU yet).
 
 Each variant's output is compared with the library's (``no_gather`` and ``no_lse`` compute something else: their
 error is printed, not checked), with the share of each query head's top 4/16 blocks it keeps (``top4_shared``: what
@@ -43,7 +45,10 @@ from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, wri
 
 from hf_sparse_kv.ops import reference as R
 
-MODES = ("copy", "ca", "evict_last", "codes_cg", "codes_first", "bf16", "bf16_codes_first", "no_gather", "no_lse")
+MODES = (
+    "copy", "ca", "evict_last", "codes_cg", "codes_first", "bf16", "bf16_codes_first", "no_gather", "no_lse",
+    "pieces_loop",
+)  # fmt: skip
 
 
 @triton.jit
@@ -67,25 +72,34 @@ def probe_kernel(
     pos = o_m[:, None] * BS + o_t[None, :]
     ok = held[:, None] & (pos >= s0) & (pos < n)
     ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
-    row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])
-    if MODE == "codes_cg":
-        code = tl.load(codes + row, mask=ok3, other=0, cache_modifier=".cg").to(tl.int32)
-    elif MODE == "codes_first" or MODE == "bf16_codes_first":
-        code = tl.load(codes + row, mask=ok3, other=0, eviction_policy="evict_first").to(tl.int32)
+    if MODE == "pieces_loop":  # a static loop over the pieces: no sum across lanes over them
+        base = table + i_bh.to(tl.int64) * (M * C * GP)
+        at = phys[:, None] * s_cn + (i_h * BS + o_t[None, :]) * M  # [BM, BS]
+        s = tl.zeros([BM, BS, GP], dtype=tl.float32)
+        for j in tl.static_range(M):
+            c_j = tl.load(codes + at + j, mask=ok, other=0).to(tl.int32)
+            p_j = base + ((j * C + c_j) * GP)[:, :, None] + o_g[None, None, :]
+            s += tl.load(p_j, mask=ok[:, :, None], other=0.0)
     else:
-        code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
-    if MODE == "no_gather":
-        code = code * 0
-    entry = (o_j[None, None, :] * C + code) * GP
-    ptr = table + i_bh.to(tl.int64) * (M * C * GP) + entry[:, :, :, None] + o_g[None, None, None, :]
-    m4 = ok3[:, :, :, None]
-    if MODE == "ca":
-        val = tl.load(ptr, mask=m4, other=0.0, cache_modifier=".ca")
-    elif MODE == "evict_last" or MODE == "codes_first" or MODE == "bf16_codes_first":
-        val = tl.load(ptr, mask=m4, other=0.0, eviction_policy="evict_last")
-    else:
-        val = tl.load(ptr, mask=m4, other=0.0)
-    s = tl.sum(val.to(tl.float32), axis=2)
+        row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])
+        if MODE == "codes_cg":
+            code = tl.load(codes + row, mask=ok3, other=0, cache_modifier=".cg").to(tl.int32)
+        elif MODE == "codes_first" or MODE == "bf16_codes_first":
+            code = tl.load(codes + row, mask=ok3, other=0, eviction_policy="evict_first").to(tl.int32)
+        else:
+            code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
+        if MODE == "no_gather":
+            code = code * 0
+        entry = (o_j[None, None, :] * C + code) * GP
+        ptr = table + i_bh.to(tl.int64) * (M * C * GP) + entry[:, :, :, None] + o_g[None, None, None, :]
+        m4 = ok3[:, :, :, None]
+        if MODE == "ca":
+            val = tl.load(ptr, mask=m4, other=0.0, cache_modifier=".ca")
+        elif MODE == "evict_last" or MODE == "codes_first" or MODE == "bf16_codes_first":
+            val = tl.load(ptr, mask=m4, other=0.0, eviction_policy="evict_last")
+        else:
+            val = tl.load(ptr, mask=m4, other=0.0)
+        s = tl.sum(val.to(tl.float32), axis=2)
     s = tl.where(ok[:, :, None], s, float("-inf"))
     top = tl.max(s, axis=1)
     if MODE == "no_lse":
@@ -165,7 +179,8 @@ def main() -> None:
                          "rel_err": err, "inf_same": same, "top4_shared": shared})  # fmt: skip
             print(f"{shape} {what}: {us:.1f} us, max rel err {err:.1e}, -inf pattern equal {same}, top 4/16 shared "
                   f"{shared:.4f}", flush=True)  # fmt: skip
-            if what in ("copy", "ca", "evict_last", "codes_cg", "codes_first", "library") or what.startswith("copy "):
+            exact = ("copy", "ca", "evict_last", "codes_cg", "codes_first", "pieces_loop", "library")
+            if what in exact or what.startswith("copy "):
                 assert same and err < 1e-5, f"{what} differs from the library's kernel"
             if what.startswith("bf16"):
                 assert same and err < 2e-2, "the bf16 table's lse is off by more than bf16 rounding"
