@@ -52,7 +52,8 @@ the eager and captured patched rows), ``generate``, then ``compiled``: every row
 ``graph+compile:``, ``reduce-overhead:``; minutes each on the 8B shape), last, so that a run stopped by a time limit
 has measured the rest. Every row prints as it is measured, after a ``[HH:MM:SS +elapsed s]`` stamp, and the CSV is
 rewritten after each row. ``--rows`` keeps the named rows (names as in the tables, without `` (left-padded)``;
-``TTFT`` for the prefill rows); an unknown name is an error.
+``TTFT`` for the prefill rows of Quest, ``TTFT: pq prefill-fit`` for those of the product-quantized selector, whose
+prefill fits its centres); an unknown name is an error.
 
 The target rows of issue 14 at the 8B shape (the StaticCache row compiles once per shape, which takes minutes: leave
 it out of ``--rows`` for a quick run; ``timeout`` keeps what was measured before it)::
@@ -283,6 +284,11 @@ STATIC_ROW = "unpatched StaticCache + compile"
 PQ_PREFILL = TopPBlockTopK(
     budget=0.0625, sink=4, window=32, candidates=4, p=1.0, pool="heads", coarse="pq", calibration="prefill"
 )
+TTFT_ROWS = [  # (name for --rows, policy, the row's label): each prefill timed against the unpatched model's
+    ("TTFT", Quest(budget=0.0625), "TTFT (s): unpatched / patched"),
+    # the product-quantized selector fits each layer's centres at the prefill: what that adds to a prompt's TTFT
+    ("TTFT: pq prefill-fit", PQ_PREFILL, "TTFT (s): unpatched / pq prefill-fit"),
+]
 GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() arguments, how the captured step is
     # compiled: None (not), "graph" (inductor), "graph+merged" (inductor, merge_projections=True))
     ("generate: unpatched sdpa", None, {}, None),
@@ -615,7 +621,7 @@ def main() -> None:
     args = p.parse_args()
     wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
     known = {r[0] for r in ROWS + COMPILED_ROWS + GENERATE_ROWS} | {"floor: dense", "unpatched sdpa", STATIC_ROW}
-    known |= {"generate: floor: dense", "TTFT"}
+    known |= {"generate: floor: dense"} | {r[0] for r in TTFT_ROWS}
     if wanted - known:
         raise SystemExit(f"--rows: unknown {sorted(wanted - known)}; rows are {sorted(known)}")
     phases = args.phases.split(",")
@@ -630,15 +636,17 @@ def main() -> None:
     bandwidth = hbm_bandwidth(args.device, 2**31 if args.device == "cuda" else 2**24)
     report.say(f"HBM bandwidth (device copy): {bandwidth:.0f} GB/s")
 
-    for shape in args.ttft.split(",") if args.ttft and keep("TTFT") else []:
+    ttft_rows = [r for r in TTFT_ROWS if keep(r[0])]
+    for shape in args.ttft.split(",") if args.ttft and ttft_rows else []:
         batch, length = map(int, shape.split("x"))
         report.say(f"{batch}x{length}: TTFT")
         base = time_prefill(model, batch, length)
-        patch_model(model, policy=Quest(budget=0.0625), mode="block", block_size=args.block_size)
-        patched = time_prefill(model, batch, length)
-        unpatch_model(model)
-        report.add({"batch": batch, "context": length, "row": "TTFT (s): unpatched / patched", "ttft_s": base,
-                    "ttft_patched_s": patched, "ttft_ratio": patched / base})  # fmt: skip
+        for _, policy, label in ttft_rows:
+            patch_model(model, policy=policy, mode="block", block_size=args.block_size)
+            patched = time_prefill(model, batch, length)
+            unpatch_model(model)
+            report.add({"batch": batch, "context": length, "row": label, "ttft_s": base, "ttft_patched_s": patched,
+                        "ttft_ratio": patched / base})  # fmt: skip
         empty_cache(args.device)
 
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else []

@@ -59,6 +59,25 @@ def test_bench_e2e_times_the_prefill_fit_row(monkeypatch, tmp_path):
     assert all(float(r["ttft_s"]) > 0 and float(r["ms_per_token"]) > 0 for r in rows.values())
 
 
+def test_bench_e2e_times_the_prefill_of_each_ttft_row(monkeypatch, tmp_path):
+    """``--ttft``: the unpatched prefill, then Quest's and the product-quantized selector's (whose prefill fits its
+    centres), each a row of its own with its ratio to the unpatched one; ``--rows`` picks either."""
+    codes = bench_e2e.PQ_PREFILL._coarse.codes
+    monkeypatch.setattr(codes, "on_device", {})  # no centres yet: the timed prefills must fit them
+    _run(
+        monkeypatch, tmp_path, "--ttft", "1x48", "--shapes", "", "--generate", "", "--rows", "TTFT,TTFT: pq prefill-fit"
+    )
+    with open(tmp_path / "e2e.csv") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["TTFT (s): unpatched / patched", "TTFT (s): unpatched / pq prefill-fit"]
+    assert len(codes.on_device) == bench_e2e.tiny_config().num_hidden_layers  # every layer's centres fitted
+    for r in rows.values():
+        assert float(r["ttft_ratio"]) == pytest.approx(float(r["ttft_patched_s"]) / float(r["ttft_s"]))
+    _run(monkeypatch, tmp_path, "--ttft", "1x48", "--shapes", "", "--generate", "", "--rows", "TTFT: pq prefill-fit")
+    with open(tmp_path / "e2e.csv") as f:
+        assert [r["row"] for r in csv.DictReader(f)] == ["TTFT (s): unpatched / pq prefill-fit"]
+
+
 def test_bench_e2e_refuses_an_unknown_row(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="unknown"):
         _run(monkeypatch, tmp_path, "--rows", "graph: Quest 1/16 blocks")
