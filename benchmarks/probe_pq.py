@@ -44,6 +44,7 @@ from check_quant_keys import layer_inputs
 from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import reference as R
+from hf_sparse_kv.ops.triton.product import block_tile
 
 MODES = (
     "copy", "ca", "evict_last", "codes_cg", "codes_first", "bf16", "bf16_codes_first", "no_gather", "no_lse",
@@ -59,18 +60,10 @@ def probe_kernel(
 ):  # fmt: skip
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    o_m = i_m * BM + tl.arange(0, BM)
-    m_m = o_m < MB
-    phys = tl.load(block_table + i_b * MB + o_m, mask=m_m, other=-1)
-    held = m_m & (phys >= 0)
-    phys = tl.maximum(phys, 0).to(tl.int64)
+    o_m, m_m, phys, ok = block_tile(block_table, seq_lens, start, i_b, i_m, MB, BM, BS)
     o_t = tl.arange(0, BS)
     o_j = tl.arange(0, M)
     o_g = tl.arange(0, GP)
-    n = tl.load(seq_lens + i_b)
-    s0 = tl.load(start + i_b)
-    pos = o_m[:, None] * BS + o_t[None, :]
-    ok = held[:, None] & (pos >= s0) & (pos < n)
     ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
     if MODE == "pieces_loop":  # a static loop over the pieces: no sum across lanes over them
         base = table + i_bh.to(tl.int64) * (M * C * GP)

@@ -44,6 +44,23 @@ from .written import written_block
 
 
 @triton.jit
+def block_tile(block_table, seq_lens, start, i_b, i_m, MB, BM: tl.constexpr, BS: tl.constexpr):
+    """The ``i_m``-th tile of ``BM`` logical blocks of sequence ``i_b``: ``o_m [BM]`` the logical blocks, ``m_m [BM]``
+    those inside the table, ``phys [BM]`` int64 their physical blocks (0 where none is held), ``ok [BM, BS]`` the
+    positions to score (block held, ``start <= p < seq_len``)."""
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < MB
+    phys = tl.load(block_table + i_b * MB + o_m, mask=m_m, other=-1)
+    held = m_m & (phys >= 0)
+    phys = tl.maximum(phys, 0).to(tl.int64)
+    n = tl.load(seq_lens + i_b)
+    s0 = tl.load(start + i_b)
+    pos = o_m[:, None] * BS + tl.arange(0, BS)[None, :]
+    ok = held[:, None] & (pos >= s0) & (pos < n)
+    return o_m, m_m, phys, ok
+
+
+@triton.jit
 def pq_group_lse_kernel(
     table,  # [B, H, M, C, GP] float32: scale * q_piece . centre, the group's heads last (zero past G)
     codes,  # [NB, H, BS, M] uint8
@@ -64,18 +81,10 @@ def pq_group_lse_kernel(
 ):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    o_m = i_m * BM + tl.arange(0, BM)  # [BM] logical blocks
-    m_m = o_m < MB
-    phys = tl.load(block_table + i_b * MB + o_m, mask=m_m, other=-1)
-    held = m_m & (phys >= 0)
-    phys = tl.maximum(phys, 0).to(tl.int64)
+    o_m, m_m, phys, ok = block_tile(block_table, seq_lens, start, i_b, i_m, MB, BM, BS)
     o_t = tl.arange(0, BS)
     o_j = tl.arange(0, M)
     o_g = tl.arange(0, GP)
-    n = tl.load(seq_lens + i_b)
-    s0 = tl.load(start + i_b)
-    pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
-    ok = held[:, None] & (pos >= s0) & (pos < n)
     ok3 = ok[:, :, None] & (o_j[None, None, :] < M)
     row = phys[:, None, None] * s_cn + ((i_h * BS + o_t[None, :, None]) * M + o_j[None, None, :])  # [BM, BS, M]
     code = tl.load(codes + row, mask=ok3, other=0).to(tl.int32)
