@@ -132,7 +132,7 @@ def pq_group_table_kernel(
         b_q = tl.load(base_q + k, mask=m_g, other=0.0).to(tl.float32)
         acc += b_c[:, None] * b_q[None, :]
     out = table + ((i_bh.to(tl.int64) * M + i_j) * C + o_c[:, None]) * GP + o_g[None, :]
-    tl.store(out, acc * scale, mask=m_c[:, None] & (o_g[None, :] < GP))
+    tl.store(out, acc * scale, mask=m_c[:, None])  # heads past G: zero (their q masked to 0)
 
 
 @triton.jit
@@ -287,11 +287,10 @@ def pq_block_lse(
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for): :func:`pq_group_table`,
     then :func:`pq_group_table_lse` (``tpp``: blocks a program, a power of two)."""
-    _, HQ, D = q.shape
-    H, M, _, d = centres.shape
-    assert codes.shape[1] == H and codes.shape[3] == M and M * d == D and HQ % H == 0
-    table = pq_group_table(q, centres, scale)
-    return pq_group_table_lse(table, codes, block_table, seq_lens, start, HQ // H, tpp, num_warps)
+    table = pq_group_table(q, centres, scale)  # checks q against the centres, as the kernel the codes against both
+    return pq_group_table_lse(
+        table, codes, block_table, seq_lens, start, q.shape[1] // centres.shape[0], tpp, num_warps
+    )
 
 
 def pq_group_table(q: torch.Tensor, centres: torch.Tensor, scale: float) -> torch.Tensor:
