@@ -142,6 +142,10 @@ case $PART in
     # its prefill (calibration="prefill": no file; the suite's simulate way fits them on each chunk's stored keys)
     PL="{name: top_p_block_topk, label: pq8_c4_prefill, sink: 4, window: 32, candidates: 4, p: 1.0, pool: heads, coarse: pq, calibration: prefill}"
     run_targets "${PART#pq_fit_}" "$PL" "pq8_c4_prefill" "$@" ;;
+  pq_bf16_*)  # issue 13: pq_fit_'s selector with its scoring table in bfloat16 (its kernel 30-34 % faster on the H200),
+    # on the cells and trials of pq8_c4_prefill (the float32 table), for a paired comparison
+    PB="{name: top_p_block_topk, label: pq8_c4_prefill_bf16, sink: 4, window: 32, candidates: 4, p: 1.0, pool: heads, coarse: pq, calibration: {method: pq, fit: prefill, table: bfloat16}}"
+    run_targets "${PART#pq_bf16_}" "$PB" "pq8_c4_prefill_bf16" "$@" ;;
   pq_*)  # issue 13: product-quantized keys as the coarse pass (evaluation/product_quant.py, reference ops), c = 2,
     # the fine pass the candidates' own keys or their 4-bit codes, at 1/16 on the target cells (as progressive_*)
     PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, sub_dim: 8, centroids: 256, candidates: 2'

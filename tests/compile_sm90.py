@@ -251,6 +251,12 @@ def cases():
         out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS}", partial(pq_block_scores, *args)))
         out.append((f"pq_block_scores H={H} G={G} M={M} BS={BS} sink+window", partial(pq_block_scores, *args, 4, 32)))
         out.append((f"pq_block_lse tpp=16 w=2 H={H} G={G} M={M} BS={BS}", partial(pq_block_lse, *args, 16, 2)))
+        out.append(
+            (
+                f"pq_block_scores bf16 table H={H} G={G} M={M} BS={BS}",
+                partial(pq_block_scores, *args, 0, None, "bfloat16"),
+            )
+        )
     for N, H, M, C, d in ((16384, 8, 16, 256, 8), (3, 2, 16, 256, 8), (40, 1, 3, 100, 4)):  # a fit; a decode write
         keys = torch.randn(N, H, M * d, generator=g).to(torch.bfloat16)
         centres = torch.randn(H, M, C, d, generator=g)

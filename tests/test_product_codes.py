@@ -121,6 +121,41 @@ def test_with_exact_centres_the_coarse_pass_alone_picks_the_oracle_blocks():
     assert not torch.equal(coarse.select(state).indices, want.indices)  # the inputs do separate the rankings
 
 
+def test_a_calibration_names_the_scoring_tables_dtype():
+    """``"table": "bfloat16"`` in a calibration dict scores the blocks as ``pq_block_scores(table_dtype="bfloat16")``
+    does (not as the float32 table); a dtype the kernels do not hold is refused at construction."""
+    state = _decode_state(length=120, batch=2)
+    keys = reference.gather_dense(state.k_pool, state.block_table, 120).transpose(0, 1).flatten(1, 2).cpu()
+    centres = fit_centres(keys, sub_dim=4, centroids=16)
+    scores = {}
+    for table in ("float32", "bfloat16"):
+        cal = {"method": "pq", "centres": {1: centres}, "table": table}
+        policy = TwoStageBlockTopK(budget=48, sink=2, window=4, candidates=2, coarse="pq", calibration=cal)
+        scores[table] = policy._coarse.codes.scores(state, 2, 4)
+        codes = reference.pq_encode(state.k_pool.transpose(1, 2), centres.to(DEVICE)).transpose(1, 2)
+        want = reference.pq_block_scores(
+            state.q,
+            codes,
+            centres.to(DEVICE),
+            state.block_table,
+            state.seq_lens,
+            state.start,
+            state.scale,
+            2,
+            4,
+            table_dtype=table,
+        )
+        torch.testing.assert_close(scores[table], want, rtol=2e-2 if table == "bfloat16" else 1e-5, atol=1e-5)
+    assert not torch.equal(scores["float32"], scores["bfloat16"])
+    fit = {"method": "pq", "fit": "prefill", "sub_dim": 4, "centroids": 16}
+    assert TopPBlockTopK(budget=48, coarse="pq", calibration="prefill")._coarse.codes.table_dtype == "float32"
+    assert TopPBlockTopK(
+        budget=48, coarse="pq", calibration={**fit, "table": "bfloat16"}
+    )._coarse.codes.table_dtype == ("bfloat16")
+    with pytest.raises(ValueError, match="float32"):
+        TopPBlockTopK(budget=48, coarse="pq", calibration={**fit, "table": "float16"})
+
+
 def _check_codes(cache: PagedKVCache, cal: dict) -> None:
     """Every stored position's codes are its key's (pq_encode with the layer's centres)."""
     for layer in cache.paged_layers:
@@ -190,7 +225,7 @@ def test_the_triton_scores_are_the_reference_scores():
     of 3 and of 6: the group table pads them to 4 and 8), and a piece count the kernel does not take (the reference
     runs); three tile sizes; the group's table itself."""
     pytest.importorskip("triton")
-    from hf_sparse_kv.ops.triton.product import pq_block_lse, pq_group_table
+    from hf_sparse_kv.ops.triton.product import pq_block_lse, pq_group_table, pq_group_table_lse
 
     ops = get_ops("triton", DEVICE)
     assert ops.pq_block_scores is not reference.pq_block_scores
@@ -214,11 +249,34 @@ def test_the_triton_scores_are_the_reference_scores():
             lse = s.masked_fill(~ok, float("-inf")).logsumexp(-1).flatten(1, 2)
             for tpp, warps in ((4, 1), (1, 4), (8, 2)):
                 torch.testing.assert_close(pq_block_lse(*args, tpp, warps), lse, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(reference.pq_block_lse(*args), lse, rtol=1e-5, atol=1e-5)
+            # a bfloat16 table: the kernel's lse of the table it was given is the reference's of that table (the
+            # table's own entries may differ by one bfloat16 step where float32 sums in another order round apart)
+            t16 = pq_group_table(q, centres, 0.3, "bfloat16")
+            got = pq_group_table_lse(t16, codes, table, seq_lens, start, G)
+            want = reference.pq_table_lse(t16[..., :G].permute(0, 1, 4, 2, 3), codes, table, seq_lens, start)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert not torch.equal(want, lse)  # the terms were rounded
+        for forced in ({}, {"sink": 2, "window": bs}):  # the whole path: as close as bfloat16 terms allow
+            want = reference.pq_block_scores(*args, **forced, table_dtype="bfloat16")
+            got = ops.pq_block_scores(*args, **forced, table_dtype="bfloat16")
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+            torch.testing.assert_close(want, reference.pq_block_scores(*args, **forced), rtol=0.05, atol=0.02)
         table_g = pq_group_table(q, centres, 0.3)  # [B, H, m, C, GP]: the group's heads last, zero past G
         assert table_g.shape == (2, H, m, C, 1 << (G - 1).bit_length())
         want = torch.einsum("bhgjd,hjcd->bhjcg", q.view(2, H, G, m, d), centres) * 0.3
         torch.testing.assert_close(table_g[..., :G], want, rtol=1e-5, atol=1e-6)
         assert (table_g[..., G:] == 0).all()
+        # within one bfloat16 step of the float32 entries (2^-8 relative rounded to nearest, as the GPU does; the
+        # interpreter's cast truncates: 2^-7)
+        table16 = pq_group_table(q, centres, 0.3, "bfloat16")
+        assert table16.dtype == torch.bfloat16 and (table16[..., G:] == 0).all()
+        torch.testing.assert_close(table16.float()[..., :G], want, rtol=2**-7, atol=1e-6)
+        ref16 = reference.pq_table(q, centres, 0.3, "bfloat16")  # [B, H, G, m, C]
+        torch.testing.assert_close(ref16, want.permute(0, 1, 4, 2, 3), rtol=2**-8, atol=1e-6)
+        assert ref16.dtype == torch.float32 and torch.equal(ref16.bfloat16().float(), ref16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        reference.pq_table(q, centres, 0.3, "float16")
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

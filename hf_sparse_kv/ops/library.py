@@ -414,16 +414,17 @@ def pq_block_scores_op(
     scale: float,
     sink: int,
     window: int | None,
+    table_dtype: str,
     backend: str,
 ) -> torch.Tensor:
     """``reference.pq_block_scores``: each block's mass under the product-quantized keys, ``[B, Hkv, MB]`` float32
-    (``+inf`` at the forced blocks still held when ``window`` is given)."""
+    (``+inf`` at the forced blocks still held when ``window`` is given; ``table_dtype``: its scoring table's)."""
     fn = _impl(backend, "pq_block_scores")
-    return fn(q, codes, centres, block_table, seq_lens, start, scale, sink, window)
+    return fn(q, codes, centres, block_table, seq_lens, start, scale, sink, window, table_dtype)
 
 
 @pq_block_scores_op.register_fake
-def _(q, codes, centres, block_table, seq_lens, start, scale, sink, window, backend):
+def _(q, codes, centres, block_table, seq_lens, start, scale, sink, window, table_dtype, backend):
     return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
 
 
@@ -521,8 +522,12 @@ def registered_ops(backend: str) -> SimpleNamespace:
     def pq_write(codes, k_pool, centres, block_table, lo, hi, span):
         pq_write_op(codes, k_pool, centres, block_table, lo, hi, span, backend)
 
-    def pq_block_scores(q, codes, centres, block_table, seq_lens, start, scale, sink=0, window=None):
-        return pq_block_scores_op(q, codes, centres, block_table, seq_lens, start, scale, sink, window, backend)
+    def pq_block_scores(
+        q, codes, centres, block_table, seq_lens, start, scale, sink=0, window=None, table_dtype="float32"
+    ):
+        return pq_block_scores_op(
+            q, codes, centres, block_table, seq_lens, start, scale, sink, window, table_dtype, backend
+        )
 
     return SimpleNamespace(
         name=backend,

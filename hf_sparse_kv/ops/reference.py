@@ -846,6 +846,7 @@ def pq_block_scores(
     scale: float,
     sink: int = 0,
     window: int | None = None,
+    table_dtype: str = "float32",
 ) -> torch.Tensor:
     """Each block's softmax mass under the product-quantized keys, summed over each GQA group:
     :func:`oracle_block_scores` with every key replaced by its centres (:func:`pq_decode`), as
@@ -855,12 +856,71 @@ def pq_block_scores(
         q: ``[B, Hq, D]`` decode queries (unscaled); codes: ``[NB, Hkv, BS, m]`` uint8 (:func:`pq_write`);
             centres: ``[Hkv, m, C, d]``; block_table: ``[B, MB]``; seq_lens, start: ``[B]``; scale: softmax scale.
         sink, window: with ``window`` given, the blocks of :func:`forced_block_mask` still held score ``+inf``.
+        table_dtype: ``"float32"``, or ``"bfloat16"``: each piece's term ``scale * q_piece . centre`` rounded to
+            bfloat16 before the float32 sum over the pieces (:func:`pq_block_lse`), as the Triton kernel's table
+            in bfloat16 holds them.
 
     Returns:
         ``[B, Hkv, MB]`` float32; ``-inf`` past each sequence's last block and for evicted blocks.
     """
+    if pq_table_dtype(table_dtype) != torch.float32:
+        lse = pq_block_lse(q, codes, centres, block_table, seq_lens, start, scale, table_dtype)
+        return lse_block_mass(lse, block_table, seq_lens, start, codes.shape[2], codes.shape[1], sink, window)
     keys = pq_decode(codes[block_table.long().clamp(min=0)], centres)  # [B, MB, Hkv, BS, D]
     return decoded_block_mass(q, keys, block_table, seq_lens, start, scale, sink, window)
+
+
+PQ_TABLE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pq_table_dtype(name: str) -> torch.dtype:
+    """The dtype a product-quantized scoring table is held in: ``"float32"`` or ``"bfloat16"`` (checked)."""
+    if name not in PQ_TABLE_DTYPES:
+        raise ValueError(f"a product-quantized scoring table is one of {sorted(PQ_TABLE_DTYPES)}, got {name!r}")
+    return PQ_TABLE_DTYPES[name]
+
+
+def pq_table(q: torch.Tensor, centres: torch.Tensor, scale: float, table_dtype: str = "float32") -> torch.Tensor:
+    """``[B, Hkv, G, m, C]`` float32: ``scale * q_g[piece j] . centres[h, j, c]`` for query head ``g`` of KV head
+    ``h`` (``q [B, Hq, D]``, ``centres [Hkv, m, C, d]``), each entry rounded to ``table_dtype`` (and back)."""
+    B, Hq, _ = q.shape
+    Hkv, m, _, d = centres.shape
+    qg = q.float().view(B, Hkv, Hq // Hkv, m, d)
+    table = torch.einsum("bhgjd,hjcd->bhgjc", qg, centres.float()) * scale
+    return table.to(pq_table_dtype(table_dtype)).float()
+
+
+def pq_block_lse(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    centres: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    table_dtype: str = "float32",
+) -> torch.Tensor:
+    """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp over the block's valid positions of
+    each token's score ``sum_j T[g, j, code_j]`` (``T``: :func:`pq_table` in ``table_dtype``; the pieces summed in
+    float32), ``-inf`` where none is valid. The output of the Triton ``pq_block_lse``. Args: as
+    :func:`pq_block_scores`."""
+    return pq_table_lse(pq_table(q, centres, scale, table_dtype), codes, block_table, seq_lens, start)
+
+
+def pq_table_lse(
+    table: torch.Tensor, codes: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor
+) -> torch.Tensor:
+    """:func:`pq_block_lse` on a given table ``[B, Hkv, G, m, C]`` (:func:`pq_table`'s layout; its values are used
+    as they are, in float32): ``[B, Hkv * G, MB]`` float32."""
+    B, MB = block_table.shape
+    Hkv, BS, m = codes.shape[1], codes.shape[2], codes.shape[3]
+    table = table.float()
+    G = table.shape[2]
+    c = codes[block_table.long().clamp(min=0)].long()  # [B, MB, Hkv, BS, m]
+    idx = c.permute(0, 2, 4, 1, 3).reshape(B, Hkv, 1, m, MB * BS).expand(B, Hkv, G, m, MB * BS)
+    s = table.gather(4, idx).sum(3).view(B, Hkv, G, MB, BS)  # [B, Hkv, G, MB, BS]
+    ok = held_positions(block_table, seq_lens, start, BS)
+    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
 
 
 def candidate_scores(

@@ -27,6 +27,10 @@ so that write cannot run inside a compiled graph or a CUDA-graph capture (it rai
 unaffected). Where a state carries no codes (evaluation's simulate way) the centres are fitted on the state's stored
 keys at every call. A layer's centres keep their tensor across fits (captured decode steps read the new ones).
 
+A calibration dict may also name the scoring table's dtype: ``"table": "bfloat16"`` (e.g. ``{"method": "pq",
+"fit": "prefill", "table": "bfloat16"}``) holds each ``scale * q_piece . centre`` term in bfloat16, summed in
+float32; the default ``"float32"``.
+
 ``pq_block_scores`` has a Triton kernel (a table of ``q_piece . centre`` gathered by the codes: ``ops/triton/
 product.py``; tested against the reference, built for sm_90, timed on the H200: benchmarks/RESULTS.md); so has
 ``pq_encode``, the nearest-centre assignment each k-means round of a prefill fit runs (its distances stay in
@@ -44,13 +48,14 @@ from typing import Any
 
 import torch
 
-from ..ops.reference import pq_encode
+from ..ops.reference import pq_encode, pq_table_dtype
 from .base import DecodeState, StateSpec
 
 STATE_NAME = "pqcodes"
 METHOD = "pq"
 PREFILL = "prefill"
 PREFILL_SAMPLE = 16384  # keys a prefill fit draws at most per layer
+TABLE = "float32"  # the scoring table's dtype unless a calibration dict names another ("table")
 MISSING = (
     "{cls} with coarse='pq' needs calibration=: a file written by `hf-sparse-kv calibrate-selector --method pq "
     "--model M --out pq.pt` (or the dict hf_sparse_kv.calibrate_selector.calibrate_selector(model, input_ids, "
@@ -137,6 +142,14 @@ def prefill_fit(calibration) -> tuple[int, int] | None:
     return None
 
 
+def table_dtype(calibration) -> str:
+    """The dtype of the scoring table (``ops.pq_block_scores``' ``table_dtype``) a calibration asks for: its dict's
+    ``"table"``, ``"float32"`` (the default) or ``"bfloat16"`` (checked); a file or ``"prefill"``: the default."""
+    name = calibration.get("table", TABLE) if isinstance(calibration, dict) else TABLE
+    pq_table_dtype(name)  # raises for another name
+    return name
+
+
 def _eager_only(t: torch.Tensor) -> None:
     """Raise where a host read of ``t`` cannot run: inside a compiled graph or a CUDA-graph capture."""
     if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -197,6 +210,7 @@ class ProductCodes:
             raise ValueError(MISSING.format(cls=owner))
         self.fit_sizes = prefill_fit(calibration)
         self.calibration = None if self.fit_sizes else load_calibration(calibration)
+        self.table_dtype = table_dtype(self.calibration or calibration)
         if self.fit_sizes:
             self.sub_dim = self.fit_sizes[0]
         else:
@@ -290,5 +304,14 @@ class ProductCodes:
         if codes is None:
             codes = state.ops.pq_encode(k_pool.transpose(1, 2), centres).transpose(1, 2).contiguous()
         return state.ops.pq_block_scores(
-            state.q, codes, centres, state.block_table, state.seq_lens, state.start, state.scale, sink, window
+            state.q,
+            codes,
+            centres,
+            state.block_table,
+            state.seq_lens,
+            state.start,
+            state.scale,
+            sink,
+            window,
+            self.table_dtype,
         )

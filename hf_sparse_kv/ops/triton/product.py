@@ -6,9 +6,10 @@ A key's codes are ``M = D / d`` bytes, piece ``j``'s code the index of its neare
 table entries: ``scale * q_g . k_hat = sum_j T[g, j, code_j]`` with the table ``T[g, j, c] = scale * q_g[piece j] .
 centres[h, j, c]``.
 
-- :func:`pq_group_table`: the table, ``[B, Hkv, M, C, GP]`` float32 with the GQA group's ``G`` query heads last
-  (rounded up to a power of two ``GP``, zero past ``G``), one program per (sequence, KV head, piece): ``G x D x C``
-  multiply-adds a KV head, e.g. 64 KiB of table for 4 query heads, 16 pieces and 256 centres; it stays in L2.
+- :func:`pq_group_table`: the table, ``[B, Hkv, M, C, GP]`` float32 (or bfloat16: ``table_dtype``) with the GQA
+  group's ``G`` query heads last (rounded up to a power of two ``GP``, zero past ``G``), one program per (sequence,
+  KV head, piece): ``G x D x C`` multiply-adds a KV head, e.g. 64 KiB of table for 4 query heads, 16 pieces and 256
+  centres (32 KiB in bfloat16); it stays in L2. The lse kernel sums the gathered entries in float32 either way.
 - :func:`pq_group_table_lse`: one program per (tile of ``BM`` logical blocks, sequence, KV head) loads the tile's
   codes as one ``[BM, BS, M]`` uint8 tile through the block table (``M`` bytes a token, one contiguous run a block),
   gathers for each (token, piece) the group's ``GP`` entries of its code in one vector load, sums them over the
@@ -62,7 +63,7 @@ def block_tile(block_table, seq_lens, start, i_b, i_m, MB, BM: tl.constexpr, BS:
 
 @triton.jit
 def pq_group_lse_kernel(
-    table,  # [B, H, M, C, GP] float32: scale * q_piece . centre, the group's heads last (zero past G)
+    table,  # [B, H, M, C, GP] float32 or bfloat16: scale * q_piece . centre, the group's heads last (zero past G)
     codes,  # [NB, H, BS, M] uint8
     block_table,  # [B, MB]
     seq_lens,  # [B]
@@ -91,7 +92,7 @@ def pq_group_lse_kernel(
     entry = (o_j[None, None, :] * C + code) * GP  # [BM, BS, M]: a (piece, centre)'s GP entries, one vector load
     base = table + i_bh.to(tl.int64) * (M * C * GP)
     val = tl.load(base + entry[:, :, :, None] + o_g[None, None, None, :], mask=ok3[:, :, :, None], other=0.0)
-    s = tl.sum(val, axis=2)  # [BM, BS, GP]
+    s = tl.sum(val.to(tl.float32), axis=2)  # [BM, BS, GP], summed in float32 whatever the table's dtype
     s = tl.where(ok[:, :, None], s, float("-inf"))
     top = tl.max(s, axis=1)  # [BM, GP]
     empty = top == float("-inf")  # no valid position
@@ -106,7 +107,7 @@ def pq_group_lse_kernel(
 def pq_group_table_kernel(
     q,  # [B, HQ, D]: last dim contiguous
     centres,  # [H, M, C, d] float32, contiguous
-    table,  # [B, H, M, C, GP] float32
+    table,  # [B, H, M, C, GP] float32 or bfloat16 (rounded on store)
     scale,
     s_qb,  # q's stride between sequences
     s_qh,  # q's stride between heads
@@ -132,7 +133,7 @@ def pq_group_table_kernel(
         b_q = tl.load(base_q + k, mask=m_g, other=0.0).to(tl.float32)
         acc += b_c[:, None] * b_q[None, :]
     out = table + ((i_bh.to(tl.int64) * M + i_j) * C + o_c[:, None]) * GP + o_g[None, :]
-    tl.store(out, acc * scale, mask=m_c[:, None])  # heads past G: zero (their q masked to 0)
+    tl.store(out, (acc * scale).to(table.dtype.element_ty), mask=m_c[:, None])  # heads past G: zero (q masked to 0)
 
 
 @triton.jit
@@ -283,27 +284,30 @@ def pq_block_lse(
     scale: float,
     tpp: int = 4,
     num_warps: int = 1,
+    table_dtype: str = "float32",
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
-    block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for): :func:`pq_group_table`,
-    then :func:`pq_group_table_lse` (``tpp``: blocks a program, a power of two)."""
-    table = pq_group_table(q, centres, scale)  # checks q against the centres, as the kernel the codes against both
+    block's valid positions, ``-inf`` where none is (``k_hat``: the keys the codes stand for): :func:`pq_group_table`
+    (in ``table_dtype``), then :func:`pq_group_table_lse` (``tpp``: blocks a program, a power of two);
+    ``reference.pq_block_lse``."""
+    table = pq_group_table(q, centres, scale, table_dtype)  # checks q against the centres, as the kernel the codes
     return pq_group_table_lse(
         table, codes, block_table, seq_lens, start, q.shape[1] // centres.shape[0], tpp, num_warps
     )
 
 
-def pq_group_table(q: torch.Tensor, centres: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[B, Hkv, M, C, GP]`` float32: ``scale * q_g[piece j] . centres[h, j, c]`` at ``[b, h, j, c, g]`` for query
-    head ``g < G`` of KV head ``h`` (``q [B, Hq, D]``, ``centres [Hkv, M, C, d]``), zero at the ``GP - G`` heads that
-    round ``G`` up to a power of two: a (piece, centre)'s entries for the whole group lie side by side. One Triton
-    program per (sequence, KV head, piece)."""
+def pq_group_table(q: torch.Tensor, centres: torch.Tensor, scale: float, table_dtype: str = "float32") -> torch.Tensor:
+    """``[B, Hkv, M, C, GP]`` in ``table_dtype`` (``"float32"`` or ``"bfloat16"``: computed in float32, rounded on
+    store): ``scale * q_g[piece j] . centres[h, j, c]`` at ``[b, h, j, c, g]`` for query head ``g < G`` of KV head
+    ``h`` (``q [B, Hq, D]``, ``centres [Hkv, M, C, d]``), zero at the ``GP - G`` heads that round ``G`` up to a power
+    of two: a (piece, centre)'s entries for the whole group lie side by side. One Triton program per (sequence, KV
+    head, piece)."""
     B, HQ, D = q.shape
     H, M, C, d = centres.shape
     assert HQ % H == 0 and M * d == D, f"q {tuple(q.shape)} for centres {tuple(centres.shape)}"
     G = HQ // H
     GP = triton.next_power_of_2(G)
-    out = torch.empty(B, H, M, C, GP, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H, M, C, GP, dtype=reference.pq_table_dtype(table_dtype), device=q.device)
     if B == 0:
         return out
     if q.stride(-1) != 1:
@@ -325,7 +329,7 @@ def pq_group_table_lse(
     tpp: int = 4,
     num_warps: int = 1,
 ) -> torch.Tensor:
-    """:func:`pq_block_lse` on a table :func:`pq_group_table` made (``table [B, Hkv, M, C, GP]`` float32, ``group``
+    """:func:`pq_block_lse` on a table :func:`pq_group_table` made (``table [B, Hkv, M, C, GP]`` float32 or bfloat16, ``group``
     query heads a KV head): the kernel alone, ``[B, Hkv * group, MB]`` float32."""
     B, H, M, C, GP = table.shape
     BS = codes.shape[2]
@@ -355,12 +359,16 @@ def pq_block_scores(
     scale: float,
     sink: int = 0,
     window: int | None = None,
+    table_dtype: str = "float32",
 ) -> torch.Tensor:
     """Each block's softmax mass under the product-quantized keys, summed over each GQA group: ``[B, Hkv, MB]``
     float32 (the contract of ``reference.pq_block_scores``), in four launches (:func:`pq_block_lse`'s two, then
-    ``quant_lse_mass``'s). Pieces or blocks not a power of two run the reference."""
+    ``quant_lse_mass``'s); ``table_dtype="bfloat16"`` holds the table in bfloat16. Pieces or blocks not a power of
+    two run the reference."""
     H, BS, M = codes.shape[1], codes.shape[2], codes.shape[3]
     if triton.next_power_of_2(M) != M or triton.next_power_of_2(BS) != BS:
-        return reference.pq_block_scores(q, codes, centres, block_table, seq_lens, start, scale, sink, window)
-    lse = pq_block_lse(q, codes, centres, block_table, seq_lens, start, scale)
+        return reference.pq_block_scores(
+            q, codes, centres, block_table, seq_lens, start, scale, sink, window, table_dtype
+        )
+    lse = pq_block_lse(q, codes, centres, block_table, seq_lens, start, scale, table_dtype=table_dtype)
     return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window)
