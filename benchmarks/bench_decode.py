@@ -21,7 +21,7 @@ Providers, timed in the same run:
   each query head's mass, ``pool="heads"``: ``candidate_scores(reduce="head_mass")``), ``quant2`` / ``quant4``
   (QuantBlockTopK: every block's mass under 2- / 4-bit keys, ``quant_block_scores``), ``pq_c4`` (TopPBlockTopK,
   c = 4, p = 1, ``coarse="pq"``: the candidates by their mass under product-quantized keys, one byte per 8 channels,
-  random centres, ``pq_block_scores``), ``pq_c4_bf16`` (the same, its scoring table in bfloat16); each also as ``<name>:sel`` (the selection alone), and ``proj:write`` /
+  random centres, ``pq_block_scores``), ``pq_c4_f32`` (the same, its scoring table in float32 rather than the default bfloat16); each also as ``<name>:sel`` (the selection alone), and ``proj:write`` /
   ``quant2:write`` / ``pq:write`` (the compressed keys' / the 2-bit codes' / the pq codes' refresh of one decode
   token)
 
@@ -90,7 +90,7 @@ TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
 SELECTORS = (
     "quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8", "massh_c8",
-    "quant2", "quant4", "pq_c4", "pq_c4_bf16",
+    "quant2", "quant4", "pq_c4", "pq_c4_f32",
 )  # fmt: skip
 
 
@@ -264,10 +264,8 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     centres = torch.randn(H, D // 8, 256, 8, generator=torch.Generator().manual_seed(1))
     pq_cal = {"method": "pq", "centres": dict.fromkeys(range(len(caches)), centres)}
     policies["pq_c4"] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=pq_cal)
-    pq_bf16 = {**pq_cal, "table": "bfloat16"}  # its scoring table in bfloat16
-    policies["pq_c4_bf16"] = TopPBlockTopK(
-        budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=pq_bf16
-    )
+    pq_f32 = {**pq_cal, "table": "float32"}  # its scoring table in float32 (the default: bfloat16)
+    policies["pq_c4_f32"] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=pq_f32)
     pqcodes = [R.pq_encode(c[0].transpose(1, 2), centres.to(DEV)).transpose(1, 2).contiguous() for c in caches]
     states = layer_states(layer, caches, bt, BS, ops, ckeys)
     pq_states = layer_states(layer, caches, bt, BS, ops, ckeys, pqcodes=pqcodes)

@@ -140,7 +140,8 @@ case $PART in
     run_targets "$M" "$PL" "pq8_c4_cal" "$@" ;;
   pq_fit_*)  # issue 13: the library's coarse="pq" as pq_lib_ (c = 4, p = 1), its centres fitted on each prompt's keys at
     # its prefill (calibration="prefill": no file; the suite's simulate way fits them on each chunk's stored keys)
-    PL="{name: top_p_block_topk, label: pq8_c4_prefill, sink: 4, window: 32, candidates: 4, p: 1.0, pool: heads, coarse: pq, calibration: prefill}"
+    # (its cells of 2026-12-04 ~12:00 UTC ran the float32 table, the default then; bfloat16 is the default now)
+    PL="{name: top_p_block_topk, label: pq8_c4_prefill, sink: 4, window: 32, candidates: 4, p: 1.0, pool: heads, coarse: pq, calibration: {method: pq, fit: prefill, table: float32}}"
     run_targets "${PART#pq_fit_}" "$PL" "pq8_c4_prefill" "$@" ;;
   pq_bf16_*)  # issue 13: pq_fit_'s selector with its scoring table in bfloat16 (its kernel 30-34 % faster on the H200),
     # on the cells and trials of pq8_c4_prefill (the float32 table), for a paired comparison

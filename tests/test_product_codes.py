@@ -122,36 +122,24 @@ def test_with_exact_centres_the_coarse_pass_alone_picks_the_oracle_blocks():
 
 
 def test_a_calibration_names_the_scoring_tables_dtype():
-    """``"table": "bfloat16"`` in a calibration dict scores the blocks as ``pq_block_scores(table_dtype="bfloat16")``
-    does (not as the float32 table); a dtype the kernels do not hold is refused at construction."""
+    """A calibration dict's ``"table"`` scores the blocks as ``pq_block_scores(table_dtype=...)`` does (bfloat16, the
+    default, and float32 differ); a dtype the kernels do not hold is refused at construction."""
     state = _decode_state(length=120, batch=2)
     keys = reference.gather_dense(state.k_pool, state.block_table, 120).transpose(0, 1).flatten(1, 2).cpu()
     centres = fit_centres(keys, sub_dim=4, centroids=16)
+    codes = reference.pq_encode(state.k_pool.transpose(1, 2), centres.to(DEVICE)).transpose(1, 2)
+    args = (state.q, codes, centres.to(DEVICE), state.block_table, state.seq_lens, state.start, state.scale, 2, 4)
     scores = {}
     for table in ("float32", "bfloat16"):
         cal = {"method": "pq", "centres": {1: centres}, "table": table}
         policy = TwoStageBlockTopK(budget=48, sink=2, window=4, candidates=2, coarse="pq", calibration=cal)
         scores[table] = policy._coarse.codes.scores(state, 2, 4)
-        codes = reference.pq_encode(state.k_pool.transpose(1, 2), centres.to(DEVICE)).transpose(1, 2)
-        want = reference.pq_block_scores(
-            state.q,
-            codes,
-            centres.to(DEVICE),
-            state.block_table,
-            state.seq_lens,
-            state.start,
-            state.scale,
-            2,
-            4,
-            table_dtype=table,
-        )
+        want = reference.pq_block_scores(*args, table_dtype=table)
         torch.testing.assert_close(scores[table], want, rtol=2e-2 if table == "bfloat16" else 1e-5, atol=1e-5)
     assert not torch.equal(scores["float32"], scores["bfloat16"])
     fit = {"method": "pq", "fit": "prefill", "sub_dim": 4, "centroids": 16}
-    assert TopPBlockTopK(budget=48, coarse="pq", calibration="prefill")._coarse.codes.table_dtype == "float32"
-    assert TopPBlockTopK(
-        budget=48, coarse="pq", calibration={**fit, "table": "bfloat16"}
-    )._coarse.codes.table_dtype == ("bfloat16")
+    for calibration, table in (("prefill", "bfloat16"), (fit, "bfloat16"), ({**fit, "table": "float32"}, "float32")):
+        assert TopPBlockTopK(budget=48, coarse="pq", calibration=calibration)._coarse.codes.table_dtype == table
     with pytest.raises(ValueError, match="float32"):
         TopPBlockTopK(budget=48, coarse="pq", calibration={**fit, "table": "float16"})
 
