@@ -1,0 +1,149 @@
+"""Where a captured decode step's wall time goes besides the GPU's work (issue 14): the host's part before the graph
+is launched, the launch, and the GPU's time, per step, for patched Dense and Quest 1/16 with ``cuda_graph=True``.
+
+The Llama-3.1-8B shape (random bf16 weights, ``--layers``), a filled :class:`PagedKVCache` of ``--batch`` x
+``--length``, the decode loop of ``bench_e2e.time_decode`` (a forward, the argmax, a sync) with the host's clock
+read at each stage and CUDA events around the step: per step, ``host_us`` (the call until ``graph.replay()`` is
+entered), ``replay_us`` (the call to ``replay()``), ``after_us`` (from its return to the end of the forward:
+``logits.clone()``), ``wall_us`` (the loop's step, synchronised) and ``gpu_us`` (events before the forward and
+after the argmax). Then a cProfile of ``--profile`` steps, the 25 costliest functions by own time. Medians; one
+table last::
+
+    python benchmarks/probe_host_step.py                  # H200: 32 layers, 1 x 8192
+    python benchmarks/probe_host_step.py --device cpu --layers 2 --length 256 --steps 4   # a dry run (no graphs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_e2e import build_model, fill_caches, llama8b_config, sync, tiny_config
+
+from hf_sparse_kv import cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv.graphs import DecodeGraphs
+from hf_sparse_kv.policies import Dense, Quest
+
+
+class Clock:
+    """Host clock readings around ``DecodeGraphs.step``'s replay (patched onto ``torch.cuda.CUDAGraph.replay``)."""
+
+    def __init__(self):
+        self.enter = self.leave = 0.0
+        self._replay = torch.cuda.CUDAGraph.replay
+
+        def replay(graph):
+            self.enter = time.perf_counter()
+            self._replay(graph)
+            self.leave = time.perf_counter()
+
+        torch.cuda.CUDAGraph.replay = replay
+
+    def close(self):
+        torch.cuda.CUDAGraph.replay = self._replay
+
+
+def time_steps(model, cache, batch, length, steps, warmup, device) -> list[dict]:
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    kw = {cache_kwarg(model): cache, "use_cache": True}
+    clock = Clock() if device.type == "cuda" else None
+    rows = []
+    try:
+        with torch.no_grad():
+            for i in range(warmup + steps):
+                pos = torch.full((batch, 1), length + i, device=device)
+                sync(device)
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if clock else None
+                t0 = time.perf_counter()
+                if ev:
+                    ev[0].record()
+                logits = model(ids, position_ids=pos, **kw).logits
+                t1 = time.perf_counter()
+                ids = logits[:, -1:].argmax(-1)
+                if ev:
+                    ev[1].record()
+                sync(device)
+                t2 = time.perf_counter()
+                if i < warmup:
+                    continue
+                row = {"wall_us": 1e6 * (t2 - t0), "forward_us": 1e6 * (t1 - t0)}
+                if clock:
+                    row |= {"host_us": 1e6 * (clock.enter - t0), "replay_us": 1e6 * (clock.leave - clock.enter),
+                            "after_us": 1e6 * (t1 - clock.leave), "gpu_us": 1000 * ev[0].elapsed_time(ev[1])}  # fmt: skip
+                rows.append(row)
+    finally:
+        if clock:
+            clock.close()
+    return rows
+
+
+def profile_steps(model, cache, batch, length, steps, device) -> str:
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    kw = {cache_kwarg(model): cache, "use_cache": True}
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        for i in range(steps):
+            pos = torch.full((batch, 1), length + i, device=device)
+            sync(device)
+            prof.enable()
+            ids = model(ids, position_ids=pos, **kw).logits[:, -1:].argmax(-1)
+            prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--profile", type=int, default=20, help="steps under cProfile (0: none)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    config = llama8b_config(args.layers) if device.type == "cuda" else tiny_config()
+    config.num_hidden_layers = args.layers
+    model = build_model(args.layers, args.device, config)
+    summary = []
+    for name, policy in (("Dense", Dense()), ("Quest 1/16", Quest(budget=0.0625))):
+        _, paged = fill_caches(model, args.batch, args.length, 16, args.device)
+        patch_model(model, policy=policy, mode="block", block_size=16, cuda_graph=True)
+        try:
+            rows = time_steps(model, paged, args.batch, args.length, args.steps, args.warmup, device)
+            runner = paged.session.graphs
+            replays = runner.replays if isinstance(runner, DecodeGraphs) else 0
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            summary.append((name, med, replays))
+            if args.profile:
+                print(f"== {name}: cProfile of {args.profile} steps (own time)")
+                print(
+                    profile_steps(
+                        model, paged, args.batch, args.length + args.steps + args.warmup, args.profile, device
+                    )
+                )
+        finally:
+            unpatch_model(model)
+        del paged
+    print(f"{args.layers} layers, {args.batch} x {args.length}, median of {args.steps} steps after {args.warmup} (us)")
+    keys = list(summary[0][1])
+    print(" row         replays  " + "  ".join(f"{k:>10}" for k in keys))
+    for name, med, replays in summary:
+        print(f" {name:<11} {replays:>7}  " + "  ".join(f"{med[k]:>10.1f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
