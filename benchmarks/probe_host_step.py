@@ -6,7 +6,8 @@ The Llama-3.1-8B shape (random bf16 weights, ``--layers``), a filled :class:`Pag
 read at each stage and CUDA events around the step: per step, ``host_us`` (the call until ``graph.replay()`` is
 entered), ``replay_us`` (the call to ``replay()``), ``after_us`` (from its return to the end of the forward:
 ``logits.clone()``), ``wall_us`` (the loop's step, synchronised) and ``gpu_us`` (events before the forward and
-after the argmax). Then a cProfile of ``--profile`` steps, the 25 costliest functions by own time. Medians; one
+after the argmax). Then a cProfile of ``--profile`` steps: the 40 costliest functions by cumulative time, in
+µs a step (cProfile's own overhead included). Medians; one
 table last::
 
     python benchmarks/probe_host_step.py                  # H200: 32 layers, 1 x 8192
@@ -99,8 +100,15 @@ def profile_steps(model, cache, batch, length, steps, device) -> str:
             prof.enable()
             ids = model(ids, position_ids=pos, **kw).logits[:, -1:].argmax(-1)
             prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:40]
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    out.write(f"{'cum us/step':>12} {'own us/step':>12} {'calls/step':>10}  function\n")
+    for (path, line, name), (calls, _, own, cum, _) in rows:
+        where = "/".join(Path(path).parts[-2:]) if path != "~" else ""
+        out.write(
+            f"{1e6 * cum / steps:12.1f} {1e6 * own / steps:12.1f} {calls / steps:10.1f}  {where}:{line}({name})\n"
+        )
     return out.getvalue()
 
 
