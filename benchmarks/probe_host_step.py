@@ -11,6 +11,7 @@ after the argmax). Then a cProfile of ``--profile`` steps: the 40 costliest func
 table last::
 
     python benchmarks/probe_host_step.py                  # H200: 32 layers, 1 x 8192
+    python benchmarks/probe_host_step.py --signature --profile 0   # also each row with the old cache_kwarg
     python benchmarks/probe_host_step.py --device cpu --layers 2 --length 256 --steps 4   # a dry run (no graphs)
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import pstats
 import statistics
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_e2e import build_model, fill_caches, llama8b_config, sync, tiny_config
 
-from hf_sparse_kv import cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv import cache_kwarg, patch_model, patched, unpatch_model
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Quest
 
@@ -121,15 +123,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile", type=int, default=20, help="steps under cProfile (0: none)")
+    ap.add_argument(
+        "--signature",
+        action="store_true",
+        help="also time each row with cache_kwarg through inspect.signature (the library before 27ebed3)",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     config = llama8b_config(args.layers) if device.type == "cuda" else tiny_config()
     config.num_hidden_layers = args.layers
     model = build_model(args.layers, args.device, config)
     summary = []
-    for name, policy in (("Dense", Dense()), ("Quest 1/16", Quest(budget=0.0625))):
+    rows_to_run = [(name, policy, False) for name, policy in (("Dense", Dense()), ("Quest 1/16", Quest(budget=0.0625)))]
+    if args.signature:
+        rows_to_run += [(f"{name} (sig)", policy, True) for name, policy, _ in rows_to_run]
+    fast = patched.forward_parameters
+    for name, policy, signature in rows_to_run:
         _, paged = fill_caches(model, args.batch, args.length, 16, args.device)
         patch_model(model, policy=policy, mode="block", block_size=16, cuda_graph=True)
+        if signature:  # cache_kwarg as it was: a Signature built at every call
+            patched.forward_parameters = lambda fn: frozenset(inspect.signature(fn).parameters)
         try:
             rows = time_steps(model, paged, args.batch, args.length, args.steps, args.warmup, device)
             runner = paged.session.graphs
@@ -144,13 +157,14 @@ def main() -> None:
                     )
                 )
         finally:
+            patched.forward_parameters = fast
             unpatch_model(model)
         del paged
     print(f"{args.layers} layers, {args.batch} x {args.length}, median of {args.steps} steps after {args.warmup} (us)")
     keys = list(summary[0][1])
-    print(" row         replays  " + "  ".join(f"{k:>10}" for k in keys))
+    print(" row               replays  " + "  ".join(f"{k:>10}" for k in keys))
     for name, med, replays in summary:
-        print(f" {name:<11} {replays:>7}  " + "  ".join(f"{med[k]:>10.1f}" for k in keys))
+        print(f" {name:<17} {replays:>7}  " + "  ".join(f"{med[k]:>10.1f}" for k in keys))
 
 
 if __name__ == "__main__":
