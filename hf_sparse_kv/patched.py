@@ -35,8 +35,9 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     ``"past_key_values"`` before (e.g. 5.17). ``model(ids, **{cache_kwarg(model): cache})`` works on both.
 
     Read from the parameter names of the function ``forward`` wraps (its code object), as ``inspect.signature``
-    would report them: every decode step asks, and building a ``Signature`` took ~25 µs of a captured step's ~140
-    µs of host time on the H200 (benchmarks/probe_host_step.py)."""
+    would report them: every decode step asks, and building a ``Signature`` was the largest item of a captured
+    step's host part in a cProfile on the H200 (96-109 µs a step under the profiler, of a host part of 130-200 µs
+    unprofiled; benchmarks/probe_host_step.py, benchmarks/RESULTS.md)."""
     return "cache" if "cache" in forward_parameters(type(model).forward) else "past_key_values"
 
 

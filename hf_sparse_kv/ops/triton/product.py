@@ -329,8 +329,8 @@ def pq_group_table_lse(
     tpp: int = 4,
     num_warps: int = 1,
 ) -> torch.Tensor:
-    """:func:`pq_block_lse` on a table :func:`pq_group_table` made (``table [B, Hkv, M, C, GP]`` float32 or bfloat16, ``group``
-    query heads a KV head): the kernel alone, ``[B, Hkv * group, MB]`` float32."""
+    """:func:`pq_block_lse` on a table :func:`pq_group_table` made (``table [B, Hkv, M, C, GP]`` float32 or
+    bfloat16, ``group`` query heads a KV head): the kernel alone, ``[B, Hkv * group, MB]`` float32."""
     B, H, M, C, GP = table.shape
     BS = codes.shape[2]
     assert codes.dtype == torch.uint8 and codes.shape[1] == H and codes.shape[3] == M and table.is_contiguous()
