@@ -1,0 +1,22 @@
+"""benchmarks/probe_host_step.py on the CPU (no graphs there, so no replay columns): each row, the ``--signature``
+rows and the profile's table. No speed is checked here."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_probe_times_each_row_and_profiles_it():
+    cmd = [sys.executable, "benchmarks/probe_host_step.py", "--device", "cpu", "--layers", "2", "--length", "64",
+           "--steps", "2", "--warmup", "1", "--profile", "1", "--signature"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith(" row"))) + 1 :]
+    assert [line.split("  ")[0].strip() for line in table] == ["Dense", "Quest 1/16", "Dense (sig)", "Quest 1/16 (sig)"]
+    assert all(len(line.split()) >= 4 for line in table)  # replays, wall and forward times
+    assert out.stdout.count("cum us/step") == 4 and "patch.py" in out.stdout
