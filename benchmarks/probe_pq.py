@@ -44,7 +44,7 @@ from check_quant_keys import layer_inputs
 from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import reference as R
-from hf_sparse_kv.ops.triton.product import block_tile
+from hf_sparse_kv.ops.triton.product import block_tile, tile_lse
 
 MODES = (
     "copy", "ca", "evict_last", "codes_cg", "codes_first", "bf16", "bf16_codes_first", "no_gather", "no_lse",
@@ -93,15 +93,10 @@ def probe_kernel(
         else:
             val = tl.load(ptr, mask=m4, other=0.0)
         s = tl.sum(val.to(tl.float32), axis=2)
-    s = tl.where(ok[:, :, None], s, float("-inf"))
-    top = tl.max(s, axis=1)
     if MODE == "no_lse":
-        lse = top
+        lse = tl.max(tl.where(ok[:, :, None], s, float("-inf")), axis=1)
     else:
-        empty = top == float("-inf")
-        safe = tl.where(empty, 0.0, top)
-        total = tl.sum(tl.exp(s - safe[:, None, :]), axis=1)
-        lse = tl.where(empty, float("-inf"), safe + tl.log(tl.where(empty, 1.0, total)))
+        lse = tile_lse(s, ok)
     head = (i_b * HQ + i_h * G + o_g).to(tl.int64)
     tl.store(out + head[None, :] * MB + o_m[:, None], lse, mask=m_m[:, None] & (o_g[None, :] < G))
 

@@ -17,11 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .stats import delta_ppl, paired
+from .suite_summary import cell_nll
 from .sweep import ResultsDir
-
-
-def _nll(cell: dict[str, Any]) -> float:
-    return cell["nll_sum"] / cell["n"]
 
 
 def _mean(cells: list[dict[str, Any]], key: str) -> float | None:
@@ -41,7 +38,7 @@ def perplexity_pairs(rows: list[dict[str, Any]], a: str, b: str) -> list[dict[st
         if len(ws) < 2:
             continue
         ca, cb = [by[a][w] for w in ws], [by[b][w] for w in ws]
-        d = delta_ppl([_nll(r) for r in ca], [_nll(r) for r in cb])
+        d = delta_ppl([cell_nll(r) for r in ca], [cell_nll(r) for r in cb])
         out.append({"length": length, "budget": budget, "windows": len(ws), "dppl_pct": d.pct, "dppl_low": d.low,
                     "dppl_high": d.high, "hit_rate_a": _mean(ca, "hit_rate"), "hit_rate_b": _mean(cb, "hit_rate")})  # fmt: skip
     return out

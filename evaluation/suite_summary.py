@@ -29,7 +29,7 @@ def _order(key: tuple, value_of: dict) -> tuple:
     return (*head, policy != "dense", policy, -(value_of.get(key) or 2))
 
 
-def _nll(cell: dict[str, Any]) -> float:
+def cell_nll(cell: dict[str, Any]) -> float:
     """A perplexity cell's mean NLL per scored token (nats)."""
     return cell["nll_sum"] / cell["n"]
 
@@ -53,11 +53,13 @@ def perplexity_rows(rows: list[dict[str, Any]], oracle: str = "oracle") -> list[
             continue
         mine = [groups[key][w] for w in ws]
         base = [dense[(length, w)] for w in ws]
-        d = delta_ppl([_nll(r) for r in mine], [_nll(r) for r in base])
+        d = delta_ppl([cell_nll(r) for r in mine], [cell_nll(r) for r in base])
         ceiling = groups.get((length, oracle, key[2]), {}) if key[1] not in ("dense", oracle) else {}
         both = [w for w in ws if w in ceiling]
         vs = (
-            delta_ppl([_nll(groups[key][w]) for w in both], [_nll(ceiling[w]) for w in both]) if len(both) > 1 else None
+            delta_ppl([cell_nll(groups[key][w]) for w in both], [cell_nll(ceiling[w]) for w in both])
+            if len(both) > 1
+            else None
         )
 
         def mean(k: str, rs=mine):

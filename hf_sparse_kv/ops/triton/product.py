@@ -62,6 +62,18 @@ def block_tile(block_table, seq_lens, start, i_b, i_m, MB, BM: tl.constexpr, BS:
 
 
 @triton.jit
+def tile_lse(s, ok):
+    """``[BM, GP]``: per block of a tile and head, the log-sum-exp of the scores ``s [BM, BS, GP]`` over the block's
+    valid positions ``ok [BM, BS]``, ``-inf`` where none is."""
+    s = tl.where(ok[:, :, None], s, float("-inf"))
+    top = tl.max(s, axis=1)  # [BM, GP]
+    empty = top == float("-inf")  # no valid position
+    safe = tl.where(empty, 0.0, top)
+    total = tl.sum(tl.exp(s - safe[:, None, :]), axis=1)
+    return tl.where(empty, float("-inf"), safe + tl.log(tl.where(empty, 1.0, total)))
+
+
+@triton.jit
 def pq_group_lse_kernel(
     table,  # [B, H, M, C, GP] float32 or bfloat16: scale * q_piece . centre, the group's heads last (zero past G)
     codes,  # [NB, H, BS, M] uint8
@@ -93,12 +105,7 @@ def pq_group_lse_kernel(
     base = table + i_bh.to(tl.int64) * (M * C * GP)
     val = tl.load(base + entry[:, :, :, None] + o_g[None, None, None, :], mask=ok3[:, :, :, None], other=0.0)
     s = tl.sum(val.to(tl.float32), axis=2)  # [BM, BS, GP], summed in float32 whatever the table's dtype
-    s = tl.where(ok[:, :, None], s, float("-inf"))
-    top = tl.max(s, axis=1)  # [BM, GP]
-    empty = top == float("-inf")  # no valid position
-    safe = tl.where(empty, 0.0, top)
-    total = tl.sum(tl.exp(s - safe[:, None, :]), axis=1)
-    lse = tl.where(empty, float("-inf"), safe + tl.log(tl.where(empty, 1.0, total)))
+    lse = tile_lse(s, ok)
     head = (i_b * HQ + i_h * G + o_g).to(tl.int64)  # [GP]
     tl.store(out + head[None, :] * MB + o_m[:, None], lse, mask=m_m[:, None] & (o_g[None, :] < G))
 
