@@ -10,8 +10,7 @@ Providers, timed in the same run:
 - ``mask``: the same call with a boolean mask keeping the selection (the ``mask`` mode: reads everything)
 - ``flex``: FlexAttention with a block mask built from the selection (compiled; only at ``--flex-at`` shapes)
 - ``token`` / ``block``: ``decode_tokens`` over the expanded selection / ``decode_blocks`` over the selected pages
-- ``+sel``: the same with the selection included (``block_scores`` quest + ``topk_indices`` + kernel); ``sel1`` /
-  ``block+sel1``: that selection in one launch (``block_topk``, the one Quest runs), ``sel1_w4`` at 4 warps
+- ``+sel``: the same with the selection included (``block_scores`` quest + ``topk_indices`` + kernel)
 - ``dense_T``: SDPA dense on a contiguous cache of the ``T`` tokens the budget keeps (the paging + selection cost)
 - with ``--selectors`` (issue 13), selection + attention per layer through each policy's own ``select()``:
   ``quest`` (Quest, block), ``proj_blk`` (ProjectedBlockTopK, compressed keys ``R = D/8``, block),
@@ -22,9 +21,7 @@ Providers, timed in the same run:
   each query head's mass, ``pool="heads"``: ``candidate_scores(reduce="head_mass")``), ``quant2`` / ``quant4``
   (QuantBlockTopK: every block's mass under 2- / 4-bit keys, ``quant_block_scores``), ``pq_c4`` (TopPBlockTopK,
   c = 4, p = 1, ``coarse="pq"``: the candidates by their mass under product-quantized keys, one byte per 8 channels,
-  random centres, ``pq_block_scores``), ``pq_c4_f32`` (the same, its scoring table in float32 rather than the default
-  bfloat16), ``quest_2l`` (Quest with its scores and top-k in two launches, as before ``block_topk``); each also as
-  ``<name>:sel`` (the selection alone), and ``proj:write`` /
+  random centres, ``pq_block_scores``), ``pq_c4_f32`` (the same, its scoring table in float32 rather than the default bfloat16); each also as ``<name>:sel`` (the selection alone), and ``proj:write`` /
   ``quant2:write`` / ``pq:write`` (the compressed keys' / the 2-bit codes' / the pq codes' refresh of one decode
   token)
 
@@ -88,12 +85,12 @@ QUICK = [  # (models, batches, contexts, budgets, block sizes): the targets' sha
     (["llama3-8b"], [8], [4, 32], [8, 16, 64], [16, 64]),
     (["smollm2"], [1, 8], [32], [16], [32]),
 ]
-SKIPPABLE = ["scores", "topk", "topk_torch", "sel1", "sel1_w4", "block+sel1"]  # the others feed the table's columns
+SKIPPABLE = ["scores", "topk", "topk_torch"]  # the others feed the table's columns
 TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
 SELECTORS = (
     "quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8", "massh_c8",
-    "quant2", "quant4", "pq_c4", "pq_c4_f32", "quest_2l",
+    "quant2", "quant4", "pq_c4", "pq_c4_f32",
 )  # fmt: skip
 
 
@@ -271,10 +268,6 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     policies["pq_c4_f32"] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=pq_f32)
     pqcodes = [R.pq_encode(c[0].transpose(1, 2), centres.to(DEV)).transpose(1, 2).contiguous() for c in caches]
     states = layer_states(layer, caches, bt, BS, ops, ckeys)
-    # Quest as before block_topk: its scores and top-k in two launches
-    two_launches = SimpleNamespace(**{**vars(ops), "block_topk": functools.partial(ops.block_topk, fused=False)})
-    states_2l = layer_states(layer, caches, bt, BS, two_launches, ckeys)
-    policies["quest_2l"] = Quest(budget=f)
     pq_states = layer_states(layer, caches, bt, BS, ops, ckeys, pqcodes=pqcodes)
     codes = {b: [R.quantize_keys(c[0], c[2], c[3], b) for c in caches] for b in (2, 4)}  # as the writes leave them
     quant_states = {b: layer_states(layer, caches, bt, BS, ops, ckeys, codes[b]) for b in (2, 4)}
@@ -290,14 +283,13 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         st = (
             quant_states[policy.bits] if name.startswith("quant") else pq_states if name.startswith("pq_c4") else states
         )
-        st = states_2l if name == "quest_2l" else st
         fns[name] = [lambda i=i, p=policy, st=st: attend(i, p.select(st[i])) for i in range(n_layers)]
         fns[f"{name}:sel"] = [lambda i=i, p=policy, st=st: p.select(st[i]) for i in range(n_layers)]
         sel = policy.select(st[0])
         width = sel.counts[0] * (BS if sel.kind == "block" else 1)
         attn = kv_bytes(B, H, width, D) + (B * H * width * 4 if sel.kind == "token" else 0)
         two_stage = name.startswith(("2st", "topp", "mass", "pq"))
-        score = meta_bytes(B, H, L // BS, D) if name.startswith("quest") or two_stage else B * H * L * Rk * 2
+        score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
         if name.startswith(
             "pq_c4"
         ):  # the codes of every token (one byte per 8 channels), then the candidates' keys below
@@ -341,9 +333,6 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
     def select(c):
         return ops.topk_indices(ops.block_scores(q, c[2], c[3], c[4], bt, lens, BS, "quest"), Kb)
 
-    def select1(c, **knobs):  # the same in one launch (block_topk)
-        return ops.block_topk(q, c[2], c[3], c[4], bt, lens, BS, "quest", Kb, **knobs)
-
     blocks = select(caches[0])
     tokens = R.blocks_to_tokens(blocks, BS)
     keep = R.selection_to_mask(blocks, "block", BS, L, lens, z, z, z)  # [B, Hkv, L]
@@ -365,9 +354,6 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
         "block": per_layer(lambda i: ops.decode_blocks(*pc(i), blocks, z, z, scale)),
         "block+sel": per_layer(lambda i: ops.decode_blocks(*pc(i), select(caches[i]), z, z, scale)),
         "sel": per_layer(lambda i: select(caches[i])),
-        "sel1": per_layer(lambda i: select1(caches[i])),
-        "sel1_w4": per_layer(lambda i: select1(caches[i], num_warps=4)),
-        "block+sel1": per_layer(lambda i: ops.decode_blocks(*pc(i), select1(caches[i]), z, z, scale)),
         "scores": per_layer(lambda i: ops.block_scores(q, *caches[i][2:], bt, lens, BS, "quest")),
         "topk": per_layer(lambda i: ops.topk_indices(scores[i], Kb)),
         "topk_torch": per_layer(lambda i: R.topk_indices(scores[i], Kb)),
@@ -385,9 +371,6 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
         errs = {n: rel_err(fns[n][0]().reshape(ref.shape), ref) for n in ("mask", "token", "block", "flex") if n in fns}
         errs["scores"] = rel_err(scores[0], R.block_scores(q, *caches[0][2:], bt, lens, BS, "quest"))
         errs["topk!=torch"] = (ops.topk_indices(scores[0], Kb) != R.topk_indices(scores[0], Kb)).float().mean().item()
-        errs["sel1!=sel"] = max(
-            (select1(caches[0], **kw) != blocks).float().mean().item() for kw in ({}, {"num_warps": 4})
-        )
         full = torch.ones(B, H, L, dtype=torch.bool, device=DEV)
         dense_ref = R.decode_masked(*pc(0)[:4], lens, full, scale)
         errs["dense"] = rel_err(layer.sdpa(layer.k[0], layer.v[0]).reshape(ref.shape), dense_ref)
@@ -407,14 +390,11 @@ def run_budget(layer, model, BS, budget, paged, ops, args, hbm, dense_us, dense_
         "token": kv_bytes(B, H, T, D) + B * H * T * 4,
         "block": kv_bytes(B, H, T, D),
         "sel": meta,
-        "sel1": meta,
-        "sel1_w4": meta,
         "scores": meta,
         "topk": 0,
         "topk_torch": 0,
     }
     need["token+sel"], need["block+sel"] = need["token"] + meta, need["block"] + meta
-    need["block+sel1"] = need["block+sel"]
     if args.selectors:
         sfns, sneed = selector_fns(layer, caches, bt, BS, budget, ops, pc)
         fns.update(sfns)
@@ -965,8 +945,7 @@ def main():
     print(f"\nwrote {args.out} ({len(long_rows)} rows)")
     summarize(rows, hbm)
     cols = ["model", "B", "L", "BS", "budget", "dense", "mask", "flex", "token", "token+sel", "block",
-            "block+sel", "block+sel1", "sel", "sel1", "sel1_w4", "topk", "topk_torch", "blk %HBM", "x blk+sel",
-            "x block", "dense_T", "blk/dense_T"]  # fmt: skip
+            "block+sel", "sel", "topk", "topk_torch", "blk %HBM", "x blk+sel", "x block", "dense_T", "blk/dense_T"]  # fmt: skip
     print_table(
         [{**r, "L": f"{r['L'] // KI}K"} for r in rows],
         cols,

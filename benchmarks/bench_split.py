@@ -29,7 +29,7 @@ category by its name (``category``), case-insensitive, the first rule that match
   fused kernel after the ops it feeds, ours included (``..._cos_mul_neg_paged_write_1``: the rotary before the write)
 - selection, attention, write: our Triton kernels (``OURS``, substrings of the kernel names of
   ``hf_sparse_kv/ops/triton/*.py``; a test checks that every kernel there is listed): the scoring
-  (``block_scores_kernel``, ``block_topk_kernel``, ``projected_scores_kernel``, ``candidate_*_kernel``, ``quant_block_lse*_kernel``,
+  (``block_scores_kernel``, ``projected_scores_kernel``, ``candidate_*_kernel``, ``quant_block_lse*_kernel``,
   ``quant_lse_stats_kernel``, ``quant_mass_kernel``, ``pq_block_lse_kernel``) and the top-k (``topk_indices_kernel``, ``topk_radix_*_kernel``)
   are selection; ``sparse_decode_fwd_kernel`` and ``merge_partials_kernel`` attention; ``paged_write_kernel`` and the
   declared state's refresh (``projected_write_kernel``, ``quant_write_kernel``, ``pq_write_kernel``, and
@@ -122,7 +122,6 @@ OURS = (  # (substring, category): our Triton kernels (ops/triton/*.py), and for
     ("lse_block_mass", "selection"),
     ("topk_indices", "selection"),
     ("topk_radix", "selection"),
-    ("block_topk", "selection"),  # Quest's scores and top-k in one launch
 )
 SDPA = ("flash", "fmha", "attention", "sdpa", "efficient", "cudnn")
 MATMUL = ("gemm", "gemv", "cublas", "cutlass", "nvjet", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")

@@ -33,7 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_sparse_kv.ops.triton import (
     block_scores,
-    block_topk,
     candidate_mass,
     candidate_scores,
     decode_blocks,
@@ -122,11 +121,6 @@ def cases():
             (f"block_scores quest {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest")),
             (f"block_scores mean+forced {tag}", partial(block_scores, q, *meta, table, lens, BS, "mean", zero, 4, 32)),
             (f"block_scores quest walk {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest", **quest_walk)),
-            (f"block_topk quest {tag}", partial(block_topk, q, *meta, table, lens, BS, "quest", 3)),
-            (
-                f"block_topk mean+forced {tag}",
-                partial(block_topk, q, *meta, table, lens, BS, "mean", 3, zero, zero, 4, 32),
-            ),
             (f"paged_write {tag}", partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new)),
             (f"candidate_scores {tag}", partial(candidate_scores, q, k_pool, table, lens, zero, blocks[..., :5])),
             (
@@ -244,12 +238,6 @@ def cases():
     for n, k, chunks in ((8193, 512, None), (131073, 8192, None), (3000, 100, 4)):  # 256, 4096, 1024 lanes a chunk
         scores = torch.randn(2, n, generator=g)
         out.append((f"topk_indices chunks N={n}", partial(topk_indices, scores, k, method="chunks", chunks=chunks)))
-    for MB, warps in ((8200, None), (8200, 4), (2048, None)):  # a 128K row (8192 + 16 lanes), a 32K row
-        q, table = torch.randn(1, 32, 128).to(torch.bfloat16), torch.arange(MB, dtype=torch.int32).view(1, MB)
-        meta = [torch.randn(MB, 8, 128).to(torch.bfloat16) for _ in range(3)]
-        lens, zero = torch.tensor([MB * 16 - 5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-        topk = partial(block_topk, q, *meta, table, lens, 16, "quest", MB // 16, lens, zero, 4, 32, num_warps=warps)
-        out.append((f"block_topk MB={MB} warps={warps}", topk))
     scores = torch.randn(2, 3, 9000, generator=g)
     out.append(("topk_indices chunks counts", partial(topk_indices, scores, 600, counts, method="chunks")))
     for H, G, M, d, BS in ((2, 4, 16, 8, 16), (1, 4, 32, 8, 16), (2, 6, 16, 8, 64)):  # Llama-3, Gemma-3, Qwen2.5-like

@@ -2,7 +2,7 @@
 
 Each backend is a namespace exposing the same functions with the signatures of :mod:`.reference`:
 ``paged_write``, ``gather_dense``, ``block_scores``, ``block_shares``, ``token_scores``, ``oracle_block_scores``,
-``topk_indices``, ``block_topk`` (``block_scores`` and ``topk_indices`` in one), ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``,
+``topk_indices``, ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``,
 ``decode_masked``, ``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``,
 ``candidate_scores``, ``candidate_mass``, ``quant_write``, ``quant_block_scores``, ``pq_encode``, ``pq_write``,
 ``pq_block_scores``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
@@ -28,7 +28,6 @@ _OP_NAMES = (
     "token_scores",
     "oracle_block_scores",
     "topk_indices",
-    "block_topk",
     "blocks_to_tokens",
     "selection_to_mask",
     "decode_blocks",

@@ -166,34 +166,6 @@ def _(scores, k, counts, backend):
     return scores.new_empty(*scores.shape[:-1], k, dtype=torch.int32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::block_topk", mutates_args=())
-def block_topk_op(
-    q: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    kmean: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    method: str,
-    k: int,
-    counts: torch.Tensor | None,
-    start: torch.Tensor | None,
-    sink: int,
-    window: int | None,
-    backend: str,
-) -> torch.Tensor:
-    """``reference.block_topk``: ``[B, Hkv, k]`` int32 (Triton: one launch; its per-row arrival counters are a
-    workspace of the call, zero on entry and exit)."""
-    fn = _impl(backend, "block_topk")
-    return fn(q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, k, counts, start, sink, window)
-
-
-@block_topk_op.register_fake
-def _(q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, k, counts, start, sink, window, backend):
-    return q.new_empty(q.shape[0], kmin.shape[1], k, dtype=torch.int32)
-
-
 def _decode_schema(name: str):
     @torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
     def op(
@@ -463,7 +435,6 @@ REGISTERED = (
     "token_scores",
     "oracle_block_scores",
     "topk_indices",
-    "block_topk",
     "decode_blocks",
     "decode_tokens",
     "decode_masked",
@@ -511,13 +482,6 @@ def registered_ops(backend: str) -> SimpleNamespace:
 
     def topk_indices(scores, k, counts=None):
         return topk_indices_op(scores, k, counts, backend)
-
-    def block_topk(
-        q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, k, counts=None, start=None, sink=0, window=None
-    ):
-        return block_topk_op(
-            q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, k, counts, start, sink, window, backend
-        )
 
     def decode_blocks(q, k_pool, v_pool, block_table, seq_lens, start, blocks, ex_lo, ex_hi, scale):
         return decode_blocks_op(q, k_pool, v_pool, block_table, seq_lens, start, blocks, ex_lo, ex_hi, scale, backend)
@@ -573,7 +537,6 @@ def registered_ops(backend: str) -> SimpleNamespace:
         token_scores=token_scores,
         oracle_block_scores=oracle_block_scores,
         topk_indices=topk_indices,
-        block_topk=block_topk,
         decode_blocks=decode_blocks,
         decode_tokens=decode_tokens,
         decode_masked=decode_masked,

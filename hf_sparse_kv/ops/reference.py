@@ -346,27 +346,6 @@ def topk_indices(scores: torch.Tensor, k: int, counts: torch.Tensor | None = Non
     return idx.to(torch.int32)
 
 
-def block_topk(
-    q: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    kmean: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    method: str,
-    k: int,
-    counts: torch.Tensor | None = None,
-    start: torch.Tensor | None = None,
-    sink: int = 0,
-    window: int | None = None,
-) -> torch.Tensor:
-    """The ``k`` best blocks by :func:`block_scores`: ``topk_indices(block_scores(...), k, counts)``, ``[B, Hkv, k]``
-    int32 (the Triton backend scores and selects in one launch)."""
-    scores = block_scores(q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start, sink, window)
-    return topk_indices(scores, k, counts)
-
-
 def blocks_to_tokens(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """Expand logical block numbers ``[B, Hkv, K]`` to token positions ``[B, Hkv, K * BS]`` (``-1`` stays ``-1``)."""
     tok = blocks.long().unsqueeze(-1) * block_size + torch.arange(block_size, device=blocks.device)

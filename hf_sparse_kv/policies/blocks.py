@@ -60,27 +60,15 @@ class _BlockTopK(Policy):
             return self.dense_selection(state)
         if state.evicted is not None:  # never more than the blocks still held (freed ones score -inf)
             counts = counts.at_most(state.live_blocks())
-        indices = self.top_blocks(state, counts.width, counts.tensor(state.q.device))
+        indices = state.ops.topk_indices(self.scores(state), counts.width, counts.tensor(state.q.device))
         # nothing masked inside the blocks: an empty interval (any equal bounds), without allocating one
         return Selection("block", indices, state.start, state.start, counts.per_sequence())
-
-    def top_blocks(self, state: DecodeState, width: int, counts: torch.Tensor | None) -> torch.Tensor:
-        """``[B, Hkv, width]`` the best-scored blocks (``counts [B]`` or ``None``: as ``topk_indices``)."""
-        return state.ops.topk_indices(self.scores(state), width, counts)
 
     def metadata_scores(self, state: DecodeState, method: str) -> torch.Tensor:
         """:meth:`scores` from the block metadata (``"quest"`` or ``"mean"``), forced blocks set by the same op."""
         return state.ops.block_scores(
             state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
             method, state.start, self.sink, self.window,
-        )  # fmt: skip
-
-    def metadata_top_blocks(self, state: DecodeState, method: str, width: int, counts) -> torch.Tensor:
-        """:meth:`top_blocks` of :meth:`metadata_scores` through the one op that scores and selects (the Triton
-        backend: one launch instead of two)."""
-        return state.ops.block_topk(
-            state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
-            method, width, counts, state.start, self.sink, self.window,
         )  # fmt: skip
 
 
@@ -95,9 +83,6 @@ class Quest(_BlockTopK):
     def scores(self, state: DecodeState) -> torch.Tensor:
         return self.metadata_scores(state, "quest")
 
-    def top_blocks(self, state: DecodeState, width: int, counts: torch.Tensor | None) -> torch.Tensor:
-        return self.metadata_top_blocks(state, "quest", width, counts)
-
 
 @dataclass
 class BlockTopK(_BlockTopK):
@@ -106,9 +91,6 @@ class BlockTopK(_BlockTopK):
 
     def scores(self, state: DecodeState) -> torch.Tensor:
         return self.metadata_scores(state, "mean")
-
-    def top_blocks(self, state: DecodeState, width: int, counts: torch.Tensor | None) -> torch.Tensor:
-        return self.metadata_top_blocks(state, "mean", width, counts)
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from .block_decode import decode_blocks
 from .block_scores import block_scores
-from .block_topk import block_topk
 from .candidate_mass import candidate_mass
 from .candidates import candidate_scores
 from .masked_decode import decode_masked
@@ -16,7 +15,6 @@ from .topk import topk_indices
 
 __all__ = [
     "block_scores",
-    "block_topk",
     "candidate_mass",
     "candidate_scores",
     "decode_blocks",

@@ -11,8 +11,6 @@ Quest's bound ``sum_d max(q_d lo_d, q_d hi_d)`` is computed as two matrix produc
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -23,14 +21,33 @@ METHODS = ("quest", "mean")
 
 
 @triton.jit
-def score_tiles(
-    q, kmin, kmax, kmean, block_table, seq_lens, start, out, s_mn, MB, SINK, WINDOW, i_m, i_bh,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, QUEST: tl.constexpr, FORCE: tl.constexpr, F32: tl.constexpr, TPP: tl.constexpr,
-    STAGES: tl.constexpr,
-):  # fmt: skip
-    """One program's share of :func:`block_scores_kernel`: the ``TPP`` tiles ``i_m`` of row ``i_bh`` (sequence
-    ``i_bh // H``, KV head ``i_bh % H``), scored and stored to ``out [B * H, MB]``."""
+def block_scores_kernel(
+    q,  # [B, HQ, D]
+    kmin,  # [NB, H, D]
+    kmax,  # [NB, H, D]
+    kmean,  # [NB, H, D]
+    block_table,  # [B, MB]
+    seq_lens,  # [B]
+    start,  # [B] first valid position (the sink starts there)
+    out,  # [B, H, MB] float32
+    s_mn,  # metadata stride between blocks (elements)
+    MB,
+    SINK,  # tokens of the sink (when FORCE)
+    WINDOW,  # tokens of the window (when FORCE)
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    QUEST: tl.constexpr,
+    FORCE: tl.constexpr,
+    F32: tl.constexpr,
+    TPP: tl.constexpr,  # tiles of BM blocks a program
+    STAGES: tl.constexpr,  # software-pipelining stages of the loop over the tiles
+):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     HQ = H * G
 
@@ -87,39 +104,6 @@ def score_tiles(
         tl.store(out + i_bh.to(tl.int64) * MB + o_m, b_s, mask=o_m < MB)
 
 
-@triton.jit
-def block_scores_kernel(
-    q,  # [B, HQ, D]
-    kmin,  # [NB, H, D]
-    kmax,  # [NB, H, D]
-    kmean,  # [NB, H, D]
-    block_table,  # [B, MB]
-    seq_lens,  # [B]
-    start,  # [B] first valid position (the sink starts there)
-    out,  # [B, H, MB] float32
-    s_mn,  # metadata stride between blocks (elements)
-    MB,
-    SINK,  # tokens of the sink (when FORCE)
-    WINDOW,  # tokens of the window (when FORCE)
-    H: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    BS: tl.constexpr,
-    BG: tl.constexpr,
-    BD: tl.constexpr,
-    BM: tl.constexpr,
-    QUEST: tl.constexpr,
-    FORCE: tl.constexpr,
-    F32: tl.constexpr,
-    TPP: tl.constexpr,  # tiles of BM blocks a program
-    STAGES: tl.constexpr,  # software-pipelining stages of the loop over the tiles
-):
-    score_tiles(
-        q, kmin, kmax, kmean, block_table, seq_lens, start, out, s_mn, MB, SINK, WINDOW,
-        tl.program_id(0), tl.program_id(1), H, G, D, BS, BG, BD, BM, QUEST, FORCE, F32, TPP, STAGES,
-    )  # fmt: skip
-
-
 def default_block_m(MB: int) -> int:
     """Blocks scored per program for a table of ``MB`` blocks: 32 (fewer for short tables), with 4 warps.
 
@@ -166,31 +150,6 @@ def block_scores(
         ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block and
         for evicted blocks (table entry -1), ``+inf`` for forced blocks still held.
     """
-    launch = score_launch(
-        q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start, sink, window, block_m,
-        tiles_per_program, num_stages,
-    )  # fmt: skip
-    if launch.grid[0] > 0:
-        block_scores_kernel[launch.grid](*launch.args, **launch.meta, num_warps=num_warps)
-    return launch.out
-
-
-class ScoreLaunch(NamedTuple):
-    """The checked arguments of one :func:`score_tiles` launch: ``grid`` (tile programs, ``B * Hkv`` rows; none
-    when the table is empty), the kernel's positional ``args`` (its ``out`` the new ``[B, Hkv, MB]`` float32 scores),
-    its constexpr ``meta``, and ``out``."""
-
-    grid: tuple[int, int]
-    args: tuple
-    meta: dict
-    out: torch.Tensor
-
-
-def score_launch(
-    q, kmin, kmax, kmean, block_table, seq_lens, block_size, method, start, sink, window, block_m, tiles_per_program,
-    num_stages,
-) -> ScoreLaunch:  # fmt: skip
-    """Check :func:`block_scores`' arguments and lay out its launch (shared with the fused ``block_topk``)."""
     if method not in METHODS:
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
     B, HQ, D = q.shape
@@ -206,22 +165,20 @@ def score_launch(
     MB = block_table.shape[1]
     out = torch.empty(B, H, MB, dtype=torch.float32, device=q.device)
     if MB == 0:
-        return ScoreLaunch((0, B * H), (), {}, out)
+        return out
     F32 = q.dtype != meta[0].dtype or q.dtype == torch.float32
     BD = max(16, triton.next_power_of_2(D))
     BM = block_m or default_block_m(MB)
     assert BM >= 16 and BM & (BM - 1) == 0, f"block_m must be a power of two >= 16, got {BM}"
     TPP = max(1, min(tiles_per_program, triton.cdiv(MB, BM)))
+    grid = (triton.cdiv(MB, BM * TPP), B * H)
     force = window is not None
     if start is None:  # read only when forcing
         start = torch.zeros_like(seq_lens) if force else seq_lens
-    args = (
+    block_scores_kernel[grid](
         q.contiguous(), kmin, kmax, kmean, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
         meta[0].stride(0), MB, sink, window if force else 0,
+        H=H, G=HQ // H, D=D, BS=block_size, BG=max(16, triton.next_power_of_2(HQ // H)), BD=BD, BM=BM,
+        QUEST=method == "quest", FORCE=force, F32=F32, TPP=TPP, STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
-    G, BG = HQ // H, max(16, triton.next_power_of_2(HQ // H))
-    constexprs = {
-        "H": H, "G": G, "D": D, "BS": block_size, "BG": BG, "BD": BD, "BM": BM, "QUEST": method == "quest",
-        "FORCE": force, "F32": F32, "TPP": TPP, "STAGES": num_stages,
-    }  # fmt: skip
-    return ScoreLaunch((triton.cdiv(MB, BM * TPP), B * H), args, constexprs, out)
+    return out

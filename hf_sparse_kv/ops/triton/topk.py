@@ -44,10 +44,9 @@ _NEGINF_LO: tl.constexpr = tl.constexpr(0x3FF)  # ... and its last 10
 
 
 @triton.jit
-def _row_keys(scores, o_n, N, CACHE: tl.constexpr):
-    """Load lanes ``o_n`` of a row (``-inf`` past ``N``; ``CACHE`` the loads' cache modifier, ``""`` or ``".cg"``)
-    and their order-preserving unsigned keys: ``[BN]`` each."""
-    b_s = tl.load(scores + o_n, mask=o_n < N, other=float("-inf"), cache_modifier=CACHE)
+def _row_keys(scores, o_n, N):
+    """Load lanes ``o_n`` of a row (``-inf`` past ``N``) and their order-preserving unsigned keys: ``[BN]`` each."""
+    b_s = tl.load(scores + o_n, mask=o_n < N, other=float("-inf"))
     b_bits = b_s.to(tl.int32, bitcast=True)
     # negative floats have their magnitude bits flipped, then the sign bit is flipped: unsigned order = float order
     b_key = tl.where(b_bits < 0, b_bits ^ 0x7FFFFFFF, b_bits).to(tl.uint32, bitcast=True)
@@ -120,34 +119,6 @@ def _select_threshold(b_key, b_key2, kk, lanes, TWO: tl.constexpr, EARLY: tl.con
 
 
 @triton.jit
-def row_topk(row, out_row, kk, N, K, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, EARLY: tl.constexpr,
-             CACHE: tl.constexpr):  # fmt: skip
-    """The ``"row"`` top-k of one row in one program: the ``kk`` (an int32 scalar, ``<= min(K, N)``) largest of the
-    ``N`` float32 scores at ``row``, their indices written ascending to ``out_row [K]`` and ``-1`` after them.
-    ``BN`` (+ ``BN2``) lanes hold the row; ``CACHE``: the row's loads' cache modifier (``".cg"`` reads past L1, for
-    scores other programs of the same launch stored)."""
-    o_n = tl.arange(0, BN)
-    b_s, b_key = _row_keys(row, o_n, N, CACHE)
-    b_s2, b_key2 = b_s, b_key  # (unused unless BN2 > 0)
-    if BN2 > 0:
-        o_n2 = BN + tl.arange(0, BN2)
-        b_s2, b_key2 = _row_keys(row, o_n2, N, CACHE)
-    t = _select_threshold(b_key, b_key2, kk, BN + BN2, BN2 > 0, EARLY)
-    # everything above t, then the first (by index) of the ties at t, never a -inf score; the second tile continues
-    # both ranks (ties, selected) where the first ends
-    n_gt = tl.sum((b_key > t).to(tl.int32), 0)
-    if BN2 > 0:
-        n_gt += tl.sum((b_key2 > t).to(tl.int32), 0)
-    n_eq, n_sel = _store_selected(out_row, o_n, b_s, b_key, t, N, kk, n_gt, 0, 0)
-    if BN2 > 0:
-        _, n_sel2 = _store_selected(out_row, o_n2, b_s2, b_key2, t, N, kk, n_gt, n_eq, n_sel)
-        n_sel += n_sel2
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        tl.store(out_row + o_k, tl.full([BK], -1, dtype=tl.int32), mask=(o_k >= n_sel) & (o_k < K))
-
-
-@triton.jit
 def topk_indices_kernel(
     scores,  # [R, N] float32
     counts,  # [B] int64, rows_per_seq rows per sequence (read only if HAS_COUNTS)
@@ -164,7 +135,26 @@ def topk_indices_kernel(
 ):
     i_r = tl.program_id(0).to(tl.int64)
     kk = _row_k(KK, counts, i_r, rows_per_seq, HAS_COUNTS)
-    row_topk(scores + i_r * N, out + i_r * K, kk, N, K, BN, BN2, BK, EARLY, "")
+    row = scores + i_r * N
+    o_n = tl.arange(0, BN)
+    b_s, b_key = _row_keys(row, o_n, N)
+    b_s2, b_key2 = b_s, b_key  # (unused unless BN2 > 0)
+    if BN2 > 0:
+        o_n2 = BN + tl.arange(0, BN2)
+        b_s2, b_key2 = _row_keys(row, o_n2, N)
+    t = _select_threshold(b_key, b_key2, kk, BN + BN2, BN2 > 0, EARLY)
+    # everything above t, then the first (by index) of the ties at t, never a -inf score; the second tile continues
+    # both ranks (ties, selected) where the first ends
+    n_gt = tl.sum((b_key > t).to(tl.int32), 0)
+    if BN2 > 0:
+        n_gt += tl.sum((b_key2 > t).to(tl.int32), 0)
+    n_eq, n_sel = _store_selected(out + i_r * K, o_n, b_s, b_key, t, N, kk, n_gt, 0, 0)
+    if BN2 > 0:
+        _, n_sel2 = _store_selected(out + i_r * K, o_n2, b_s2, b_key2, t, N, kk, n_gt, n_eq, n_sel)
+        n_sel += n_sel2
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        tl.store(out + i_r * K + o_k, tl.full([BK], -1, dtype=tl.int32), mask=(o_k >= n_sel) & (o_k < K))
 
 
 # ------------------------------------------------------------------------------ "chunks": several programs per row
@@ -215,7 +205,7 @@ def topk_radix_pass_kernel(
     o_n = i_c * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < N
     # [BLOCK]
-    _, b_key = _row_keys(scores + i_r * N, o_n, N, "")
+    _, b_key = _row_keys(scores + i_r * N, o_n, N)
     p_hist = hist + i_r * _HIST_ROW
     if PASS == 0:  # histogram of the top 11 bits
         _add_histogram(p_hist, (b_key >> 21).to(tl.int32), m_n, _B1, BLOCK)
@@ -284,7 +274,7 @@ def topk_radix_write_kernel(
     n_sel = tl.sum(b_gt, 0) + quota
     o_n = i_c * BLOCK + tl.arange(0, BLOCK)
     # [BLOCK]
-    b_s, b_key = _row_keys(scores + i_r * N, o_n, N, "")
+    b_s, b_key = _row_keys(scores + i_r * N, o_n, N)
     _store_selected(out + i_r * K, o_n, b_s, b_key, t, N, quota, 0, eq_before, sel_before)
     for i_k in range(0, SPAN, BK):  # this chunk's share of the slots past the last selected one
         o_k = i_k + tl.arange(0, BK)
