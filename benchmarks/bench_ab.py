@@ -10,15 +10,23 @@ version's package in a folder (``git archive REV hf_sparse_kv | tar -x -C /tmp/o
 The old package is imported under the name ``hf_sparse_kv_old`` (its imports are relative), each version fills its
 own cache with the same random K/V (``bench_e2e.fill_caches``), and every round times each row on both versions, in
 alternating order. The table gives each version's median ms/token over the rounds' medians and new / old.
+
+Without ``--old``, ``--old-env NAME=VALUE`` makes "old" this package with that environment variable set while its
+rows are patched, captured and timed (e.g. ``HF_SPARSE_KV_PDL=0``: the kernels launched without programmatic
+dependent launch, read at each launch and so at each capture)::
+
+    python benchmarks/bench_ab.py --old-env HF_SPARSE_KV_PDL=0 --shapes 1x131072 --rows "graph: Quest 1/16 block"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib
 import importlib.util
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -48,13 +56,29 @@ def load_old(folder: Path):
     return module
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """Within: the environment with ``values`` set; afterwards as it was."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _policies(version):
     return importlib.import_module(f"{version.__name__}.policies")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--old", type=Path, required=True, help="folder holding the other version's hf_sparse_kv/")
+    p.add_argument("--old", type=Path, help="folder holding the other version's hf_sparse_kv/")
+    p.add_argument("--old-env", help="NAME=VALUE: without --old, 'old' is this package run with that variable set")
     p.add_argument("--shapes", default="1x131072,8x32768")
     p.add_argument("--rows", default="graph: patched Dense,graph: Quest 1/16 block")
     p.add_argument("--layers", type=int, default=32)
@@ -65,7 +89,10 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/bench_ab.csv")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    versions = {"old": load_old(args.old), "new": hf_sparse_kv}
+    if (args.old is None) == (args.old_env is None) or (args.old_env is not None and "=" not in args.old_env):
+        raise SystemExit("give --old FOLDER or --old-env NAME=VALUE (one of them)")
+    versions = {"old": load_old(args.old) if args.old else hf_sparse_kv, "new": hf_sparse_kv}
+    env = dict([args.old_env.split("=", 1)]) if args.old_env else {}
     print(env_info(), flush=True)
     model = build_model(args.layers, args.device)
     rows = [r for r in ROWS if r[0] in args.rows.split(",")]
@@ -85,9 +112,10 @@ def main() -> None:
                     pol = getattr(_policies(v), type(policy).__name__)(
                         **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
                     )
-                    v.patch_model(model, policy=pol, mode=mode, block_size=args.block_size, cuda_graph=graph)
-                    t = time_decode(model, caches[name], batch, length, args.steps, args.warmup)
-                    v.unpatch_model(model)
+                    with environment(env if name == "old" else {}):
+                        v.patch_model(model, policy=pol, mode=mode, block_size=args.block_size, cuda_graph=graph)
+                        t = time_decode(model, caches[name], batch, length, args.steps, args.warmup)
+                        v.unpatch_model(model)
                     ms = 1000 * statistics.median(t)
                     times[(name, row)].append(ms)
                     results.append({"batch": batch, "context": length, "row": row, "version": name, "round": rnd,
