@@ -14,7 +14,6 @@ Must run without ``TRITON_INTERPRET`` (tests/test_triton_compile.py starts it in
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import sys
 import traceback
@@ -123,12 +122,6 @@ def cases():
             (f"block_scores mean+forced {tag}", partial(block_scores, q, *meta, table, lens, BS, "mean", zero, 4, 32)),
             (f"block_scores quest walk {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest", **quest_walk)),
             (f"paged_write {tag}", partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new)),
-            (f"paged_write pdl {tag}", with_pdl(partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new))),
-            (f"decode_blocks pdl {tag}", with_pdl(partial(decode_blocks, *paged, blocks, zero, zero, 0.1))),
-            (
-                f"block_scores pdl {tag}",
-                with_pdl(partial(block_scores, q, *meta, table, lens, BS, "quest", zero, 4, 32)),
-            ),
             (f"candidate_scores {tag}", partial(candidate_scores, q, k_pool, table, lens, zero, blocks[..., :5])),
             (
                 f"candidate_scores block+forced {tag}",
@@ -236,11 +229,9 @@ def cases():
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
-    out.append(("merge_partials pdl", with_pdl(partial(merge_partials, o, lse))))
     for n in (100, 2048, 8200, 20000):  # one tile; one tile; 8192 + 16 lanes; 16384 + 4096 lanes
         scores = torch.randn(2, n, generator=g)
         out.append((f"topk_indices N={n}", partial(topk_indices, scores, n // 16, method="row")))
-    out.append(("topk_indices N=8200 pdl", with_pdl(partial(topk_indices, torch.randn(2, 8200, generator=g), 512))))
     out.append(("topk_indices N=20000 all steps", partial(topk_indices, scores, 512, method="row", early=False)))
     counts = torch.tensor([3, 0])
     out.append(("topk_indices row counts", partial(topk_indices, torch.randn(2, 2, 500, generator=g), 40, counts)))
@@ -279,35 +270,6 @@ def cases():
         args = (codes, k_pool, torch.randn(H, M, C, d, generator=g), table, lo, hi, BS * MB)
         out.append((f"pq_write H={H} M={M} C={C} d={d} BS={BS}", partial(pq_write, *args)))
     return out
-
-
-def with_pdl(thunk):
-    """``thunk`` with the decode chain's launchers choosing programmatic dependent launch, as on an H100 / H200
-    (``use_pdl`` answers False on the CPU); every kernel it builds must wait for its predecessor
-    (``griddepcontrol.wait`` in the PTX)."""
-
-    def run():
-        names = ("block_decode", "block_scores", "merge", "paged_write", "topk")
-        mods = [importlib.import_module(f"hf_sparse_kv.ops.triton.{n}") for n in names]
-        saved, inner, built = [m.use_pdl for m in mods], JITFunction.run, []
-
-        def record(self, *args, **kwargs):
-            kernel = inner(self, *args, **kwargs)
-            built.append(kernel.asm["ptx"])
-            return kernel
-
-        JITFunction.run = record
-        for m in mods:
-            m.use_pdl = lambda device: True
-        try:
-            thunk()
-        finally:
-            JITFunction.run = inner
-            for m, f in zip(mods, saved):
-                m.use_pdl = f
-        assert built and all("griddepcontrol.wait" in ptx for ptx in built), "a kernel built without the PDL wait"
-
-    return run
 
 
 def width_invariant_ptx() -> dict[str, bool]:

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .merge import merge_partials_fwd
-from .pdl import await_prior, use_pdl
 
 LOG2E = 1.4426950408889634
 
@@ -248,9 +247,7 @@ def sparse_decode_fwd_kernel(
     F32: tl.constexpr,
     PREFETCH: tl.constexpr,
     TOKENS: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    await_prior(PDL)
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     HQ = H * G
@@ -351,13 +348,12 @@ def sparse_decode_fwd(
     else:
         o_part = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
-    grid, pdl = (S, B * H), use_pdl(q.device)
+    grid = (S, B * H)
     sparse_decode_fwd_kernel[grid](
         q, k_pool, v_pool, block_table, seq_lens.contiguous(), start.contiguous(), sel, ex_lo.contiguous(),
         ex_hi.contiguous(), o_part, lse_part, scale * LOG2E, k_pool.stride(0), NSEL, MB, S, tiles_per_split,
         H=H, G=G, D=D, BS=BS, BG=max(16, triton.next_power_of_2(G)), BD=max(16, triton.next_power_of_2(D)), BN=BN,
-        F32=F32, PREFETCH=prefetch, TOKENS=tokens, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        F32=F32, PREFETCH=prefetch, TOKENS=tokens, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if S > 1 and not merge:
         return o_part, lse_part

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from .forced import forced_block, forced_bounds
-from .pdl import await_prior, use_pdl
 
 METHODS = ("quest", "mean")
 
@@ -47,9 +46,7 @@ def block_scores_kernel(
     F32: tl.constexpr,
     TPP: tl.constexpr,  # tiles of BM blocks a program
     STAGES: tl.constexpr,  # software-pipelining stages of the loop over the tiles
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    await_prior(PDL)
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     HQ = H * G
@@ -178,12 +175,10 @@ def block_scores(
     force = window is not None
     if start is None:  # read only when forcing
         start = torch.zeros_like(seq_lens) if force else seq_lens
-    pdl = use_pdl(q.device)
     block_scores_kernel[grid](
         q.contiguous(), kmin, kmax, kmean, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
         meta[0].stride(0), MB, sink, window if force else 0,
         H=H, G=HQ // H, D=D, BS=block_size, BG=max(16, triton.next_power_of_2(HQ // H)), BD=BD, BM=BM,
-        QUEST=method == "quest", FORCE=force, F32=F32, TPP=TPP, STAGES=num_stages, PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl,
+        QUEST=method == "quest", FORCE=force, F32=F32, TPP=TPP, STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out

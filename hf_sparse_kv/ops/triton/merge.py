@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import await_prior, use_pdl
-
 
 @triton.jit
 def merge_partials_kernel(
@@ -26,9 +24,7 @@ def merge_partials_kernel(
     D: tl.constexpr,
     BD: tl.constexpr,
     BSP: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    await_prior(PDL)
     i_n = tl.program_id(0).to(tl.int64)
     o_sp = tl.arange(0, BSP)
     o_d = tl.arange(0, BD)
@@ -93,10 +89,7 @@ def merge_partials_fwd(
         return out, lse_out
     BD = triton.next_power_of_2(D)
     BSP = max(1, min(triton.next_power_of_2(S), 4096 // BD, 64))
-    pdl = use_pdl(out.device)
-    merge_partials_kernel[(N,)](
-        o3, lse2, out, lse_out, S, D=D, BD=BD, BSP=BSP, PDL=pdl, num_warps=4 if BD >= 128 else 2, launch_pdl=pdl
-    )
+    merge_partials_kernel[(N,)](o3, lse2, out, lse_out, S, D=D, BD=BD, BSP=BSP, num_warps=4 if BD >= 128 else 2)
     return out, lse_out
 
 

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import await_prior, use_pdl
-
 
 @triton.jit
 def paged_write_kernel(
@@ -41,9 +39,7 @@ def paged_write_kernel(
     D: tl.constexpr,
     BS: tl.constexpr,
     BD: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    await_prior(PDL)
     i_j, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
 
@@ -125,9 +121,8 @@ def paged_write(
     v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
     BD = min(max(16, triton.next_power_of_2(D)), max(16, 4096 // BS))
     n_j = (T + BS - 2) // BS + 1  # most blocks T tokens can touch, whatever pos0 % BS
-    pdl = use_pdl(k_pool.device)
     paged_write_kernel[(n_j, B * H)](
         k_pool, v_pool, kmin, kmax, kmean, block_table.contiguous(), pos0.contiguous(), k_new, v_new,
         k_pool.stride(0), kmin.stride(0), *k_new.stride()[:3], *v_new.stride()[:3], T, block_table.shape[1],
-        H=H, D=D, BS=BS, BD=BD, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        H=H, D=D, BS=BS, BD=BD, num_warps=4,
     )  # fmt: skip

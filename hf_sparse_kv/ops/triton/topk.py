@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from ..layout import cdiv
-from .pdl import await_prior, use_pdl
 
 TOPK_MAX_N = 24576  # the longest row "row" holds in registers (16384 + 8192 lanes); longer rows go to "chunks"
 DEFAULT_SMS = 132  # an H100 / H200, for the heuristic off CUDA
@@ -133,9 +132,7 @@ def topk_indices_kernel(
     BN2: tl.constexpr,  # lanes of the second tile (0: none)
     BK: tl.constexpr,
     EARLY: tl.constexpr,  # stop the radix select once exactly kk keys are above its threshold (same result)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    await_prior(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     kk = _row_k(KK, counts, i_r, rows_per_seq, HAS_COUNTS)
     row = scores + i_r * N
@@ -394,10 +391,9 @@ def topk_indices(
     BN, BN2 = row_tiles(N, split)
     # warps: 4 up to 2048 lanes, 8 from 4096 (H200: 8 beat 16 by 10-20 % from 8192 lanes since the early stop;
     # benchmarks/RESULTS.md, "The top-k taken apart")
-    pdl = use_pdl(x.device)
     topk_indices_kernel[(R,)](
         x, counts if counts is not None else x, out, N, k, min(k, N), rows_per_seq, HAS_COUNTS=counts is not None,
-        BN=BN, BN2=BN2, BK=max(16, min(1024, triton.next_power_of_2(k))), EARLY=early, PDL=pdl,
-        num_warps=num_warps or max(4, min(8, (BN + BN2) // 512)), launch_pdl=pdl,
+        BN=BN, BN2=BN2, BK=max(16, min(1024, triton.next_power_of_2(k))), EARLY=early,
+        num_warps=num_warps or max(4, min(8, (BN + BN2) // 512)),
     )  # fmt: skip
     return out
