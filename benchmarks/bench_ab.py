@@ -12,10 +12,10 @@ own cache with the same random K/V (``bench_e2e.fill_caches``), and every round 
 alternating order. The table gives each version's median ms/token over the rounds' medians and new / old.
 
 Without ``--old``, ``--old-env NAME=VALUE`` makes "old" this package with that environment variable set while its
-rows are patched, captured and timed (e.g. ``HF_SPARSE_KV_PDL=0``: the kernels launched without programmatic
-dependent launch, read at each launch and so at each capture)::
+rows are patched, captured and timed: for a switch read at launch (and so at capture), such as the
+``HF_SPARSE_KV_PDL=0`` of 13fc689 (programmatic dependent launch, measured and reverted)::
 
-    python benchmarks/bench_ab.py --old-env HF_SPARSE_KV_PDL=0 --shapes 1x131072 --rows "graph: Quest 1/16 block"
+    python benchmarks/bench_ab.py --old-env NAME=VALUE --shapes 1x131072 --rows "graph: Quest 1/16 block"
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ table last::
     python benchmarks/probe_host_step.py                  # H200: 32 layers, 1 x 8192
     python benchmarks/probe_host_step.py --signature --profile 0   # also each row with the old cache_kwarg
     python benchmarks/probe_host_step.py --device cpu --layers 2 --length 256 --steps 4   # a dry run (no graphs)
+    python benchmarks/probe_host_step.py --generate 64    # also a real generate(): its median step (generate_us)
+
+``--generate N``: after the filled-cache steps, each row runs a greedy ``generate()`` of ``N`` tokens after a real
+prefill of ``--length`` (an all-ones attention mask), its steps timed by a logits processor's host clock
+(``generate_us``, the median step), and with ``--profile`` a cProfile of a second such call: what a user's decode
+step costs beyond the model's forward (transformers' own per-step work, the patch's checks of the mask).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -102,6 +109,45 @@ def profile_steps(model, cache, batch, length, steps, device) -> str:
             prof.enable()
             ids = model(ids, position_ids=pos, **kw).logits[:, -1:].argmax(-1)
             prof.disable()
+    return profile_table(prof, steps)
+
+
+class StepClock(LogitsProcessor):
+    """Records the host clock each time ``generate()`` hands it a step's scores (after the step's forward; the step
+    before ended with generate's stopping check, which waits for the GPU): consecutive readings are one step's
+    wall time."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def time_generate(model, batch, length, new_tokens, device, profile: bool) -> tuple[list[float], str]:
+    """One greedy ``generate()`` of ``new_tokens`` after a real prefill of ``batch x length`` random tokens (an
+    all-ones attention mask, as a tokenizer gives): each step's wall time in us (the first two dropped: the prefill's
+    token and the capture), and with ``profile`` a cProfile of a second such call (µs a step)."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+    kw = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
+          "do_sample": False, "pad_token_id": 0}  # fmt: skip
+    clock = StepClock()
+    with torch.no_grad():
+        model.generate(ids, logits_processor=LogitsProcessorList([clock]), **kw)
+    steps = [1e6 * (b - a) for a, b in zip(clock.times[2:], clock.times[3:])]
+    if not profile:
+        return steps, ""
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.enable()
+        model.generate(ids, **kw)
+        prof.disable()
+    return steps, profile_table(prof, new_tokens)
+
+
+def profile_table(prof: cProfile.Profile, steps: int) -> str:
+    """The 40 costliest functions of ``prof`` by cumulative time, in µs a step over ``steps``."""
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:40]
     out = io.StringIO()
@@ -128,6 +174,13 @@ def main() -> None:
         action="store_true",
         help="also time each row with cache_kwarg through inspect.signature (the library before 27ebed3)",
     )
+    ap.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        help="also time each row's greedy generate() of this many tokens after a real prefill of --length (and, "
+        "with --profile, a cProfile of a second one)",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     config = llama8b_config(args.layers) if device.type == "cuda" else tiny_config()
@@ -148,6 +201,12 @@ def main() -> None:
             runner = paged.session.graphs
             replays = runner.replays if isinstance(runner, DecodeGraphs) else 0
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            if args.generate:
+                steps, table = time_generate(model, args.batch, args.length, args.generate, device, args.profile > 0)
+                med["generate_us"] = statistics.median(steps)
+                if table:
+                    print(f"== {name}: cProfile of generate(), {args.generate} tokens")
+                    print(table)
             summary.append((name, med, replays))
             if args.profile:
                 print(f"== {name}: cProfile of {args.profile} steps (own time)")

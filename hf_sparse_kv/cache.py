@@ -367,8 +367,11 @@ class PagedKVCache(DynamicCache):
 
     @property
     def is_compileable(self) -> bool:
-        """Whether transformers may compile a decode step on this cache: a cache that decodes in static steps."""
-        return self.static_decoding or self.static is not None
+        """Whether transformers may compile a decode step on this cache: a cache that decodes in static steps, unless
+        the patch's captured graphs run them (``cuda_graph=True``: the graphs hold their own compiled step, and
+        ``generate()`` would otherwise build every step's full ``[B, 1, 1, L]`` mask for a forward that replays a
+        graph and never reads it)."""
+        return self.static_decoding or (self.static is not None and not self.session.graphs)
 
     @property
     def paged_layers(self) -> list[PagedLayer]:

@@ -49,8 +49,9 @@ from collections.abc import Callable
 
 import torch
 
-from .attention import StaticPlan, padding_starts, static_counters, static_plan
+from .attention import StaticPlan, static_counters, static_plan
 from .cache import PagedKVCache, PagedLayer, WindowRing
+from .ops.layout import mask_allows
 from .patched import cache_kwarg, patch_state
 
 FREEZING_ERROR = (
@@ -257,20 +258,23 @@ def same_settings(a, b) -> bool:
 
 
 def pads_match(cache: PagedKVCache, mask: torch.Tensor | None, length: int) -> bool:
-    """Whether a decode mask (2-D ``[B, length]`` or 4-D) pads exactly as the cache's prompt did (left padding
-    only, fixed at prefill)."""
+    """Whether a decode mask (2-D ``[B, length]`` of 1 / 0, or 4-D ``[B, 1, q, length]``, bool or additive) pads
+    exactly as the cache's prompt did (left padding only, fixed at prefill): every position from each sequence's
+    padding on allowed, none before it.
+
+    One comparison on the device and one read of its answer (``generate()`` calls this at every step): the mask's
+    last row against ``position >= pads``, not the padding worked out and compared on the host."""
     B = len(cache.table.rows) or len(cache.pads)
+    pads = cache.pads or [0] * B
     if mask is None:
-        return not any(cache.pads)
-    if mask.dim() == 2:
-        mask = mask.bool()[:, None, None, :]
-    if mask.shape[-1] < length:
+        return not any(pads)
+    if mask.shape[-1] < length or mask.shape[0] != B:
         return False
-    try:
-        starts = padding_starts(mask, B, length, mask.device)
-    except NotImplementedError:  # holes inside the context
-        return False
-    return starts.tolist() == list(cache.pads or [0] * B)
+    row = mask[:, :length] != 0 if mask.dim() == 2 else mask_allows(mask[:, 0, -1, :length])  # [B, length] bool
+    if not any(pads):
+        return bool(row.all())
+    at = torch.arange(length, device=row.device)
+    return torch.equal(row, at >= cache.pads_tensor(row.device).view(-1, 1))
 
 
 def step_applies(cache, ids, kwargs: dict) -> bool:

@@ -20,3 +20,18 @@ def test_the_probe_times_each_row_and_profiles_it():
     assert [line.split("  ")[0].strip() for line in table] == ["Dense", "Quest 1/16", "Dense (sig)", "Quest 1/16 (sig)"]
     assert all(len(line.split()) >= 4 for line in table)  # replays, wall and forward times
     assert out.stdout.count("cum us/step") == 4 and "patch.py" in out.stdout
+
+
+def test_the_probe_times_a_real_generate():
+    """``--generate``: each row's median generate() step as a column, and its profile's table."""
+    cmd = [sys.executable, "benchmarks/probe_host_step.py", "--device", "cpu", "--layers", "2", "--length", "32",
+           "--steps", "2", "--warmup", "1", "--profile", "1", "--generate", "5"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    header = next(line for line in lines if line.startswith(" row"))
+    assert header.split()[-1] == "generate_us"
+    table = lines[lines.index(header) + 1 :]
+    assert [float(line.split()[-1]) > 0 for line in table] == [True, True]
+    assert out.stdout.count("cProfile of generate()") == 2
