@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from tiny_models import prompt, tiny_model
+from tiny_models import DEVICE, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, Quest, SinkWindow, TokenTopK
@@ -245,7 +245,7 @@ def test_prompt_lookup_decoding_equals_unpatched(arch, seed):
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(3, 90, (1, 40), generator=g)
-    ids = torch.cat([base, base[:, :20], base[:, 5:25]], 1)  # repeated n-grams: the lookup finds candidates
+    ids = torch.cat([base, base[:, :20], base[:, 5:25]], 1).to(DEVICE)  # repeated n-grams: the lookup finds some
     kw = {"max_new_tokens": 12, "prompt_lookup_num_tokens": 3, "do_sample": False}
     with torch.no_grad():
         ref = model.generate(ids, **kw)
