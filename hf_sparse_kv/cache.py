@@ -808,7 +808,10 @@ class PagedKVCache(DynamicCache):
         """Keep the first tokens: ``max_length > 0`` is the length to keep, a negative value the tokens to drop,
         ``0`` drops nothing (transformers >= 5.2x calls ``crop(-n)`` with ``n`` the rejected candidate tokens of
         assisted or prompt-lookup decoding, ``n = 0`` when all were accepted; earlier versions pass the length to
-        keep, which is never 0 there: ``reset()`` empties a cache)."""
+        keep, which is never 0 there: ``reset()`` empties a cache). A 0-d tensor is read as its int (assisted
+        decoding passes ``candidates - n_matches`` with ``n_matches`` on the model's device): the lengths stay host
+        ints, which the selection's widths are made of."""
+        max_length = int(max_length)
         length = self.get_seq_length()
         if max_length == 0:
             for layer in self.layers:  # transformers 5.2x: a sliding layer recording past states shrinks back to its

@@ -148,6 +148,26 @@ def test_crop_then_continue_matches_fresh_cache():
     torch.testing.assert_close(cropped, ref, rtol=0, atol=1e-6)
 
 
+def test_crop_by_a_tensor_keeps_host_lengths():
+    """Assisted decoding crops by ``candidates - n_matches``, a 0-d tensor on the model's device: the cache takes its
+    int, so the lengths (and the selection's widths made of them) stay host ints (a CUDA tensor there reached the
+    top-k kernel as its width and failed to compile)."""
+    model = tiny_model("llama")
+    ids = prompt(45)
+    patch_model(model, policy=Quest(budget=16, sink=0, window=8), block_size=8, dense_layers=())
+    with torch.no_grad():
+        cache = PagedKVCache(model.config, block_size=8)
+        model(ids, **{cache_kwarg(model): cache})
+        cache.crop(-torch.tensor(9, device=ids.device))
+        assert type(cache.get_seq_length()) is int and cache.get_seq_length() == 36
+        assert all(type(layer.length) is int for layer in cache.paged_layers)
+        cache.crop(torch.tensor(0, device=ids.device))  # all accepted: nothing dropped
+        assert cache.get_seq_length() == 36
+        out = model(ids[:, 36:37], **{cache_kwarg(model): cache}).logits
+    unpatch_model(model)
+    assert out.shape[1] == 1 and not out.isnan().any()
+
+
 def test_assisted_decoding_matches_greedy():
     model = tiny_model("llama")
     assistant = tiny_model("llama", seed=3)
