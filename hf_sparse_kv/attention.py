@@ -58,6 +58,12 @@ class SparseConfig:
     cuda_graph: bool = False  # generate()'s decode steps go through the captured-step runner (hf_sparse_kv.graphs)
 
 
+def decode_row(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` keys a decode query may attend, ``[B, length]`` bool, from a 2-D mask ``[B, L]`` (1 / 0, as
+    a tokenizer gives) or the last query row of a 4-D one ``[B, 1, q, L]`` (bool, or additive float), ``L >= length``."""
+    return mask[:, :length] != 0 if mask.dim() == 2 else mask_allows(mask[:, 0, -1, :length])
+
+
 def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
     """First attended position per sequence from a decode mask ``[B, 1, 1, L]`` (bool, or additive float).
 

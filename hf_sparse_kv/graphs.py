@@ -49,9 +49,8 @@ from collections.abc import Callable
 
 import torch
 
-from .attention import StaticPlan, static_counters, static_plan
+from .attention import StaticPlan, decode_row, static_counters, static_plan
 from .cache import PagedKVCache, PagedLayer, WindowRing
-from .ops.layout import mask_allows
 from .patched import cache_kwarg, patch_state
 
 FREEZING_ERROR = (
@@ -270,7 +269,7 @@ def pads_match(cache: PagedKVCache, mask: torch.Tensor | None, length: int) -> b
         return not any(pads)
     if mask.shape[-1] < length or mask.shape[0] != B:
         return False
-    row = mask[:, :length] != 0 if mask.dim() == 2 else mask_allows(mask[:, 0, -1, :length])  # [B, length] bool
+    row = decode_row(mask, length)  # [B, length] bool
     if not any(pads):
         return bool(row.all())
     at = torch.arange(length, device=row.device)
