@@ -16,8 +16,8 @@ table last::
     python benchmarks/probe_host_step.py --generate 64    # also a real generate(): its median step (generate_us)
 
 ``--generate N``: after the filled-cache steps, each row runs a greedy ``generate()`` of ``N`` tokens after a real
-prefill of ``--length`` (an all-ones attention mask), its steps timed by a logits processor's host clock
-(``generate_us``, the median step), and with ``--profile`` a cProfile of a second such call: what a user's decode
+prefill of ``--length`` (an all-ones attention mask), its steps timed by bench_e2e's ``StepClock`` (a logits
+processor reading the host clock after a sync; ``generate_us``, the median step), and with ``--profile`` a cProfile of a second such call: what a user's decode
 step costs beyond the model's forward (transformers' own per-step work, the patch's checks of the mask).
 """
 
@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_e2e import build_model, fill_caches, llama8b_config, sync, tiny_config
+from bench_e2e import StepClock, build_model, fill_caches, llama8b_config, sync, tiny_config
 
 from hf_sparse_kv import cache_kwarg, patch_model, patched, unpatch_model
 from hf_sparse_kv.graphs import DecodeGraphs
@@ -112,27 +112,15 @@ def profile_steps(model, cache, batch, length, steps, device) -> str:
     return profile_table(prof, steps)
 
 
-class StepClock(LogitsProcessor):
-    """Records the host clock each time ``generate()`` hands it a step's scores (after the step's forward; the step
-    before ended with generate's stopping check, which waits for the GPU): consecutive readings are one step's
-    wall time."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
 def time_generate(model, batch, length, new_tokens, device, profile: bool) -> tuple[list[float], str]:
     """One greedy ``generate()`` of ``new_tokens`` after a real prefill of ``batch x length`` random tokens (an
     all-ones attention mask, as a tokenizer gives): each step's wall time in us (the first two dropped: the prefill's
-    token and the capture), and with ``profile`` a cProfile of a second such call (µs a step)."""
+    token and the capture; ``bench_e2e.StepClock``: a synchronised reading each token), and with ``profile`` a cProfile
+    of a second such call (µs a step)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
     kw = {"attention_mask": torch.ones_like(ids), "max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
           "do_sample": False, "pad_token_id": 0}  # fmt: skip
-    clock = StepClock()
+    clock = StepClock(device)
     with torch.no_grad():
         model.generate(ids, logits_processor=LogitsProcessorList([clock]), **kw)
     steps = [1e6 * (b - a) for a, b in zip(clock.times[2:], clock.times[3:])]
