@@ -131,13 +131,20 @@ def test_multi_token_forward_on_a_filled_cache_is_dense():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
-def test_crop_then_continue_matches_fresh_cache():
+def quest_prefilled(length: int = 45):
+    """A tiny Llama patched with Quest (block size 8, no dense layer), a prompt of ``length`` and its filled cache."""
     model = tiny_model("llama")
-    ids = prompt(45)
+    ids = prompt(length)
     patch_model(model, policy=Quest(budget=16, sink=0, window=8), block_size=8, dense_layers=())
+    cache = PagedKVCache(model.config, block_size=8)
     with torch.no_grad():
-        cache = PagedKVCache(model.config, block_size=8)
         model(ids, **{cache_kwarg(model): cache})
+    return model, ids, cache
+
+
+def test_crop_then_continue_matches_fresh_cache():
+    model, ids, cache = quest_prefilled()
+    with torch.no_grad():
         cache.crop(-9)  # back to 36 tokens
         assert cache.get_seq_length() == 36 and cache.blocks_in_use == 5
         cropped = model(ids[:, 36:37], **{cache_kwarg(model): cache}).logits
@@ -152,12 +159,8 @@ def test_crop_by_a_tensor_keeps_host_lengths():
     """Assisted decoding crops by ``candidates - n_matches``, a 0-d tensor on the model's device: the cache takes its
     int, so the lengths (and the selection's widths made of them) stay host ints (a CUDA tensor there reached the
     top-k kernel as its width and failed to compile)."""
-    model = tiny_model("llama")
-    ids = prompt(45)
-    patch_model(model, policy=Quest(budget=16, sink=0, window=8), block_size=8, dense_layers=())
+    model, ids, cache = quest_prefilled()
     with torch.no_grad():
-        cache = PagedKVCache(model.config, block_size=8)
-        model(ids, **{cache_kwarg(model): cache})
         cache.crop(-torch.tensor(9, device=ids.device))
         assert type(cache.get_seq_length()) is int and cache.get_seq_length() == 36
         assert all(type(layer.length) is int for layer in cache.paged_layers)
