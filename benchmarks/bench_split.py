@@ -189,7 +189,7 @@ def split(events, steps: int, on_gpu: bool) -> dict:
             cat, us = category(e.name), kernel_us(e)
             replays[e.id].append(e)
         else:
-            if e.is_python_function or e.device_type != DeviceType.CPU:
+            if getattr(e, "is_python_function", False) or e.device_type != DeviceType.CPU:  # (not in torch 2.11)
                 continue
             cat, us = cpu_category(e), e.self_cpu_time_total
         per_name[cat][e.name] += us / steps

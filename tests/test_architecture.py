@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import DEVICE
 
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import layout as L
@@ -184,7 +185,9 @@ def test_cdiv():
 def test_triton_scoring_forces_the_same_blocks(method):
     """The Triton kernel's transcription of the block rule against ``forced_block_mask`` (through ``+inf``)."""
     pytest.importorskip("triton")
-    ops = get_ops("triton", "cpu")
+    ops = get_ops(
+        "triton", DEVICE
+    )  # the interpreter on the CPU, the compiled kernel under HF_SPARSE_KV_TEST_DEVICE=cuda
     g = torch.Generator().manual_seed(3)
     BS, H, G, D = 8, 2, 2, 16
     lens = torch.tensor([1, 7, 8, 9, 40, 63, 64, 100], dtype=torch.int32)
@@ -194,6 +197,7 @@ def test_triton_scoring_forces_the_same_blocks(method):
     meta = [torch.randn(B * MB, H, D, generator=g) for _ in range(3)]
     q = torch.randn(B, H * G, D, generator=g)
     for sink, window in ((0, 1), (4, 8), (13, 30)):
-        s = ops.block_scores(q, *meta, table, lens, BS, method, start, sink, window)
+        on = [t.to(DEVICE) for t in (q, *meta, table, lens)]
+        s = ops.block_scores(*on, BS, method, start.to(DEVICE), sink, window).cpu()
         forced = L.forced_block_mask(lens, start, sink, window, BS, MB)
         assert torch.equal(torch.isposinf(s), forced.unsqueeze(1).expand_as(s)), (sink, window)

@@ -121,10 +121,11 @@ def test_bad_cache_arguments(model):
 def test_mask_with_holes_is_refused(model):
     patch_model(model, policy=Quest(budget=8, sink=0, window=8), block_size=8, dense_layers=())
     try:
-        mask = torch.ones(1, 20, dtype=torch.long)
+        ids = prompt(20)
+        mask = torch.ones_like(ids)
         mask[0, 5] = 0
         with pytest.raises(NotImplementedError, match="left padding"), torch.no_grad():
-            model.generate(prompt(20), attention_mask=mask, max_new_tokens=2)
+            model.generate(ids, attention_mask=mask, max_new_tokens=2)
     finally:
         unpatch_model(model)
 

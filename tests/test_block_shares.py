@@ -150,7 +150,7 @@ def test_coarse_pass_over_every_block_keeps_the_oracles_selection(shape, coarse)
             MB = state.block_table.shape[1]
             forced = forced_block_mask(state.seq_lens, state.start, sink, window, state.block_size, MB)
             forced = forced & (state.block_table >= 0)  # [B, MB]
-            held = torch.zeros(*few.indices.shape[:2], MB + 1, dtype=torch.bool)
+            held = torch.zeros(*few.indices.shape[:2], MB + 1, dtype=torch.bool, device=few.indices.device)
             held.scatter_(2, few.indices.long().masked_fill(few.indices < 0, MB), True)
             assert bool((held[..., :MB] | ~forced.unsqueeze(1)).all()), (budget, seed)
 

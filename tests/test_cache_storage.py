@@ -266,14 +266,14 @@ def test_a_filled_cache_adopts_a_declared_state_from_its_keys():
         model(ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
     assert cache.specs == () and all(not layer.state for layer in cache.paged_layers)
     patch_model(model, policy=_NormTopK(budget=48, calls=[]), block_size=BS)
-    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=mask.device)], 1)
     with torch.no_grad():
         model(prompt(1, batch=2), attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
     assert set(cache.specs) == {NORMS, BLOCK_MAX}
     _check_state(cache)
     # a cache keeping more state than a policy reads serves it, and keeps it
     patch_model(model, policy=Quest(budget=48), block_size=BS)
-    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=mask.device)], 1)
     with torch.no_grad():
         model(prompt(1, batch=2), attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
     assert set(cache.specs) == {NORMS, BLOCK_MAX}

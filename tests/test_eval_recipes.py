@@ -280,7 +280,11 @@ def test_accelerate_two_processes_shard_trials(tmp_path, essays):
         " tokenizer=CharTokenizer())"
     )
     (tmp_path / "go.py").write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the repository on the path (the package need not be installed: the GPU machine runs the tree as it is), and
+    # the two processes on the CPU wherever the test runs (two of them on one GPU is not what this test is about)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
+    env["HF_SPARSE_KV_TEST_DEVICE"] = "cpu"
     # --multi_gpu is what makes accelerate start two torchrun processes; on a CPU-only machine they use gloo
     cmd = [
         sys.executable,

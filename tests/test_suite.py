@@ -12,7 +12,7 @@ import pytest
 from test_assets_text import make_essays
 from tiny_models import tiny_model
 
-from evaluation.suite import SUITES, _needle_params, _qa_params, cells_of, load_suite, plan, run_suite
+from evaluation.suite import SUITES, _needle_params, _qa_params, cells_of, device_name, load_suite, plan, run_suite
 from evaluation.suite_summary import perplexity_rows, summarize
 from evaluation.toy import CharTokenizer
 
@@ -118,7 +118,8 @@ def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path, monkeypatch):
             assert set(r["phases"]) >= {"build", "prefill", "decode"} and min(r["phases"].values()) >= 0
     assert any(r["hit_rate"] is not None for r in rows if r["task"] == "perplexity")
     today = time.strftime("%Y-%m-%d")  # every cell says where and when it ran
-    assert {(r["device"], r["date"]) for r in rows} <= {("cpu", today), ("cpu", time.strftime("%Y-%m-%d"))}
+    where = device_name(model)  # "cpu", or the GPU's name under HF_SPARSE_KV_TEST_DEVICE=cuda
+    assert {(r["device"], r["date"]) for r in rows} <= {(where, today), (where, time.strftime("%Y-%m-%d"))}
     n = len(rows)
     again = run_suite(cfg, tmp_path, model=model, tokenizer=tok, texts=texts)
     assert again["finished"] and len((tmp_path / "cells.jsonl").read_text().splitlines()) == n  # nothing redone
