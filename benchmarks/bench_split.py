@@ -68,6 +68,7 @@ it runs in, else by its own name (``aten::mm``: matmul); ``kernels`` counts ops 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -161,13 +162,22 @@ def kernel_us(e) -> float:
     return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
 
 
+def is_python(e) -> bool:
+    """Whether a profiler event is a Python function (``with_stack``): ``FunctionEvent.is_python_function`` where torch
+    has it (2.13), else its name's form ``file.py(line): name`` (torch 2.11 has no such attribute)."""
+    flag = getattr(e, "is_python_function", None)
+    if flag is not None:
+        return bool(flag)
+    return e.name.startswith("<built-in ") or re.match(r"^.+?\(\d+\): ", e.name) is not None
+
+
 def cpu_category(e) -> str:
     """Category of a CPU op: selection, attention or write from itself or an enclosing op (ours, SDPA) or Python
     function (ours, a reference function; not a module: ``LlamaAttention`` holds the projections), else from its own
     name (matmul or rest)."""
     own = category(e.name)
     while e is not None:
-        hit = ours(e.name.rsplit("): ", 1)[-1]) if e.is_python_function else category(e.name)
+        hit = ours(e.name.rsplit("): ", 1)[-1]) if is_python(e) else category(e.name)
         if hit in ("selection", "attention", "write"):
             return hit
         e = e.cpu_parent
@@ -189,7 +199,7 @@ def split(events, steps: int, on_gpu: bool) -> dict:
             cat, us = category(e.name), kernel_us(e)
             replays[e.id].append(e)
         else:
-            if getattr(e, "is_python_function", False) or e.device_type != DeviceType.CPU:  # (not in torch 2.11)
+            if is_python(e) or e.device_type != DeviceType.CPU:
                 continue
             cat, us = cpu_category(e), e.self_cpu_time_total
         per_name[cat][e.name] += us / steps

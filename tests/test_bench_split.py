@@ -135,3 +135,19 @@ def test_bench_split_dry_run_profiles_eager_captured_and_compiled_rows(monkeypat
 def test_bench_split_refuses_an_unknown_row(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="unknown"):
         _run(monkeypatch, tmp_path, "graph+compile: Quest 1/16 blocks")
+
+
+def test_python_events_are_told_apart_without_the_attribute():
+    """torch 2.11's profiler events have no ``is_python_function``: the name's form tells the same events apart."""
+    import torch
+    from torch.profiler import profile
+
+    def f(x):
+        return (x * 2).sum()
+
+    with profile(with_stack=True) as prof:
+        f(torch.ones(3))
+    events = list(prof.events())
+    assert any(e.is_python_function for e in events) and any(not e.is_python_function for e in events)
+    for e in events:
+        assert bench_split.is_python(SimpleNamespace(name=e.name)) == bool(e.is_python_function), e.name
