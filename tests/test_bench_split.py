@@ -148,6 +148,8 @@ def test_python_events_are_told_apart_without_the_attribute():
     with profile(with_stack=True) as prof:
         f(torch.ones(3))
     events = list(prof.events())
+    if not hasattr(events[0], "is_python_function"):
+        pytest.skip("this torch's profiler events do not say which are Python functions (torch 2.11)")
     assert any(e.is_python_function for e in events) and any(not e.is_python_function for e in events)
     for e in events:
         assert bench_split.is_python(SimpleNamespace(name=e.name)) == bool(e.is_python_function), e.name
