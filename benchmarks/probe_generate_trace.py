@@ -25,10 +25,10 @@ from transformers import LogitsProcessor, LogitsProcessorList
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_e2e import build_model, tiny_config  # noqa: E402
+from bench_e2e import build_model, tiny_config
 
-from hf_sparse_kv import patch_model, unpatch_model  # noqa: E402
-from hf_sparse_kv.policies import Dense, Quest  # noqa: E402
+from hf_sparse_kv import patch_model, unpatch_model
+from hf_sparse_kv.policies import Dense, Quest
 
 
 class ProfilerStep(LogitsProcessor):
