@@ -15,7 +15,8 @@ or change host state:
   widths (and the dense/sparse decision) on the host: two steps whose plans agree on those (``StaticPlan.key``) run
   the same graph, so a compiled step recompiles, and a captured one is captured again, when a width changes, not
   whenever one sequence's count does (a fractional budget grows the widest selection by one block every
-  ``block_size / budget`` tokens: a long generation makes a handful of graphs, a left-padded batch no more);
+  ``block_size / budget`` tokens; the plan's width is rounded up, :func:`~hf_sparse_kv.policies.base.static_width`,
+  so that a long generation makes a handful of graphs, a left-padded batch no more);
 - the ops are PyTorch custom ops (:mod:`hf_sparse_kv.ops.library`), opaque to dynamo, free of host syncs;
 - the host bookkeeping of the step (layer lengths, counters) is done by :func:`begin_static_step`, not by the step.
 

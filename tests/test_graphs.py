@@ -235,3 +235,38 @@ def test_a_left_padded_batch_captures_a_graph_per_width_not_per_count(monkeypatc
     assert runner.replays == 20
     assert len(runner.graphs) == len({p.key for p in plans}) < len(set(plans))
     assert runner.capture_seconds > 0  # the captures' own time, which benchmarks/time_needle_batch.py reports
+
+
+@pytest.mark.parametrize(
+    "policy, mode",
+    [(Quest(budget=0.5, sink=0, window=8), "block"), (TokenTopK(budget=0.5, sink=4, window=8), "token")],
+    ids=["quest-block", "token_topk"],
+)
+def test_a_wide_selection_is_rounded_up_and_replays_fewer_graphs(monkeypatch, policy, mode):
+    """Past 64 entries a static step's width is its plan's largest count rounded up (``static_width``): the slots
+    past each sequence's count are ``-1``, so the steps decode as the eager ones, and a width that grows by one
+    every few tokens makes a new graph only when its rounded value changes."""
+    from hf_sparse_kv import graphs
+
+    model = tiny_model("llama", max_position_embeddings=4096)
+    ids = prompt(2100)  # 263 blocks of 8: Quest's width 132 (rounded to multiples of 4), TokenTopK's 1050 (of 32)
+    patch_model(model, policy=policy, mode=mode, block_size=8, dense_layers=(0,))
+    ref = _eager_steps(model, ids, 40)
+    plans = []
+    begin = graphs.begin_static_step
+    monkeypatch.setattr(graphs, "begin_static_step", lambda *a, **k: plans.append(begin(*a, **k)) or plans[-1])
+    monkeypatch.setattr(DecodeGraphs, "_capture", _capture_stand_in)
+    cache = PagedKVCache(model.config, block_size=8)
+    out = []
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, max_length=ids.shape[1] + 40)
+        runner.capture = True  # the stand-in's capture and replay on the CPU
+        for _ in range(40):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert all(p.widths[0] >= max(p.counts) for p in plans)
+    assert any(p.widths[0] > max(p.counts) for p in plans)  # rounded up at some step
+    assert len(runner.graphs) == len({p.widths for p in plans}) < len({max(p.counts) for p in plans})

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..ops.layout import cdiv, forced_block_bound, forced_block_count, forced_block_mask, window_positions
-from .base import Counts, DecodeState, Selection, StateSpec, int_max, int_min
+from .base import Counts, DecodeState, Selection, StateSpec, int_max, int_min, static_width
 from .blocks import _BlockTopK
 from .product import ProductCodes
 from .projected import CompressedKeys
@@ -164,7 +164,7 @@ class _TwoStage:
     def static_widths(self, counts: list[int], block_size: int) -> tuple[int, ...]:
         """The selection's width and, with a float ``candidates``, the coarse pass's (:meth:`CoarsePass.width` of
         :meth:`coarse_blocks`): see :meth:`candidates_of`."""
-        width = max(counts)
+        width = static_width(max(counts))
         if type(self.candidates) is int:
             return (width,)
         return width, self._coarse.width(self.coarse_blocks(width, block_size))
