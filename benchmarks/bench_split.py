@@ -174,13 +174,18 @@ def is_python(e) -> bool:
 def cpu_category(e) -> str:
     """Category of a CPU op: selection, attention or write from itself or an enclosing op (ours, SDPA) or Python
     function (ours, a reference function; not a module: ``LlamaAttention`` holds the projections), else from its own
-    name (matmul or rest)."""
-    own = category(e.name)
+    name (matmul or rest). Where the profiler gives no Python functions as parents (torch 2.11 gives none as
+    events), the op's own recorded stack (``FunctionEvent.stack``, ``file(line): name`` frames) stands in."""
+    own, stack = category(e.name), list(getattr(e, "stack", None) or [])
     while e is not None:
         hit = ours(e.name.rsplit("): ", 1)[-1]) if is_python(e) else category(e.name)
         if hit in ("selection", "attention", "write"):
             return hit
         e = e.cpu_parent
+    for frame in stack:
+        hit = ours(frame.rsplit("): ", 1)[-1])
+        if hit in ("selection", "attention", "write"):
+            return hit
     return own
 
 

@@ -153,3 +153,13 @@ def test_python_events_are_told_apart_without_the_attribute():
     assert any(e.is_python_function for e in events) and any(not e.is_python_function for e in events)
     for e in events:
         assert bench_split.is_python(SimpleNamespace(name=e.name)) == bool(e.is_python_function), e.name
+
+
+def test_a_cpu_op_without_python_parents_takes_its_category_from_its_stack():
+    """Where the profiler records no Python functions as events (torch 2.11), an op's own stack names ours."""
+    frames = ["hf_sparse_kv/ops/reference.py(380): _attend", "hf_sparse_kv/ops/reference.py(427): decode_blocks"]
+    op = SimpleNamespace(name="aten::mul", cpu_parent=None, stack=frames + ["modeling_llama.py(295): forward"])
+    assert bench_split.cpu_category(op) == "attention"
+    assert bench_split.cpu_category(SimpleNamespace(name="aten::mm", cpu_parent=None, stack=[])) == "matmul"
+    plain = SimpleNamespace(name="aten::mul", cpu_parent=None, stack=["modeling_llama.py(295): forward"])
+    assert bench_split.cpu_category(plain) == "rest"
