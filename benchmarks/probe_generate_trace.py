@@ -3,6 +3,9 @@
 and outside the graph's kernels, the GPU idle time, the CPU ops (self time) and the CUDA runtime calls (``cudaMemcpy``,
 ``cudaStreamSynchronize``, ``cudaGraphLaunch``), the 25 costliest each. A step's wall time beyond its graph's kernels
 is what the host and the ops outside the graph cost; what grows with the context shows by running two lengths.
+"Inside the graph" means a kernel carrying a graph launch's correlation id: on the H200 (torch 2.11) the profiler
+left some replayed kernels without it (the model's own matmuls appeared "outside", ~3 a step), so that split is a
+lower bound on the graph's share, not an exact one.
 
     python benchmarks/probe_generate_trace.py --length 131072          # H200: Llama-3.1-8B shape, 32 layers
     python benchmarks/probe_generate_trace.py --device cpu --tiny --length 256 --new-tokens 12 --wait 4 --active 4
