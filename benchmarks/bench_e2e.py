@@ -36,7 +36,8 @@ metadata its selection scores (Quest: min and max, BlockTopK: mean, of every blo
 ``--generate BxL`` also times real ``generate()`` calls: a real prefill of ``L`` random tokens, then
 ``--new-tokens`` (128) greedy tokens, for the unpatched model (dynamic cache; static cache, which transformers
 compiles), patched Dense and Quest 1/16 captured (on a ``PagedKVCache`` the script passes in, so that the row can
-report its ``captured_steps``: decode steps replayed from a graph), and issue 13's product-quantized coarse pass with
+report its ``captured_steps``: decode steps replayed from a graph; ``graphs``: the graphs captured, one per selection
+width, and ``capture_s``: their captures' wall time), and issue 13's product-quantized coarse pass with
 its centres fitted at the prefill (``pq prefill-fit c4``: ``TopPBlockTopK(candidates=4, p=1, coarse="pq",
 calibration="prefill")``, whose TTFT holds the fit). One call per row: a logits processor takes a
 device-synchronised timestamp at every new token, so TTFT is the time to the first token and ``ms_per_token`` the
@@ -575,18 +576,20 @@ def generate_phase(model, args, report, bandwidth, keep, compiled: bool) -> None
                     if compiled:
                         torch._dynamo.reset()
                 ms = 1000 * t["step_s"]
-                nbytes, captured = weights + dense_kv, None
+                nbytes, captured, graphs, capture_s = weights + dense_kv, None, None, None
                 if cache is not None:  # what the cache counted, the selection's metadata on top
                     nbytes = weights + cache.kv_bytes_read // max(cache.decode_steps, 1)
                     nblk = sum(cdiv(n, args.block_size) for n in mid)
                     nbytes += metadata_bytes(model, policy, nblk, model.config.num_hidden_layers - 2)
                     runner = cache.session.graphs
                     captured = runner.replays if runner else 0
+                    graphs = len(runner.graphs) if runner else 0
+                    capture_s = runner.capture_seconds if runner else 0.0
                 row = {"batch": batch, "context": length, "row": name + suffix, "ms_per_token": ms,
                        "tokens_per_s": batch / (ms / 1000), "kv_mb_per_step": (nbytes - weights) / 1e6,
                        "peak_gb": peak_gb(), **floor_fields(ms, nbytes, bandwidth), "ttft_s": t["ttft_s"],
                        "mean_step_ms": 1000 * t["mean_step_s"], "generate_s": t["generate_s"],
-                       "captured_steps": captured}  # fmt: skip
+                       "captured_steps": captured, "graphs": graphs, "capture_s": capture_s}  # fmt: skip
                 if suffix:
                     row["vs_unpadded"] = ms / unpadded[name] if name in unpadded else None
                 else:
@@ -663,7 +666,8 @@ def main() -> None:
 
     report.say(f"done; CSV: {args.out}")
     cols = ["batch", "context", "row", "ms_per_token", "tokens_per_s", "kv_mb_per_step", "kv_gb_held", "peak_gb",
-            "speedup", "floor_ms", "of_floor", "vs_unpadded", "captured_steps", "mean_step_ms", "generate_s", "ttft_s",
+            "speedup", "floor_ms", "of_floor", "vs_unpadded", "captured_steps", "graphs", "capture_s", "mean_step_ms",
+            "generate_s", "ttft_s",
             "ttft_patched_s", "ttft_ratio"]  # fmt: skip
     shape = (
         "tiny Llama (4 layers, 8/2 heads, head dim 32)" if args.tiny else f"Llama-3.1-8B shape, {args.layers} layers"

@@ -39,7 +39,7 @@ def test_bench_e2e_dry_run_writes_floors_generate_and_padded_rows(monkeypatch, t
     padded = rows["generate: graph: Quest 1/16 block (left-padded)"]
     ratio = float(padded["ms_per_token"]) / float(rows["generate: graph: Quest 1/16 block"]["ms_per_token"])
     assert float(padded["vs_unpadded"]) == pytest.approx(ratio)
-    assert padded["captured_steps"] == "0"  # counted (no CUDA graph on the CPU)
+    assert padded["captured_steps"] == "0" and padded["graphs"] == "0"  # counted (no CUDA graph on the CPU)
     # the padded batch holds fewer real tokens: its floor reads less K/V than the unpadded batch's
     floors = [float(rows[f"generate: floor: dense{s}"]["kv_mb_per_step"]) for s in ("", " (left-padded)")]
     assert floors[1] < floors[0]
