@@ -10,7 +10,15 @@ from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.attention import StaticPlan
 from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
-from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, SinkWindow, TokenTopK
+from hf_sparse_kv.policies import (
+    Dense,
+    QuantBlockTopK,
+    Quest,
+    SinkWindow,
+    TokenTopK,
+    TopPBlockTopK,
+    TwoStageBlockTopK,
+)
 
 POLICIES = [
     Dense(),
@@ -239,8 +247,16 @@ def test_a_left_padded_batch_captures_a_graph_per_width_not_per_count(monkeypatc
 
 @pytest.mark.parametrize(
     "policy, mode",
-    [(Quest(budget=0.5, sink=0, window=8), "block"), (TokenTopK(budget=0.5, sink=4, window=8), "token")],
-    ids=["quest-block", "token_topk"],
+    [
+        (Quest(budget=0.5, sink=0, window=8), "block"),
+        (Quest(budget=0.5, sink=4, window=8), "mask"),
+        (TokenTopK(budget=0.5, sink=4, window=8), "token"),
+        (SinkWindow(sink=4, budget=0.5), "block"),
+        (QuantBlockTopK(budget=0.5, sink=4, window=8, bits=4), "block"),
+        (TwoStageBlockTopK(budget=0.25, sink=4, window=8, candidates=2.5), "block"),
+        (TopPBlockTopK(budget=0.25, sink=4, window=8, candidates=2, p=0.9), "block"),
+    ],
+    ids=["quest-block", "quest-mask", "token_topk", "sink_window", "quant4", "two_stage", "top_p"],
 )
 def test_a_wide_selection_is_rounded_up_and_replays_fewer_graphs(monkeypatch, policy, mode):
     """Past 64 entries a static step's width is its plan's largest count rounded up (``static_width``): the slots
