@@ -192,9 +192,9 @@ class StateSpec:
 
 def static_width(width: int) -> int:
     """The width a static step gives a selection of at most ``width`` entries per sequence: ``width`` rounded up to a
-    multiple of the largest power of two at most ``width / 32`` (itself up to 63; at most ~3 % more slots). The
-    slots past each sequence's count are ``-1`` (the step's top-k reads the counts on the device), so the step
-    selects what an eager step at ``width`` selects; a fractional budget's width grows by one every
+    multiple of ``quantum``, the largest power of two at most ``width / 32`` (1 below 64), so at most ``quantum - 1``
+    (~3 %) more slots. The slots past each sequence's count are ``-1`` (the step's top-k reads the counts on the
+    device), so the step selects what an eager step at ``width`` selects; a fractional budget's width grows by one every
     ``block_size / budget`` tokens, and a step keyed on it (a captured graph) is made again only when the rounded
     width changes: ``quantum`` times less often (1/16 of a 128K prompt in 16-token blocks: 513 -> 528 slots,
     quantum 16, a new graph every 4096 tokens instead of every 256)."""
@@ -242,9 +242,9 @@ class Counts:
 
     def tensor(self, device) -> torch.Tensor | None:
         """The per-sequence counts for ``topk_indices``: ``None`` when every sequence keeps ``width`` (an eager step
-        whose counts are all equal, or a batch of one), else ``[B]`` long on ``device``: a static step's own, an
-        eager step's copied from the host."""
-        if self.host is None:  # a static step: its width may exceed every count (static_width)
+        whose counts are all equal, or of a batch of one), else ``[B]`` long on ``device``: a static step's own
+        (always: its width may exceed every count), an eager step's copied from the host."""
+        if self.host is None:
             return self.device
         if len(self.host) == 1 or all(c == self.width for c in self.host):
             return None
