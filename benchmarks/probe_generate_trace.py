@@ -2,7 +2,10 @@
 ``--active`` decode steps of a greedy ``generate()`` after a real prefill, per step in µs: the GPU's busy time inside
 and outside the graph's kernels, the GPU idle time, the CPU ops (self time) and the CUDA runtime calls (``cudaMemcpy``,
 ``cudaStreamSynchronize``, ``cudaGraphLaunch``), the 25 costliest each. A step's wall time beyond its graph's kernels
-is what the host and the ops outside the graph cost; what grows with the context shows by running two lengths.
+is what the host and the ops outside the graph cost; what grows with the context shows by running two lengths. Each
+row then traces the same number of steps on a cache filled with random K/V (``bench_e2e``'s filled-cache step; skip
+with ``--no-filled``): the two "every kernel" tables side by side say whether the graph's own kernels take longer
+in ``generate()`` (the prompt's keys, the cache's layout) or the time goes around them.
 "Inside the graph" means a kernel carrying a graph launch's correlation id: on the H200 (torch 2.11) the profiler
 left some replayed kernels without it (the model's own matmuls appeared "outside", ~3 a step), so that split is a
 lower bound on the graph's share, not an exact one.
@@ -28,9 +31,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_e2e import build_model, tiny_config
+from bench_e2e import build_model, fill_caches, tiny_config
 
-from hf_sparse_kv import patch_model, unpatch_model
+from hf_sparse_kv import cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, Quest
 
 
@@ -69,6 +72,13 @@ def summarize(events, steps: int, on_gpu: bool) -> str:
             if e.id not in launches:
                 outside[e.name[:90]][0] += kernel_us(e)
                 outside[e.name[:90]][1] += 1
+        every = defaultdict(lambda: [0.0, 0])
+        for e in kernels:
+            every[e.name[:90]][0] += kernel_us(e)
+            every[e.name[:90]][1] += 1
+        out.append("every kernel by GPU time (us a step, calls a step):")
+        for name, (us, n) in sorted(every.items(), key=lambda kv: -kv[1][0])[:25]:
+            out.append(f"  {us / steps:9.1f} {n / steps:6.1f}  {name}")
         out.append("kernels outside the graphs (us a step, calls a step):")
         for name, (us, n) in sorted(outside.items(), key=lambda kv: -kv[1][0])[:25]:
             out.append(f"  {us / steps:9.1f} {n / steps:6.1f}  {name}")
@@ -87,6 +97,26 @@ def summarize(events, steps: int, on_gpu: bool) -> str:
     return "\n".join(out)
 
 
+def filled_steps(model, args, activities) -> list:
+    """The profiler's events of ``--active`` decode steps (after ``--wait``) on a cache filled with random K/V
+    (``bench_e2e.fill_caches``: what its filled-cache rows time), each a forward, the argmax and a sync, as
+    ``bench_e2e.time_decode`` runs them: beside a ``generate()`` trace, what differs is the prompt's keys and
+    ``generate()``'s own work."""
+    _, paged = fill_caches(model, 1, args.length, 16, args.device)
+    ids = torch.randint(3, model.config.vocab_size, (1, 1), device=model.device)
+    kw = {cache_kwarg(model): paged, "use_cache": True}
+    schedule = torch.profiler.schedule(wait=args.wait, warmup=1, active=args.active, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof, torch.no_grad():
+        for i in range(args.wait + 1 + args.active):
+            pos = torch.full((1, 1), args.length + i, device=model.device)
+            ids = model(ids, position_ids=pos, **kw).logits[:, -1:].argmax(-1)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            prof.step()
+    del paged
+    return list(prof.events())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -97,6 +127,9 @@ def main() -> None:
     ap.add_argument("--wait", type=int, default=24, help="decode steps before the profiler records")
     ap.add_argument("--active", type=int, default=8, help="decode steps recorded")
     ap.add_argument("--rows", default="Quest 1/16,Dense")
+    ap.add_argument(
+        "--no-filled", action="store_true", help="skip the same row's steps on a cache filled with random K/V"
+    )
     args = ap.parse_args()
     if args.wait + args.active + 2 > args.new_tokens:
         raise SystemExit("--new-tokens must exceed --wait + --active + 1")
@@ -117,6 +150,9 @@ def main() -> None:
                 model.generate(ids, logits_processor=LogitsProcessorList([ProfilerStep(prof)]), **kw)
             print(f"== {name}, 1 x {args.length}, {args.active} generate() steps after {args.wait}")
             print(summarize(list(prof.events()), args.active, on_gpu))
+            if not args.no_filled:
+                print(f"== {name}, 1 x {args.length}, {args.active} steps on a filled cache after {args.wait}")
+                print(summarize(filled_steps(model, args, activities), args.active, on_gpu))
         finally:
             unpatch_model(model)
 
