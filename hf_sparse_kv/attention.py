@@ -71,8 +71,7 @@ def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: t
     """
     if mask is None:
         return torch.zeros(batch, dtype=torch.int32, device=device)
-    row = mask[:, 0, -1, :length]
-    ok = mask_allows(row)
+    ok = decode_row(mask, length)  # [B, length] bool
     start = torch.where(ok.any(-1), ok.int().argmax(-1), torch.full_like(ok[:, 0], length, dtype=torch.long))
     if not torch.equal(ok.sum(-1), length - start):
         raise NotImplementedError(
