@@ -31,9 +31,10 @@ from transformers import LogitsProcessor, LogitsProcessorList
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_e2e import build_model, fill_caches, tiny_config
+from bench_e2e import build_model, fill_caches, time_decode, tiny_config
+from bench_split import kernel_us
 
-from hf_sparse_kv import cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv import patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, Quest
 
 
@@ -46,10 +47,6 @@ class ProfilerStep(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.prof.step()
         return scores
-
-
-def kernel_us(e) -> float:
-    return e.time_range.elapsed_us() if hasattr(e, "time_range") else float(e.device_time_total)
 
 
 def summarize(events, steps: int, on_gpu: bool) -> str:
@@ -98,21 +95,15 @@ def summarize(events, steps: int, on_gpu: bool) -> str:
 
 
 def filled_steps(model, args, activities) -> list:
-    """The profiler's events of ``--active`` decode steps (after ``--wait``) on a cache filled with random K/V
-    (``bench_e2e.fill_caches``: what its filled-cache rows time), each a forward, the argmax and a sync, as
-    ``bench_e2e.time_decode`` runs them: beside a ``generate()`` trace, what differs is the prompt's keys and
+    """The profiler's events of ``--active`` decode steps (after ``--wait`` + 1 untraced ones) on a cache filled with
+    random K/V (``bench_e2e.fill_caches``), run by ``bench_e2e.time_decode`` as its filled-cache rows run them (a
+    forward, the argmax, a sync): beside a ``generate()`` trace, what differs is the prompt's keys and
     ``generate()``'s own work."""
     _, paged = fill_caches(model, 1, args.length, 16, args.device)
-    ids = torch.randint(3, model.config.vocab_size, (1, 1), device=model.device)
-    kw = {cache_kwarg(model): paged, "use_cache": True}
-    schedule = torch.profiler.schedule(wait=args.wait, warmup=1, active=args.active, repeat=1)
-    with torch.profiler.profile(activities=activities, schedule=schedule) as prof, torch.no_grad():
-        for i in range(args.wait + 1 + args.active):
-            pos = torch.full((1, 1), args.length + i, device=model.device)
-            ids = model(ids, position_ids=pos, **kw).logits[:, -1:].argmax(-1)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            prof.step()
+    warm = args.wait + 1
+    time_decode(model, paged, 1, args.length, 0, warm, crop=False)  # the captures, outside the trace
+    with torch.profiler.profile(activities=activities) as prof:
+        time_decode(model, paged, 1, args.length + warm, args.active, 0, crop=False)
     del paged
     return list(prof.events())
 
