@@ -272,17 +272,10 @@ def test_a_wide_selection_is_rounded_up_and_replays_fewer_graphs(monkeypatch, po
     begin = graphs.begin_static_step
     monkeypatch.setattr(graphs, "begin_static_step", lambda *a, **k: plans.append(begin(*a, **k)) or plans[-1])
     monkeypatch.setattr(DecodeGraphs, "_capture", _capture_stand_in)
-    cache = PagedKVCache(model.config, block_size=8)
-    out = []
-    with torch.no_grad():
-        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
-        runner = DecodeGraphs(model, cache, max_length=ids.shape[1] + 40)
-        runner.capture = True  # the stand-in's capture and replay on the CPU
-        for _ in range(40):
-            logits = runner.step(logits.argmax(-1))
-            out.append(logits)
+    cache, out = _static_padded(model, ids, torch.ones_like(ids), 40, graph_path=True)  # no padding
     unpatch_model(model)
-    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    runner = cache.session.graphs
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert all(p.widths[0] >= max(p.counts) for p in plans)
     assert any(p.widths[0] > max(p.counts) for p in plans)  # rounded up at some step
     assert len(runner.graphs) == len({p.widths for p in plans}) < len({max(p.counts) for p in plans})
