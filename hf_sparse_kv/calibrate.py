@@ -1,7 +1,10 @@
 """Measure a crossover table on this machine: ``python -m hf_sparse_kv.calibrate`` (or ``hf-sparse-kv calibrate``).
 
 For each batch, budget and context it times one layer's decode attention call as the patched model makes it:
-dense (every block, block kernel) against the policy (selection + block kernel), on random bf16 pages. With
+dense (every block, block kernel) against the policy (selection + block kernel, or token kernel for a token policy),
+on random bf16 pages, with the state the policy keeps in the cache (low-bit or product-quantized codes, compressed
+keys) computed from them as the cache's writes would (``--policy``, ``--policy-args``: any policy of
+:data:`hf_sparse_kv.policies.POLICIES` with a budget that does not free blocks; default ``Quest``). With
 ``--timing eager`` (what an eager decode step pays) each call runs from Python with the device synchronised around
 it, median of ``reps``; with ``--timing graph`` (what a ``cuda_graph=True`` step pays) ``reps`` calls are captured in
 one CUDA graph and the graph's replay time, divided by ``reps``, is taken (median of 5 replays). Each timed call
@@ -11,12 +14,15 @@ do not either, and a hot L2 flatters the selection (the first graph table put th
 the whole model was 4.6% slower sparse). The crossover of a (batch, budget) is the shortest measured
 context from which the policy is faster (by more than a 2% margin) at every longer measured context (``None``
 if it never is). Write the
-table with ``--out`` and pass it as ``patch_model(..., mode="auto", crossover=path)``.
+table with ``--out`` and pass it as ``patch_model(..., mode="auto", crossover=path)``; the table records the policy
+(:func:`hf_sparse_kv.crossover.policy_key`), block size and timing it measured, and a patch that differs warns.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import time
 from functools import partial
@@ -24,10 +30,10 @@ from functools import partial
 import torch
 
 from .attention import execute
-from .crossover import CrossoverTable
+from .crossover import CrossoverTable, describe_key, policy_key
 from .ops import get_ops, resolve_backend
 from .ops.layout import cdiv
-from .policies import DecodeState, Dense, Policy, Quest
+from .policies import POLICIES, DecodeState, Dense, Policy, Quest
 
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -75,8 +81,50 @@ def time_graph(fn, reps: int = 20, replays: int = 5) -> float:
 
 
 def decode_call(policy: Policy, state: DecodeState, v_pool: torch.Tensor) -> torch.Tensor:
-    """One layer's decode attention as the patched model runs it: select, then the block kernel."""
-    return execute(policy.select(state), "block", state, v_pool)
+    """One layer's decode attention as ``mode="auto"`` runs a sparse step: select, then the block kernel (the token
+    kernel for a token policy)."""
+    return execute(policy.select(state), "token" if policy.granularity == "token" else "block", state, v_pool)
+
+
+def make_policy(policy_cls: type[Policy], policy_args: dict | None, budget: float) -> Policy:
+    """``policy_cls(budget=budget, **policy_args)``, refused (``ValueError``) where a crossover cannot be timed: a
+    policy without a budget (``Dense``), one that frees blocks (its decode reads what its prefill kept: time it in
+    a model) or ``policy_args`` naming the budget (the table's budgets are its own)."""
+    args = dict(policy_args or {})
+    if "budget" in args:
+        raise ValueError("policy_args must not hold 'budget': the table is measured at each of its budgets")
+    if policy_cls is Dense:
+        raise ValueError("Dense has no budget: a crossover table times a sparse policy against dense")
+    try:
+        policy = policy_cls(budget=budget, **args)
+    except TypeError as e:
+        raise ValueError(f"{policy_cls.__name__}(budget={budget}, **{args}) is not a valid policy: {e}") from e
+    if policy.frees_blocks:
+        raise ValueError(
+            f"{type(policy).__name__} frees blocks: its decode steps read what its prefill kept, which random pages "
+            "do not model. Time it in a model (benchmarks/bench_e2e.py) instead."
+        )
+    return policy
+
+
+def prepare(policy: Policy, states: list) -> list[tuple[DecodeState, torch.Tensor]]:
+    """``states`` with the per-token or per-block state ``policy`` keeps in the cache, computed from their pages as a
+    prefill's write computes it (each spec's ``refresh`` over every stored position, ``layer`` the state's own; a
+    policy calibrated at the prefill, ``calibration="prefill"``, fits there); ``states`` themselves are unchanged."""
+    out = []
+    for state, v_pool in states:
+        lo = torch.zeros_like(state.seq_lens, dtype=torch.long)
+        hi = state.seq_lens.long()
+        NB, Hkv, BS, D = state.k_pool.shape
+        kept = {}
+        for spec in policy.cache_state():
+            t = spec.allocate(NB, Hkv, BS, D, state.k_pool.dtype, state.k_pool.device)
+            spec.refresh(
+                t, state.k_pool, state.block_table, lo, hi, layer=state.layer, span=state.length, ops=state.ops
+            )
+            kept[spec.name] = t
+        out.append((dataclasses.replace(state, state=kept), v_pool))
+    return out
 
 
 def working_set_bytes(device: torch.device) -> int:
@@ -103,7 +151,7 @@ def cycle_calls(policy: Policy, states: list) -> None:
 
 
 def random_state(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, backend, seed=0):
-    """A decode state over random pages (a random block table), and its value pool."""
+    """A decode state over random pages (a random block table), and its value pool; ``seed`` is also its layer."""
     g = torch.Generator(device=device).manual_seed(context + batch + 1000003 * seed)
     nblk = cdiv(context, block_size)
     NB = batch * nblk
@@ -125,6 +173,7 @@ def random_state(batch, context, num_q_heads, num_kv_heads, head_dim, block_size
         block_size=block_size,
         scale=head_dim**-0.5,
         ops=get_ops(backend, device),
+        layer=seed,
     )
     return state, v_pool
 
@@ -137,7 +186,8 @@ def calibrate(
     budgets=(0.125, 0.0625, 0.03125),
     contexts=DEFAULT_CONTEXTS,
     block_size: int = 16,
-    policy_cls=Quest,
+    policy_cls: type[Policy] = Quest,
+    policy_args: dict | None = None,
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
@@ -145,7 +195,9 @@ def calibrate(
     margin: float = 0.02,
     timing: str = "eager",
 ) -> tuple[CrossoverTable, list[dict]]:
-    """Measure dense vs ``policy_cls(budget)`` per (batch, budget, context); return the table and the timings.
+    """Measure dense vs ``policy_cls(budget=budget, **policy_args)`` per (batch, budget, context); return the table
+    (which records the policy's :func:`~hf_sparse_kv.crossover.policy_key`, ``block_size`` and ``timing``) and the
+    timings. Refused (``ValueError``) for a policy :func:`make_policy` refuses, before anything is timed.
 
     Sparse "wins" at a context only when it is faster than dense by more than ``margin`` (a fraction). ``timing``:
     ``"eager"`` or ``"graph"`` (CUDA only), see the module's docstring."""
@@ -156,6 +208,7 @@ def calibrate(
         raise ValueError("timing='graph' captures CUDA graphs: it needs device='cuda'")
     timer = (lambda fn: time_graph(fn, reps)) if timing == "graph" else (lambda fn: time_call(fn, dev, reps))
     backend = resolve_backend(backend, dev)
+    policies = {b: make_policy(policy_cls, policy_args, b) for b in budgets}  # every refusal before any timing
     rows, entries = [], []
     for batch in batches:
         timings: dict[float, list[tuple[int, float, float]]] = {b: [] for b in budgets}
@@ -164,7 +217,9 @@ def calibrate(
             states = layer_states(args, working_set_bytes(dev))
             dense_s = timer(partial(cycle_calls, Dense(), states)) / len(states)
             for budget in budgets:
-                sparse_s = timer(partial(cycle_calls, policy_cls(budget=budget), states)) / len(states)
+                prepared = prepare(policies[budget], states)
+                sparse_s = timer(partial(cycle_calls, policies[budget], prepared)) / len(states)
+                del prepared
                 timings[budget].append((context, dense_s, sparse_s))
                 rows.append(
                     {
@@ -193,12 +248,38 @@ def calibrate(
                 }
             )
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    key = policy_key(policies[budgets[0]])
     source = (
-        f"hf_sparse_kv.calibrate: {policy_cls.__name__}, block_size {block_size}, {dtype}, backend {backend}, "
+        f"hf_sparse_kv.calibrate: {describe_key(key)}, block_size {block_size}, {dtype}, backend {backend}, "
         f"timing {timing}"
     )
-    table = CrossoverTable(entries, device=name, max_context=max(contexts), source=source, timing=timing)
+    table = CrossoverTable(
+        entries,
+        device=name,
+        max_context=max(contexts),
+        source=source,
+        timing=timing,
+        policy=key,
+        block_size=block_size,
+    )
     return table, rows
+
+
+def parse_policy(name: str, args_json: str) -> tuple[type[Policy], dict]:
+    """``--policy`` (a class name of :mod:`hf_sparse_kv.policies` or a :data:`~hf_sparse_kv.policies.POLICIES` key)
+    and ``--policy-args`` (a JSON object) as ``(class, kwargs)``; ``ValueError`` (``TypeError`` for JSON that is
+    not an object) naming what is wrong."""
+    by_class = {cls.__name__: cls for cls in POLICIES.values()}
+    policy_cls = POLICIES.get(name) or by_class.get(name)
+    if policy_cls is None:
+        raise ValueError(f"--policy {name!r} is not a policy; one of {sorted(by_class)} (or {sorted(POLICIES)})")
+    try:
+        kwargs = json.loads(args_json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--policy-args is not JSON ({e}): {args_json!r}") from e
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"--policy-args must be a JSON object of settings, got {args_json!r}")
+    return policy_cls, kwargs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,20 +289,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budgets", default="0.125,0.0625,0.03125")
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)))
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--policy", default="Quest", help="a policy's class (Quest) or registry name (quest)")
+    p.add_argument(
+        "--policy-args",
+        default="{}",
+        help="its settings but the budget, as a JSON object, e.g. "
+        '\'{"candidates": 4, "p": 1.0, "coarse": "pq", "calibration": "prefill"}\'',
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--timing", choices=["eager", "graph"], default="eager", help="eager steps or CUDA-graph steps")
     p.add_argument("--out", default="crossover.json")
     args = p.parse_args(argv)
+    budgets = tuple(map(float, args.budgets.split(",")))
+    try:  # every refusal before anything is timed
+        policy_cls, policy_args = parse_policy(args.policy, args.policy_args)
+        make_policy(policy_cls, policy_args, budgets[0])
+    except (TypeError, ValueError) as e:
+        p.error(str(e))
     tables, all_rows = [], []
     for shape in args.shapes.split(";"):
         hq, hkv, d = map(int, shape.split(","))
         table, rows = calibrate(
             hq, hkv, d,
             batches=tuple(map(int, args.batches.split(","))),
-            budgets=tuple(map(float, args.budgets.split(","))),
+            budgets=budgets,
             contexts=tuple(map(int, args.contexts.split(","))),
             block_size=args.block_size,
+            policy_cls=policy_cls,
+            policy_args=policy_args,
             device=args.device,
             reps=args.reps,
             timing=args.timing,
@@ -235,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         None,
         tables[0].source,
         timing=args.timing,
+        policy=tables[0].policy,
+        block_size=tables[0].block_size,
     )
     merged.save(args.out)
     print(f"{'shape':>10} {'batch':>5} {'budget':>8} {'context':>8} {'dense us':>9} {'sparse us':>9} {'x':>5}")

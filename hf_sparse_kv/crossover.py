@@ -3,11 +3,18 @@
 A table holds measured entries ``{budget, batch, num_kv_heads, head_dim, crossover}``: at a context below
 ``crossover`` tokens a decode step runs dense (the block kernel over every block), at or above it runs the policy
 (``crossover`` may be ``None``: sparse never won up to the longest context measured). ``hf-sparse-kv calibrate``
-measures one on the current GPU (:mod:`hf_sparse_kv.calibrate`); a table measured on an H200 ships with the package.
+measures one on the current GPU (:mod:`hf_sparse_kv.calibrate`) for any policy; a table measured on an H200 with
+``Quest`` ships with the package.
+
+A table says what it was measured with: the policy (:func:`policy_key`: its class and the settings that change a
+selection's cost), the block size and the timing (eager or captured steps). A crossover holds only for what it was
+measured with (a selector that costs three times Quest's selection crosses over at a longer context, or never), so
+:meth:`CrossoverTable.mismatch` names every difference and ``patch_model(mode="auto")`` warns with them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,6 +22,39 @@ from importlib import resources
 from pathlib import Path
 
 DEFAULT_TABLES = {"eager": "crossover_h200.json", "graph": "crossover_h200_graph.json"}
+# a policy's settings that change what it forces or where its calibration comes from, not what a selection costs
+COST_FREE_FIELDS = frozenset({"budget", "sink", "window", "calibration"})
+# what `hf-sparse-kv calibrate` measured before tables recorded their policy: Quest (the only policy it timed)
+LEGACY_POLICY = {"name": "Quest"}
+
+
+def policy_key(policy) -> dict:
+    """What of ``policy`` a crossover depends on, as JSON: ``{"name": class name, setting: value, ...}`` over its
+    dataclass fields but :data:`COST_FREE_FIELDS` (a nested policy, e.g. SnapKV's ``then``, as its own key; a value
+    that is not plain JSON as its ``repr``). Two policies with equal keys select at the same cost."""
+    key = {"name": type(policy).__name__}
+    if not dataclasses.is_dataclass(policy):
+        return key
+    for f in dataclasses.fields(policy):
+        if not f.init or f.name.startswith("_") or f.name in COST_FREE_FIELDS:
+            continue
+        value = getattr(policy, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = policy_key(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            value = repr(value)
+        key[f.name] = value
+    return key
+
+
+def describe_key(key: dict) -> str:
+    """``Name(setting=value, ...)`` of a :func:`policy_key`."""
+    args = ", ".join(f"{k}={v!r}" for k, v in key.items() if k != "name")
+    return f"{key.get('name', '?')}({args})"
 
 
 @dataclass
@@ -22,7 +62,8 @@ class CrossoverTable:
     """Measured crossovers. ``entries`` are dicts with keys ``budget`` (a fraction), ``batch``, ``num_kv_heads``,
     ``head_dim``, ``crossover`` (tokens, or ``None``); ``max_context`` is the longest context measured;
     ``fallback`` the crossover used for a head shape the table does not hold; ``timing`` how the steps were timed
-    (``"eager"``, or ``"graph"`` for CUDA-graph decoding)."""
+    (``"eager"``, or ``"graph"`` for CUDA-graph decoding); ``policy`` the :func:`policy_key` of the policy measured
+    and ``block_size`` its pages (``None``: not recorded, e.g. a table written by hand; then not checked)."""
 
     entries: list[dict]
     device: str = "unknown"
@@ -30,6 +71,8 @@ class CrossoverTable:
     fallback: int | None = None
     source: str = ""
     timing: str = "eager"
+    policy: dict | None = None
+    block_size: int | None = None
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +105,18 @@ class CrossoverTable:
         best = min(rows, key=lambda e: abs(math.log(float(e["budget"])) - math.log(budget)))
         return best["crossover"]
 
+    def mismatch(self, policy, block_size: int, timing: str) -> list[str]:
+        """What differs between how this table was measured and how it would be used (empty: nothing recorded
+        differs): ``policy``'s :func:`policy_key`, ``block_size``, ``timing`` (``"graph"`` for captured steps)."""
+        problems = []
+        if self.policy is not None and self.policy != policy_key(policy):
+            problems.append(f"it timed {describe_key(self.policy)}, this patch runs {describe_key(policy_key(policy))}")
+        if self.block_size is not None and self.block_size != block_size:
+            problems.append(f"it timed {self.block_size}-token blocks, this patch uses {block_size}")
+        if self.timing != timing:
+            problems.append(f"it timed {self.timing} steps, this patch runs {timing} steps")
+        return problems
+
     def use_sparse(self, budget: float, batch: int, num_kv_heads: int, head_dim: int, context: int) -> bool:
         """Whether a decode step at ``context`` tokens should run sparse."""
         cross = self.crossover(budget, batch, num_kv_heads, head_dim)
@@ -76,6 +131,8 @@ class CrossoverTable:
             "fallback": self.fallback,
             "source": self.source,
             "timing": self.timing,
+            "policy": self.policy,
+            "block_size": self.block_size,
             "entries": self.entries,
         }
 
@@ -92,6 +149,8 @@ class CrossoverTable:
             fallback=data.get("fallback"),
             source=data.get("source", ""),
             timing=data.get("timing", "eager"),
+            policy=data.get("policy", LEGACY_POLICY),  # written before tables said: calibrate timed Quest only
+            block_size=data.get("block_size"),
         )
 
     @classmethod

@@ -329,7 +329,9 @@ def patch_model(
         backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
             sparse; default: the H200 table shipped with the package for eager or, with ``cuda_graph=True``, for
-            captured steps (``hf-sparse-kv calibrate [--timing graph]`` measures yours).
+            captured steps, timed with ``Quest`` in 16-token blocks (``hf-sparse-kv calibrate [--policy NAME
+            --policy-args JSON] [--timing graph]`` measures yours). A table that says it timed another policy (its
+            class or cost settings, :func:`hf_sparse_kv.crossover.policy_key`), block size or timing warns here.
         cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (static steps, see
             :mod:`hf_sparse_kv.graphs`): any mode, left-padded batches and sliding-window layers included, on a CUDA
             model with a policy that does not free blocks; other steps run eagerly (a model on the CPU warns once,
@@ -380,6 +382,17 @@ def patch_model(
     if mode == "auto":
         timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's
         table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover, timing)
+        budgeted = policy.budget_fraction(1) is not None  # one without a budget (Dense) never runs sparse
+        problems = table.mismatch(policy, block_size, timing) if budgeted else []
+        if problems:
+            warnings.warn(
+                f"mode='auto' decides dense or sparse by a crossover table measured otherwise ({'; '.join(problems)}), "
+                "so its crossovers may not hold: a step may run sparse where dense is faster, or the reverse. Measure "
+                f"one for this patch: `hf-sparse-kv calibrate --policy {type(policy).__name__} --policy-args '{{...}}' "
+                f"--block-size {block_size}{' --timing graph' if timing == 'graph' else ''} --out mine.json`, then "
+                "pass crossover='mine.json'.",
+                stacklevel=2,
+            )
     elif crossover is not None:
         raise ValueError("crossover is used by mode='auto' only")
     config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table, compile, cuda_graph)

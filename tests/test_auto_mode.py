@@ -7,8 +7,8 @@ import torch
 from tiny_models import greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
-from hf_sparse_kv.crossover import CrossoverTable, budget_fraction
-from hf_sparse_kv.policies import Dense, Quest, SinkWindow, TokenTopK
+from hf_sparse_kv.crossover import CrossoverTable, budget_fraction, policy_key
+from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, SinkWindow, SnapKV, TokenTopK, TopPBlockTopK
 
 
 def _table(crossover, heads=2, head_dim=16):
@@ -113,3 +113,119 @@ def test_calibrate_graph_timing_needs_cuda():
         calibrate(4, 2, 16, device="cpu", timing="wall")
     with pytest.raises(ValueError, match="needs device='cuda'"):
         calibrate(4, 2, 16, device="cpu", timing="graph")
+
+
+def _crossover_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "crossover table measured otherwise" in str(w.message)]
+
+
+def test_a_table_says_what_it_timed_and_a_patch_that_differs_warns(tmp_path, recwarn):
+    """The shipped tables timed Quest in 16-token blocks; a patch with another selector's cost, another block size
+    or another timing warns, naming each difference and the command that measures a table for it."""
+    for timing in ("eager", "graph"):
+        shipped = CrossoverTable.load(timing=timing)
+        assert shipped.policy == {"name": "Quest"} and shipped.block_size == 16 and shipped.timing == timing
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=0.25, sink=8, window=64), mode="auto")  # sink / window cost nothing
+    patch_model(model, policy=Quest(budget=0.0625), mode="auto", block_size=16)
+    patch_model(model, policy=Dense(), mode="auto", block_size=8)  # no budget: never sparse, no table to match
+    assert _crossover_warnings(recwarn) == []
+    patch_model(model, policy=Quest(budget=0.25), mode="auto", block_size=8)
+    patch_model(model, policy=QuantBlockTopK(budget=0.25, bits=4), mode="auto")
+    patch_model(model, policy=Quest(budget=0.25), mode="auto", crossover=CrossoverTable.load(timing="eager"),
+                cuda_graph=True)  # fmt: skip
+    unpatch_model(model)
+    block, quant, timing = _crossover_warnings(recwarn)
+    assert "16-token blocks, this patch uses 8" in block and "--block-size 8" in block and "Quest()" not in block
+    assert "it timed Quest(), this patch runs QuantBlockTopK(bits=4)" in quant
+    assert "--policy QuantBlockTopK" in quant and "--block-size 16 " in quant
+    assert "it timed eager steps, this patch runs graph steps" in timing and "--timing graph" in timing
+
+
+def test_what_a_table_records_round_trips_and_an_old_table_timed_quest(tmp_path):
+    """``policy`` and ``block_size`` survive save / load; a JSON table written before they were recorded timed
+    Quest (the only policy calibrate measured then), its block size unknown (not checked); a table made in code
+    without them checks neither."""
+    table = CrossoverTable(_table(40).entries, policy=policy_key(QuantBlockTopK(budget=0.1, bits=2)), block_size=32)
+    table.save(tmp_path / "t.json")
+    back = CrossoverTable.load(tmp_path / "t.json")
+    assert back.policy == {"name": "QuantBlockTopK", "bits": 2} and back.block_size == 32
+    assert back.mismatch(QuantBlockTopK(budget=0.5, bits=2, sink=0), 32, "eager") == []
+    assert len(back.mismatch(QuantBlockTopK(budget=0.5, bits=4), 16, "graph")) == 3
+    old = _table(40).to_json()
+    del old["policy"], old["block_size"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    legacy = CrossoverTable.load(tmp_path / "old.json")
+    assert legacy.policy == {"name": "Quest"} and legacy.block_size is None
+    assert legacy.mismatch(Quest(budget=0.1), 64, "eager") == [] and legacy.mismatch(TokenTopK(budget=0.1), 16, "eager")
+    assert _table(40).mismatch(TokenTopK(budget=0.1), 64, "eager") == []
+
+
+def test_policy_key_keeps_what_costs_and_drops_what_does_not():
+    pq = TopPBlockTopK(budget=0.0625, sink=8, window=16, candidates=4, p=1.0, coarse="pq", calibration="prefill")
+    assert policy_key(pq) == {"name": "TopPBlockTopK", "candidates": 4, "coarse": "pq", "p": 1.0, "pool": "heads"}
+    assert policy_key(pq) != policy_key(TopPBlockTopK(budget=0.0625, candidates=8, p=1.0))
+    snap = policy_key(SnapKV(budget=0.25, then=QuantBlockTopK(budget=0.1, bits=4)))
+    assert snap["then"] == {"name": "QuantBlockTopK", "bits": 4}
+    assert policy_key(Quest(budget=300)) == policy_key(Quest(budget=0.5, sink=0, window=0)) == {"name": "Quest"}
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        QuantBlockTopK(budget=0.25, sink=4, window=8, bits=4),
+        TopPBlockTopK(budget=0.25, sink=4, window=8, candidates=2, p=1.0, coarse="pq", calibration="prefill"),
+    ],
+    ids=["quant4", "pq_prefill"],
+)
+def test_calibrate_prepares_the_state_a_policy_keeps_in_the_cache(policy):
+    """A selector with state in the cache (codes) is timed on that state as a prefill's write leaves it: the
+    selection on the prepared states equals the one the policy makes coding the keys itself, layer by layer."""
+    from hf_sparse_kv.calibrate import layer_states, prepare, random_state
+
+    args = (2, 96, 4, 2, 16, 16, torch.float32, torch.device("cpu"), "reference")
+    bare = [random_state(*args, seed=i) for i in range(2)]
+    prepared = prepare(policy, layer_states(args, 0, most=1) + [random_state(*args, seed=1)])
+    for (s, _), (p, _) in zip(bare, prepared):
+        assert not s.state and set(p.state) == {spec.name for spec in policy.cache_state()}
+        a, b = policy.select(s), policy.select(p)
+        assert torch.equal(a.indices, b.indices)
+
+
+def test_calibrate_times_any_policy_and_records_it(tmp_path):
+    from evaluation.cli import main
+
+    out = tmp_path / "quant.json"
+    main(["calibrate", "--device", "cpu", "--shapes", "4,2,16", "--batches", "1", "--contexts", "64,128",
+          "--budgets", "0.25", "--reps", "1", "--policy", "quant_block_topk", "--policy-args", '{"bits": 4}',
+          "--block-size", "8", "--out", str(out)])  # fmt: skip
+    table = CrossoverTable.load(out)
+    assert table.policy == {"name": "QuantBlockTopK", "bits": 4} and table.block_size == 8
+    assert "QuantBlockTopK(bits=4), block_size 8" in table.source
+    assert table.mismatch(QuantBlockTopK(budget=0.0625, bits=4), 8, "eager") == []
+    assert table.mismatch(QuantBlockTopK(budget=0.0625, bits=2), 8, "eager")
+    token = tmp_path / "token.json"
+    main(["calibrate", "--device", "cpu", "--shapes", "4,2,16", "--batches", "1", "--contexts", "64",
+          "--budgets", "0.25", "--reps", "1", "--policy", "TokenTopK", "--out", str(token)])  # fmt: skip
+    assert CrossoverTable.load(token).policy == {"name": "TokenTopK"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policy", "Nope"], "not a policy"),
+        (["--policy-args", "{bits: 4"], "not JSON"),
+        (["--policy-args", "[4]"], "JSON object"),
+        (["--policy-args", '{"budget": 0.1}'], "must not hold 'budget'"),
+        (["--policy", "dense"], "Dense has no budget"),
+        (["--policy", "SnapKV"], "frees blocks"),
+        (["--policy", "Quest", "--policy-args", '{"bits": 4}'], "not a valid policy"),
+    ],
+)
+def test_calibrate_refuses_a_policy_it_cannot_time(tmp_path, capsys, argv, message):
+    from hf_sparse_kv.calibrate import main
+
+    out = tmp_path / "t.json"
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--contexts", "64", "--reps", "1", "--out", str(out), *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err and not out.exists()
