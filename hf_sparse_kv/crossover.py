@@ -154,14 +154,30 @@ class CrossoverTable:
         )
 
     @classmethod
-    def load(cls, path: str | Path | None = None, timing: str = "eager") -> CrossoverTable:
-        """A table from ``path``, or when ``None`` the one shipped with the package for ``timing`` (``"eager"``
-        or ``"graph"``; both measured on an H200)."""
+    def load(cls, path: str | Path | None = None, timing: str = "eager", policy=None) -> CrossoverTable:
+        """A table from ``path``, or when ``None`` one shipped with the package for ``timing`` (``"eager"`` or
+        ``"graph"``, measured on an H200): :meth:`shipped`'s for ``policy`` where one timed it, else Quest's."""
         if path is None:
-            text = resources.files("hf_sparse_kv.data").joinpath(DEFAULT_TABLES[timing]).read_text()
-        else:
-            text = Path(path).read_text()
-        return cls.from_json(json.loads(text))
+            return cls.shipped(timing, policy)
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def shipped(cls, timing: str = "eager", policy=None, folder: str | Path | None = None) -> CrossoverTable:
+        """The table of ``folder`` (default: the package's ``hf_sparse_kv/data``) measured with ``timing`` and
+        ``policy``'s :func:`policy_key` (``crossover_*.json`` files, the first in name order; any block size), else
+        the default Quest table of ``timing`` (:data:`DEFAULT_TABLES`)."""
+        if timing not in DEFAULT_TABLES:
+            raise ValueError(f"timing must be one of {sorted(DEFAULT_TABLES)}, got {timing!r}")
+        root = resources.files("hf_sparse_kv.data") if folder is None else Path(folder)
+        if policy is not None:
+            key = policy_key(policy)
+            for entry in sorted(root.iterdir(), key=lambda e: e.name):
+                if not (entry.name.startswith("crossover_") and entry.name.endswith(".json")):
+                    continue
+                data = json.loads(entry.read_text())
+                if data.get("timing", "eager") == timing and data.get("policy", LEGACY_POLICY) == key:
+                    return cls.from_json(data)
+        return cls.from_json(json.loads(root.joinpath(DEFAULT_TABLES[timing]).read_text()))
 
 
 def budget_fraction(policy, context: int) -> float | None:

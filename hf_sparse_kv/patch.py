@@ -328,10 +328,11 @@ def patch_model(
         block_size: tokens per page, a power of two in [8, 256].
         backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
-            sparse; default: the H200 table shipped with the package for eager or, with ``cuda_graph=True``, for
-            captured steps, timed with ``Quest`` in 16-token blocks (``hf-sparse-kv calibrate [--policy NAME
-            --policy-args JSON] [--timing graph]`` measures yours). A table that says it timed another policy (its
-            class or cost settings, :func:`hf_sparse_kv.crossover.policy_key`), block size or timing warns here.
+            sparse; default: an H200 table shipped with the package for eager or, with ``cuda_graph=True``, for
+            captured steps, the one timed with this policy where there is one, else ``Quest``'s (16-token blocks;
+            ``hf-sparse-kv calibrate [--policy NAME --policy-args JSON] [--timing graph]`` measures yours). A table
+            that says it timed another policy (its class or cost settings,
+            :func:`hf_sparse_kv.crossover.policy_key`), block size or timing warns here.
         cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (static steps, see
             :mod:`hf_sparse_kv.graphs`): any mode, left-padded batches and sliding-window layers included, on a CUDA
             model with a policy that does not free blocks; other steps run eagerly (a model on the CPU warns once,
@@ -381,7 +382,7 @@ def patch_model(
     table = None
     if mode == "auto":
         timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's
-        table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover, timing)
+        table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover, timing, policy)
         budgeted = policy.budget_fraction(1) is not None  # one without a budget (Dense) never runs sparse
         problems = table.mismatch(policy, block_size, timing) if budgeted else []
         if problems:

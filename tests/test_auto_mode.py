@@ -229,3 +229,23 @@ def test_calibrate_refuses_a_policy_it_cannot_time(tmp_path, capsys, argv, messa
     with pytest.raises(SystemExit) as e:
         main(["--device", "cpu", "--contexts", "64", "--reps", "1", "--out", str(out), *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+def test_the_shipped_table_of_the_policy_is_taken_where_there_is_one(tmp_path):
+    """``load()`` without a path takes the shipped table timed with the patch's policy and timing, else Quest's;
+    a folder of tables stands in for the package's data here."""
+    for timing, name in (("eager", "crossover_h200.json"), ("graph", "crossover_h200_graph.json")):
+        (tmp_path / name).write_text(json.dumps(CrossoverTable.load(timing=timing).to_json()))
+    quant = QuantBlockTopK(budget=0.0625, bits=4)
+    mine = CrossoverTable(_table(40).entries, timing="graph", policy=policy_key(quant), block_size=16)
+    (tmp_path / "crossover_quant4_graph.json").write_text(json.dumps(mine.to_json()))
+    (tmp_path / "notes.json").write_text("not a table")  # not crossover_*.json: never read
+    assert CrossoverTable.shipped("graph", quant, tmp_path).entries == mine.entries
+    assert CrossoverTable.shipped("eager", quant, tmp_path).policy == {"name": "Quest"}  # no eager table for it
+    other = QuantBlockTopK(budget=0.0625, bits=2)
+    assert CrossoverTable.shipped("graph", other, tmp_path).policy == {"name": "Quest"}
+    assert CrossoverTable.shipped("graph", None, tmp_path).policy == {"name": "Quest"}
+    with pytest.raises(ValueError, match="timing"):
+        CrossoverTable.shipped("wall", quant, tmp_path)
+    # the package's own data: a policy without a table of its own gets Quest's, which then warns at patch time
+    assert CrossoverTable.load(timing="graph", policy=quant).policy == {"name": "Quest"}
