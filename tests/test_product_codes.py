@@ -218,7 +218,8 @@ def test_the_triton_scores_are_the_reference_scores():
     ops = get_ops("triton", DEVICE)
     assert ops.pq_block_scores is not reference.pq_block_scores
     gen = torch.Generator().manual_seed(7)
-    for H, G, m, C, d, bs in ((2, 3, 4, 8, 4, 8), (1, 4, 8, 16, 2, 16), (2, 1, 3, 8, 4, 8), (2, 6, 4, 8, 4, 8)):
+    cases = ((2, 3, 4, 8, 4, 8), (1, 4, 8, 16, 2, 16), (2, 1, 3, 8, 4, 8), (2, 6, 4, 8, 4, 8), (1, 4, 2, 16, 16, 16))
+    for H, G, m, C, d, bs in cases:  # the last: 16-channel pieces (recipes/suite_gaps.sh, part pq16_)
         NB, MB = 12, 5
         centres = torch.randn(H, m, C, d, generator=gen).to(DEVICE)
         codes = torch.randint(0, C, (NB, H, bs, m), dtype=torch.uint8, generator=gen).to(DEVICE)
@@ -319,7 +320,9 @@ def _nearest(keys: torch.Tensor, centres: torch.Tensor, codes: torch.Tensor) -> 
     return bool(((chosen - least) <= 1e-5 * least.abs().clamp(min=1)).all())
 
 
-@pytest.mark.parametrize("shape", [(37, 2, 4, 256, 8), (5, 1, 3, 100, 4), (130, 2, 16, 256, 8), (0, 2, 4, 16, 8)])
+@pytest.mark.parametrize(
+    "shape", [(37, 2, 4, 256, 8), (5, 1, 3, 100, 4), (130, 2, 16, 256, 8), (0, 2, 4, 16, 8), (40, 2, 2, 256, 16)]
+)
 def test_the_triton_codes_are_the_nearest_centres(shape):
     """``pq_encode``'s kernel (one program per tokens x head x piece, distances in registers) codes every piece with
     its nearest centre, as the reference does (the same codes but for near ties), at power-of-two and other centre

@@ -28,6 +28,7 @@ WILDCARD_MODEL = {
     "pq_lib_*": "pq_lib_gemma3",
     "pq_fit_*": "pq_fit_smollm2",
     "pq_bf16_*": "pq_bf16_gemma3",
+    "pq16_*": "pq16_qwen2.5",
     "pq_*": "pq_smollm2",
 }
 
