@@ -316,6 +316,12 @@ VARIANTS: dict[str, object] = {
     "pq8_c4_exact_cal": Progressive(Calibrated(ProductQuantized(8)), Exact(), 4),
     "pq4_c2_exact_cal": Progressive(Calibrated(ProductQuantized(4)), Exact(), 2),
     "rvq8x2": Residual(ProductQuantized(8), ProductQuantized(8, seed=1)),  # 1/8
+    # coarse passes a scoring kernel could run without gathers: 16 centres a piece (4-bit codes, a 16-entry table a
+    # piece: one-hot codes times the table on tensor cores), or fewer, larger pieces (half the lookups)
+    "pq16_c4_exact": Progressive(ProductQuantized(16), Exact(), 4),
+    "pq8x16_c4_exact": Progressive(ProductQuantized(8, centroids=16), Exact(), 4),
+    "pq4x16_c4_exact": Progressive(ProductQuantized(4, centroids=16), Exact(), 4),
+    "pq4x16_c2_exact": Progressive(ProductQuantized(4, centroids=16), Exact(), 2),
     "pq8_c2_rvq8x2": Progressive(ProductQuantized(8), Residual(ProductQuantized(8), ProductQuantized(8, seed=1)), 2),
 }
 
