@@ -51,6 +51,23 @@ def policy_key(policy) -> dict:
     return key
 
 
+def calibrate_command(policy, block_size: int, timing: str) -> str:
+    """The ``hf-sparse-kv calibrate`` command that measures a table for ``policy`` (its :func:`policy_key`'s settings
+    as ``--policy-args``, and a calibration named by a string: a file or ``"prefill"``), ``block_size`` and
+    ``timing``."""
+    args = {k: v for k, v in policy_key(policy).items() if k != "name"}
+    calibration = getattr(policy, "calibration", None)
+    if isinstance(calibration, str):
+        args["calibration"] = calibration
+    parts = ["hf-sparse-kv calibrate", f"--policy {type(policy).__name__}"]
+    if args:
+        parts.append(f"--policy-args '{json.dumps(args)}'")
+    parts.append(f"--block-size {block_size}")
+    if timing == "graph":
+        parts.append("--timing graph")
+    return " ".join([*parts, "--out mine.json"])
+
+
 def describe_key(key: dict) -> str:
     """``Name(setting=value, ...)`` of a :func:`policy_key`."""
     args = ", ".join(f"{k}={v!r}" for k, v in key.items() if k != "name")

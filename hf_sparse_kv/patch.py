@@ -39,7 +39,7 @@ from .attention import (
     sparse_attention_forward,
 )
 from .cache import PagedKVCache, PagedLayer, check_block_size
-from .crossover import CrossoverTable
+from .crossover import CrossoverTable, calibrate_command
 from .graphs import begin_static_step, captured_step, refuse_freezing
 from .merge import merge, refresh, unmerge
 from .ops import BACKENDS
@@ -389,9 +389,8 @@ def patch_model(
             warnings.warn(
                 f"mode='auto' decides dense or sparse by a crossover table measured otherwise ({'; '.join(problems)}), "
                 "so its crossovers may not hold: a step may run sparse where dense is faster, or the reverse. Measure "
-                f"one for this patch: `hf-sparse-kv calibrate --policy {type(policy).__name__} --policy-args '{{...}}' "
-                f"--block-size {block_size}{' --timing graph' if timing == 'graph' else ''} --out mine.json`, then "
-                "pass crossover='mine.json'.",
+                f"one for this patch: `{calibrate_command(policy, block_size, timing)}`, then pass "
+                "crossover='mine.json'.",
                 stacklevel=2,
             )
     elif crossover is not None:

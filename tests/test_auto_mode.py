@@ -138,7 +138,9 @@ def test_a_table_says_what_it_timed_and_a_patch_that_differs_warns(tmp_path, rec
     block, quant, timing = _crossover_warnings(recwarn)
     assert "16-token blocks, this patch uses 8" in block and "--block-size 8" in block and "Quest()" not in block
     assert "it timed Quest(), this patch runs QuantBlockTopK(bits=4)" in quant
-    assert "--policy QuantBlockTopK" in quant and "--block-size 16 " in quant
+    assert (
+        "`hf-sparse-kv calibrate --policy QuantBlockTopK --policy-args '{\"bits\": 4}' --block-size 16 --out" in quant
+    )
     assert "it timed eager steps, this patch runs graph steps" in timing and "--timing graph" in timing
 
 
@@ -249,3 +251,22 @@ def test_the_shipped_table_of_the_policy_is_taken_where_there_is_one(tmp_path):
         CrossoverTable.shipped("wall", quant, tmp_path)
     # the package's own data: a policy without a table of its own gets Quest's, which then warns at patch time
     assert CrossoverTable.load(timing="graph", policy=quant).policy == {"name": "Quest"}
+
+
+def test_the_calibrate_command_a_warning_gives_measures_that_policy(tmp_path):
+    """The command in the warning, run as it is (on the CPU, small), writes a table that matches the patch."""
+    import shlex
+
+    from evaluation.cli import main
+    from hf_sparse_kv.crossover import calibrate_command
+
+    pq = TopPBlockTopK(budget=0.25, sink=4, window=8, candidates=2, p=1.0, coarse="pq", calibration="prefill")
+    command = calibrate_command(pq, 8, "eager")
+    assert command.startswith("hf-sparse-kv calibrate --policy TopPBlockTopK --policy-args '{")
+    argv = shlex.split(command)[1:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "mine.json")
+    main([*argv, "--device", "cpu", "--shapes", "4,2,16", "--batches", "1", "--contexts", "64", "--budgets", "0.25",
+          "--reps", "1"])  # fmt: skip
+    table = CrossoverTable.load(tmp_path / "mine.json")
+    assert table.mismatch(pq, 8, "eager") == [] and table.policy["coarse"] == "pq"
+    assert "--timing graph" in calibrate_command(Quest(budget=0.1), 16, "graph")
