@@ -5,9 +5,12 @@ The kernel's time at 1 x 128K is ~4 µs of load, ~0.7 µs a step and ~2.4 µs of
 top-k taken apart"), and its steps depend on the data: the select stops once exactly ``k`` keys are at or above its
 threshold, i.e. after the bits that separate the k-th score from the next. This replays the kernel's select on the
 host (the same key transform, two bits a step) for every sparse layer's rows of one decode step after a real
-prefill of ``--length`` essay tokens, then after a cache of random keys of the same shape. CPU; no timing::
+prefill of ``--length`` essay tokens, then after a cache of random keys of the same shape. ``--random-8b LAYERS``
+takes ``bench_e2e``'s Llama-3.1-8B shape with that many layers and random weights instead (float32, a 32000-token
+vocabulary) and prefills random tokens, as ``bench_e2e``'s ``generate:`` rows do. CPU; no timing::
 
     python benchmarks/probe_topk_steps.py --model smollm2 --length 8192
+    python benchmarks/probe_topk_steps.py --random-8b 8 --length 4096
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_e2e import llama8b_config
+from transformers import LlamaForCausalLM
 
 from evaluation.assets import load_essays, load_model
 from evaluation.text import essay_tokens
@@ -65,14 +72,22 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=0.0625)
+    ap.add_argument("--random-8b", type=int, default=0, metavar="LAYERS", help="the 8B shape, random weights")
     args = ap.parse_args()
-    model, tok = load_model(args.model)
-    cfg = model.config
+    if args.random_8b:
+        torch.manual_seed(0)
+        cfg = llama8b_config(args.random_8b)
+        cfg.vocab_size = 32000
+        model = LlamaForCausalLM(cfg).eval()
+        ids = torch.randint(3, cfg.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(1))
+    else:
+        model, tok = load_model(args.model)
+        cfg = model.config
+        ids = torch.tensor([essay_tokens(tok, args.length, essays=load_essays())])
     policy = Quest(budget=args.budget)
     patch_model(model, policy=policy, mode="block", block_size=16)
     spy = ScoreSpy(policy)
     object.__setattr__(policy, "scores", spy)  # this instance's scores, spied on (the class is untouched)
-    ids = torch.tensor([essay_tokens(tok, args.length, essays=load_essays())])
     g = torch.Generator().manual_seed(0)
     for name in ("real prefill", "random keys"):
         cache = PagedKVCache(cfg, block_size=16)
@@ -88,9 +103,11 @@ def main() -> None:
             model(token, use_cache=True, **{cache_kwarg(model): cache})
         kk = policy.plan((args.length + 1,), 16)[0]
         steps = [select_steps(row, kk) for row in spy.rows]
+        ties = max(int((row == row.topk(kk).values[-1]).sum()) for row in spy.rows)
         print(
             f"{name}: {len(steps)} rows of {spy.rows[0].numel()} blocks, k = {kk}: radix steps mean "
-            f"{statistics.mean(steps):.2f}, median {statistics.median(steps)}, min {min(steps)}, max {max(steps)}"
+            f"{statistics.mean(steps):.2f}, median {statistics.median(steps)}, min {min(steps)}, max {max(steps)}; "
+            f"at most {ties} scores equal to the k-th"
         )
 
 
