@@ -90,7 +90,7 @@ TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
 SELECTORS = (
     "quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8", "massh_c8",
-    "quant2", "quant4", "pq_c4", "pq_c4_f32",
+    "quant2", "quant4", "pq_c4", "pq_c4_f32", "pq16_c4",
 )  # fmt: skip
 
 
@@ -260,15 +260,21 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "quant2": QuantBlockTopK(budget=f, bits=2),
         "quant4": QuantBlockTopK(budget=f, bits=4),
     }
-    # product quantization: 256 random centres per 8-channel piece (the timing does not depend on where they lie)
-    centres = torch.randn(H, D // 8, 256, 8, generator=torch.Generator().manual_seed(1))
-    pq_cal = {"method": "pq", "centres": dict.fromkeys(range(len(caches)), centres)}
-    policies["pq_c4"] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=pq_cal)
-    pq_f32 = {**pq_cal, "table": "float32"}  # its scoring table in float32 (the default: bfloat16)
-    policies["pq_c4_f32"] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=pq_f32)
-    pqcodes = [R.pq_encode(c[0].transpose(1, 2), centres.to(DEV)).transpose(1, 2).contiguous() for c in caches]
+    # product quantization: 256 random centres per 8-channel piece (the timing does not depend on where they lie);
+    # pq16_c4: per 16-channel piece (half the codes and half the scoring kernel's table gathers)
     states = layer_states(layer, caches, bt, BS, ops, ckeys)
-    pq_states = layer_states(layer, caches, bt, BS, ops, ckeys, pqcodes=pqcodes)
+    pq_states, pq_sub = {}, {"pq_c4": 8, "pq_c4_f32": 8, "pq16_c4": 16}
+    for d in (8, 16):
+        centres = torch.randn(H, D // d, 256, d, generator=torch.Generator().manual_seed(1))
+        pq_cal = {"method": "pq", "centres": dict.fromkeys(range(len(caches)), centres)}
+        tables = {"": pq_cal, "_f32": {**pq_cal, "table": "float32"}} if d == 8 else {"": pq_cal}  # default bf16
+        for suffix, cal in tables.items():
+            name = ("pq_c4" if d == 8 else "pq16_c4") + suffix
+            policies[name] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=cal)
+        codes_d = [R.pq_encode(c[0].transpose(1, 2), centres.to(DEV)).transpose(1, 2).contiguous() for c in caches]
+        pq_states[d] = layer_states(layer, caches, bt, BS, ops, ckeys, pqcodes=codes_d)
+        if d == 8:
+            pqcodes = codes_d  # what pq:write refreshes
     codes = {b: [R.quantize_keys(c[0], c[2], c[3], b) for c in caches] for b in (2, 4)}  # as the writes leave them
     quant_states = {b: layer_states(layer, caches, bt, BS, ops, ckeys, codes[b]) for b in (2, 4)}
 
@@ -281,7 +287,11 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     n_layers = len(caches)
     for name, policy in policies.items():
         st = (
-            quant_states[policy.bits] if name.startswith("quant") else pq_states if name.startswith("pq_c4") else states
+            quant_states[policy.bits]
+            if name.startswith("quant")
+            else pq_states[pq_sub[name]]
+            if name in pq_sub
+            else states
         )
         fns[name] = [lambda i=i, p=policy, st=st: attend(i, p.select(st[i])) for i in range(n_layers)]
         fns[f"{name}:sel"] = [lambda i=i, p=policy, st=st: p.select(st[i]) for i in range(n_layers)]
@@ -290,10 +300,8 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         attn = kv_bytes(B, H, width, D) + (B * H * width * 4 if sel.kind == "token" else 0)
         two_stage = name.startswith(("2st", "topp", "mass", "pq"))
         score = meta_bytes(B, H, L // BS, D) if name == "quest" or two_stage else B * H * L * Rk * 2
-        if name.startswith(
-            "pq_c4"
-        ):  # the codes of every token (one byte per 8 channels), then the candidates' keys below
-            score = B * H * L * (D // 8)
+        if name in pq_sub:  # the codes of every token (one byte a piece), then the candidates' keys below
+            score = B * H * L * (D // pq_sub[name])
         if name.startswith("quant"):  # the codes of every token and the min / max of every block
             score = meta_bytes(B, H, L // BS, D) + B * H * L * D * policy.bits // 8
         if two_stage:
