@@ -1,7 +1,8 @@
 """``hf-sparse-kv``: the command line (``hf-sparse-kv --help`` lists the commands).
 
     hf-sparse-kv demo [options]                        the demo table (evaluation.demo)
-    hf-sparse-kv calibrate [--shapes 32,8,128] [--out crossover.json]   measure mode="auto"'s crossover table
+    hf-sparse-kv calibrate [--shapes 32,8,128] [--policy Quest --policy-args JSON] [--out crossover.json]
+                               measure mode="auto"'s crossover table for a policy (default Quest)
     hf-sparse-kv calibrate-selector [--model M] [--method channels|pca] [--out sel.pt]   a projected selector's
                                calibration (evaluation.calibrate_selector)
     hf-sparse-kv run recipes/<name>.yaml [more.yaml]   run recipes (resumes: cells already done are skipped)
@@ -34,7 +35,7 @@ def _value(text: str):
 
 COMMANDS = {
     "demo": "the demo table: SmolLM2-135M-Instruct, a 4K-token essay with a needle, Dense / Quest / SinkWindow",
-    "calibrate": 'measure the crossover table of mode="auto" on this GPU (--out crossover.json)',
+    "calibrate": 'measure the crossover table of mode="auto" on this GPU for a policy (--policy, --out crossover.json)',
     "run": "run recipe YAML files (recipes/*.yaml); an interrupted run resumes",
     "eval": "run one recipe (perplexity, fidelity, needle, qa) from flags alone",
     "stage": "split a file into parts for a GPU machine without network (--model M, --extras, or FILE --name N)",
