@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..ops.layout import cdiv, forced_block_bound, forced_block_count, forced_block_mask, window_positions
-from .base import Counts, DecodeState, Selection, StateSpec, int_max, int_min, static_width
+from .base import Counts, DecodeState, Selection, StateSpec, int_max, int_min
 from .blocks import _BlockTopK
 from .product import ProductCodes
 from .projected import CompressedKeys
@@ -162,9 +162,9 @@ class _TwoStage:
         raise NotImplementedError
 
     def static_widths(self, counts: list[int], block_size: int) -> tuple[int, ...]:
-        """The selection's width and, with a float ``candidates``, the coarse pass's (:meth:`CoarsePass.width` of
-        :meth:`coarse_blocks`): see :meth:`candidates_of`."""
-        width = static_width(max(counts))
+        """The selection's width (the base policy's, :meth:`Policy.static_widths`) and, with a float ``candidates``,
+        the coarse pass's (:meth:`CoarsePass.width` of :meth:`coarse_blocks`): see :meth:`candidates_of`."""
+        (width,) = super().static_widths(counts, block_size)
         if type(self.candidates) is int:
             return (width,)
         return width, self._coarse.width(self.coarse_blocks(width, block_size))
