@@ -260,21 +260,22 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "quant2": QuantBlockTopK(budget=f, bits=2),
         "quant4": QuantBlockTopK(budget=f, bits=4),
     }
-    # product quantization: 256 random centres per 8-channel piece (the timing does not depend on where they lie);
-    # pq16_c4: per 16-channel piece (half the codes and half the scoring kernel's table gathers)
+    # product quantization: 256 random centres a piece (the timing does not depend on where they lie), as
+    # name: (channels a piece, calibration settings beyond the centres; the scoring table bfloat16 by default);
+    # pq16_c4: 16-channel pieces (half the codes and half the scoring kernel's table gathers)
+    pq_variants = {"pq_c4": (8, {}), "pq_c4_f32": (8, {"table": "float32"}), "pq16_c4": (16, {})}
+    pq_sub = {name: d for name, (d, _) in pq_variants.items()}
+    centres = {d: torch.randn(H, D // d, 256, d, generator=torch.Generator().manual_seed(1)) for d in (8, 16)}
+    pq_codes = {
+        d: [R.pq_encode(c[0].transpose(1, 2), cd.to(DEV)).transpose(1, 2).contiguous() for c in caches]
+        for d, cd in centres.items()
+    }
+    for name, (d, extra) in pq_variants.items():
+        cal = {"method": "pq", "centres": dict.fromkeys(range(len(caches)), centres[d]), **extra}
+        policies[name] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=cal)
+    pqcodes = pq_codes[8]  # what pq:write refreshes
     states = layer_states(layer, caches, bt, BS, ops, ckeys)
-    pq_states, pq_sub = {}, {"pq_c4": 8, "pq_c4_f32": 8, "pq16_c4": 16}
-    for d in (8, 16):
-        centres = torch.randn(H, D // d, 256, d, generator=torch.Generator().manual_seed(1))
-        pq_cal = {"method": "pq", "centres": dict.fromkeys(range(len(caches)), centres)}
-        tables = {"": pq_cal, "_f32": {**pq_cal, "table": "float32"}} if d == 8 else {"": pq_cal}  # default bf16
-        for suffix, cal in tables.items():
-            name = ("pq_c4" if d == 8 else "pq16_c4") + suffix
-            policies[name] = TopPBlockTopK(budget=f, candidates=4, p=1.0, pool="heads", coarse="pq", calibration=cal)
-        codes_d = [R.pq_encode(c[0].transpose(1, 2), centres.to(DEV)).transpose(1, 2).contiguous() for c in caches]
-        pq_states[d] = layer_states(layer, caches, bt, BS, ops, ckeys, pqcodes=codes_d)
-        if d == 8:
-            pqcodes = codes_d  # what pq:write refreshes
+    pq_states = {d: layer_states(layer, caches, bt, BS, ops, ckeys, pqcodes=codes) for d, codes in pq_codes.items()}
     codes = {b: [R.quantize_keys(c[0], c[2], c[3], b) for c in caches] for b in (2, 4)}  # as the writes leave them
     quant_states = {b: layer_states(layer, caches, bt, BS, ops, ckeys, codes[b]) for b in (2, 4)}
 
@@ -286,13 +287,10 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     fns, need = {}, {}
     n_layers = len(caches)
     for name, policy in policies.items():
-        st = (
-            quant_states[policy.bits]
-            if name.startswith("quant")
-            else pq_states[pq_sub[name]]
-            if name in pq_sub
-            else states
-        )
+        if name.startswith("quant"):
+            st = quant_states[policy.bits]
+        else:
+            st = pq_states[pq_sub[name]] if name in pq_sub else states
         fns[name] = [lambda i=i, p=policy, st=st: attend(i, p.select(st[i])) for i in range(n_layers)]
         fns[f"{name}:sel"] = [lambda i=i, p=policy, st=st: p.select(st[i]) for i in range(n_layers)]
         sel = policy.select(st[0])
