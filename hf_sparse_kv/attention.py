@@ -65,12 +65,20 @@ def decode_row(mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """First attended position per sequence from a decode mask ``[B, 1, 1, L]`` (bool, or additive float).
+    """First attended position per sequence from a decode mask ``[B, 1, 1, L]`` (bool, or additive float), ``L >=
+    length``.
 
-    Raises ``NotImplementedError`` when the mask is not left padding (holes inside the context).
+    Raises ``NotImplementedError`` when the mask is not left padding (holes inside the context) or is shorter than
+    the context.
     """
     if mask is None:
         return torch.zeros(batch, dtype=torch.int32, device=device)
+    if mask.shape[-1] < length:
+        raise NotImplementedError(
+            f"this attention mask covers {mask.shape[-1]} keys of a context of {length}: the attention builds its own "
+            "mask from the keys and values its cache returned (as Doge's dynamic mask), and at a decode step the "
+            "paged cache returns only the new token's. Not supported: call unpatch_model(model)."
+        )
     ok = decode_row(mask, length)  # [B, length] bool
     start = torch.where(ok.any(-1), ok.int().argmax(-1), torch.full_like(ok[:, 0], length, dtype=torch.long))
     if not torch.equal(ok.sum(-1), length - start):
@@ -387,6 +395,13 @@ def sparse_attention_forward(
         )
     if cache.static is not None and isinstance(layer, PagedLayer):
         return static_attention(config, cache, module, query, scaling if scaling is not None else D**-0.5), None
+    if not layer.gave(key, value):
+        raise NotImplementedError(
+            f"{type(module).__name__} gives its attention other keys or values than its cache returned (it changes "
+            "them after cache.update, or reads another layer's cache): the patched attention reads keys and values "
+            "from the cache's pages, so it would compute something else than the model asks for. Not supported: "
+            "call unpatch_model(model)."
+        )
     if Tq > 1:  # prefill, chunked prefill, assisted decoding: dense over the whole context
         if layer.length > key.shape[2]:
             key, value = layer.dense_kv()

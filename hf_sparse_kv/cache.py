@@ -100,6 +100,7 @@ class PagedLayer(DynamicLayer):
         self.index = index  # the model's layer index (a policy calibrated per layer refreshes its state by it)
         self.length = 0
         self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
+        self._given = None  # weak references to what the last unreserved update() returned (see gave)
         self.state: dict[str, torch.Tensor] = {}  # the policy-declared state (see PagedKVCache.declare_state)
 
     def attach(self, cache: PagedKVCache) -> None:
@@ -131,7 +132,15 @@ class PagedLayer(DynamicLayer):
             raise AttributeError("PagedLayer values live in the block pool; write them with update()")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the pools for keys and values ``[B, H, T, D]`` (``NotImplementedError`` for values of another
+        shape: the pools, metadata and kernels hold both at one width)."""
         _, H, _, D = key_states.shape
+        if value_states.shape != key_states.shape:
+            raise NotImplementedError(
+                f"this attention writes values of shape {tuple(value_states.shape)} beside keys of shape "
+                f"{tuple(key_states.shape)} into its cache: hf_sparse_kv's pages hold keys and values of one shape. "
+                "Call unpatch_model(model) for this model."
+            )
         self.device, self.dtype = key_states.device, key_states.dtype
         NB, BS = self.cache.table.capacity, self.cache.block_size
         self.k_pool = torch.zeros(NB, H, BS, D, dtype=self.dtype, device=self.device)
@@ -253,8 +262,27 @@ class PagedLayer(DynamicLayer):
             self.refresh_state(pos0.clamp(min=0), pos0 + T, T)
         self.length = frame0 + T
         if frame0 == 0 or self.cache.pop_deferred(self):
-            return key_states, value_states
-        return self.dense_kv()
+            return self._give(key_states, value_states)
+        return self._give(*self.dense_kv())
+
+    def _give(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(keys, values)`` from :meth:`update`, remembered weakly (nothing kept alive) for :meth:`gave`."""
+        self._given = (weakref.ref(keys), weakref.ref(values))
+        return keys, values
+
+    def gave(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether ``keys`` and ``values`` are the tensors this layer's last (unreserved) :meth:`update` returned, or
+        equal to them: what an attention given anything else would compute (the pages hold what was written, not
+        what the model made of it after ``update``) is not what the model asked for."""
+        if self._given is None:
+            return False
+        k, v = self._given[0](), self._given[1]()
+        if k is keys and v is values:
+            return True
+        return all(
+            a is not None and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            for a, b in ((k, keys), (v, values))
+        )
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole context in transformers' frame (left padding restored as zeros): two ``[B, Hkv, L, D]`` copies."""

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import typing
 import warnings
 from collections.abc import Iterable
 from functools import partial, update_wrapper
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -123,7 +124,7 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
     n = _num_layers(model)
     if dense_layers is None:  # the default: the first two layers (the first, on a one-layer model)
         dense_layers = range(min(2, n))
-    problem = _unsupported_attention(model)
+    problem = _unsupported_attention(model) or _own_cache(model)
     if problem:
         raise TypeError(problem)
     if isinstance(dense_layers, (str, bytes)) or not isinstance(dense_layers, Iterable):
@@ -150,6 +151,14 @@ def _unsupported_attention(model: torch.nn.Module) -> str | None:
                 f"{name}'s attention ({type(module).__name__}) takes its cache under none of {CACHE_NAMES}: the "
                 "patched attention could not find the paged cache and would attend densely. Not supported."
             )
+        rank = getattr(module, "kv_lora_rank", None)
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            return (
+                f"{name}'s attention is multi-head latent attention ({type(module).__name__}.kv_lora_rank={rank}, as "
+                "DeepSeek-V2/V3): its cache holds compressed latents, which the attention expands into keys and "
+                "values after reading them, while the sparse kernels read keys and values from the pages. Not "
+                "supported."
+            )
         if isinstance(getattr(module, "sinks", None), torch.Tensor):
             return (
                 f"{name}'s attention has learned attention sinks ({type(module).__name__}.sinks, as GPT-OSS): the "
@@ -164,6 +173,29 @@ def _unsupported_attention(model: torch.nn.Module) -> str | None:
                 "sparse kernels nor SDPA apply the cap. Not supported (a config with attn_logit_softcapping=None "
                 "patches, at the cost of what the cap changes in the model's answers)."
             )
+    return None
+
+
+def _own_cache(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot take a :class:`PagedKVCache` (``None``: it can): a forward of the model or of a model
+    inside it whose cache parameter is typed as a cache class of its own (MiniMax's ``MiniMaxCache``: its forward
+    refuses any other, so every ``generate()`` would fail after patching)."""
+    for module in model.modules():
+        if not hasattr(module, "config"):
+            continue
+        try:
+            params = inspect.signature(type(module).forward).parameters
+        except (TypeError, ValueError):
+            continue
+        for name in CACHE_NAMES:
+            hint = params[name].annotation if name in params else None
+            for kind in typing.get_args(hint) or (hint,):
+                if isinstance(kind, type) and issubclass(kind, Cache) and not issubclass(PagedKVCache, kind):
+                    return (
+                        f"{type(model).__name__} keeps a cache of its own ({type(module).__name__}.forward takes "
+                        f"{name}: {kind.__name__}) and refuses any other, so it cannot decode from a PagedKVCache. "
+                        "Not supported."
+                    )
     return None
 
 

@@ -360,3 +360,32 @@ def test_a_deep_copy_decodes_on_its_own_pages():
         ref = model(prompt(1, batch=2, seed=7), use_cache=True, **{cache_kwarg(model): cache}).logits
         torch.testing.assert_close(again, ref, rtol=0, atol=0)
     unpatch_model(model)
+
+
+# ---- what a paged layer's update gives the attention ---------------------------------------------------------------
+
+
+def test_a_paged_layer_knows_whether_the_attention_got_what_its_update_returned():
+    cache = PagedKVCache(tiny_model("llama").config, block_size=BS)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+    assert not layer.gave(k, v), "nothing was returned yet"
+    keys, values = layer.update(k, v)
+    assert layer.gave(keys, values)
+    assert layer.gave(keys.clone(), values.clone()), "an equal copy (e.g. made contiguous) is what was returned"
+    assert not layer.gave(keys, values * 2), "values changed after update (DiffLlama's halves) are not"
+    assert not layer.gave(keys.repeat(1, 2, 1, 1), values.repeat(1, 2, 1, 1)), "nor heads tiled (JetMoe)"
+    keys, values = layer.update(k[:, :, :1], v[:, :, :1])  # the next token: the pages hold 6
+    assert layer.gave(keys, values)
+    assert not layer.gave(k, v), "the previous update's tensors are not this one's"
+
+
+def test_values_of_another_shape_than_the_keys_are_refused_before_the_layer_keeps_anything():
+    cache = PagedKVCache(tiny_model("llama").config, block_size=BS)
+    layer = cache.layers[0]
+    k = torch.randn(1, 2, 5, 16)
+    with pytest.raises(NotImplementedError, match="one shape"):
+        layer.update(k, k[..., :8])
+    assert not layer.is_initialized and layer.k_pool is None and layer.length == 0
+    assert not layer.gave(k, k[..., :8])
