@@ -154,6 +154,7 @@ class DecodeGraphs:
         # step (a reserved cache is "compileable", so transformers builds it even for one token: a few kernels)
         ignored = all(isinstance(layer, (PagedLayer, WindowRing)) for layer in cache.layers)
         self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device) if ignored else None
+        self.given = None  # position ids of the model's own shape (see _positions); None: the reservation's [B, 1]
         self.graphs: dict = {}  # StaticPlan.key -> (graph, logits)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
@@ -202,7 +203,24 @@ class DecodeGraphs:
         kw = {self.cache_name: self.cache, "use_cache": True}
         if self.mask is not None:
             kw["attention_mask"] = self.mask
-        return self.forward_fn(input_ids=self.ids, position_ids=self.static.positions, **kw).logits
+        positions = self.static.positions if self.given is None else self.given
+        return self.forward_fn(input_ids=self.ids, position_ids=positions, **kw).logits
+
+    def _positions(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's ``position_ids`` for the reservation's ``[B, 1]`` buffer, or ``None`` where they have another
+        shape: a model with multimodal rotary positions (Qwen2-VL / Qwen2.5-VL: ``[3 or 4, B, 1]``, the text axis
+        shifted by the images) gets them as ``generate()`` made them, through this runner's own buffer of their
+        shape; a buffer of a new shape drops the steps captured reading the old one."""
+        if position_ids is None or position_ids.shape == self.static.positions.shape:
+            if self.given is not None:  # back to the reservation's buffer
+                self.given = None
+                self.graphs.clear()
+            return position_ids
+        if self.given is None or self.given.shape != position_ids.shape or self.given.dtype != position_ids.dtype:
+            self.given = torch.empty_like(position_ids, device=self.ids.device)
+            self.graphs.clear()
+        self.given.copy_(position_ids)
+        return None
 
     def _capture(self) -> tuple:
         # warm-up (compiles the kernels of this plan, allocates workspaces): it writes this step's token, which the
@@ -224,7 +242,7 @@ class DecodeGraphs:
                 "the model was patched again (or unpatched) after this cache's static steps were set up: they would "
                 "replay its old settings and weights. Call cache.reset() and prefill again."
             )
-        plan = begin_static_step(self.config, self.cache, position_ids, compiled=self.compiled)
+        plan = begin_static_step(self.config, self.cache, self._positions(position_ids), compiled=self.compiled)
         self.ids.copy_(input_ids)
         if not self.capture:
             return self._forward().clone()
