@@ -82,9 +82,15 @@ def padding_starts(mask: torch.Tensor | None, batch: int, length: int, device: t
     ok = decode_row(mask, length)  # [B, length] bool
     start = torch.where(ok.any(-1), ok.int().argmax(-1), torch.full_like(ok[:, 0], length, dtype=torch.long))
     if not torch.equal(ok.sum(-1), length - start):
+        right = bool((start == 0).all()) and bool((ok[:, :-1] >= ok[:, 1:]).all())  # every row a prefix
         raise NotImplementedError(
-            "hf_sparse_kv decodes sparsely only with left padding (or none); this attention mask has holes inside "
-            "the context. Use Dense() or unpatch_model() for this input."
+            "hf_sparse_kv supports left padding only (or none), fixed at prefill: "
+            + (
+                "this batch is padded on the right. Pad on the left (tokenizer.padding_side = 'left'), as generate() "
+                "with a decoder-only model expects."
+                if right
+                else "this attention mask has holes inside the context. Call unpatch_model(model) for this input."
+            )
         )
     return start.int()
 

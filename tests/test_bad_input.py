@@ -124,8 +124,25 @@ def test_mask_with_holes_is_refused(model):
         ids = prompt(20)
         mask = torch.ones_like(ids)
         mask[0, 5] = 0
-        with pytest.raises(NotImplementedError, match="left padding"), torch.no_grad():
+        with pytest.raises(NotImplementedError, match="holes inside the context"), torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=2)
+    finally:
+        unpatch_model(model)
+
+
+@pytest.mark.parametrize("policy", [Dense(), Quest(budget=8, sink=0, window=8)], ids=["dense", "quest"])
+def test_a_right_padded_batch_is_told_to_pad_on_the_left(model, policy):
+    patch_model(model, policy=policy, block_size=8, dense_layers=())
+    try:
+        ids = prompt(20, batch=2)
+        mask = torch.ones_like(ids)
+        mask[1, 15:] = 0  # the second prompt is 15 tokens long, padded on the right
+        with pytest.raises(NotImplementedError, match="padded on the right.*padding_side = 'left'"), torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0  # the same prompt padded on the left decodes
+        with torch.no_grad():
+            assert model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0).shape == (2, 22)
     finally:
         unpatch_model(model)
 
