@@ -123,3 +123,11 @@ def test_an_attention_given_other_keys_than_the_cache_returned_is_refused_at_its
             greedy(model, ids)
         unpatch_model(model)
     assert torch.equal(greedy(model, ids), want)
+
+
+def test_the_scan_behind_these_lists_reports_each_outcome():
+    """``tests/scan_architectures.py`` (README's command), one class per outcome, each in its own process."""
+    from scan_architectures import one
+
+    outcomes = {name: one(name).split("\t")[1] for name in ("Llama", "DiffLlama", "Gemma2")}
+    assert outcomes == {"Llama": "ok", "DiffLlama": "first-forward", "Gemma2": "refused"}
