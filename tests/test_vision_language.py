@@ -3,14 +3,17 @@ Gemma-3 (SigLIP tower, sliding and global layers, bidirectional image tokens), L
 (multimodal rotary positions: ``generate()`` passes position ids of shape ``[4, B, 1]``, the text axis shifted by the
 image). The vision tower keeps its own attention; the language model's layers are paged. Each patched Dense gives the
 unpatched greedy tokens, a sparse policy reads less than Dense, unpatching restores the model, and the static decode
-steps that ``cuda_graph=True`` captures on a GPU (run here uncaptured, as the CPU tests of the graph path do) give the
-eager steps' logits."""
+steps that ``cuda_graph=True`` captures on a GPU (on the CPU run uncaptured, as the CPU tests of the graph path do;
+``HF_SPARSE_KV_TEST_DEVICE=cuda`` captures and replays them) give the eager steps' logits."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 import transformers as T
+from tiny_models import DEVICE
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, graphs, patch_model, unpatch_model
 from hf_sparse_kv.graphs import DecodeGraphs
@@ -91,7 +94,8 @@ MODELS = {"gemma3": gemma3, "llava": llava, "qwen2_5_vl": qwen2_5_vl}
 def build(name: str) -> tuple[torch.nn.Module, dict]:
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
-    return model.eval(), {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
+    inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
+    return model.eval().to(DEVICE), {k: v.to(DEVICE) for k, v in inputs.items()}
 
 
 def generate(model, inputs: dict, **kw):
@@ -138,13 +142,16 @@ def test_the_static_steps_of_cuda_graph_give_the_eager_steps(name, monkeypatch):
         patch_model(model, policy=policy, block_size=16, backend="reference", dense_layers=())
         tokens, logits, _ = generate(model, inputs)
         unpatch_model(model)
-        with pytest.warns(UserWarning, match="not on a CUDA device"):
+        on_cpu = pytest.warns(UserWarning, match="not on a CUDA device") if DEVICE.type == "cpu" else None
+        with on_cpu or contextlib.nullcontext():
             patch_model(
                 model, policy=policy, block_size=16, backend="reference", dense_layers=(), cuda_graph=True,
                 merge_projections=False,
             )  # fmt: skip
         static_tokens, static_logits, cache = generate(model, inputs)
         unpatch_model(model)
-        assert isinstance(cache.session.graphs, DecodeGraphs), f"{name}: the steps did not run statically"
+        runner = cache.session.graphs
+        assert isinstance(runner, DecodeGraphs), f"{name}: the steps did not run statically"
+        assert runner.replays > 0 or DEVICE.type == "cpu", f"{name}: no step replayed a CUDA graph"
         assert torch.equal(static_tokens, tokens), f"{name} {type(policy).__name__}: static steps changed the tokens"
         torch.testing.assert_close(static_logits, logits, rtol=1e-5, atol=1e-5)
