@@ -108,7 +108,8 @@ class DecodeGraphs:
         model: a patched model (any mode; a policy that does not free blocks).
         cache: its filled :class:`PagedKVCache` (after the prefill).
         max_length: tokens per sequence to reserve (prompt + new tokens, left padding included).
-        capture: capture CUDA graphs (``False`` runs the same static step without a graph: for tests on the CPU).
+        capture: capture CUDA graphs (``False`` runs the same static step without a graph: for tests on the CPU; a
+            cache of the ``"reference"`` backend, whose ops sync with the host, never captures).
         forward: the model's forward to call (default: the class's forward, without the patch's model hook).
         compile: ``None``, a ``torch.compile`` backend name, or a dict of ``torch.compile`` keyword arguments:
             compile the step with ``fullgraph=True`` (then capture the compiled step).
@@ -137,7 +138,8 @@ class DecodeGraphs:
         self.model, self.config, self.state = model, config, patch_state(model)
         self.weights = weight_addresses(model)  # what the graphs read besides the cache (see rebind)
         self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
-        self.capture = capture and torch.cuda.is_available()
+        # the reference ops sync with the host (data-dependent masks): their steps run uncaptured
+        self.capture = capture and torch.cuda.is_available() and cache.backend != "reference"
         self.static = cache.reserve_static(max_length)
         cache.session.set_graphs(self)  # the patch's model hook leaves this cache's steps to this runner
         fn = forward or type(model).forward.__get__(model)

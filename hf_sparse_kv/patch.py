@@ -481,6 +481,14 @@ def patch_model(
             UserWarning,
             stacklevel=2,
         )
+    elif cuda_graph and backend == "reference":
+        warnings.warn(
+            "cuda_graph=True with backend='reference': the reference ops index by data-dependent masks (host syncs), "
+            "which a CUDA graph cannot capture, so the decode steps run statically without a graph; backend='auto' "
+            "or 'triton' captures them",
+            UserWarning,
+            stacklevel=2,
+        )
     return model
 
 

@@ -279,3 +279,27 @@ def test_a_wide_selection_is_rounded_up_and_replays_fewer_graphs(monkeypatch, po
     assert all(p.widths[0] >= max(p.counts) for p in plans)
     assert any(p.widths[0] > max(p.counts) for p in plans)  # rounded up at some step
     assert len(runner.graphs) == len({p.widths for p in plans}) < len({max(p.counts) for p in plans})
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA model (HF_SPARSE_KV_TEST_DEVICE=cuda)")
+def test_the_reference_backend_decodes_its_static_steps_uncaptured_on_a_gpu():
+    """The reference ops index by data-dependent masks (host syncs): capturing them failed with a raw CUDA error
+    (``operation not permitted when stream is capturing``) at the first decode step. They now run uncaptured, with
+    a warning at patch time, and decode as the eager steps do."""
+    model = tiny_model("llama")
+    ids = prompt(60)
+    policy = Quest(budget=24, sink=4, window=8)
+    patch_model(model, policy=policy, block_size=8, backend="reference")
+    want, _ = greedy(model, ids, new_tokens=12)
+    with pytest.warns(UserWarning, match="backend='reference'"):
+        patch_model(model, policy=policy, block_size=8, backend="reference", cuda_graph=True, merge_projections=False)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, return_dict_in_generate=True
+            )
+        assert torch.equal(out.sequences, want)
+        runner = out.past_key_values.session.graphs
+        assert isinstance(runner, DecodeGraphs) and runner.replays == 0 and not runner.graphs
+    finally:
+        unpatch_model(model)

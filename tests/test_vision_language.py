@@ -35,6 +35,7 @@ TEXT = {
     "eos_token_id": 2,
 }
 IMAGE = 299  # the image token of every config below
+BACKEND = "reference" if DEVICE.type == "cpu" else "auto"  # the reference ops cannot be captured on a GPU
 LENGTH = 150
 
 
@@ -112,8 +113,8 @@ def test_dense_is_the_model_and_a_sparse_policy_reads_less(name):
     want, _, _ = generate(model, inputs)
     reads = {}
     for policy in (Dense(), Quest(budget=32, sink=4, window=16)):
-        patch_model(model, policy=policy, block_size=16, backend="reference", dense_layers=())
-        cache = PagedKVCache(model.config, block_size=16, backend="reference")
+        patch_model(model, policy=policy, block_size=16, backend=BACKEND, dense_layers=())
+        cache = PagedKVCache(model.config, block_size=16, backend=BACKEND)
         tokens, _, _ = generate(model, inputs, **{cache_kwarg(model): cache})
         if isinstance(policy, Dense):
             assert torch.equal(tokens, want), f"{name}: patched Dense changed the tokens"
@@ -139,13 +140,13 @@ def test_the_static_steps_of_cuda_graph_give_the_eager_steps(name, monkeypatch):
         graphs, "step_applies", lambda cache, ids, kwargs: applies(cache, ids.as_subclass(_CudaLooking), kwargs)
     )
     for policy in (Dense(), Quest(budget=32, sink=4, window=16)):
-        patch_model(model, policy=policy, block_size=16, backend="reference", dense_layers=())
+        patch_model(model, policy=policy, block_size=16, backend=BACKEND, dense_layers=())
         tokens, logits, _ = generate(model, inputs)
         unpatch_model(model)
         on_cpu = pytest.warns(UserWarning, match="not on a CUDA device") if DEVICE.type == "cpu" else None
         with on_cpu or contextlib.nullcontext():
             patch_model(
-                model, policy=policy, block_size=16, backend="reference", dense_layers=(), cuda_graph=True,
+                model, policy=policy, block_size=16, backend=BACKEND, dense_layers=(), cuda_graph=True,
                 merge_projections=False,
             )  # fmt: skip
         static_tokens, static_logits, cache = generate(model, inputs)
