@@ -249,8 +249,13 @@ def test_the_shipped_table_of_the_policy_is_taken_where_there_is_one(tmp_path):
     assert CrossoverTable.shipped("graph", None, tmp_path).policy == {"name": "Quest"}
     with pytest.raises(ValueError, match="timing"):
         CrossoverTable.shipped("wall", quant, tmp_path)
-    # the package's own data: a policy without a table of its own gets Quest's, which then warns at patch time
-    assert CrossoverTable.load(timing="graph", policy=quant).policy == {"name": "Quest"}
+    # the package's own data (H200, 2026-12-05): captured tables of quant4 and of the pq two stages; a policy without
+    # a table of its own gets Quest's, which then warns at patch time
+    assert CrossoverTable.load(timing="graph", policy=quant).policy == policy_key(quant)
+    assert CrossoverTable.load(timing="eager", policy=quant).policy == {"name": "Quest"}
+    assert CrossoverTable.load(timing="graph", policy=other).policy == {"name": "Quest"}
+    pq = TopPBlockTopK(budget=0.0625, candidates=4, p=1.0, coarse="pq", calibration="prefill")
+    assert CrossoverTable.load(timing="graph", policy=pq).mismatch(pq, 16, "graph") == []
 
 
 def test_the_calibrate_command_a_warning_gives_measures_that_policy(tmp_path):
