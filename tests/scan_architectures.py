@@ -4,8 +4,8 @@ behind the lists of ``tests/test_architectures.py`` and README's "Loading a mode
     python tests/scan_architectures.py                      # every *ForCausalLM class, 2 at a time, a table
     python tests/scan_architectures.py DiffLlama JetMoe     # some of them
 
-Each class runs in its own process (a crash or a hang costs that class only): the config is ``test_architectures``'
-``SMALL`` (with its head-dim and per-model overrides); the unpatched model's greedy tokens and per-step logits are
+Each class runs in its own process (a crash or a hang costs that class only): the model is ``test_architectures.build``'s
+(``SMALL`` with its head-dim and per-model overrides); the unpatched model's greedy tokens and per-step logits are
 taken; then patched Dense must give the same tokens, and its largest logit difference is reported (``~1e-7`` where
 the patch computes what the model does); Quest's decode steps must run; unpatching must give the tokens again. A
 class ends in one of:
@@ -36,25 +36,16 @@ def check(name: str) -> str:
 
     warnings.filterwarnings("ignore")
     sys.path[:0] = [str(HERE), str(HERE.parent)]
+    import pytest
     import torch
-    import transformers
-    from test_architectures import CONFIGS, SMALL
+    from test_architectures import SMALL, build
 
     from hf_sparse_kv import patch_model, unpatch_model
     from hf_sparse_kv.policies import Dense, Quest
 
-    config_cls = getattr(transformers, f"{name}Config", None)
-    model_cls = getattr(transformers, f"{name}ForCausalLM")
     try:
-        config = config_cls(**{**SMALL, **CONFIGS.get(name, {})})
-        if hasattr(config, "head_dim") and name not in CONFIGS:
-            try:
-                config.head_dim = 16
-            except AttributeError:
-                pass
-        torch.manual_seed(0)
-        model = model_cls(config).eval()
-    except Exception as e:  # noqa: BLE001 - any failure of a tiny config is reported, not raised
+        model = build(name)
+    except (Exception, pytest.skip.Exception) as e:  # noqa: BLE001 - any failure of a tiny config is reported
         return f"{name}\tno tiny config\t{type(e).__name__}: {str(e)[:100]}"
     ids = torch.randint(2, SMALL["vocab_size"], (1, 150), generator=torch.Generator().manual_seed(1))
 
