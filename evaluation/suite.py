@@ -10,7 +10,8 @@ The config is ``recipes/suite_<model>.yaml``. Every finished cell is one JSON li
 cells already there. Work runs in tiers (see
 :func:`plan`): first dense, the oracle and Quest at 1/16, then every policy at 1/16, then 1/8 and 1/32; each tier runs
 perplexity, the needle, the harder retrieval (multi-key, multi-value, needles at the start of the longest context)
-and QA; SnapKV's perplexity (the slow exact ``decode`` way) comes last. The time limit is checked before every unit (one
+and QA; SnapKV's perplexity (the slow exact ``decode`` way) comes last. ``one_pass: true`` runs one tier of every
+cell instead (each needle / QA batch prefilled once, not once per tier). The time limit is checked before every unit (one
 window, one trial), so a stop loses at most the unit in flight.
 
 Perplexity windows alternate between the haystack texts (essays, King James Bible), evenly spaced over each; each
@@ -102,7 +103,11 @@ def cells_of(cfg: dict[str, Any]) -> list[PolicyCell]:
 
 
 def plan(cfg: dict[str, Any]) -> list[Job]:
-    """The jobs in the order they run (most decisive first)."""
+    """The jobs in the order they run: by default in three tiers, most decisive first (the ``decisive`` policies at
+    its budgets, then every policy at those budgets, then the other budgets), so that a run stopped by its time
+    limit has the cells that decide; each tier prefills every needle and QA batch again. With the config's
+    ``one_pass: true``, one tier of every policy at every budget instead: each batch is prefilled once for the
+    whole grid (the same cells; only the order and the number of prefills differ)."""
     labels = tuple(dict.fromkeys(c.label for c in cells_of(cfg)))
     budgets = tuple(budget_label(parse_budget(b)) for b in cfg["budgets"])
     first = tuple(cfg.get("decisive", {}).get("budgets", ["1/16"]))
@@ -120,7 +125,8 @@ def plan(cfg: dict[str, Any]) -> list[Job]:
         mine = {budget_label(parse_budget(b)) for b in part.get("budgets", cfg["budgets"])}
         return tuple(b for b in bds if b in mine)
 
-    for lbls, bds in ((key, first), (labels, first), (labels, rest)):
+    tiers = ((labels, budgets),) if _one_pass(cfg) else ((key, first), (labels, first), (labels, rest))
+    for lbls, bds in tiers:
         ppl_labels = tuple(lb for lb in lbls if lb in fast)
         jobs += [Job("perplexity", n, ppl_labels, bds) for n in lengths]
         jobs += [Job("needle", n, lbls, bds, {"variant": "single"}) for n in lengths]
@@ -141,6 +147,14 @@ def plan(cfg: dict[str, Any]) -> list[Job]:
     if slow:
         jobs += [Job("perplexity", n, ("dense", *slow), budgets) for n in lengths]
     return jobs
+
+
+def _one_pass(cfg: dict[str, Any]) -> bool:
+    """The config's ``one_pass`` (default false), refused unless a bool: a string such as ``"false"`` would be true."""
+    value = cfg.get("one_pass", False)
+    if not isinstance(value, bool):
+        raise TypeError(f"one_pass must be true or false, got {value!r}")
+    return value
 
 
 def suite_text(name: str) -> str:
@@ -740,6 +754,46 @@ def measured_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     return _medians(pairs())
 
 
+def _fixed_part(r: dict[str, Any]) -> float | None:
+    """The share of a needle / QA cell's ``seconds`` that its batch spent once for all its cells (waiting for the
+    prompts and prefilling them: ``phases`` ``build`` + ``prefill`` over the sum of the phases), or ``None`` for a
+    row without ``phases`` (or with none timed)."""
+    phases = r.get("phases")
+    if r.get("task") not in ("needle", "qa") or not isinstance(phases, dict):
+        return None
+    total = sum(float(v) for v in phases.values())
+    return (float(phases.get("build", 0.0)) + float(phases.get("prefill", 0.0))) / total if total > 0 else None
+
+
+def marginal_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """:func:`measured_seconds` of the needle / QA cells that carry their batch's ``phases``, less the share their
+    batch spent once for all its cells (:func:`_fixed_part`): what one more cell of a batch costs per prompt,
+    decoding (and copying the prefill) only. The batch's once-for-all part is :func:`batch_part_per_prompt`."""
+
+    def pairs():
+        for r in rows:
+            part = _fixed_part(r)
+            if part is not None and isinstance(r.get("seconds"), (int, float)):
+                sec = float(r["seconds"]) * (1.0 - part)
+                yield _row_kind(r), sec
+                yield (*_row_kind(r), r.get("policy")), sec
+
+    return _medians(pairs())
+
+
+def batch_part_per_prompt(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """Median seconds per prompt that a needle / QA batch spends once whatever its cells (``phases`` ``build`` +
+    ``prefill`` over ``batch``), by :func:`_row_kind`; rows without ``phases`` or ``batch`` are left out."""
+    return _medians(
+        (_row_kind(r), (float(r["phases"].get("build", 0.0)) + float(r["phases"]["prefill"])) / int(r["batch"]))
+        for r in rows
+        if r.get("task") in ("needle", "qa")
+        and isinstance(r.get("phases"), dict)
+        and "prefill" in r["phases"]
+        and r.get("batch")
+    )
+
+
 def prefill_per_prompt(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     """Median prefill seconds per prompt of the finished needle / QA cells that carry their batch's ``phases``, by
     :func:`_row_kind`: what one more prefill of a batch costs each of its prompts (a batch that also ran a policy's
@@ -768,7 +822,11 @@ def estimate(
     earlier job of the plan (the tiers repeat cells). A job whose kind of unit (:func:`_job_kind`) has
     finished cells in ``rows`` is priced at their median seconds per unit, the policy's own median where it has some
     (``measured``: True; a policy that prefills on its own, SnapKV, without finished cells of the kind pays the kind's
-    median plus a prompt's share of a prefill, measured (:func:`prefill_per_prompt`) or the model's; a perplexity
+    median plus a prompt's share of a prefill, measured (:func:`prefill_per_prompt`) or the model's; where the
+    kind's needle / QA cells carry their batch's ``phases``, a cell is priced at its marginal seconds
+    (:func:`marginal_seconds`: its share of the batch's decoding) and each prompt of the job with cells left adds its
+    batch's once-for-all part (:func:`batch_part_per_prompt`: building and prefilling it) once, so a plan that
+    prefills each batch once for every cell (``one_pass``) costs less than the tiers, which prefill it per tier; a perplexity
     window adds the dense pass it runs where no row's ``seconds`` holds it: every window of the decode way, at the
     kind's median, and a window whose dense cell is done, at the dense cell's median); otherwise a model:
     eager decode steps bound by the host at ``step_ms_per_layer`` per layer whatever the batch (about what
@@ -801,7 +859,10 @@ def estimate(
         return cell is not None and r.get("decode", "eager") == decode_way(part, cell)
 
     # cells decoded as this config decodes (captured or eager) price first, the others where none of a key is
-    measured = {**measured_seconds(priced), **measured_seconds([r for r in priced if decoded_as_here(r)])}
+    here = [r for r in priced if decoded_as_here(r)]
+    measured = {**measured_seconds(priced), **measured_seconds(here)}
+    marginal = {**marginal_seconds(priced), **marginal_seconds(here)}
+    per_prompt = batch_part_per_prompt(priced)
     own_prefill = prefill_per_prompt(priced)
     compressing = {c.label for c in cells if c.policy.compresses}
 
@@ -835,9 +896,12 @@ def estimate(
         key = _job_kind(job, cells)
         if key in measured:  # each unit at its policy's median when that policy has finished cells of this kind,
             # else the kind's, plus its own prefill's share for a policy that compresses the prompt, plus the dense
-            # passes no row carries
+            # passes no row carries; where the kind's cells carry their batch's phases, each cell at its marginal
+            # seconds and each unit (prompt) of the job with cells left once at its batch's prefill
             extra = share_of_prefill(job, key) if compressing & {u[-2] for u in left} else 0.0
-            sec = sum(measured.get((*key, u[-2]), measured[key] + extra * (u[-2] in compressing)) for u in left)
+            price, once = (marginal, per_prompt[key]) if key in marginal and key in per_prompt else (measured, 0.0)
+            sec = sum(price.get((*key, u[-2]), price[key] + extra * (u[-2] in compressing)) for u in left)
+            sec += once * len({u[:-2] for u in left})
             out.append((job, sec + dense_passes(job, key, left), True))
             continue
         mine = [c for c in _select(cells, job) if c.budget is not None]

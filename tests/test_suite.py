@@ -84,6 +84,90 @@ def test_plan_holds_each_job_once():
     assert jobs and all(a != b for i, a in enumerate(jobs) for b in jobs[:i])  # the two 1/16 tiers are one
 
 
+def test_one_pass_plan_holds_every_cell_of_the_tiers_once():
+    """``one_pass: true``: one job per task, length and variant with every policy at every budget (a part's own
+    budgets kept), SnapKV's decode-way perplexity still last; the same (unit, cell) pairs as the tiers, none in two
+    jobs. A value that is not a bool is refused."""
+    from evaluation.suite import _units
+
+    cfg = load_suite("qwen2.5")
+    cfg["qa"]["budgets"] = ["1/8", "1/16"]  # a part's own budgets are kept in one pass
+    cells = cells_of(cfg)
+    tiers, one = plan(cfg), plan({**cfg, "one_pass": True})
+    kinds = [(j.task, j.length, j.params.get("variant"), j.labels[1:2]) for j in one]
+    assert len(kinds) == len(set(kinds)) < len(tiers)
+    labels = tuple(dict.fromkeys(c.label for c in cells))
+    for j in one[:-3]:
+        assert j.budgets == {"qa": ("1/8", "1/16")}.get(j.task, ("1/8", "1/16", "1/32"))
+        assert j.labels == (labels if j.task != "perplexity" else tuple(lb for lb in labels if "snapkv" not in lb))
+    assert all(j.task == "perplexity" and j.labels == ("dense", "snapkv", "snapkv1/4+quest") for j in one[-3:])
+    units = [u for j in one for u in _units(cfg, j, cells)]
+    assert len(units) == len(set(units))
+    assert set(units) == {u for j in tiers for u in _units(cfg, j, cells)}
+    with pytest.raises(TypeError, match="one_pass must be true or false"):
+        plan({**cfg, "one_pass": "false"})
+
+
+def test_one_pass_prefills_each_batch_once_and_writes_the_tiers_cells(tmp_path, capsys):
+    """A tiny suite run in one pass writes the cells the tiers write, with the same answers and perplexities, from
+    fewer needle / QA batches (each prefilled once for every cell, not once per tier)."""
+    cfg = _tiny_cfg("qwen2.5")
+    cfg["needle"]["hard"] = {}
+    cfg["needle"]["start"] = None
+
+    def run(one_pass: bool, out) -> tuple[dict, int]:
+        capsys.readouterr()
+        rows = _run_tiny({**cfg, "one_pass": one_pass}, out)
+        batches = sum(" prompts x " in line for line in capsys.readouterr().out.splitlines())
+        by = {}
+        for r in rows:
+            unit = (r.get("trial"), r.get("item"), r.get("window"), r.get("qa_task"))
+            by[(r["task"], r["length"], unit, r["policy"], r["budget"])] = r
+        return by, batches
+
+    tiers, n_tiers = run(False, tmp_path / "tiers")
+    one, n_one = run(True, tmp_path / "one")
+    assert one.keys() == tiers.keys()
+    for k, r in one.items():
+        if r["task"] == "perplexity":
+            assert r["nll_sum"] == pytest.approx(tiers[k]["nll_sum"], rel=1e-5)
+        else:
+            assert r["generated"] == tiers[k]["generated"]
+    trials, qa = cfg["needle"]["trials"], len(cfg["qa"]["tasks"]) * cfg["qa"]["items"]
+    assert n_one == -(-trials // 2) + -(-qa // 2) < n_tiers  # batches of 2 prompts, once each
+
+
+def test_estimate_prices_one_pass_below_the_tiers_by_their_extra_prefills():
+    """From the same finished cells (carrying their batch's phases), a fresh one-pass run is priced below the
+    tiered one by the prefills the tiers repeat: each needle prompt's once-for-all part per extra job."""
+    from evaluation.suite import _units, estimate
+
+    cfg = _tiny_cfg("qwen2.5")
+    cells = cells_of(cfg)
+    units = {u for j in plan(cfg) if j.task == "needle" for u in _units(cfg, j, cells)}
+    rows = [
+        {"task": "needle", "length": u[1], "variant": u[2], "trial": u[3], "policy": u[4], "budget": u[5],
+         "seconds": 0.25, "batch": 2, "phases": {"build": 0.5, "prefill": 1.5, "decode": 2.0}}
+        for u in units if u[3] == 0
+    ]  # fmt: skip
+
+    def needles(c):
+        return sum(s for j, s, m in estimate(c, rows=rows, fresh=True) if j.task == "needle")
+
+    def prompts(c):  # (job, prompt) pairs with cells to run, each unit counted in its first job
+        seen, n = set(), 0
+        for j in plan(c):
+            if j.task == "needle":
+                left = [u for u in _units(c, j, cells) if u not in seen]
+                seen.update(left)
+                n += len({u[:4] for u in left})
+        return n
+
+    one = {**cfg, "one_pass": True}
+    assert prompts(cfg) > prompts(one)
+    assert needles(cfg) - needles(one) == pytest.approx((prompts(cfg) - prompts(one)) * 2.0 / 2)
+
+
 def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path, monkeypatch):
     cfg = _tiny_cfg("qwen2.5")
     model, tok = tiny_model("llama", max_position_embeddings=1024), CharTokenizer()
@@ -207,7 +291,8 @@ def test_suite_scores_reused_selections_by_perplexity_only_and_plots_them(tmp_pa
 
 def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     """The estimate counts each (unit, cell) once across the plan's tiers, skips the finished ones, and prices a kind
-    of unit from the finished cells' median seconds when there are some."""
+    of unit from the finished cells' median seconds when there are some: each cell at its share of its batch's
+    decoding, each prompt of a job with cells left once at its batch's prefill."""
     from evaluation.suite import _units, estimate
 
     cfg = _tiny_cfg("qwen2.5")
@@ -221,7 +306,7 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     price = {c.label: 1.0 + i for i, c in enumerate(cells)}  # each policy's own seconds a trial
     rows = [  # the first trial of every cell of that job finished
         {"task": "needle", "length": u[1], "variant": u[2], "trial": u[3], "policy": u[4], "budget": u[5],
-         "seconds": price[u[4]], "batch": 2, "phases": {"prefill": 1.0}}
+         "seconds": price[u[4]], "batch": 2, "phases": {"prefill": 1.0, "copy": 0.5, "decode": 2.5}}
         for u in first if u[3] == 0
     ]  # fmt: skip
     est = estimate(cfg, rows=rows)
@@ -232,9 +317,18 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     seen = {r["policy"] for r in rows}  # a policy without finished cells: the median of all of them, plus a prompt's
     fallback = statistics.median(r["seconds"] for r in rows)  # share of the prefill (1.0 s for 2) if it prefills alone
     compressing = {c.label for c in cells if c.policy.compresses}
-    want = sum(  # each unit left once
-        price[u[4]] if u[4] in seen else fallback + 0.5 * (u[4] in compressing) for u in single_units - finished
+    counted, prompts = set(finished), 0  # each unit left once; each job's prompts with cells left once each
+    for j in jobs:
+        if j.task == "needle" and j.params["variant"] == "single":
+            left = [u for u in _units(cfg, j, cells) if u not in counted]
+            counted.update(left)
+            prompts += len({u[:4] for u in left})
+    decoding = 3.0 / 4.0  # of a cell's seconds: copy + decode over all its batch's phases
+    want = 0.5 * prompts + sum(  # the batch's prefill: 1.0 s for 2 prompts
+        decoding * (price[u[4]] if u[4] in seen else fallback) + 0.5 * (u[4] in compressing and u[4] not in seen)
+        for u in single_units - finished
     )
+    assert prompts > len({u[:4] for u in single_units - finished})  # the tiers prefill a trial more than once
     assert sum(s for s, _ in same) == pytest.approx(want)
 
     def multi_key(estimates):  # a kind of unit without finished cells: the model, as without rows
@@ -248,7 +342,14 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     again_single = sum(
         s for (s, m), job in zip(again, [j for j in jobs if j.task == "needle"]) if job.params["variant"] == "single"
     )
-    assert again_single == pytest.approx(want + sum(price[u[4]] for u in finished))
+    counted, fresh_prompts = set(), 0
+    for j in jobs:
+        if j.task == "needle" and j.params["variant"] == "single":
+            left = [u for u in _units(cfg, j, cells) if u not in counted]
+            counted.update(left)
+            fresh_prompts += len({u[:4] for u in left})
+    again_want = want + decoding * sum(price[u[4]] for u in finished) + 0.5 * (fresh_prompts - prompts)
+    assert again_single == pytest.approx(again_want)
 
 
 def test_estimate_prices_needle_cells_from_those_decoded_the_way_the_config_decodes():
@@ -329,7 +430,10 @@ def test_estimate_adds_a_measured_prefill_to_a_compressing_policy_without_cells_
     finished = {("needle", r["length"], r["variant"], r["trial"], r["policy"], r["budget"]) for r in rows}
     earlier = {u for j in jobs[: jobs.index(single)] for u in _units(cfg, j, cells)}  # counted by an earlier tier
     left = [u for u in units if u not in finished and u not in earlier]
-    want = sum(0.5 + (3.0 / 2 if u[4] in compressing else 0.0) for u in left)
+    # a cell: its share of the batch's decoding (0.4 of 3.5 s of phases); a prompt with cells left: its batch's
+    # build and prefill (3.1 s for 2) once; SnapKV's cells: a prompt's share of a prefill (3.0 s for 2) more
+    want = sum(0.5 * 0.4 / 3.5 + (3.0 / 2 if u[4] in compressing else 0.0) for u in left)
+    want += 3.1 / 2 * len({u[:4] for u in left})
     est = [(s, m) for job, s, m in estimate(cfg, rows=rows) if job == single]
     assert est == [(pytest.approx(want), True)]
     assert any(u[4] in compressing for u in left) and any(u[4] not in compressing for u in left)
