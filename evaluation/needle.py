@@ -256,8 +256,9 @@ def from_shared_prefill(model, prefix: PagedKVCache, ids: torch.Tensor, observe:
 
 def decodes_statically(policy: Policy, static: bool) -> bool:
     """Whether :func:`greedy_batch` with ``static`` decodes ``policy`` through static steps: all but a policy that
-    frees blocks (its block table changes during decoding), which decodes eagerly."""
-    return static and not policy.frees_blocks
+    frees blocks at every step (its block table changes during decoding), which decodes eagerly; one that frees
+    them once (SnapKV) decodes its first step eagerly (it frees the prompt's blocks) and the others statically."""
+    return static and (not policy.frees_blocks or policy.frees_once)
 
 
 def greedy_under_policies(
@@ -348,7 +349,8 @@ def greedy_batch(
 
     ``static``: each policy's decode steps run as static steps (:class:`~hf_sparse_kv.graphs.DecodeGraphs` on its
     copy of the prefilled cache: captured as CUDA graphs on a GPU, where an eager step of a small model is bound by
-    the host; the same step uncaptured on the CPU), except for a policy that frees blocks, which decodes eagerly.
+    the host; the same step uncaptured on the CPU), except for a policy that frees blocks at every step, which
+    decodes eagerly (one that frees them once, SnapKV, decodes its first step eagerly: that step frees them).
     The tokens are those of the eager steps (tested on the CPU for every mode; a captured step replays the same
     kernels). ``slots`` (with ``static``): a :class:`~evaluation.slots.DecodeSlots` kept across the batches of a
     job: each static policy decodes on its refilled slot with the steps captured in earlier batches instead of
@@ -373,7 +375,11 @@ def greedy_batch(
             )  # fmt: skip
 
     out: list[dict[Any, list[int]]] = [{} for _ in prompts]
-    static_policies = [q for q in policies.values() if decodes_statically(q, static)]
+
+    def slotted(q: Policy) -> bool:  # decoded on the kept slot (a policy that frees blocks gets its own steps)
+        return slots is not None and decodes_statically(q, static) and not q.frees_blocks
+
+    static_policies = [q for q in policies.values() if slotted(q)]
     patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
     try:
         prefix = PagedKVCache(model.config, block_size=block_size)
@@ -389,7 +395,7 @@ def greedy_batch(
             elif own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 prefill(cache)
-            elif slots is not None and decodes_statically(policy, static):
+            elif slotted(policy):
                 with torch.no_grad(), clock.phase("copy"):
                     cache, kept = slots.decode(model, key, prefix, ids.shape[1] - 1 + new_tokens, static_policies)
             else:
@@ -398,12 +404,15 @@ def greedy_batch(
             token, m, p, gen, best = ids[:, -1:], mask, pos[:, -1:], [], []
             decoded = clock.seconds.get("decode", 0.0)
             with torch.no_grad(), clock.phase("decode"):
-                runner, captured = None, 0.0
-                if slots is not None and decodes_statically(policy, static):
+                runner, captured, graphs, room = None, 0.0, 0, ids.shape[1] - 1 + new_tokens  # prompt + new tokens
+                after_first = decodes_statically(policy, static) and policy.frees_blocks  # that step frees: eager
+                if slotted(policy):
                     runner, captured, graphs = kept, kept.capture_seconds, len(kept.graphs)
-                elif decodes_statically(policy, static):  # room for the prompt and every new token
-                    runner, graphs = DecodeGraphs(model, cache, ids.shape[1] - 1 + new_tokens), 0
-                for _ in range(new_tokens):
+                elif decodes_statically(policy, static) and not after_first:
+                    runner = DecodeGraphs(model, cache, room)
+                for i in range(new_tokens):
+                    if after_first and i == 1:
+                        runner = DecodeGraphs(model, cache, room)
                     if runner is not None:
                         logits = runner.step(token, position_ids=p)
                     else:

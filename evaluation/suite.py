@@ -247,7 +247,7 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
             fid, way = None, "simulate"
             if cell.policy.compresses:
                 way = "decode"
-                lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg)[0]
+                lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg, p["static"])[0]
             else:
                 session = session or SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"])
                 want = bool(p["fidelity"]) and cell.budget is not None
@@ -264,10 +264,14 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
             done.add(("perplexity", job.length, w, *cell.key))
 
 
-def _decode_batch(model, ids: torch.Tensor, n_scored: int, policy, cfg) -> torch.Tensor:
+def _decode_batch(model, ids: torch.Tensor, n_scored: int, policy, cfg, static: bool = False) -> torch.Tensor:
     """The exact ``decode`` way for a batch of equal-length windows ``ids [B, W]``: ``[B, N, V]`` log-probs of the
-    last ``n_scored`` tokens, each from a decode step of the patched model (no padding: windows share a length)."""
+    last ``n_scored`` tokens, each from a decode step of the patched model (no padding: windows share a length).
+    ``static``: the steps run as static steps (:class:`~hf_sparse_kv.graphs.DecodeGraphs`, captured on a GPU),
+    where :func:`~evaluation.needle.decodes_statically` allows (a policy that frees blocks once, SnapKV, from its
+    second step: the first frees them, eagerly)."""
     from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+    from hf_sparse_kv.graphs import DecodeGraphs
 
     mode = (
         "token" if policy.granularity == "token" and cfg.get("mode", "block") == "block" else cfg.get("mode", "block")
@@ -276,11 +280,16 @@ def _decode_batch(model, ids: torch.Tensor, n_scored: int, policy, cfg) -> torch
     patch_model(model, policy=policy, mode=mode, dense_layers=cfg["dense_layers"], block_size=cfg["block_size"])
     try:
         kw = {cache_kwarg(model): PagedKVCache(model.config, block_size=cfg["block_size"]), "use_cache": True}
-        out = []
+        out, runner = [], None
+        static = decodes_statically(policy, static)
         with torch.no_grad():
             model(ids[:, :split], **kw, logits_to_keep=1)
             for i in range(split, ids.shape[1] - 1):
-                out.append(torch.log_softmax(model(ids[:, i : i + 1], **kw).logits[:, -1].float(), -1))
+                if static and runner is None and (i > split or not policy.frees_blocks):
+                    runner = DecodeGraphs(model, kw[cache_kwarg(model)], ids.shape[1])  # room for every window token
+                token = ids[:, i : i + 1]
+                logits = runner.step(token) if runner is not None else model(token, **kw).logits
+                out.append(torch.log_softmax(logits[:, -1].float(), -1))
     finally:
         unpatch_model(model)
     return torch.stack(out, 1)
@@ -291,7 +300,13 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
     (dense is decoded beside them for the KL; its row comes from the simulate tiers)."""
     from hf_sparse_kv.policies import Dense
 
-    p = {"windows": 16, "scored": 256, "batch": 1, **cfg.get("perplexity", {})}
+    p = {
+        "windows": 16,
+        "scored": 256,
+        "batch": 1,
+        "static": bool(cfg.get("static", False)),
+        **cfg.get("perplexity", {}),
+    }
     todo_cells = next((mine for _, mine in _job_units(cfg, job, cells)), [])  # the budgeted cells
     windows = windows_of(tok, texts, job.length, p["windows"], cache)
     pending = [w for (_, _, w), _ in _pending(cfg, job, cells, done)]
@@ -301,21 +316,21 @@ def _perplexity_decode(cfg, job, cells, model, tok, texts, results, done, deadli
             return
         ws = pending[b0 : b0 + batch]
         ids = torch.tensor([windows[w][1] for w in ws], device=model.device)
-        dense_lp = _decode_batch(model, ids, p["scored"], Dense(), cfg)
+        dense_lp = _decode_batch(model, ids, p["scored"], Dense(), cfg, p["static"])
         for cell in todo_cells:
             if all(("perplexity", job.length, w, *cell.key) in done for w in ws):
                 continue
             if deadline.passed():
                 return
             t0 = time.perf_counter()
-            lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg)
+            lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg, p["static"])
             sec = round((time.perf_counter() - t0) / len(ws), 2)
             for b, w in enumerate(ws):
                 if ("perplexity", job.length, w, *cell.key) in done:
                     continue
                 nll = nll_of(lp[b], ids[b : b + 1])
                 kl = kl_dense_sparse(dense_lp[b], lp[b]).mean()
-                extra = {"task": "perplexity", "text": windows[w][0]}
+                extra = {"task": "perplexity", "text": windows[w][0], "decode": decode_way(p, cell)}
                 results.append(perplexity_row(job.length, w, cell, "decode", nll, kl, None, sec, **extra))
                 done.add(("perplexity", job.length, w, *cell.key))
 
@@ -399,8 +414,9 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
 
 def decode_way(p: dict[str, Any], cell: PolicyCell) -> str:
     """How a needle or QA cell's tokens were decoded: ``"static"`` (the task's ``static: true``: static steps,
-    captured as CUDA graphs on a GPU; see :func:`~evaluation.needle.greedy_batch`) or ``"eager"`` (the default, and
-    a policy that frees blocks)."""
+    captured as CUDA graphs on a GPU; see :func:`~evaluation.needle.greedy_batch`; a policy that frees blocks once,
+    SnapKV, after its first step, which is eager) or ``"eager"`` (the default, and a policy that frees blocks at
+    every step)."""
     return "static" if decodes_statically(cell.policy, bool(p.get("static"))) else "eager"
 
 
@@ -850,12 +866,16 @@ def estimate(
     by_label = {c.label: c for c in cells}
 
     def decoded_as_here(r: dict[str, Any]) -> bool:
-        """Whether a finished cell was decoded the way this config would decode it (a needle / QA cell: its
-        ``decode``, ``"eager"`` where it says none, against :func:`decode_way`; every other cell: yes)."""
-        if r.get("task") not in ("needle", "qa"):
+        """Whether a finished cell was decoded the way this config would decode it (a needle / QA cell or a
+        perplexity cell of the ``decode`` way: its ``decode``, ``"eager"`` where it says none, against
+        :func:`decode_way`; every other cell: yes)."""
+        if r.get("task") == "perplexity" and r.get("way") == "decode":
+            part = {"static": bool(cfg.get("static", False)), **(cfg.get("perplexity") or {})}
+        elif r.get("task") in ("needle", "qa"):
+            part = _needle_params(cfg, r.get("variant", "single")) if r["task"] == "needle" else _qa_params(cfg)
+        else:
             return True
         cell = by_label.get(r.get("policy"))
-        part = _needle_params(cfg, r.get("variant", "single")) if r["task"] == "needle" else _qa_params(cfg)
         return cell is not None and r.get("decode", "eager") == decode_way(part, cell)
 
     # cells decoded as this config decodes (captured or eager) price first, the others where none of a key is

@@ -250,6 +250,12 @@ class StaticPlan:
         return self.sparse, self.widths
 
 
+def freed_before(cache: PagedKVCache) -> tuple[int, ...] | None:
+    """Blocks freed per sequence before the cache's static reservation (``StaticBuffers.evicted``; fixed, read once
+    at the reservation), or, on a cache not reserved, now (``None``: none)."""
+    return cache.static.evicted if cache.static is not None else cache.evicted_counts()
+
+
 def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]) -> StaticPlan:
     """The :class:`StaticPlan` of a step at stored lengths ``lens`` (the current token included), decided on the
     host as the eager step decides (:func:`choose`, :meth:`Policy.plan`), with the widths the policy's static
@@ -261,6 +267,14 @@ def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]
     counts = config.policy.plan(lens, cache.block_size) if sparse else None
     if counts is None:
         return StaticPlan(sparse, None, None)
+    evicted = freed_before(cache)
+    if evicted is not None:  # never more than a sequence still holds, as the eager step's select (Counts.at_most)
+        BS = cache.block_size
+        if config.policy.granularity == "token":
+            live = [n - e * BS for n, e in zip(lens, evicted)]  # DecodeState.live_tokens
+        else:
+            live = [cdiv(n, BS) - e for n, e in zip(lens, evicted)]  # DecodeState.live_blocks
+        counts = [min(c, n) for c, n in zip(counts, live)]
     return StaticPlan(sparse, tuple(counts), tuple(config.policy.static_widths(counts, cache.block_size)))
 
 
@@ -277,9 +291,12 @@ class CountingRates:
     per_token: int
     auto: tuple[tuple[str, int], ...]
 
-    def counters(self, plan: StaticPlan, lens: tuple[int, ...], block_size: int) -> Counters:
-        """The counters of one step at ``lens`` (the current token included)."""
-        blocks = sum(cdiv(n, block_size) for n in lens)
+    def counters(
+        self, plan: StaticPlan, lens: tuple[int, ...], block_size: int, evicted: tuple[int, ...] | None = None
+    ) -> Counters:
+        """The counters of one step at ``lens`` (the current token included); ``evicted``: blocks freed per sequence,
+        which a dense layer does not read."""
+        blocks = sum(cdiv(n, block_size) for n in lens) - sum(evicted or ())
         planned = sum(plan.counts) if plan.counts is not None else 0
         nbytes = self.per_block * blocks + self.per_planned * planned + self.per_token * len(lens) * max(lens)
         return Counters(nbytes, 1, dict(self.auto))
@@ -315,7 +332,7 @@ def static_counters(config: SparseConfig, cache: PagedKVCache, plan: StaticPlan,
     a step then costs a few additions, whatever the number of layers."""
     key = ("counting rates", plan, config.mode, tuple(config.dense_layers), config.policy.granularity)
     rates = cache.static.keep(key, lambda: counting_rates(config, cache, plan))
-    return rates.counters(plan, lens, cache.block_size)
+    return rates.counters(plan, lens, cache.block_size, cache.static.evicted)
 
 
 def layer_state(
@@ -369,6 +386,7 @@ def static_attention(
     state = layer_state(
         query, layer, layer_idx, cache, scale, static.ops, static.table, static.seq_lens, static.start,
         (length,) * B, static=True, planned=static.plan.widths, planned_counts=static.counts, keep=static.keep,
+        held=static.held,
     )  # fmt: skip
     selection, mode = choose(config, state, layer_idx, cache, sparse=static.plan.sparse)
     return execute(selection, mode, state, layer.v_pool).unsqueeze(1)

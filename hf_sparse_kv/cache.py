@@ -575,14 +575,15 @@ class PagedKVCache(DynamicCache):
 
         Call after the prefill. From then on every forward on this cache is a single-token static step whose
         buffers :meth:`StaticBuffers.begin_step` fills first (``hf_sparse_kv.graphs.begin_static_step`` does it);
-        :meth:`reset` ends the reservation. Evicting policies are not supported (their table changes).
+        :meth:`reset` ends the reservation. A cache whose blocks a policy that frees once (SnapKV) already freed
+        can be reserved: its table keeps the holes (``-1``), which static steps never select and never free more
+        (a static step does not call the policy's ``release``); a policy that frees at every step is not supported
+        (the graphs refuse it: its table changes).
 
         ``any_padding``: give every sequence blocks for ``max_length`` stored tokens (not ``max_length`` less its
         padding), so that :meth:`load_static` can later refill the reservation with a batch padded otherwise."""
         if not self.table.rows and not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.layers):
             raise ValueError("reserve_static needs a filled cache (call it after the prefill)")
-        if self.evicted:
-            raise ValueError("reserve_static needs a cache without evicted blocks (an evicting policy's table changes)")
         if self.static is not None:
             return self.static
         length = self.get_seq_length()
@@ -604,6 +605,9 @@ class PagedKVCache(DynamicCache):
         self.static = StaticBuffers(
             max_length, frame, zeros.clone(), zeros.clone(), zeros, pads_t, positions, counts, table, ops
         )
+        if self.evicted:  # freed blocks stay holes of the fixed table: what each row holds, reserved blocks included
+            self.static.evicted = self.evicted_counts()
+            self.static.held = max(sum(1 for blk in row if blk >= 0) for row in self.table.rows)
         self.pads = pads
         for i, layer in enumerate(self.layers):
             if isinstance(layer, DynamicSlidingWindowLayer):
@@ -653,6 +657,11 @@ class PagedKVCache(DynamicCache):
             raise ValueError("load_static needs a cache reserved for static steps (call reserve_static first)")
         if not isinstance(source, PagedKVCache) or source.static is not None or source.evicted:
             raise ValueError("load_static takes a filled PagedKVCache that is not reserved and has no evicted block")
+        if self.static.evicted is not None:
+            raise ValueError(
+                "load_static cannot refill a reservation made after blocks were freed (its steps select the blocks "
+                "its table held when reserved): reserve a cache without freed blocks"
+            )
         B = len(self.table.rows)
         if (
             len(source.table.rows) != B

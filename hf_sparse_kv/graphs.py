@@ -21,7 +21,9 @@ or change host state:
 - the host bookkeeping of the step (layer lengths, counters) is done by :func:`begin_static_step`, not by the step.
 
 Every mode (mask, token, block, auto), left-padded batches and sliding-window layers run statically; a policy that
-frees blocks does not (its table changes). Two ways in:
+frees blocks at every step does not (its table changes), one that frees them once (SnapKV, at its first decode step)
+does from its second step on: its table keeps the freed blocks as holes that the static steps never select. Two ways
+in:
 
 - :class:`DecodeGraphs` (what ``patch_model(cuda_graph=True)`` uses for ``generate()``): it captures one CUDA graph
   per plan key and replays it; with ``compile=`` it compiles the step first (``fullgraph=True``)
@@ -105,7 +107,8 @@ class DecodeGraphs:
     """Static decode steps of one ``model`` on one ``cache`` (batch fixed by the cache), captured per plan key.
 
     Args:
-        model: a patched model (any mode; a policy that does not free blocks).
+        model: a patched model (any mode; a policy that frees no blocks, or one that frees them once, after its
+            first decode step ran eagerly).
         cache: its filled :class:`PagedKVCache` (after the prefill).
         max_length: tokens per sequence to reserve (prompt + new tokens, left padding included).
         capture: capture CUDA graphs (``False`` runs the same static step without a graph: for tests on the CPU; a
@@ -133,8 +136,12 @@ class DecodeGraphs:
         self.cache_name = cache_kwarg(model)
         if len({str(layer.device) for layer in cache.paged_layers}) > 1:
             raise ValueError("static decoding needs the whole cache on one device (device_map put it on several)")
-        if config.policy.frees_blocks:
-            raise ValueError("static decoding needs a policy that does not free blocks (its block table changes)")
+        if config.policy.frees_blocks and not (config.policy.frees_once and released(cache)):
+            raise ValueError(
+                "static decoding needs a block table that no longer changes: a policy that frees blocks at every "
+                "step cannot decode statically, and one that frees them once (SnapKV) only after its first decode "
+                "step, which frees them, ran eagerly"
+            )
         self.model, self.config, self.state = model, config, patch_state(model)
         self.weights = weight_addresses(model)  # what the graphs read besides the cache (see rebind)
         self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
@@ -316,13 +323,23 @@ def step_applies(cache, ids, kwargs: dict) -> bool:
     )
 
 
+def released(cache: PagedKVCache) -> bool:
+    """Whether a decode step of ``cache`` already handed its prefill's observations to the policy (which freed what a
+    policy that frees once frees then)."""
+    return cache.session.observation_used
+
+
 def captured_step(model, forward: Callable, cache, ids, kwargs: dict) -> torch.Tensor | None:
     """The logits ``[B, 1, V]`` of a decode step replayed from a captured graph, or ``None`` when this forward
-    must run eagerly (:func:`step_applies` says no, or the cache cannot be captured). The cache's first eligible
-    step builds its :class:`DecodeGraphs` (``forward``: the model's unwrapped forward)."""
+    must run eagerly (:func:`step_applies` says no, the cache cannot be captured, or the step is the first of a
+    policy that frees blocks once: that step frees them, eagerly). The cache's first eligible step builds its
+    :class:`DecodeGraphs` (``forward``: the model's unwrapped forward)."""
     if not step_applies(cache, ids, kwargs):
         return None
     runner = cache.session.graphs
+    policy = patch_state(model).config.policy
+    if runner is None and policy.frees_blocks and policy.frees_once and not released(cache):
+        return None  # the first decode step frees the prompt's blocks; the next one reserves and captures
     if runner is None:
         try:
             config = patch_state(model).config

@@ -304,12 +304,15 @@ def _prepare_cache_for_generation(
             )
         # compile_config: decode in static steps, which transformers compiles (unless cuda_graph=True captures them)
         static = generation_config.compile_config is not None and not config.cuda_graph and bool(max_cache_length)
-        model_kwargs[cache_kwarg(model)] = PagedKVCache(  # a policy that frees blocks reuses them: no reservation
+        # a policy that frees blocks reuses them: no reservation, unless it frees them once and its steps are
+        # captured (reserved after its first decode step, which frees them)
+        frees, once = config.policy.frees_blocks, config.policy.frees_once
+        model_kwargs[cache_kwarg(model)] = PagedKVCache(
             model.config,
             config.block_size,
             config.backend,
-            max_length=None if config.policy.frees_blocks else max_cache_length,
-            static=static and not config.policy.frees_blocks,
+            max_length=max_cache_length if not frees or (once and config.cuda_graph) else None,
+            static=static and not frees,
         )
         if generation_config.cache_implementation == "dynamic":  # what was asked for: a cache that grows
             generation_config = copy.copy(generation_config)  # transformers refuses a name beside a cache
@@ -367,8 +370,10 @@ def patch_model(
             :func:`hf_sparse_kv.crossover.policy_key`), block size or timing warns here.
         cuda_graph: capture ``generate()``'s decode steps as CUDA graphs (static steps, see
             :mod:`hf_sparse_kv.graphs`): any mode, left-padded batches and sliding-window layers included, on a CUDA
-            model with a policy that does not free blocks; other steps run eagerly (a model on the CPU warns once,
-            at patching, that it runs eagerly).
+            model with a policy that does not free blocks or frees them once (SnapKV: its first decode step, which
+            frees the prompt's blocks, runs eagerly; the cache is then reserved with the freed blocks left out of
+            every step); other steps run eagerly (a model on the CPU warns once, at patching, that it runs eagerly).
+            A policy that frees blocks at every step (``SinkWindow(evict=True)``) is refused.
         compile: with ``cuda_graph=True``, compile each static step with ``torch.compile(fullgraph=True)`` before
             capturing it: a backend name (``"inductor"``) or a dict of ``torch.compile`` keyword arguments (inductor
             fuses the model's own small kernels: norms, rotary, SiLU; the first step of each plan key compiles).
@@ -396,10 +401,10 @@ def patch_model(
     layers = _validate(model, policy, mode, dense_layers, block_size, backend)
     previous = getattr(model, STATE_ATTR, None)
     original_attn = previous.config.original_attn if previous else model.config._attn_implementation
-    if cuda_graph and policy.frees_blocks:
+    if cuda_graph and policy.frees_blocks and not policy.frees_once:
         raise ValueError(
             f"cuda_graph=True needs a block table that does not change during decoding, and {type(policy).__name__} "
-            "frees blocks: patch with cuda_graph=False for it."
+            "frees blocks at every step: patch with cuda_graph=False for it."
         )
     if compile is not None and not cuda_graph:
         raise ValueError("compile= compiles the captured static step: pass cuda_graph=True with it")

@@ -36,6 +36,11 @@ class StaticBuffers:
             :func:`hf_sparse_kv.attention.static_plan`).
         filled: the host counts ``counts`` holds (``None``: none yet).
         kept: what :meth:`keep` made, by key, for as long as the reservation lives.
+        evicted: per sequence, the blocks freed before the reservation (a policy that frees once, SnapKV: their
+            table entries stay ``-1``), on the host; ``None``: none was. Fixed for the reservation: a static step
+            frees nothing.
+        held: with ``evicted``, the most blocks any sequence's row holds (reserved ones included): the width of a
+            dense selection of the blocks held (``DecodeState.held``); ``None`` otherwise.
     """
 
     max_length: int
@@ -51,6 +56,8 @@ class StaticBuffers:
     plan: object = None
     filled: tuple[int, ...] | None = None
     kept: dict = field(default_factory=dict)
+    evicted: tuple[int, ...] | None = None
+    held: int | None = None
 
     def begin_step(
         self, frame: int, plan, counts: tuple[int, ...] | None, positions: torch.Tensor | None = None

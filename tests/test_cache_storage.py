@@ -100,9 +100,10 @@ def test_reserve_static_refuses_what_a_captured_step_cannot_follow():
     with pytest.raises(ValueError, match="filled cache"):
         PagedKVCache(model.config, block_size=BS).reserve_static(32)  # empty
     cache = _filled_cache(model, 40)
-    cache.free_blocks([[1]])
-    with pytest.raises(ValueError, match="evicted"):
-        cache.reserve_static(64)
+    cache.free_blocks([[1]])  # what a policy that frees once (SnapKV) leaves: a hole the steps never select
+    static = cache.reserve_static(64)
+    held = sum(1 for blk in cache.table.rows[0] if blk >= 0)
+    assert static.evicted == (1,) and static.held == held == len(cache.table.rows[0]) - 1
     cache = PagedKVCache(model.config, block_size=BS)
     with torch.no_grad():
         mask = torch.ones(1, 20, dtype=torch.long, device=DEVICE)

@@ -26,6 +26,7 @@ from hf_sparse_kv.policies import (
     QuantBlockTopK,
     Quest,
     SinkWindow,
+    SnapKV,
     TokenTopK,
     TopPBlockTopK,
     TwoStageBlockTopK,
@@ -83,12 +84,37 @@ def test_compiled_static_step_equals_eager(policy, mode):
             out.append(logits)
     unpatch_model(model)
     torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
-    # the static step counts on the host what the eager step counts
-    assert (cache.decode_steps, cache.kv_bytes_read, cache.auto_steps) == (
-        ref_cache.decode_steps,
-        ref_cache.kv_bytes_read,
-        ref_cache.auto_steps,
-    )
+    assert _counted(cache) == _counted(ref_cache)  # the static step counts on the host what the eager step counts
+
+
+def _counted(cache) -> tuple:
+    """What a cache counted: decode steps, K/V bytes read, ``mode="auto"``'s dense / sparse layer-steps."""
+    return cache.decode_steps, cache.kv_bytes_read, cache.auto_steps
+
+
+@pytest.mark.parametrize("mode", ["block", "token", "auto"])
+@pytest.mark.parametrize("then", [None, Quest(budget=12, sink=4, window=8)], ids=["alone", "then_quest"])
+def test_compiled_static_steps_of_a_policy_that_frees_once_equal_eager(then, mode):
+    """SnapKV's steps after its first (eager, it frees the prompt's blocks), compiled with ``fullgraph=True`` over
+    the table with holes: the eager steps' logits and counters."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = prompt(PROMPT, batch=2)
+    _patch(model, SnapKV(budget=0.4, sink=4, window=8, observe=8, then=then), mode)
+    ref_cache, ref = _eager(model, ids, STEPS)
+    cache = PagedKVCache(model.config, block_size=8)
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        logits = model(logits.argmax(-1), **{cache_kwarg(model): cache}).logits
+        out = [logits]
+        runner = DecodeGraphs(model, cache, PROMPT + STEPS, capture=False, compile="aot_eager")
+        assert cache.static.held is not None
+        for _ in range(STEPS - 1):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert _counted(cache) == _counted(ref_cache)
 
 
 def _pq(model) -> dict:

@@ -51,7 +51,7 @@ def test_slots_across_batches_give_the_eager_tokens(arch, mode):
         eager = greedy_batch(model, batch, policies, 6, **args)
         clock = PhaseClock()
         assert greedy_batch(model, batch, policies, 6, static=True, slots=slots, clock=clock, **args) == eager
-        assert set(slots.runners) == set(policies) - {"snapkv"}  # SnapKV frees blocks: eager, no slot
+        assert set(slots.runners) == set(policies) - {"snapkv"}  # SnapKV frees blocks: steps of its own, no slot
         if i == 0:
             runners = dict(slots.runners)
         assert all(slots.runners[k] is r for k, r in runners.items()), "each policy's runner kept"

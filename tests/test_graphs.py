@@ -2,9 +2,11 @@
 host) computes exactly what the eager step computes. On the CPU the static step runs eagerly; on CUDA it is
 captured and replayed."""
 
+import contextlib
+
 import pytest
 import torch
-from tiny_models import DEVICE, greedy, prompt, tiny_model
+from tiny_models import DEVICE, greedy, prompt, static_steps_anywhere, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.attention import StaticPlan
@@ -15,6 +17,7 @@ from hf_sparse_kv.policies import (
     QuantBlockTopK,
     Quest,
     SinkWindow,
+    SnapKV,
     TokenTopK,
     TopPBlockTopK,
     TwoStageBlockTopK,
@@ -101,13 +104,109 @@ def test_generate_with_cuda_graph_flag_matches_eager():
     torch.testing.assert_close(scores, ref_scores, rtol=0, atol=1e-5)
 
 
-def test_cuda_graph_refuses_a_policy_that_frees_blocks_and_accepts_every_mode():
+def test_cuda_graph_refuses_a_policy_that_frees_blocks_at_every_step_and_accepts_every_mode():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="frees blocks"):
+    with pytest.raises(ValueError, match="frees blocks at every step"):
         patch_model(model, policy=SinkWindow(sink=4, window=8, evict=True), dense_layers=(), cuda_graph=True)
     for mode in ("mask", "token", "block", "auto"):
         patch_model(model, policy=Dense(), mode=mode, cuda_graph=True)
+    patch_model(model, policy=SnapKV(budget=0.25, sink=4, window=8, observe=8), cuda_graph=True)  # frees once
     unpatch_model(model)
+
+
+SNAPKV = [
+    SnapKV(budget=0.3, sink=4, window=8, observe=8),
+    SnapKV(budget=0.4, sink=4, window=8, observe=8, then=Quest(budget=0.15, sink=4, window=8)),
+    SnapKV(budget=0.4, sink=4, window=8, observe=8, then=TokenTopK(budget=0.15, sink=4, window=8)),
+    # a budget past what is held: the counts are cut to what each sequence still holds, as the eager step cuts them
+    SnapKV(budget=0.25, sink=4, window=8, observe=8, then=Quest(budget=0.6, sink=4, window=8)),
+    SnapKV(budget=0.25, sink=4, window=8, observe=8, then=TokenTopK(budget=0.6, sink=4, window=8)),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [(p, m) for p in SNAPKV for m in ("block", "token", "mask") if not (p.granularity == "token" and m == "block")],
+    ids=lambda x: x if isinstance(x, str) else f"{type(x.then).__name__}-{getattr(x.then, 'budget', '')}",
+)
+def test_a_policy_that_frees_once_decodes_statically_after_its_first_step(policy, mode):
+    """SnapKV frees the prompt's blocks at its first decode step (eager), then static steps run over the table with
+    its holes: the eager steps' logits and counters (steps, K/V bytes read), in a left-padded batch; the reservation
+    after the freeing holds fewer blocks than the prompt's. Static steps before the first step are refused."""
+    model = tiny_model("llama")
+    ids, mask = _padded_prompt([61, 40, 53], 61)
+    patch_model(model, policy=policy, mode=mode, block_size=8, dense_layers=(0,))
+    eager = PagedKVCache(model.config, block_size=8)
+    ref = _eager_padded(model, ids, mask, 20, eager)
+    cache = PagedKVCache(model.config, block_size=8)
+    kw = {cache_kwarg(model): cache}
+    out = []
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
+        with pytest.raises(ValueError, match="only after its first decode step"):
+            DecodeGraphs(model, cache, ids.shape[1] + 20, capture=False)
+        m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits = model(logits.argmax(-1), attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, **kw).logits
+        out.append(logits)  # the first step, eager: it frees the prompt's blocks
+        assert cache.evicted and cache.static is None
+        runner = DecodeGraphs(model, cache, ids.shape[1] + 20, capture=DEVICE.type == "cuda")
+        assert cache.static.evicted == cache.evicted_counts() and min(cache.static.evicted) > 0
+        for _ in range(19):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert cache.decode_steps == eager.decode_steps == 20
+    assert cache.kv_bytes_read == eager.kv_bytes_read
+    assert cache.blocks_in_use < sum(-(-(n + 20) // 8) for n in (61, 40, 53))  # the freed blocks stay freed
+
+
+def test_generate_with_cuda_graph_decodes_a_policy_that_frees_once_statically(monkeypatch):
+    """``generate()`` with ``cuda_graph=True`` and SnapKV: its first decode step runs eagerly (it frees the prompt's
+    blocks), the others through the cache's :class:`DecodeGraphs` (static steps; on the CPU uncaptured): the eager
+    ``generate()``'s tokens and scores."""
+    static_steps_anywhere(monkeypatch)
+    model = tiny_model("llama")
+    ids = prompt(61, batch=2)
+    policy = SNAPKV[1]
+    patch_model(model, policy=policy, mode="block", block_size=8, dense_layers=(0,))
+    ref_seqs, ref_scores = greedy(model, ids, new_tokens=20)
+    on_cpu = pytest.warns(UserWarning, match="not on a CUDA device") if DEVICE.type == "cpu" else None
+    with on_cpu or contextlib.nullcontext():
+        patch_model(
+            model, policy=policy, mode="block", block_size=8, dense_layers=(0,), cuda_graph=True,
+            merge_projections=False,
+        )  # fmt: skip
+    with torch.no_grad():  # the cache generate() makes: reserved for its maximum length (after the first step)
+        out = model.generate(
+            ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, output_scores=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    unpatch_model(model)
+    cache = out.past_key_values
+    assert isinstance(cache.session.graphs, DecodeGraphs) and cache.static.evicted is not None
+    assert cache.decode_steps == 19  # the first eager (it frees), 18 static
+    assert torch.equal(out.sequences, ref_seqs)
+    torch.testing.assert_close(torch.stack(out.scores), ref_scores, rtol=0, atol=1e-5)
+
+
+def test_a_reservation_made_after_freeing_is_not_refilled():
+    """``load_static`` refuses a reservation whose table has freed blocks (its steps keep the blocks it held)."""
+    model = tiny_model("llama")
+    ids = prompt(61, batch=2)
+    patch_model(model, policy=SNAPKV[0], mode="block", block_size=8, dense_layers=(0,))
+    cache, source = PagedKVCache(model.config, block_size=8), PagedKVCache(model.config, block_size=8)
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        model(logits.argmax(-1), **{cache_kwarg(model): cache})
+        DecodeGraphs(model, cache, 90, capture=False)
+    patch_model(model, policy=Dense(), mode="block", block_size=8, dense_layers=(0,))
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): source})
+    unpatch_model(model)
+    with pytest.raises(ValueError, match="reservation made after blocks were freed"):
+        cache.load_static(source)
 
 
 # ---- left padding and sliding-window layers ----------------------------------------------------------------------
@@ -123,9 +222,10 @@ def _padded_prompt(lengths, total):
     return ids, mask
 
 
-def _eager_padded(model, ids, mask, n):
-    """Greedy steps of an eager forward with the growing mask and generate()'s position ids: logits ``[B, n, V]``."""
-    cache = PagedKVCache(model.config, block_size=8)
+def _eager_padded(model, ids, mask, n, cache=None):
+    """Greedy steps of an eager forward with the growing mask and generate()'s position ids: logits ``[B, n, V]``
+    (``cache``: the one to fill, for its counters; default a new one)."""
+    cache = PagedKVCache(model.config, block_size=8) if cache is None else cache
     kw = {cache_kwarg(model): cache}
     out = []
     with torch.no_grad():

@@ -354,8 +354,8 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
 
 def test_estimate_prices_needle_cells_from_those_decoded_the_way_the_config_decodes():
     """Finished cells decoded through captured steps and eagerly price a needle job each for the config that decodes
-    that way: with ``static: true`` the static cells' seconds (SnapKV's eager ones, since it always decodes eagerly),
-    without it the eager ones; a policy with cells of the other way only is priced from them."""
+    that way: with ``static: true`` the static cells' seconds (SnapKV's too: it frees blocks once, then decodes
+    statically), without it the eager ones; a policy with cells of the other way only is priced from them."""
     from evaluation.suite import _units, estimate
 
     cfg = _tiny_cfg("qwen2.5")
@@ -378,9 +378,8 @@ def test_estimate_prices_needle_cells_from_those_decoded_the_way_the_config_deco
         est = estimate({**cfg, "static": static}, rows=rows, fresh=True)
         return sum(s for job, s, m in est if job is not None and job.task == "needle" and job.params == single.params)
 
-    eager_here = {"snapkv", "snapkv1/4+quest", "token_topk"}  # SnapKV's always; TokenTopK has no static cell
-    expect = {
-        True: sum(10.0 if u[4] == "snapkv" else 5.0 if u[4] in eager_here else 1.0 for u in units),
+    expect = {  # TokenTopK has no static cell: its eager ones price it either way
+        True: sum(2.0 if u[4] == "snapkv" else 5.0 if u[4] == "token_topk" else 1.0 for u in units),
         False: sum(10.0 if u[4] == "snapkv" else 5.0 for u in units),
     }
     assert priced(True) == pytest.approx(expect[True]) and priced(False) == pytest.approx(expect[False])
@@ -564,7 +563,7 @@ def test_a_task_block_static_key_overrides_the_configs():
 def test_static_decode_in_the_suite_gives_the_eager_answers(tmp_path):
     """``static: true`` (the config's, for needles and QA; a task's block may set its own) decodes through static
     steps: every cell's generated text is the eager run's, and each cell says how it was decoded (SnapKV, which frees
-    blocks, eagerly)."""
+    blocks once, too: its first step eagerly, the others statically)."""
     cfg = _tiny_cfg("qwen2.5")
     cfg["perplexity"] = dict(cfg["perplexity"], windows=0)
     cfg["needle"] = dict(cfg["needle"], trials=2, hard={"variants": []}, start=None)
@@ -582,7 +581,38 @@ def test_static_decode_in_the_suite_gives_the_eager_answers(tmp_path):
     assert answers(static) == answers(eager) and len(answers(eager)) > 20
     assert {r["decode"] for r in eager if r["task"] != "perplexity"} == {"eager"}
     ways = {r["policy"]: r["decode"] for r in static if r["task"] != "perplexity"}
-    assert ways["snapkv"] == "eager" and ways["quest"] == ways["dense"] == ways["oracle"] == "static"
+    assert ways["snapkv"] == ways["quest"] == ways["dense"] == ways["oracle"] == "static"
+
+
+def test_static_decode_way_perplexity_equals_the_eager_one(tmp_path, monkeypatch):
+    """SnapKV's perplexity (the ``decode`` way) with ``static: true``: its first step eager (it frees the prompt's
+    blocks), the others static steps, and dense beside it static throughout: the eager run's NLL and KL, each cell
+    saying how it was decoded."""
+    cfg = _tiny_cfg("qwen2.5")
+    cfg["policies"] = [p for p in cfg["policies"] if p["name"] in ("dense", "snapkv")]
+    cfg.update(decisive={"policies": ["dense"], "budgets": ["1/8"]}, qa=None)
+    cfg["perplexity"] = dict(cfg["perplexity"], windows=2)
+    cfg["needle"] = dict(cfg["needle"], trials=0, hard={"variants": []}, start=None)
+    from hf_sparse_kv import graphs
+
+    steps = []
+    original = graphs.DecodeGraphs.step
+    monkeypatch.setattr(graphs.DecodeGraphs, "step", lambda self, *a, **k: steps.append(1) or original(self, *a, **k))
+    eager = _run_tiny(cfg, tmp_path / "eager")
+    assert not steps
+    static = _run_tiny(dict(cfg, static=True), tmp_path / "static")
+    scored = cfg["perplexity"]["scored"]  # one batch of both windows: dense's steps, then each SnapKV cell's but one
+    assert len(steps) == scored + 4 * (scored - 1)
+
+    def decoded(rows):
+        return {(r["window"], r["policy"], r["budget"]): r for r in rows if r.get("way") == "decode"}
+
+    e, st = decoded(eager), decoded(static)
+    assert e.keys() == st.keys() and len(e) == 2 * 2 * 2  # windows x budgets x two SnapKV specs
+    assert {r["decode"] for r in e.values()} == {"eager"} and {r["decode"] for r in st.values()} == {"static"}
+    for k, r in st.items():
+        assert r["nll_sum"] == pytest.approx(e[k]["nll_sum"], rel=1e-5)
+        assert r["kl_mean"] == pytest.approx(e[k]["kl_mean"], rel=1e-3, abs=1e-6)
 
 
 def test_grid_tables_put_issue_12s_policies_against_length_and_budget():

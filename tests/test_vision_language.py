@@ -13,9 +13,9 @@ import contextlib
 import pytest
 import torch
 import transformers as T
-from tiny_models import DEVICE
+from tiny_models import DEVICE, static_steps_anywhere
 
-from hf_sparse_kv import PagedKVCache, cache_kwarg, graphs, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Quest
 
@@ -125,20 +125,10 @@ def test_dense_is_the_model_and_a_sparse_policy_reads_less(name):
     assert torch.equal(generate(model, inputs)[0], want), f"{name}: unpatching did not restore the model"
 
 
-class _CudaLooking(torch.Tensor):
-    """Token ids that say they are on a GPU, so that ``cuda_graph=True`` takes its static steps on the CPU (where
-    :class:`DecodeGraphs` runs them without capturing)."""
-
-    is_cuda = True
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_static_steps_of_cuda_graph_give_the_eager_steps(name, monkeypatch):
     model, inputs = build(name)
-    applies = graphs.step_applies
-    monkeypatch.setattr(
-        graphs, "step_applies", lambda cache, ids, kwargs: applies(cache, ids.as_subclass(_CudaLooking), kwargs)
-    )
+    static_steps_anywhere(monkeypatch)
     for policy in (Dense(), Quest(budget=32, sink=4, window=16)):
         patch_model(model, policy=policy, block_size=16, backend=BACKEND, dense_layers=())
         tokens, logits, _ = generate(model, inputs)

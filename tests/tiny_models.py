@@ -72,6 +72,24 @@ def prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=g).to(DEVICE)
 
 
+class _CudaLooking(torch.Tensor):
+    """Token ids that say they are on a GPU, so that ``cuda_graph=True`` takes its static steps on the CPU (where
+    :class:`~hf_sparse_kv.graphs.DecodeGraphs` runs them without capturing)."""
+
+    is_cuda = True
+
+
+def static_steps_anywhere(monkeypatch) -> None:
+    """Let ``cuda_graph=True``'s decode steps go through :class:`~hf_sparse_kv.graphs.DecodeGraphs` on any device (on
+    the CPU, uncaptured): ``graphs.step_applies`` sees the token ids as CUDA ones."""
+    from hf_sparse_kv import graphs
+
+    applies = graphs.step_applies
+    monkeypatch.setattr(
+        graphs, "step_applies", lambda cache, ids, kwargs: applies(cache, ids.as_subclass(_CudaLooking), kwargs)
+    )
+
+
 def greedy(model, input_ids, new_tokens: int = 32, **kw):
     """Greedy generate with scores: (sequences, stacked scores [steps, B, V])."""
     with torch.no_grad():
@@ -90,7 +108,7 @@ def greedy(model, input_ids, new_tokens: int = 32, **kw):
 def batch_policies(quant4: bool = True) -> dict:
     """The policies the batched / static / slot decoding tests run side by side (budgets for ~150-token prompts in
     blocks of 8): dense, Quest, the oracle, TokenTopK, ``quant4`` (per-token state in the cache; ``quant4=False``
-    leaves it out) and SnapKV (frees blocks: decodes eagerly)."""
+    leaves it out) and SnapKV (frees blocks once: its first step eager, then static steps of its own, no slot)."""
     policies = {
         "dense": Dense(),
         "quest": Quest(budget=0.25, sink=4, window=16),

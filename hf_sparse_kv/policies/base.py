@@ -85,6 +85,9 @@ class DecodeState:
             per reservation for what depends on ``key`` alone (``None`` outside static steps). Index tensors that are
             the same in every layer and at every step (:meth:`Policy.dense_selection`) go through it, so that a
             captured step does not rebuild them in every layer.
+        held: a static step on a table with freed blocks (a policy that :attr:`~Policy.frees_once` released them
+            before the reservation): the most blocks any sequence's row holds (the reserved ones included), the
+            width of the dense selection of the blocks held; ``None``: no block was freed.
     """
 
     q: torch.Tensor
@@ -107,6 +110,7 @@ class DecodeState:
     planned_counts: torch.Tensor | None = None
     layer: int | None = None
     keep: Callable | None = None
+    held: int | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -126,6 +130,16 @@ class DecodeState:
     def live_tokens(self) -> tuple[int, ...]:
         """Tokens each sequence still holds (freed blocks are always full ones)."""
         return tuple(n - e * self.block_size for n, e in zip(self.lens, self.evicted or (0,) * len(self.lens)))
+
+
+def held_blocks(table: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, width]`` int32: per sequence, the logical numbers of the blocks its row of ``table [B, nblk]`` holds
+    (entry ``>= 0``), in order, then ``-1``: the freed blocks (``-1`` entries) are left out, and so are the entries
+    past a shorter row's end. On the device, without a host sync (a static step builds it)."""
+    nblk = table.shape[1]
+    at = torch.arange(nblk, device=table.device).view(1, -1)
+    order = torch.where(table >= 0, at, nblk).sort(dim=1).values[:, :width]  # held first, in order
+    return torch.where(order < nblk, order, -1).int()
 
 
 def check_budget(budget: float | None, name: str = "budget", required: bool = True) -> None:
@@ -286,7 +300,16 @@ class Policy:
     @property
     def frees_blocks(self) -> bool:
         """Whether the policy frees blocks (eviction or compression): the block table then changes while decoding
-        (no CUDA graphs), and the pool is not reserved up to ``generate()``'s maximum length."""
+        (no CUDA graphs unless :attr:`frees_once`), and the pool is not reserved up to ``generate()``'s maximum
+        length."""
+        return False
+
+    @property
+    def frees_once(self) -> bool:
+        """Whether a policy that frees blocks frees them only at its first decode step (a prompt compressed once,
+        SnapKV): after that step its block table only grows, so static decoding (captured or compiled steps) can
+        take over from the second step on, over a table with holes (``-1`` at the freed blocks). ``False`` for a
+        policy that frees at every step (``SinkWindow(evict=True)``) and for one that frees nothing."""
         return False
 
     def check_patch(self, mode: str, dense_layers: tuple[int, ...]) -> None:
@@ -367,6 +390,14 @@ class Policy:
         mode masks (no kernel reads their keys), and the same tensor serves every layer and step."""
         B, H = state.q.shape[0], state.num_kv_heads
         counts = state.live_blocks()
+        if state.keep is not None and state.held is not None:  # a static step over a table with freed blocks
+            nblk, width, device = state.num_blocks, state.held, state.q.device
+            table = state.block_table
+            indices = state.keep(
+                ("blocks held", str(device), B, H, nblk, width),
+                lambda: held_blocks(table, width).unsqueeze(1).expand(B, H, width).contiguous(),
+            )
+            return Selection("block", indices, state.start, state.start, (width,) * B)
         if state.keep is not None and not (state.evicted is not None and any(state.evicted)):
             nblk, device = state.num_blocks, state.q.device
             indices = state.keep(

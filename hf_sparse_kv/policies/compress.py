@@ -75,6 +75,10 @@ class SnapKV(Policy):
     def frees_blocks(self) -> bool:
         return True
 
+    @property
+    def frees_once(self) -> bool:
+        return True  # the prompt's blocks at the first decode step; the table only grows after it
+
     def release(self, cache, lens: tuple[int, ...], observation) -> None:
         """At the first decode step after the prefill: free the unkept prompt blocks (:meth:`blocks_to_free`)."""
         if observation.scores is not None:
