@@ -95,7 +95,7 @@ from transformers import StaticCache
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.ops.layout import cdiv
-from hf_sparse_kv.policies import BlockTopK, Dense, Quest, SinkWindow, TopPBlockTopK
+from hf_sparse_kv.policies import BlockTopK, Dense, Quest, SinkWindow, SnapKV, TopPBlockTopK
 
 
 def llama8b_config(layers: int) -> LlamaConfig:
@@ -234,7 +234,12 @@ def weight_bytes(model, batch: int) -> int:
 
 def metadata_bytes(model, policy, blocks: int, sparse_layers: float) -> int:
     """Block metadata a step's selection reads: ``sparse_layers`` layers (an average under ``mode="auto"``) of min
-    and max (Quest) or mean (BlockTopK) of the ``blocks`` blocks held (all sequences), ``[Hkv, D]`` bf16 each."""
+    and max (Quest) or mean (BlockTopK) of the ``blocks`` blocks held (all sequences), ``[Hkv, D]`` bf16 each; SnapKV
+    with a fractional budget: its ``then``'s over that share of the blocks (an int budget: over all, an upper
+    bound)."""
+    if isinstance(policy, SnapKV):
+        share = policy.budget if isinstance(policy.budget, float) else 1.0
+        return metadata_bytes(model, policy.then, int(blocks * share), sparse_layers) if policy.then else 0
     per = 2 if isinstance(policy, Quest) else 1 if isinstance(policy, BlockTopK) else 0
     cfg = model.config
     return int(per * sparse_layers * blocks * cfg.num_key_value_heads * cfg.head_dim * 2)
@@ -285,6 +290,7 @@ STATIC_ROW = "unpatched StaticCache + compile"
 PQ_PREFILL = TopPBlockTopK(
     budget=0.0625, sink=4, window=32, candidates=4, p=1.0, pool="heads", coarse="pq", calibration="prefill"
 )
+SNAPKV_QUEST = SnapKV(budget=0.25, sink=4, window=32, observe=32, then=Quest(budget=0.0625, sink=4, window=32))
 TTFT_ROWS = [  # (name for --rows, policy, the row's label): each prefill timed against the unpatched model's
     ("TTFT", Quest(budget=0.0625), "TTFT (s): unpatched / patched"),
     # the product-quantized selector fits each layer's centres at the prefill: what that adds to a prompt's TTFT
@@ -302,6 +308,10 @@ GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() argumen
     # issue 13's product-quantized coarse pass, its centres fitted at the prefill (TTFT holds the fit), 4 x candidates
     ("generate: graph: pq prefill-fit c4 1/16 block", PQ_PREFILL, {}, None),
     ("generate: graph+compile+merged: pq prefill-fit c4 1/16 block", PQ_PREFILL, {}, "graph+merged"),
+    # SnapKV keeps a quarter of the prompt at its first decode step (eager), Quest reads 1/16 of the context from
+    # it; the other steps captured over the table with the freed blocks left out
+    ("generate: graph: SnapKV 1/4 + Quest 1/16 block", SNAPKV_QUEST, {}, None),
+    ("generate: graph+compile+merged: SnapKV 1/4 + Quest 1/16 block", SNAPKV_QUEST, {}, "graph+merged"),
 ]
 
 

@@ -59,6 +59,30 @@ def test_bench_e2e_times_the_prefill_fit_row(monkeypatch, tmp_path):
     assert all(float(r["ttft_s"]) > 0 and float(r["ms_per_token"]) > 0 for r in rows.values())
 
 
+def test_bench_e2e_times_snapkvs_generate_row_through_its_static_steps(monkeypatch, tmp_path):
+    """The row of SnapKV 1/4 + Quest 1/16 under ``cuda_graph=True`` runs (on the CPU every step is eager: a CPU
+    model is not captured; its static steps are tests/test_graphs.py's), unpadded and left-padded, and reads less
+    K/V a step than Quest 1/16 over the whole prompt."""
+    row = "generate: graph: SnapKV 1/4 + Quest 1/16 block"
+    _run(
+        monkeypatch,
+        tmp_path,
+        "--shapes",
+        "",
+        "--generate",
+        "2x256",
+        "--rows",
+        f"{row},generate: graph: Quest 1/16 block",
+    )
+    with open(tmp_path / "e2e.csv") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {
+        f"{name}{s}" for name in (row, "generate: graph: Quest 1/16 block") for s in ("", " (left-padded)")
+    }
+    assert all(float(r["ms_per_token"]) > 0 and float(r["of_floor"]) > 0 for r in rows.values())
+    assert float(rows[row]["kv_mb_per_step"]) < float(rows["generate: graph: Quest 1/16 block"]["kv_mb_per_step"])
+
+
 def test_bench_e2e_times_the_prefill_of_each_ttft_row(monkeypatch, tmp_path):
     """``--ttft``: the unpatched prefill, then Quest's and the product-quantized selector's (whose prefill fits its
     centres), each a row of its own with its ratio to the unpatched one; ``--rows`` picks either."""
