@@ -212,12 +212,13 @@ class PagedLayer(DynamicLayer):
             [torch.cat([t[idx], t.new_zeros((capacity - len(blocks), *t.shape[1:]))]) for t in self._tensors()]
         )
 
-    def load(self, source: PagedLayer, length: int, dst: list[int], src: list[int]) -> None:
-        """Hold ``source``'s blocks ``src`` (its physical ids) at this layer's blocks ``dst`` and its ``length``,
-        every tensor in place: pools and metadata zeroed and copied, the declared state zeroed (the cache
-        recomputes it). For ``PagedKVCache.load_static``."""
-        di = torch.tensor(dst, dtype=torch.long, device=self.device)
-        si = torch.tensor(src, dtype=torch.long, device=self.device)
+    def load(self, source: PagedLayer, length: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Hold ``source``'s blocks ``src`` (its physical ids, ``[N]`` long on this layer's device) at this layer's
+        blocks ``dst`` (``[N]`` long) and its ``length``, every tensor in place: pools and metadata zeroed and copied,
+        the declared state zeroed (the cache recomputes it). For ``PagedKVCache.load_static``, which builds the two
+        index tensors once per device for all layers (from host lists of every sequence's blocks: ~1 ms each at
+        8 x 32K, which per layer was most of a refill's host time)."""
+        di, si = dst, src
         for t, s in zip(self._tensors()[:5], source._tensors()[:5]):
             t.zero_()
             t.index_copy_(0, di, s.index_select(0, si))
@@ -638,9 +639,15 @@ class PagedKVCache(DynamicCache):
         dst = [self.table.rows[b][j] for b in range(B) for j in range(need[b])]
         src = [source.table.rows[b][j] for b in range(B) for j in range(need[b])]
         stored = [max(length - p, 0) for p in pads]
+        index: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per device, made once for all its layers
         for mine, theirs in zip(self.layers, source.layers):
-            if isinstance(mine, (PagedLayer, WindowRing)):
-                mine.load(theirs, length, dst, src)
+            if isinstance(mine, PagedLayer):
+                key = str(mine.device)
+                if key not in index:
+                    index[key] = tuple(torch.tensor(x, dtype=torch.long).to(mine.device) for x in (dst, src))
+                mine.load(theirs, length, *index[key])
+            elif isinstance(mine, WindowRing):
+                mine.load(theirs, length)
         self.pads = pads
         self._pads_on = {}
         self.static.reload(pads)

@@ -142,10 +142,9 @@ class WindowRing(CacheLayerMixin):
             and keys.device == self.keys.device
         )
 
-    def load(self, layer, length: int, *blocks) -> None:
+    def load(self, layer, length: int) -> None:
         """Hold ``layer``'s window (transformers' sliding-window layer, positions ``length - n .. length - 1``) in
-        place of this ring's contents, every tensor at its address (see ``PagedKVCache.load_static``; ``blocks``,
-        the paged layers' block ids, do not concern a ring)."""
+        place of this ring's contents, every tensor at its address (see ``PagedKVCache.load_static``)."""
         keys, values = layer.keys, layer.values
         n = keys.shape[2]
         slots = torch.arange(length - n, length, device=keys.device) % self.sliding_window
