@@ -20,7 +20,7 @@ import copy
 import inspect
 import typing
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import partial, update_wrapper
 
 import torch
@@ -116,7 +116,8 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
             f"(e.g. {_head_model_name(model)}: patch_model(model), not model.model); the layers and the config are "
             "shared, so the inner model is patched with it."
         )
-    if not getattr(model, "_supports_attention_backend", False) or not _attention_modules(model):
+    attention = _attention_modules(model)
+    if not getattr(model, "_supports_attention_backend", False) or not attention:
         raise TypeError(
             f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, so it "
             "cannot be patched; models such as Llama, Qwen2/3, Mistral and Gemma3 can."
@@ -124,7 +125,7 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
     n = _num_layers(model)
     if dense_layers is None:  # the default: the first two layers (the first, on a one-layer model)
         dense_layers = range(min(2, n))
-    problem = _unsupported_attention(model) or _own_cache(model)
+    problem = _unsupported_attention(model, attention) or _own_cache(model)
     if problem:
         raise TypeError(problem)
     if isinstance(dense_layers, (str, bytes)) or not isinstance(dense_layers, Iterable):
@@ -137,15 +138,28 @@ def _validate(model, policy, mode, dense_layers, block_size, backend) -> tuple[i
     return layers
 
 
-def _unsupported_attention(model: torch.nn.Module) -> str | None:
+def _forward_parameters(cls: type) -> Mapping[str, inspect.Parameter] | None:
+    """The parameters of ``cls.forward`` (``None`` where ``inspect`` cannot read them); read once per class and call
+    of :func:`_validate`'s checks (a model repeats one attention class in every layer)."""
+    try:
+        return inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def _unsupported_attention(model: torch.nn.Module, attention: list[torch.nn.Module]) -> str | None:
     """Why ``model``'s attention cannot run through the sparse attention unchanged (``None``: it can): a cache the
     attention takes under a name this patch does not look for (it would never see the paged cache and stay dense,
     silently), learned attention sinks (GPT-OSS: a per-head logit in every softmax, which the decode kernels leave
     out) or soft-capped attention logits (Gemma-2: ``cap * tanh(logit / cap)``, which neither the kernels nor SDPA
     apply)."""
     name = type(model).__name__
-    for module in _attention_modules(model):
-        params = inspect.signature(type(module).forward).parameters
+    signatures: dict[type, Mapping | None] = {}
+    for module in attention:
+        cls = type(module)
+        if cls not in signatures:
+            signatures[cls] = _forward_parameters(cls)
+        params = signatures[cls] or {}
         if not any(p in params for p in CACHE_NAMES):
             return (
                 f"{name}'s attention ({type(module).__name__}) takes its cache under none of {CACHE_NAMES}: the "
@@ -180,19 +194,17 @@ def _own_cache(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot take a :class:`PagedKVCache` (``None``: it can): a forward of the model or of a model
     inside it whose cache parameter is typed as a cache class of its own (MiniMax's ``MiniMaxCache``: its forward
     refuses any other, so every ``generate()`` would fail after patching)."""
-    for module in model.modules():
-        if not hasattr(module, "config"):
-            continue
-        try:
-            params = inspect.signature(type(module).forward).parameters
-        except (TypeError, ValueError):
+    classes = dict.fromkeys(type(module) for module in model.modules() if hasattr(module, "config"))
+    for cls in classes:  # the check reads the class's forward only: once per class
+        params = _forward_parameters(cls)
+        if params is None:
             continue
         for name in CACHE_NAMES:
             hint = params[name].annotation if name in params else None
             for kind in typing.get_args(hint) or (hint,):
                 if isinstance(kind, type) and issubclass(kind, Cache) and not issubclass(PagedKVCache, kind):
                     return (
-                        f"{type(model).__name__} keeps a cache of its own ({type(module).__name__}.forward takes "
+                        f"{type(model).__name__} keeps a cache of its own ({cls.__name__}.forward takes "
                         f"{name}: {kind.__name__}) and refuses any other, so it cannot decode from a PagedKVCache. "
                         "Not supported."
                     )
