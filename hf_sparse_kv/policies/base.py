@@ -301,7 +301,7 @@ class Policy:
     def frees_blocks(self) -> bool:
         """Whether the policy frees blocks (eviction or compression): the block table then changes while decoding
         (no CUDA graphs unless :attr:`frees_once`), and the pool is not reserved up to ``generate()``'s maximum
-        length."""
+        length (unless :attr:`frees_once` under ``cuda_graph=True``: its captured steps need the reservation)."""
         return False
 
     @property
