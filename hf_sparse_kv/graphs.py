@@ -325,8 +325,8 @@ def step_applies(cache, ids, kwargs: dict) -> bool:
 
 def released(cache: PagedKVCache) -> bool:
     """Whether a decode step of ``cache`` already handed its prefill's observations to the policy (which freed what a
-    policy that frees once frees then)."""
-    return cache.session.observation_used
+    policy that frees once frees then), or the cache has no paged layer (nothing to observe, nothing ever freed)."""
+    return cache.session.observation_used or not cache.paged_layers
 
 
 def captured_step(model, forward: Callable, cache, ids, kwargs: dict) -> torch.Tensor | None:

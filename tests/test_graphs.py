@@ -162,6 +162,32 @@ def test_a_policy_that_frees_once_decodes_statically_after_its_first_step(policy
     assert cache.blocks_in_use < sum(-(-(n + 20) // 8) for n in (61, 40, 53))  # the freed blocks stay freed
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_a_policy_that_frees_once_decodes_statically_beside_sliding_window_layers(arch):
+    """SnapKV on Gemma-3 (sliding and full layers) and Mistral with a window (every layer sliding: nothing paged,
+    nothing freed): after its eager first step, static steps over the rings and the paged table's holes give the
+    eager steps' logits, left-padded."""
+    model = tiny_model(arch)
+    ids, mask = _padded_prompt([61, 44], 61)
+    patch_model(model, policy=SNAPKV[1], mode="block", block_size=8, dense_layers=())
+    ref = _eager_padded(model, ids, mask, 16)
+    cache = PagedKVCache(model.config, block_size=8)
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
+        m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits = model(logits.argmax(-1), attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, **kw).logits
+        out = [logits]
+        runner = DecodeGraphs(model, cache, ids.shape[1] + 16, capture=DEVICE.type == "cuda")
+        for _ in range(15):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert (cache.static.evicted is not None) == bool(cache.paged_layers)
+
+
 def test_generate_with_cuda_graph_decodes_a_policy_that_frees_once_statically(monkeypatch):
     """``generate()`` with ``cuda_graph=True`` and SnapKV: its first decode step runs eagerly (it frees the prompt's
     blocks), the others through the cache's :class:`DecodeGraphs` (static steps; on the CPU uncaptured): the eager
