@@ -217,6 +217,33 @@ def test_generate_with_cuda_graph_decodes_a_policy_that_frees_once_statically(mo
     torch.testing.assert_close(torch.stack(out.scores), ref_scores, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["block", "token"])
+def test_a_policy_that_frees_once_decodes_statically_through_the_triton_kernels(mode):
+    """The same through the Triton kernels (the interpreter on the CPU): SnapKV 0.4 + Quest, left-padded; its static
+    steps read the table with holes as its eager steps do (logits, K/V bytes)."""
+    model = tiny_model("llama")
+    ids, mask = _padded_prompt([61, 44], 61)
+    patch_model(model, policy=SNAPKV[1], mode=mode, block_size=8, dense_layers=(0,), backend="triton")
+    eager = PagedKVCache(model.config, block_size=8, backend="triton")
+    ref = _eager_padded(model, ids, mask, 8, eager)
+    cache = PagedKVCache(model.config, block_size=8, backend="triton")
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
+        m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits = model(logits.argmax(-1), attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, **kw).logits
+        out = [logits]
+        runner = DecodeGraphs(model, cache, ids.shape[1] + 8, capture=DEVICE.type == "cuda")
+        for _ in range(7):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    unpatch_model(model)
+    assert cache.static.evicted is not None
+    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert cache.kv_bytes_read == eager.kv_bytes_read
+
+
 def test_a_reservation_made_after_freeing_is_not_refilled():
     """``load_static`` refuses a reservation whose table has freed blocks (its steps keep the blocks it held)."""
     model = tiny_model("llama")
