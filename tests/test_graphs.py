@@ -124,6 +124,27 @@ SNAPKV = [
 ]
 
 
+def _static_after_first_step(model, ids, mask, n, backend="auto", before_first=None):
+    """Prefill the left-padded ``ids``, decode the first of ``n`` greedy steps eagerly (a policy that frees once frees
+    then), the others through :class:`DecodeGraphs` (captured on CUDA): the cache and the logits ``[B, n, V]``.
+    ``before_first(cache)`` runs between the prefill and the first step."""
+    cache = PagedKVCache(model.config, block_size=8, backend=backend)
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
+        if before_first is not None:
+            before_first(cache)
+        m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits = model(logits.argmax(-1), attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, **kw).logits
+        out = [logits]
+        runner = DecodeGraphs(model, cache, ids.shape[1] + n, capture=DEVICE.type == "cuda")
+        for _ in range(n - 1):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    return cache, torch.cat(out, 1)
+
+
 @pytest.mark.parametrize(
     ("policy", "mode"),
     [(p, m) for p in SNAPKV for m in ("block", "token", "mask") if not (p.granularity == "token" and m == "block")],
@@ -138,25 +159,15 @@ def test_a_policy_that_frees_once_decodes_statically_after_its_first_step(policy
     patch_model(model, policy=policy, mode=mode, block_size=8, dense_layers=(0,))
     eager = PagedKVCache(model.config, block_size=8)
     ref = _eager_padded(model, ids, mask, 20, eager)
-    cache = PagedKVCache(model.config, block_size=8)
-    kw = {cache_kwarg(model): cache}
-    out = []
-    with torch.no_grad():
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
+
+    def refused(cache):  # before the first step has freed the prompt's blocks
         with pytest.raises(ValueError, match="only after its first decode step"):
             DecodeGraphs(model, cache, ids.shape[1] + 20, capture=False)
-        m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        logits = model(logits.argmax(-1), attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, **kw).logits
-        out.append(logits)  # the first step, eager: it frees the prompt's blocks
-        assert cache.evicted and cache.static is None
-        runner = DecodeGraphs(model, cache, ids.shape[1] + 20, capture=DEVICE.type == "cuda")
-        assert cache.static.evicted == cache.evicted_counts() and min(cache.static.evicted) > 0
-        for _ in range(19):
-            logits = runner.step(logits.argmax(-1))
-            out.append(logits)
+
+    cache, out = _static_after_first_step(model, ids, mask, 20, before_first=refused)
     unpatch_model(model)
-    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    assert cache.static.evicted == cache.evicted_counts() and min(cache.static.evicted) > 0
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert cache.decode_steps == eager.decode_steps == 20
     assert cache.kv_bytes_read == eager.kv_bytes_read
     assert cache.blocks_in_use < sum(-(-(n + 20) // 8) for n in (61, 40, 53))  # the freed blocks stay freed
@@ -171,20 +182,9 @@ def test_a_policy_that_frees_once_decodes_statically_beside_sliding_window_layer
     ids, mask = _padded_prompt([61, 44], 61)
     patch_model(model, policy=SNAPKV[1], mode="block", block_size=8, dense_layers=())
     ref = _eager_padded(model, ids, mask, 16)
-    cache = PagedKVCache(model.config, block_size=8)
-    kw = {cache_kwarg(model): cache}
-    with torch.no_grad():
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
-        m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        logits = model(logits.argmax(-1), attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, **kw).logits
-        out = [logits]
-        runner = DecodeGraphs(model, cache, ids.shape[1] + 16, capture=DEVICE.type == "cuda")
-        for _ in range(15):
-            logits = runner.step(logits.argmax(-1))
-            out.append(logits)
+    cache, out = _static_after_first_step(model, ids, mask, 16)
     unpatch_model(model)
-    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert (cache.static.evicted is not None) == bool(cache.paged_layers)
 
 
@@ -226,21 +226,10 @@ def test_a_policy_that_frees_once_decodes_statically_through_the_triton_kernels(
     patch_model(model, policy=SNAPKV[1], mode=mode, block_size=8, dense_layers=(0,), backend="triton")
     eager = PagedKVCache(model.config, block_size=8, backend="triton")
     ref = _eager_padded(model, ids, mask, 8, eager)
-    cache = PagedKVCache(model.config, block_size=8, backend="triton")
-    kw = {cache_kwarg(model): cache}
-    with torch.no_grad():
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(ids, attention_mask=mask, position_ids=pos, **kw).logits[:, -1:]
-        m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        logits = model(logits.argmax(-1), attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, **kw).logits
-        out = [logits]
-        runner = DecodeGraphs(model, cache, ids.shape[1] + 8, capture=DEVICE.type == "cuda")
-        for _ in range(7):
-            logits = runner.step(logits.argmax(-1))
-            out.append(logits)
+    cache, out = _static_after_first_step(model, ids, mask, 8, backend="triton")
     unpatch_model(model)
     assert cache.static.evicted is not None
-    torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert cache.kv_bytes_read == eager.kv_bytes_read
 
 
