@@ -100,7 +100,7 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
         # captured graph per static policy on a GPU (HF_SPARSE_KV_TEST_DEVICE=cuda)
         assert set(clock.per_key) == set(policies) and all(n["decode"] > 0 for n in clock.per_key.values())
         captured = {k for k, n in clock.per_key.items() if n["graphs"] > 0 and n["capture"] > 0}
-        assert captured == (set() if model.device.type == "cpu" else set(policies) - {"snapkv"})
+        assert captured == (set() if model.device.type == "cpu" else set(policies))  # SnapKV's after its first step
         assert sum(n["decode"] for n in clock.per_key.values()) == pytest.approx(clock.seconds["decode"])
     assert not is_patched(model)
 
