@@ -337,12 +337,11 @@ def captured_step(model, forward: Callable, cache, ids, kwargs: dict) -> torch.T
     if not step_applies(cache, ids, kwargs):
         return None
     runner = cache.session.graphs
-    policy = patch_state(model).config.policy
-    if runner is None and policy.frees_blocks and policy.frees_once and not released(cache):
-        return None  # the first decode step frees the prompt's blocks; the next one reserves and captures
     if runner is None:
+        config = patch_state(model).config
+        if config.policy.frees_blocks and config.policy.frees_once and not released(cache):
+            return None  # the first decode step frees the prompt's blocks; the next one reserves and captures
         try:
-            config = patch_state(model).config
             runner = DecodeGraphs(model, cache, cache.max_length, forward=forward, compile=config.compile)
         except ValueError:
             cache.session.set_graphs(False)  # this cache cannot decode from graphs: eager from now on
