@@ -261,6 +261,12 @@ def decodes_statically(policy: Policy, static: bool) -> bool:
     return static and (not policy.frees_blocks or policy.frees_once)
 
 
+def first_static_step(policy: Policy) -> int:
+    """The first decode step (0-based) that a policy :func:`decodes_statically` runs statically: 1 for a policy that
+    frees blocks (once: its first step frees them, eagerly), else 0."""
+    return 1 if policy.frees_blocks else 0
+
+
 def greedy_under_policies(
     model,
     ids: torch.Tensor,
@@ -404,15 +410,13 @@ def greedy_batch(
             token, m, p, gen, best = ids[:, -1:], mask, pos[:, -1:], [], []
             decoded = clock.seconds.get("decode", 0.0)
             with torch.no_grad(), clock.phase("decode"):
-                runner, captured, graphs, room = None, 0.0, 0, ids.shape[1] - 1 + new_tokens  # prompt + new tokens
-                after_first = decodes_statically(policy, static) and policy.frees_blocks  # that step frees: eager
+                runner, captured, graphs = None, 0.0, 0
+                own_steps = decodes_statically(policy, static) and not slotted(policy)
                 if slotted(policy):
                     runner, captured, graphs = kept, kept.capture_seconds, len(kept.graphs)
-                elif decodes_statically(policy, static) and not after_first:
-                    runner = DecodeGraphs(model, cache, room)
                 for i in range(new_tokens):
-                    if after_first and i == 1:
-                        runner = DecodeGraphs(model, cache, room)
+                    if own_steps and i == first_static_step(policy):  # room for the prompt and every new token
+                        runner = DecodeGraphs(model, cache, ids.shape[1] - 1 + new_tokens)
                     if runner is not None:
                         logits = runner.step(token, position_ids=p)
                     else:

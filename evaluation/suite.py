@@ -43,7 +43,7 @@ import torch
 from hf_sparse_kv.ops.layout import cdiv
 
 from .environment import environment
-from .needle import PhaseClock, decodes_statically, greedy_batch, needle_trial, score_trial
+from .needle import PhaseClock, decodes_statically, first_static_step, greedy_batch, needle_trial, score_trial
 from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
 from .simulate import SimulateSession
@@ -285,7 +285,7 @@ def _decode_batch(model, ids: torch.Tensor, n_scored: int, policy, cfg, static: 
         with torch.no_grad():
             model(ids[:, :split], **kw, logits_to_keep=1)
             for i in range(split, ids.shape[1] - 1):
-                if static and runner is None and (i > split or not policy.frees_blocks):
+                if static and runner is None and i - split == first_static_step(policy):
                     runner = DecodeGraphs(model, kw[cache_kwarg(model)], ids.shape[1])  # room for every window token
                 token = ids[:, i : i + 1]
                 logits = runner.step(token) if runner is not None else model(token, **kw).logits
@@ -770,15 +770,23 @@ def measured_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     return _medians(pairs())
 
 
+ONCE_PHASES = ("build", "prefill")  # what a needle / QA batch spends once whatever its cells
+
+
+def _phase_seconds(r: dict[str, Any], names: tuple[str, ...]) -> float:
+    """The seconds of a needle / QA row's batch in the ``phases`` ``names`` (absent ones: 0)."""
+    return sum(float(r["phases"].get(name, 0.0)) for name in names)
+
+
 def _fixed_part(r: dict[str, Any]) -> float | None:
     """The share of a needle / QA cell's ``seconds`` that its batch spent once for all its cells (waiting for the
-    prompts and prefilling them: ``phases`` ``build`` + ``prefill`` over the sum of the phases), or ``None`` for a
-    row without ``phases`` (or with none timed)."""
+    prompts and prefilling them: :data:`ONCE_PHASES` over the sum of the phases), or ``None`` for a row without
+    ``phases`` (or with none timed)."""
     phases = r.get("phases")
     if r.get("task") not in ("needle", "qa") or not isinstance(phases, dict):
         return None
     total = sum(float(v) for v in phases.values())
-    return (float(phases.get("build", 0.0)) + float(phases.get("prefill", 0.0))) / total if total > 0 else None
+    return _phase_seconds(r, ONCE_PHASES) / total if total > 0 else None
 
 
 def marginal_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
@@ -797,31 +805,30 @@ def marginal_seconds(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     return _medians(pairs())
 
 
-def batch_part_per_prompt(rows: list[dict[str, Any]]) -> dict[tuple, float]:
-    """Median seconds per prompt that a needle / QA batch spends once whatever its cells (``phases`` ``build`` +
-    ``prefill`` over ``batch``), by :func:`_row_kind`; rows without ``phases`` or ``batch`` are left out."""
+def _per_prompt(rows: list[dict[str, Any]], names: tuple[str, ...]) -> dict[tuple, float]:
+    """Median seconds per prompt of the batch phases ``names`` of the finished needle / QA cells that carry their
+    batch's ``phases`` (a prefill among them) and ``batch``, by :func:`_row_kind`."""
     return _medians(
-        (_row_kind(r), (float(r["phases"].get("build", 0.0)) + float(r["phases"]["prefill"])) / int(r["batch"]))
+        (_row_kind(r), _phase_seconds(r, names) / int(r["batch"]))
         for r in rows
         if r.get("task") in ("needle", "qa")
         and isinstance(r.get("phases"), dict)
         and "prefill" in r["phases"]
         and r.get("batch")
     )
+
+
+def batch_part_per_prompt(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """Median seconds per prompt that a needle / QA batch spends once whatever its cells (:data:`ONCE_PHASES` over
+    ``batch``), by :func:`_row_kind`; rows without ``phases`` or ``batch`` are left out."""
+    return _per_prompt(rows, ONCE_PHASES)
 
 
 def prefill_per_prompt(rows: list[dict[str, Any]]) -> dict[tuple, float]:
     """Median prefill seconds per prompt of the finished needle / QA cells that carry their batch's ``phases``, by
     :func:`_row_kind`: what one more prefill of a batch costs each of its prompts (a batch that also ran a policy's
     own prefill counts it too; such batches are few)."""
-    return _medians(
-        (_row_kind(r), float(r["phases"]["prefill"]) / int(r["batch"]))
-        for r in rows
-        if r.get("task") in ("needle", "qa")
-        and isinstance(r.get("phases"), dict)
-        and "prefill" in r["phases"]
-        and r.get("batch")
-    )
+    return _per_prompt(rows, ("prefill",))
 
 
 def estimate(
