@@ -84,6 +84,20 @@ def test_plan_holds_each_job_once():
     assert jobs and all(a != b for i, a in enumerate(jobs) for b in jobs[:i])  # the two 1/16 tiers are one
 
 
+def _job_prompts(cfg: dict, variant: str | None = None, done: frozenset = frozenset()) -> int:
+    """(job, prompt) pairs of the plan's needle jobs (of ``variant``; all where ``None``) with cells left, each
+    (unit, cell) counted in its first job and those in ``done`` not at all: the prefills the estimate charges."""
+    from evaluation.suite import _units
+
+    cells, counted, n = cells_of(cfg), set(done), 0
+    for j in plan(cfg):
+        if j.task == "needle" and variant in (None, j.params["variant"]):
+            left = [u for u in _units(cfg, j, cells) if u not in counted]
+            counted.update(left)
+            n += len({u[:4] for u in left})
+    return n
+
+
 def test_one_pass_plan_holds_every_cell_of_the_tiers_once():
     """``one_pass: true``: one job per task, length and variant with every policy at every budget (a part's own
     budgets kept), SnapKV's decode-way perplexity still last; the same (unit, cell) pairs as the tiers, none in two
@@ -154,18 +168,9 @@ def test_estimate_prices_one_pass_below_the_tiers_by_their_extra_prefills():
     def needles(c):
         return sum(s for j, s, m in estimate(c, rows=rows, fresh=True) if j.task == "needle")
 
-    def prompts(c):  # (job, prompt) pairs with cells to run, each unit counted in its first job
-        seen, n = set(), 0
-        for j in plan(c):
-            if j.task == "needle":
-                left = [u for u in _units(c, j, cells) if u not in seen]
-                seen.update(left)
-                n += len({u[:4] for u in left})
-        return n
-
     one = {**cfg, "one_pass": True}
-    assert prompts(cfg) > prompts(one)
-    assert needles(cfg) - needles(one) == pytest.approx((prompts(cfg) - prompts(one)) * 2.0 / 2)
+    assert _job_prompts(cfg) > _job_prompts(one)
+    assert needles(cfg) - needles(one) == pytest.approx((_job_prompts(cfg) - _job_prompts(one)) * 2.0 / 2)
 
 
 def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path, monkeypatch):
@@ -317,12 +322,7 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     seen = {r["policy"] for r in rows}  # a policy without finished cells: the median of all of them, plus a prompt's
     fallback = statistics.median(r["seconds"] for r in rows)  # share of the prefill (1.0 s for 2) if it prefills alone
     compressing = {c.label for c in cells if c.policy.compresses}
-    counted, prompts = set(finished), 0  # each unit left once; each job's prompts with cells left once each
-    for j in jobs:
-        if j.task == "needle" and j.params["variant"] == "single":
-            left = [u for u in _units(cfg, j, cells) if u not in counted]
-            counted.update(left)
-            prompts += len({u[:4] for u in left})
+    prompts = _job_prompts(cfg, "single", frozenset(finished))  # each job's prompts with cells left, once each
     decoding = 3.0 / 4.0  # of a cell's seconds: copy + decode over all its batch's phases
     want = 0.5 * prompts + sum(  # the batch's prefill: 1.0 s for 2 prompts
         decoding * (price[u[4]] if u[4] in seen else fallback) + 0.5 * (u[4] in compressing and u[4] not in seen)
@@ -342,12 +342,7 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     again_single = sum(
         s for (s, m), job in zip(again, [j for j in jobs if j.task == "needle"]) if job.params["variant"] == "single"
     )
-    counted, fresh_prompts = set(), 0
-    for j in jobs:
-        if j.task == "needle" and j.params["variant"] == "single":
-            left = [u for u in _units(cfg, j, cells) if u not in counted]
-            counted.update(left)
-            fresh_prompts += len({u[:4] for u in left})
+    fresh_prompts = _job_prompts(cfg, "single")
     again_want = want + decoding * sum(price[u[4]] for u in finished) + 0.5 * (fresh_prompts - prompts)
     assert again_single == pytest.approx(again_want)
 
