@@ -32,6 +32,7 @@ from .cache import PagedKVCache, PagedLayer, WindowRing
 from .crossover import CrossoverTable, budget_fraction
 from .ops.layout import cdiv, mask_allows
 from .policies import DecodeState, Policy, Selection
+from .policies.base import live_counts
 from .prefill import prefill_by_rows, rows_apply
 from .runtime import Counters, StepPlan
 
@@ -269,11 +270,8 @@ def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]
         return StaticPlan(sparse, None, None)
     evicted = freed_before(cache)
     if evicted is not None:  # never more than a sequence still holds, as the eager step's select (Counts.at_most)
-        BS = cache.block_size
-        if config.policy.granularity == "token":
-            live = [n - e * BS for n, e in zip(lens, evicted)]  # DecodeState.live_tokens
-        else:
-            live = [cdiv(n, BS) - e for n, e in zip(lens, evicted)]  # DecodeState.live_blocks
+        unit = "token" if config.policy.granularity == "token" else "block"
+        live = live_counts(lens, evicted, cache.block_size, unit)
         counts = [min(c, n) for c, n in zip(counts, live)]
     return StaticPlan(sparse, tuple(counts), tuple(config.policy.static_widths(counts, cache.block_size)))
 

@@ -124,12 +124,20 @@ class DecodeState:
 
     def live_blocks(self) -> tuple[int, ...]:
         """Blocks each sequence still holds (on the host)."""
-        held = [cdiv(n, self.block_size) for n in self.lens]
-        return tuple(h - e for h, e in zip(held, self.evicted or (0,) * len(held)))
+        return live_counts(self.lens, self.evicted, self.block_size, "block")
 
     def live_tokens(self) -> tuple[int, ...]:
         """Tokens each sequence still holds (freed blocks are always full ones)."""
-        return tuple(n - e * self.block_size for n, e in zip(self.lens, self.evicted or (0,) * len(self.lens)))
+        return live_counts(self.lens, self.evicted, self.block_size, "token")
+
+
+def live_counts(lens: tuple[int, ...], evicted: tuple[int, ...] | None, block_size: int, unit: str) -> tuple[int, ...]:
+    """What each sequence of ``lens`` tokens still holds after ``evicted`` blocks were freed (``None``: none), in
+    blocks (``unit="block"``) or tokens (``"token"``; freed blocks are always full ones), on the host."""
+    freed = evicted or (0,) * len(lens)
+    if unit == "token":
+        return tuple(n - e * block_size for n, e in zip(lens, freed))
+    return tuple(cdiv(n, block_size) - e for n, e in zip(lens, freed))
 
 
 def held_blocks(table: torch.Tensor, width: int) -> torch.Tensor:
