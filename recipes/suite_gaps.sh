@@ -200,5 +200,9 @@ case $PART in
     run gemma3 --out "$R" --set "policies=[{name: dense}, $O, $QU, $Q4, $TT, $BT, $SW, $SK, $SQ]" \
       --set 'decisive={policies: [dense, oracle, quest, quant4, token_topk, block_topk, sink_window, snapkv, snapkv1/4+quest], budgets: ["1/16"]}' \
       "$@" ;;
+  grid_one_pass_smollm2|grid_one_pass_gemma3|grid_one_pass_qwen2.5)  # issue 12: the model's whole grid (its config's
+    # lengths, needles, QA) for issue 12's eight policies at 1/8, 1/16, 1/32 in one pass, captured steps kept across batches
+    run "${PART#grid_one_pass_}" --out "$R" --set "policies=[{name: dense}, $O, $QU, $TT, $BT, $SW, $SK, $SQ]" \
+      --set one_pass=true --set static=true --set reuse_graphs=true "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
