@@ -7,7 +7,9 @@ Llama-3-8B layer (8 KV heads, 32 query heads, D 128), bf16, blocks of 16, batch 
 each on its own cache, the L2 flushed by reads; ``common.bench``): ``scores`` (``block_scores``, quest, the sink and
 window forced), ``topk`` (``topk_indices`` of those scores at the static width of 1/16 of the context, the count on
 the device), both on the full table and on the freed one (the freed blocks drawn at random, the first and the last
-blocks kept), and on a table compacted to the held blocks (a quarter of the width: what scoring and top-k would cost
+blocks kept), on the freed table with its freed slots read as the pool's first block (the loads of the scoring
+kernel before it masked them by the table entry: the top-k of those finite scores is not the freed table's), and on a
+table compacted to the held blocks (a quarter of the width: what scoring and top-k would cost
 if the freed slots were dropped from the table). The freed rows' selections are checked to hold no freed block. A
 table printed last.
 """
@@ -58,12 +60,16 @@ def main() -> None:
         kmin = torch.randn(nblk, Hkv, D, generator=g).to(device, dtype)
         kmax = kmin + torch.rand(nblk, Hkv, D, generator=g).to(device, dtype)
         layers.append((q, kmin, kmax, kmax))
+    # the freed slots pointing at the pool's first block: the metadata reads of the scoring kernel before its loads
+    # were masked by the table entry (every freed slot read block 0's min/max, one hot line for the whole grid)
+    block0 = freed.clamp(min=0)
     held_ids = freed[freed >= 0].view(1, -1)  # what a table compacted to the held blocks would hold
     compact_lens = torch.tensor([held_ids.shape[1] * BS], dtype=torch.int32, device=device)
     rows = []
     for name, table, lens in (
         ("full", full, seq_lens),
         ("freed", freed, seq_lens),
+        ("freed read as block 0", block0, seq_lens),
         ("compact", held_ids, compact_lens),
     ):
 

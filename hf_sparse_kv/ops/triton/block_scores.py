@@ -71,10 +71,11 @@ def block_scores_kernel(
     for t in tl.range(0, TPP, num_stages=STAGES):  # TPP tiles of BM blocks, the next tile's loads in flight
         o_m = (i_m * TPP + t) * BM + tl.arange(0, BM)
         m_m = (o_m < n_blk) & (o_m < MB)
-        b_phys = tl.load(block_table + i_b * MB + o_m, mask=m_m, other=0)
+        b_phys = tl.load(block_table + i_b * MB + o_m, mask=m_m, other=-1)
+        m_live = m_m & (b_phys >= 0)  # evicted blocks (table entry -1) are not read, and score -inf
         o_meta = tl.maximum(b_phys, 0).to(tl.int64) * s_mn + i_h * D  # [BM]
         p_meta = o_meta[:, None] + o_d[None, :]
-        m_meta = m_m[:, None] & m_d[None, :]
+        m_meta = m_live[:, None] & m_d[None, :]
         if QUEST:
             # [BM, BD]
             b_lo = tl.load(kmin + p_meta, mask=m_meta, other=0.0)
@@ -97,7 +98,6 @@ def block_scores_kernel(
                 b_s = tl.dot(b_q, tl.trans(b_mean))
         # pool over the group: max over its query heads, -inf past the sequence's last block
         b_s = tl.max(tl.where(m_g[:, None], b_s, float("-inf")), 0)  # [BM]
-        m_live = m_m & (b_phys >= 0)  # evicted blocks (table entry -1) are not
         if FORCE:  # sink, window and current block: +inf, so that a top-k keeps them
             b_s = tl.where(forced_block(o_m, n_blk, sink_end, win_start, BS), float("inf"), b_s)
         b_s = tl.where(m_live, b_s, float("-inf"))
