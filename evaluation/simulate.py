@@ -11,6 +11,13 @@ same sink/window/current-block forcing. It calls the policy's own ``select()`` o
 sequences), turns the selection into a mask with the reference ops and attends in float32, as the reference decode
 does. ``dense_layers`` attend everything; sliding-window layers run SDPA with the model's own mask, as in decode.
 
+A policy that compresses the prompt once (:class:`~hf_sparse_kv.policies.SnapKV`, alone or with ``then``) is replayed
+the same way: the prefix's prefill keeps the last :data:`OBSERVED` queries of every paged layer, :meth:`SimulateSession.run`
+scores the prompt's blocks from them with the policy's own ``observe_prefill`` and picks what its first decode step frees
+with its own ``blocks_to_free`` (at the first step's length), and every scored query then sees a table whose freed
+blocks are ``-1`` (``DecodeState.evicted`` set): the dense layers attend only the blocks held, the sparse ones select
+among them.
+
 Optionally it measures fidelity on the sparse layers (:class:`Fidelity`): attention recall (share of the dense
 softmax mass inside the selection) and block hit rate against :class:`~hf_sparse_kv.policies.OracleBlockTopK` at
 the same budget, sink and window.
@@ -35,6 +42,7 @@ from hf_sparse_kv.ops.layout import cdiv
 from hf_sparse_kv.policies import DecodeState, Dense, OracleBlockTopK, Policy, SinkWindow
 
 ATTENTION_NAME = "hf_sparse_kv_simulate"
+OBSERVED = 256  # the prefix's last queries a session keeps per paged layer: a compressing policy observes at most these
 CONTEXT_KWARG = "hf_sparse_kv_simulate_context"
 
 
@@ -71,6 +79,8 @@ class SimulateContext:
     mode: str = "block"
     extra: dict = field(default_factory=dict)
     reuse: int = 1  # the policy selects at every reuse-th decode step; the steps between reuse it (_reused)
+    freed: frozenset[int] = frozenset()  # logical blocks a compressing policy freed at the first decode step
+    queries: dict | None = None  # prefill only: layer -> (its last OBSERVED queries [1, Hq, w, D], its scaling)
 
 
 def oracle_for(policy: Policy) -> Policy | None:
@@ -145,6 +155,12 @@ def _state_at(ctx: SimulateContext, q_all, idx, positions, pooled, scale, layer_
     col = torch.arange(MB, device=pos.device).view(1, -1)
     own = (nb + torch.arange(Q, device=pos.device)).view(-1, 1)
     table = torch.where(col < b.view(-1, 1), col, torch.where(col == b.view(-1, 1), own, -1)).int()
+    evicted = None
+    if ctx.freed:  # freed blocks are always below the current one (the first step's current block is kept)
+        gone = torch.zeros(MB, dtype=torch.bool, device=pos.device)
+        gone[[blk for blk in ctx.freed if blk < MB]] = True
+        table = table.masked_fill(gone.view(1, -1), -1)
+        evicted = (len(ctx.freed),) * Q
     return _decode_state(
         q=q_all[idx],
         k_pool=torch.cat([blocks, cur[idx]]),
@@ -161,6 +177,7 @@ def _state_at(ctx: SimulateContext, q_all, idx, positions, pooled, scale, layer_
         mode=ctx.mode,
         ops=ops,
         layer=layer_idx,
+        evicted=evicted,
     )
 
 
@@ -278,6 +295,8 @@ def _block_set(indices: torch.Tensor, kind: str, block_size: int, nb: int) -> to
 def simulate_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The registered attention: SDPA unless the context is active on a full-attention layer."""
     ctx: SimulateContext | None = kwargs.pop(CONTEXT_KWARG, None)
+    if ctx is not None and ctx.queries is not None and module.layer_idx in ctx.paged_layers:  # the prefix's prefill
+        ctx.queries[module.layer_idx] = (query[:, :, -OBSERVED:].detach().clone(), scaling)
     if ctx is None or not ctx.active or module.layer_idx not in ctx.paged_layers:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -340,12 +359,32 @@ class SimulateSession:
         self.paged = full_attention_layers(model.config)
         split = ids.shape[1] - n_scored - 1  # the prefix prefilled dense; tokens split.. W-2 are decode steps
         self.targets = ids[0, split + 1 :]
-        ctx = SimulateContext(Dense(), (), self.paged, block_size)
+        ctx = SimulateContext(Dense(), (), self.paged, block_size, queries={})
         self.cache = DynamicCache(config=model.config)
         with torch.no_grad(), simulating(model, ctx):
             # the prefix's logits are not needed: at 32K x a 262K vocabulary they would take 34 GB
             model(ids[:, :split], **{cache_kwarg(model): self.cache}, use_cache=True, logits_to_keep=1)
         self.split = split
+        self.queries = ctx.queries  # for a compressing policy's observation (freed)
+
+    def freed(self, policy: Policy) -> frozenset[int]:
+        """The logical blocks ``policy`` (one that :attr:`~hf_sparse_kv.policies.Policy.compresses`) frees at the
+        first decode step: its ``observe_prefill`` of each paged layer's last queries against the layer's prefix
+        keys (the patched prefill's observation, in layer order), then its ``blocks_to_free`` at the first step's
+        length (the prefix and the step's token)."""
+        if getattr(policy, "observe", 0) > OBSERVED:
+            raise ValueError(
+                f"the simulate way keeps the prefix's last {OBSERVED} queries, and {type(policy).__name__} observes "
+                f"{policy.observe}: score it with way: decode"
+            )
+        scores = []
+        for i in sorted(self.paged):
+            query, scaling = self.queries[i]
+            key = self.cache.layers[i].keys
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            pads = torch.zeros(1, dtype=torch.long, device=key.device)
+            scores.append(policy.observe_prefill(query, key, None, pads, self.block_size, scale).float().cpu())
+        return frozenset(policy.blocks_to_free(torch.stack(scores), (self.split + 1,), self.block_size)[0])
 
     def run(
         self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False, reuse: int = 1
@@ -353,13 +392,17 @@ class SimulateSession:
         """Score the window under ``policy``; with ``reuse = r > 1`` the policy selects only at every ``r``-th
         decode step (the first scored one, then every ``r``) and each step in between attends its anchor's
         selection plus the tokens decoded since (:func:`_reused`): what a selection computed once per ``r`` steps
-        would cost in quality."""
+        would cost in quality. A policy that compresses the prompt (SnapKV) runs on the blocks its first decode step
+        keeps (:meth:`freed`), with ``reuse=1`` and without fidelity (refused otherwise)."""
         check_reuse(reuse)
+        freed = frozenset()
         if policy.compresses:
-            raise ValueError(
-                f"{type(policy).__name__} frees prompt blocks after the prefill, which the simulate way cannot "
-                "replay chunk-wise: score it with way: decode"
-            )
+            if reuse > 1 or fidelity:
+                raise ValueError(
+                    f"{type(policy).__name__} frees prompt blocks at its first decode step: the simulate way replays "
+                    "it with reuse=1 and without fidelity (whose oracle would read the freed blocks)"
+                )
+            freed = self.freed(policy)
         fid = Fidelity() if fidelity else None
         ctx = SimulateContext(
             policy,
@@ -371,6 +414,7 @@ class SimulateSession:
             fid,
             oracle_for(policy) if fidelity else None,
             reuse=reuse,
+            freed=freed,
         )
         cache = copy.deepcopy(self.cache)
         with torch.no_grad(), simulating(self.model, ctx):

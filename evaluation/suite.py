@@ -17,7 +17,8 @@ window, one trial), so a stop loses at most the unit in flight.
 Perplexity windows alternate between the haystack texts (essays, King James Bible), evenly spaced over each; each
 window's last ``scored`` tokens are scored the ``simulate`` way (tested against token-by-token decoding), with
 fidelity (recall, hit rate against the oracle) on the same windows; policies that free blocks (SnapKV) are scored
-the ``decode`` way. Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
+the ``decode`` way, or with ``perplexity: {compressed: simulate}`` the ``simulate`` way too (their freed blocks
+replayed, tested against the decode way; no fidelity: :func:`decoded`). Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
 Needle and QA batches decode eagerly unless the config's ``static: true`` (or their block's) says otherwise
 (:func:`decode_way`); ``reuse_graphs: true`` beside it keeps each policy's captured steps across a job's batches
 (:class:`~evaluation.slots.DecodeSlots`).
@@ -86,7 +87,9 @@ class Deadline:
 
 
 def load_suite(name_or_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The suite config: ``recipes/suite_<name>.yaml`` (or a YAML path / dict), then ``overrides``."""
+    """The suite config: ``recipes/suite_<name>.yaml`` (or a YAML path / dict), then ``overrides``; a dotted key
+    sets one key of a block (``perplexity.compressed``), the block's other keys kept (the config itself is not
+    changed). A dotted key into something that is not a block raises ``TypeError``."""
     import yaml
 
     if isinstance(name_or_path, dict):
@@ -94,7 +97,18 @@ def load_suite(name_or_path: str, overrides: dict[str, Any] | None = None) -> di
     else:
         path = RECIPES_DIR / SUITES[name_or_path] if name_or_path in SUITES else Path(name_or_path)
         raw = yaml.safe_load(path.read_text())
-    return {**raw, **(overrides or {})}
+    cfg = dict(raw)
+    for key, value in (overrides or {}).items():
+        *blocks, last = key.split(".")
+        where = cfg
+        for i, name in enumerate(blocks):
+            inner = where.get(name) if where.get(name) is not None else {}
+            if not isinstance(inner, dict):
+                raise TypeError(f"--set {key}: {'.'.join(blocks[: i + 1])} is {inner!r}, not a block of keys")
+            where[name] = dict(inner)
+            where = where[name]
+        where[last] = value
+    return cfg
 
 
 def cells_of(cfg: dict[str, Any]) -> list[PolicyCell]:
@@ -113,7 +127,7 @@ def plan(cfg: dict[str, Any]) -> list[Job]:
     first = tuple(cfg.get("decisive", {}).get("budgets", ["1/16"]))
     first = tuple(budget_label(parse_budget(b)) for b in first)
     key = tuple(cfg.get("decisive", {}).get("policies", ["dense", "oracle", "quest"]))
-    slow = tuple(lb for lb in labels if lb.startswith("snapkv"))
+    slow = tuple(dict.fromkeys(c.label for c in cells_of(cfg) if decoded(cfg, c.policy)))
     fast = tuple(lb for lb in labels if lb not in slow)
     rest = tuple(b for b in budgets if b not in first)
     lengths = [int(n) for n in cfg["lengths"]]
@@ -155,6 +169,16 @@ def _one_pass(cfg: dict[str, Any]) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"one_pass must be true or false, got {value!r}")
     return value
+
+
+def decoded(cfg: dict[str, Any], policy) -> bool:
+    """Whether ``policy``'s perplexity is scored the ``decode`` way: it compresses the prompt (SnapKV) and the
+    config's ``perplexity.compressed`` is ``"decode"`` (the default; ``"simulate"``: the simulate way replays the
+    blocks its first decode step frees, :meth:`~evaluation.simulate.SimulateSession.freed`). Refuses another value."""
+    way = (cfg.get("perplexity") or {}).get("compressed", "decode")
+    if way not in ("decode", "simulate"):
+        raise ValueError(f"perplexity.compressed must be 'decode' or 'simulate', got {way!r}")
+    return bool(policy.compresses) and way == "decode"
 
 
 def suite_text(name: str) -> str:
@@ -245,12 +269,13 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
         for cell in [PolicyCell("dense", None, Dense())] + [c for c in todo if c.budget is not None]:
             t0 = time.perf_counter()
             fid, way = None, "simulate"
-            if cell.policy.compresses:
+            if decoded(cfg, cell.policy):
                 way = "decode"
                 lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg, p["static"])[0]
             else:
                 session = session or SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"])
-                want = bool(p["fidelity"]) and cell.budget is not None
+                # a compressing policy has no fidelity (its oracle would read the blocks it freed)
+                want = bool(p["fidelity"]) and cell.budget is not None and not cell.policy.compresses
                 lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
             if cell.budget is None:
                 dense_lp = lp
@@ -594,7 +619,7 @@ def run_suite(
                 continue
             done = _done_keys(results.rows())
         print(f"[suite] {job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}")
-        if job.task == "perplexity" and any(c.policy.compresses for c in _select(cells, job)):
+        if job.task == "perplexity" and any(decoded(cfg, c.policy) for c in _select(cells, job)):
             _perplexity_decode(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
         elif job.task == "perplexity":
             _perplexity(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
@@ -706,7 +731,7 @@ def _job_units(cfg: dict[str, Any], job: Job, cells: list[PolicyCell]) -> list[t
     if job.task == "perplexity":
         p = {"windows": 16, **(cfg.get("perplexity") or {})}
         mine = _select(cells, job)
-        decode = any(c.policy.compresses for c in mine)  # the decode way scores dense beside, without its row
+        decode = any(decoded(cfg, c.policy) for c in mine)  # the decode way scores dense beside, without its row
         mine = [c for c in mine if c.budget is not None or (c.label == "dense" and not decode)]
         return [(("perplexity", job.length, w), mine) for w in range(int(p["windows"]))]
     chosen = _with_dense(cells, job)
@@ -732,10 +757,10 @@ def _pending(cfg: dict[str, Any], job: Job, cells: list[PolicyCell], done: set) 
     return out
 
 
-def _job_kind(job: Job, cells: list[PolicyCell]) -> tuple:
+def _job_kind(cfg: dict[str, Any], job: Job, cells: list[PolicyCell]) -> tuple:
     """What a job's units take time by: (task, length, needle variant or perplexity way)."""
     if job.task == "perplexity":
-        way = "decode" if any(c.policy.compresses for c in _select(cells, job)) else "simulate"
+        way = "decode" if any(decoded(cfg, c.policy) for c in _select(cells, job)) else "simulate"
         return ("perplexity", job.length, way)
     return (job.task, job.length, job.params.get("variant", ""))
 
@@ -920,7 +945,7 @@ def estimate(
         units = _units(cfg, job, cells)
         left = [u for u in units if u not in done]
         done.update(left)
-        key = _job_kind(job, cells)
+        key = _job_kind(cfg, job, cells)
         if key in measured:  # each unit at its policy's median when that policy has finished cells of this kind,
             # else the kind's, plus its own prefill's share for a policy that compresses the prompt, plus the dense
             # passes no row carries; where the kind's cells carry their batch's phases, each cell at its marginal
@@ -934,7 +959,7 @@ def estimate(
         mine = [c for c in _select(cells, job) if c.budget is not None]
         if job.task == "perplexity":
             p = {"windows": 16, "scored": 256, "batch": 1, "fidelity": True, **cfg.get("perplexity", {})}
-            if any(c.policy.compresses for c in mine):
+            if any(decoded(cfg, c.policy) for c in mine):
                 batches = cdiv(p["windows"], batch_size(p["batch"], job.length))
                 b = batch_size(p["batch"], job.length)
                 sec = batches * (1 + len(mine)) * (prefill(b * job.length) + p["scored"] * step)

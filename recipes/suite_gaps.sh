@@ -203,6 +203,6 @@ case $PART in
   grid_one_pass_smollm2|grid_one_pass_gemma3|grid_one_pass_qwen2.5)  # issue 12: the model's whole grid (its config's
     # lengths, needles, QA) for issue 12's eight policies at 1/8, 1/16, 1/32 in one pass, captured steps kept across batches
     run "${PART#grid_one_pass_}" --out "$R" --set "policies=[{name: dense}, $O, $QU, $TT, $BT, $SW, $SK, $SQ]" \
-      --set one_pass=true --set static=true --set reuse_graphs=true "$@" ;;
+      --set one_pass=true --set static=true --set reuse_graphs=true --set perplexity.compressed=simulate "$@" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

@@ -642,3 +642,42 @@ def test_grid_tables_put_issue_12s_policies_against_length_and_budget():
     assert "| policy | 4096 @ 1/16 |" in md  # the needle table: only the budget measured, "all" left out
     assert "| dense | 6 / 10 |" in md and "| quest | 3 / 10 (4 / 1) |" in md
     assert grid_tables([], {"Needle": []}) == ""
+
+
+def test_compressed_perplexity_simulated_equals_the_decode_way(tmp_path):
+    """``perplexity: {compressed: simulate}``: SnapKV's cells scored in the simulate jobs beside the others (no
+    trailing decode job), with the decode way's NLL and KL and no fidelity; another value is refused."""
+    cfg = _tiny_cfg("qwen2.5")
+    cfg["policies"] = [p for p in cfg["policies"] if p["name"] in ("dense", "quest", "snapkv")]
+    cfg.update(decisive={"policies": ["dense"], "budgets": ["1/8"]}, qa=None, one_pass=True)
+    cfg["perplexity"] = dict(cfg["perplexity"], windows=2)
+    cfg["needle"] = dict(cfg["needle"], trials=0, hard={"variants": []}, start=None)
+    sim = dict(cfg, perplexity=dict(cfg["perplexity"], compressed="simulate"))
+    assert [j.labels for j in plan(cfg) if j.task == "perplexity"][-1] == ("dense", "snapkv", "snapkv1/4+quest")
+    jobs = [j for j in plan(sim) if j.task == "perplexity"]
+    assert len(jobs) == 1 and {"snapkv", "snapkv1/4+quest", "quest"} <= set(jobs[0].labels)
+    decode = {
+        (r["window"], r["policy"], r["budget"]): r for r in _run_tiny(cfg, tmp_path / "d") if r.get("way") == "decode"
+    }
+    rows = _run_tiny(sim, tmp_path / "s")
+    assert not any(r.get("way") == "decode" for r in rows)
+    simulated = {(r["window"], r["policy"], r["budget"]): r for r in rows if r["policy"].startswith("snapkv")}
+    assert simulated.keys() == decode.keys() and len(decode) == 2 * 2 * 2  # windows x budgets x two SnapKV specs
+    for k, r in simulated.items():
+        assert r["way"] == "simulate" and r.get("recall") is None and r.get("hit_rate") is None
+        assert r["nll_sum"] == pytest.approx(decode[k]["nll_sum"], rel=1e-5)
+        assert r["kl_mean"] == pytest.approx(decode[k]["kl_mean"], rel=1e-3, abs=1e-6)
+    quest = [r for r in rows if r["policy"] == "quest" and r["task"] == "perplexity"]
+    assert quest and all(r.get("hit_rate") is not None for r in quest)  # the others keep their fidelity
+    with pytest.raises(ValueError, match="compressed"):
+        plan(dict(cfg, perplexity=dict(cfg["perplexity"], compressed="exact")))
+
+
+def test_a_dotted_override_sets_one_key_of_a_block():
+    base = load_suite("smollm2")
+    cfg = load_suite("smollm2", {"perplexity.compressed": "simulate", "one_pass": True})
+    assert cfg["perplexity"] == {**base["perplexity"], "compressed": "simulate"} and cfg["one_pass"] is True
+    assert "compressed" not in load_suite("smollm2")["perplexity"]  # the recipe itself is untouched
+    assert load_suite("smollm2", {"qa.items": 5})["qa"] == {"items": 5}  # a block the recipe lacks (null) is made
+    with pytest.raises(TypeError, match="block"):
+        load_suite("smollm2", {"dtype.x": 1})
