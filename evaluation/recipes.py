@@ -104,7 +104,7 @@ def run_perplexity(cfg, model, tok, text, results: ResultsDir, shard: Shard, fid
             t0 = time.perf_counter()
             fid, way = None, p["way"]
             if session is not None and cell.policy.compresses:
-                way = "decode"  # freeing prompt blocks cannot be replayed chunk-wise; the two ways agree (tested)
+                way = "decode"  # the recipes score it exactly (the suite's perplexity.compressed: simulate replays it)
             if session is not None and way == "simulate":
                 want = fidelity and cell.budget is not None
                 lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
