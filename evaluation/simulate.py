@@ -377,6 +377,8 @@ class SimulateSession:
                 f"the simulate way keeps the prefix's last {OBSERVED} queries, and {type(policy).__name__} observes "
                 f"{policy.observe}: score it with way: decode"
             )
+        if not self.paged:  # every layer slides (Mistral with a window): no block table, nothing is freed
+            return frozenset()
         scores = []
         for i in sorted(self.paged):
             query, scaling = self.queries[i]

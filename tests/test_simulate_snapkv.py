@@ -32,7 +32,8 @@ def _freed_by_decode(model, ids, n, policy, block_size, mode):
         with torch.no_grad():
             model(ids[:, :split], **kw, logits_to_keep=1)
             model(ids[:, split : split + 1], **kw)
-        return frozenset(i for i, blk in enumerate(cache.table.rows[0]) if blk < 0)
+        rows = cache.table.rows  # none when no layer is paged
+        return frozenset(i for i, blk in enumerate(rows[0]) if blk < 0) if rows else frozenset()
     finally:
         unpatch_model(model)
 
@@ -56,6 +57,23 @@ def test_snapkv_simulated_equals_decoded(arch, case):
     dense = session.nll(session.run(Dense(), dense_layers=(0,))[0])
     assert (fast - dense).abs().max() > 1e-4  # what SnapKV freed changed the scores
     assert not is_patched(model)
+
+
+def test_snapkv_simulated_on_a_model_whose_layers_all_slide():
+    """Mistral with a window on every layer pages nothing, so SnapKV frees nothing: both ways give dense's scores."""
+    model = tiny_model("mistral")
+    ids = prompt(120)
+    policy = SnapKV(budget=0.25, sink=4, window=8, observe=8)
+    session = SimulateSession(model, ids, 16, block_size=8, chunk=6)
+    with pytest.warns(UserWarning, match="no layer of MistralForCausalLM runs SnapKV"):
+        freed_by_decode = _freed_by_decode(model, ids, 16, policy, 8, "block")
+    assert session.freed(policy) == frozenset() == freed_by_decode
+    with pytest.warns(UserWarning, match="no layer"):
+        lp = decode_logprobs(model, ids, 16, policy, dense_layers=(0,), block_size=8, mode="block")
+    exact = nll_of(lp, ids)
+    fast = session.nll(session.run(policy, dense_layers=(0,))[0])
+    dense = session.nll(session.run(Dense(), dense_layers=(0,))[0])
+    assert torch.allclose(exact, fast, atol=1e-4, rtol=0) and torch.allclose(fast, dense, atol=1e-5, rtol=0)
 
 
 def test_snapkv_simulate_refuses_what_it_cannot_replay():
