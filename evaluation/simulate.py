@@ -156,9 +156,9 @@ def _state_at(ctx: SimulateContext, q_all, idx, positions, pooled, scale, layer_
     own = (nb + torch.arange(Q, device=pos.device)).view(-1, 1)
     table = torch.where(col < b.view(-1, 1), col, torch.where(col == b.view(-1, 1), own, -1)).int()
     evicted = None
-    if ctx.freed:  # freed blocks are always below the current one (the first step's current block is kept)
+    if ctx.freed:  # freed blocks lie below every scored query's current block (the first step's is kept), so < MB
         gone = torch.zeros(MB, dtype=torch.bool, device=pos.device)
-        gone[[blk for blk in ctx.freed if blk < MB]] = True
+        gone[list(ctx.freed)] = True
         table = table.masked_fill(gone.view(1, -1), -1)
         evicted = (len(ctx.freed),) * Q
     return _decode_state(
