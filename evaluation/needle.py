@@ -188,7 +188,9 @@ class PhaseClock:
 
     ``per_key``: what :func:`greedy_batch` (and :func:`greedy_under_policies`) notes per policy key (:meth:`note`):
     its ``decode`` seconds and, decoded statically, the ``graphs`` its runner captured and the ``capture`` seconds
-    they took (summed over calls)."""
+    they took (summed over calls); :func:`greedy_batch` also notes ``phases``: the seconds of every phase during the
+    policy's turn (its copy of the prefill or its own prefill, and its decoding); so does
+    :func:`greedy_under_policies`."""
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -295,6 +297,7 @@ def greedy_under_policies(
             model(ids[:, :-1], **{cache_kwarg(model): prefix}, **kw, logits_to_keep=1)  # the cache, not logits
         out = {}
         for key, policy in policies.items():
+            before = sum(clock.seconds.values())
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
@@ -317,7 +320,13 @@ def greedy_under_policies(
                     if eos is not None and nxt == eos:
                         break
                     token = torch.tensor([[nxt]], device=ids.device)
-            clock.note(key, decode=clock.seconds["decode"] - decoded, graphs=0, capture=0.0)
+            clock.note(
+                key,
+                phases=sum(clock.seconds.values()) - before,
+                decode=clock.seconds["decode"] - decoded,
+                graphs=0,
+                capture=0.0,
+            )
             out[key] = gen
     finally:
         unpatch_model(model)
@@ -391,6 +400,7 @@ def greedy_batch(
         prefix = PagedKVCache(model.config, block_size=block_size)
         prefill(prefix)
         for key, policy in policies.items():
+            before = sum(clock.seconds.values())  # the policy's whole turn (copy / own prefill + decode): `phases`
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
@@ -432,6 +442,7 @@ def greedy_batch(
                 tokens = torch.cat(gen, 1).tolist()
             clock.note(  # this batch's captures (a kept runner's earlier ones not counted)
                 key,
+                phases=sum(clock.seconds.values()) - before,
                 decode=clock.seconds["decode"] - decoded,
                 graphs=len(runner.graphs) - graphs if runner is not None else 0,
                 capture=runner.capture_seconds - captured if runner is not None else 0.0,

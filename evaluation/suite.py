@@ -407,7 +407,7 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
         if deadline.passed():
             return
         todo = [c for c in chosen if any(c in t for _, t in group)]
-        trials, gens, sec, phases = _answer_batch(job, model, built, todo, cfg, p, slots)
+        trials, gens, sec, phases, own = _answer_batch(job, model, built, todo, cfg, p, slots)
         for (trial, depth, text_name, phrasing, t), (_, mine), gen in zip(trials, group, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])
@@ -432,6 +432,7 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
                         "batch": len(group),
                         "seconds": sec,
                         "phases": phases,
+                        "own": own[c.key],
                     }
                 )
                 done.add(("needle", job.length, variant, trial, *c.key))
@@ -490,7 +491,9 @@ def _answer_batch(job: Job, model, built: tuple, todo: list[PolicyCell], cfg, p:
     (``p["new_tokens"]`` tokens each), one log line on where the time went. Returns (the records, per prompt
     ``{key: ids}``, seconds per cell and prompt (the batch's, the wait for its prompts included, shared out), the
     batch's seconds per phase: ``build`` (waiting for the prompts: what their building in the background did not
-    hide), then :class:`~evaluation.needle.PhaseClock`'s ``prefill``, ``copy`` and ``decode``)."""
+    hide), then :class:`~evaluation.needle.PhaseClock`'s ``prefill``, ``copy`` and ``decode``, and per cell key what
+    the clock noted of its own turn: ``phases`` (its copy or own prefill and its decoding), ``decode``, ``graphs``
+    captured in this batch and their ``capture`` seconds)."""
     records, prompts, waited = built
     t0 = time.perf_counter() - waited
     policies = {c.key: c.policy for c in todo}
@@ -502,7 +505,24 @@ def _answer_batch(job: Job, model, built: tuple, todo: list[PolicyCell], cfg, p:
     phases = {k: round(v, 3) for k, v in {"build": waited, **clock.seconds}.items()}
     split = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
     print(f"[suite]   {job.task} {job.length}: {len(prompts)} prompts x {len(todo)} cells: {split}", flush=True)
-    return records, gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3), phases
+    own = {c.key: {k: round(v, 3) for k, v in clock.per_key.get(str(c.key), {}).items()} for c in todo}
+    print(f"[suite]     per cell: {_per_cell_line(todo, own)}", flush=True)
+    return records, gens, round((time.perf_counter() - t0) / (len(todo) * len(prompts)), 3), phases, own
+
+
+def _per_cell_line(todo: list[PolicyCell], own: dict) -> str:
+    """The batch's cells by their own seconds (``PhaseClock.per_key``'s ``phases``: copy or own prefill and
+    decoding), costliest first, with the graphs each captured in this batch and their seconds."""
+    ranked = sorted(todo, key=lambda c: -own[c.key].get("phases", 0.0))
+    return ", ".join(
+        f"{c.label}@{budget_label(c.budget)} {own[c.key].get('phases', 0.0):.2f} s"
+        + (
+            f" ({int(own[c.key]['graphs'])} graphs {own[c.key].get('capture', 0.0):.2f} s)"
+            if own[c.key].get("graphs")
+            else ""
+        )
+        for c in ranked
+    )
 
 
 def _qa_params(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -534,7 +554,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
         if deadline.passed():
             return
         todo = [c for c in chosen if any(c in t for *_, t in group)]
-        items, gens, sec, phases = _answer_batch(job, model, built, todo, cfg, p, slots)
+        items, gens, sec, phases, own = _answer_batch(job, model, built, todo, cfg, p, slots)
         for (task, i, mine), (text_name, item), gen in zip(group, items, gens):
             for c in mine:
                 g = tok.decode(gen[c.key])
@@ -555,6 +575,7 @@ def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
                         "batch": len(group),
                         "seconds": sec,
                         "phases": phases,
+                        "own": own[c.key],
                     }
                 )
                 done.add(("qa", job.length, task, i, *c.key))

@@ -102,6 +102,11 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
         captured = {k for k, n in clock.per_key.items() if n["graphs"] > 0 and n["capture"] > 0}
         assert captured == (set() if model.device.type == "cpu" else set(policies))  # SnapKV's after its first step
         assert sum(n["decode"] for n in clock.per_key.values()) == pytest.approx(clock.seconds["decode"])
+        # each policy's whole turn (its copy, SnapKV's own observation pass, its decoding): every phase but the
+        # shared prefill falls in exactly one policy's turn
+        assert all(n["phases"] >= n["decode"] for n in clock.per_key.values())
+        shared = sum(clock.seconds.values()) - sum(n["phases"] for n in clock.per_key.values())
+        assert 0 < shared <= clock.seconds["prefill"] + 1e-6
     assert not is_patched(model)
 
 

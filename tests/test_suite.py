@@ -205,6 +205,7 @@ def test_tiny_suite_end_to_end_resumes_and_summarizes(tmp_path, monkeypatch):
     for r in rows:  # every needle and QA cell carries where its batch's time went
         if r["task"] != "perplexity":
             assert set(r["phases"]) >= {"build", "prefill", "decode"} and min(r["phases"].values()) >= 0
+            assert r["own"]["phases"] >= r["own"]["decode"] > 0  # and where its own cell's went
     assert any(r["hit_rate"] is not None for r in rows if r["task"] == "perplexity")
     today = time.strftime("%Y-%m-%d")  # every cell says where and when it ran
     where = device_name(model)  # "cpu", or the GPU's name under HF_SPARSE_KV_TEST_DEVICE=cuda
