@@ -406,6 +406,13 @@ def sparse_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     layer = cache.layers[layer_idx] if isinstance(cache, PagedKVCache) and layer_idx is not None else None
     if config is None or not isinstance(layer, (PagedLayer, WindowRing)):
+        if (  # a sliding-window layer kept as transformers' own, prefilling a left-padded batch: by rows, windowed
+            config is not None
+            and isinstance(cache, PagedKVCache)
+            and query.shape[2] > 1
+            and rows_apply(module, query, key, attention_mask, cache.pads, cache.session, **kwargs)
+        ):
+            return prefill_by_rows(module, query, key, value, cache.pads, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

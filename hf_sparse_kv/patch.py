@@ -251,8 +251,10 @@ def _model_pre_hook(model, args, kwargs):
         check_cache(cache, config)
         cache.session.begin_forward()  # a new forward: its decode step is planned afresh
         mask = kwargs.get("attention_mask")
-        if not cache.paged_layers and not cache.get_seq_length() and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            _declare_padding(cache, mask)  # no paged layer declares it: a static step's sliding rings need it
+        if not cache.table.rows and not cache.get_seq_length() and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            # before any layer runs: a static step's sliding rings need it, and so does the row prefill of sliding
+            # layers that come before the first paged one (the first paged write declares it again, the same)
+            _declare_padding(cache, mask)
         if one and cache.static_decoding and cache.static is None and cache.get_seq_length():
             cache.reserve_static(cache.max_length)  # the first decode step of a cache built for static decoding
         if cache.static is not None and not cache.session.graphs and one:  # reserved by the user: a static step
@@ -266,8 +268,8 @@ def _model_pre_hook(model, args, kwargs):
 
 
 def _declare_padding(cache: PagedKVCache, mask: torch.Tensor) -> None:
-    """Declare the left padding of a prefill's 2-D mask ``[B, L]`` to a cache without paged layers (left padding
-    only; a mask with holes declares nothing)."""
+    """Declare the left padding of a prefill's 2-D mask ``[B, L]`` to an empty cache (left padding only; a mask
+    with holes declares nothing: the first paged layer's write then refuses it)."""
     B, L = mask.shape
     try:
         cache.set_padding(padding_starts(mask.bool()[:, None, None, :], B, L, mask.device).tolist())

@@ -83,7 +83,7 @@ class DecodeSession:
         self.observed: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, nblk] prefill scores of a policy
         self.observation_used = False
         self.graphs = None  # the captured-graph runner (hf_sparse_kv.graphs); False: this cache cannot use one
-        self._mask_verdict: tuple | None = None  # (weak reference to a prefill mask, its version, pads, verdict)
+        self._mask_verdicts: dict = {}  # tag -> (weak reference to a prefill mask, (its version, pads), verdict)
 
     def reset(self) -> None:
         """The cache's contents were reset: forget the step, the observations and the captured steps (they belong
@@ -129,16 +129,19 @@ class DecodeSession:
 
     # ---- the prefill ----------------------------------------------------------------------------------------------
 
-    def mask_verdict(self, mask: torch.Tensor, pads: list[int], check: Callable[[torch.Tensor, list[int]], bool]):
+    def mask_verdict(
+        self, mask: torch.Tensor, pads: list[int], check: Callable[[torch.Tensor, list[int]], bool], tag=None
+    ):
         """``check(mask, pads)``, computed once per mask: the layers of one forward share their mask tensor, so the
         first of them checks it and the others reuse the verdict while that tensor lives, unchanged (its version),
-        with the same ``pads``."""
-        memo = self._mask_verdict
+        with the same ``pads``. ``tag`` names the check (a layer's sliding window): one verdict is kept per tag, so
+        that a model whose full and sliding-window layers alternate (two masks) checks each mask once."""
+        memo = self._mask_verdicts.get(tag)
         key = (mask._version, tuple(pads))
         if memo is not None and memo[0]() is mask and memo[1] == key:
             return memo[2]
         verdict = check(mask, pads)
-        self._mask_verdict = (weakref.ref(mask), key, verdict)
+        self._mask_verdicts[tag] = (weakref.ref(mask), key, verdict)
         return verdict
 
     # ---- the policy's lifecycle ------------------------------------------------------------------------------------
