@@ -12,7 +12,8 @@ A sliding-window layer (Gemma-3's local layers, Mistral with a window) gets the 
 each sequence without its padding, its queries cut into chunks of ``window`` that attend only the ``window`` keys
 before each chunk and the chunk's own (one SDPA call over all chunks, a small mask shared by them): ``L x 2W`` scores
 a sequence instead of the masked call's ``B x L x L`` (on an H100, Gemma-3-270M's needle batches at 32K spent ~3.7 s a
-prompt in the masked prefill, evaluation/RESULTS.md, 2026-12-05).
+prompt in the masked prefill, evaluation/RESULTS.md, 2026-12-05). Transformers masks a sliding layer whatever the
+padding, so these take the rows also for a batch without padding and for one prompt alone.
 
 Taken only when it computes exactly what the mask asks, and outside a ``torch.compile`` trace (the check below reads
 a device value on the host): a first prefill (the keys are the queries' own positions), a mask that allows each real
@@ -88,8 +89,9 @@ def rows_apply(
         check = partial(session.mask_verdict, check=check, tag=window)
     return (
         not torch.compiler.is_compiling()  # the mask check reads a device value on the host: not inside a graph
-        and B > 1
-        and any(pads)
+        # unpadded, a full-attention layer gets no mask from transformers (SDPA's causal flash path); a sliding one
+        # gets its window's mask whatever the padding, one prompt alone included
+        and (window is not None or (B > 1 and any(pads)))
         and mask is not None
         and key.shape[2] == L
         and (window is None or (isinstance(window, int) and window > 0))
