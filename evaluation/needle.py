@@ -242,14 +242,30 @@ def shares_prefill(policy: Policy, prefix: PagedKVCache, shortest: int) -> bool:
     )
 
 
+def shares_base(policy: Policy, prefix: PagedKVCache, shortest: int) -> bool:
+    """Whether ``policy`` (as in :func:`shares_prefill`) can start from a dense prefill of all but the last
+    ``observe`` positions shared by the batch's policies of that ``observe``, on a model whose sliding-window layers
+    keep ``prefix`` from being cropped back (Gemma-3): the same chunked prefill as :func:`shares_prefill`'s, one
+    extra dense prefill a batch instead of one a policy."""
+    observe = getattr(policy, "observe", None)
+    return (
+        own_prefill(policy)
+        and isinstance(observe, int)
+        and shortest - 1 > observe
+        and not all(isinstance(layer, PagedLayer) for layer in prefix.layers)
+    )
+
+
 def from_shared_prefill(model, prefix: PagedKVCache, ids: torch.Tensor, observe: int, clock, **inputs):
     """The cache a policy that :func:`shares_prefill` starts from: a copy of ``prefix`` (``ids [B, L]`` minus the
     last token, prefilled) cropped by ``observe`` positions, then those positions forwarded again through the model
     as patched now (its observation). ``inputs``: the window's other model inputs (a left-padded batch's mask up to
-    the window's end and the window's position ids)."""
+    the window's end and the window's position ids). A ``prefix`` prefilled only up to the window (the base of
+    :func:`shares_base`) is copied as it is."""
     with clock.phase("copy"):
         cache = copy.deepcopy(prefix)
-        cache.crop(ids.shape[1] - 1 - observe)
+        if cache.get_seq_length() > ids.shape[1] - 1 - observe:
+            cache.crop(ids.shape[1] - 1 - observe)
     with torch.no_grad(), clock.phase("prefill"):
         window = ids[:, -1 - observe : -1]
         model(window, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1, **inputs)
@@ -382,10 +398,10 @@ def greedy_batch(
     ids, mask, pos = pad_left(prompts, device, pad_id)
     kw = {"use_cache": True}
 
-    def prefill(cache: PagedKVCache) -> None:
+    def prefill(cache: PagedKVCache, end: int = -1) -> None:
         with torch.no_grad(), clock.phase("prefill"):
             model(
-                ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
+                ids[:, :end], attention_mask=mask[:, :end], position_ids=pos[:, :end],
                 **{cache_kwarg(model): cache}, **kw, logits_to_keep=1,
             )  # fmt: skip
 
@@ -399,15 +415,20 @@ def greedy_batch(
     try:
         prefix = PagedKVCache(model.config, block_size=block_size)
         prefill(prefix)
+        shortest, bases = min(map(len, prompts)), {}  # observe -> the dense prefill up to that window (shares_base)
+        for q in policies.values():
+            if shares_base(q, prefix, shortest) and q.observe not in bases:
+                bases[q.observe] = PagedKVCache(model.config, block_size=block_size)
+                prefill(bases[q.observe], -1 - q.observe)
         for key, policy in policies.items():
             before = sum(clock.seconds.values())  # the policy's whole turn (copy / own prefill + decode): `phases`
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if shares_prefill(policy, prefix, min(map(len, prompts))):
+            if shares_prefill(policy, prefix, shortest) or shares_base(policy, prefix, shortest):
                 W = policy.observe
                 window = {"attention_mask": mask[:, :-1], "position_ids": pos[:, -1 - W : -1]}
-                cache = from_shared_prefill(model, prefix, ids, W, clock, **window)
+                cache = from_shared_prefill(model, bases.get(W, prefix), ids, W, clock, **window)
             elif own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 prefill(cache)

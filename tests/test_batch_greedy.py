@@ -114,8 +114,9 @@ def test_static_decode_equals_eager(arch, mode, monkeypatch):
 def test_snapkv_from_the_shared_prefill_answers_as_its_own(arch, monkeypatch):
     """SnapKV starting from a copy of the shared dense prefill, cropped by its observation window and that window
     forwarded again under its patch, answers as with a prefill of its own (the same observation, the same blocks
-    freed), left-padded or alone, with a query-aware policy after it too. On sliding + global layers (Gemma-3) it
-    takes its own prefill: a sliding layer cannot be cropped back."""
+    freed), left-padded or alone, with a query-aware policy after it too. On sliding + global layers (Gemma-3: a
+    sliding layer cannot be cropped back) it starts from a dense prefill up to its window shared by the batch
+    (:func:`~evaluation.needle.shares_base`) and answers as with its own, too."""
     from evaluation import needle
 
     model = tiny_model(arch)
@@ -127,14 +128,24 @@ def test_snapkv_from_the_shared_prefill_answers_as_its_own(arch, monkeypatch):
         "snapkv_quest": SnapKV(budget=0.5, sink=4, window=16, observe=12, then=Quest(budget=0.25, sink=4, window=8)),
     }
     args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
-    shared = []
-    original = needle.shares_prefill
+    shared, based, prefills = [], [], []
+    original, original_base, real_fsp = needle.shares_prefill, needle.shares_base, needle.from_shared_prefill
     monkeypatch.setattr(needle, "shares_prefill", lambda *a: shared.append(original(*a)) or shared[-1])
+    monkeypatch.setattr(needle, "shares_base", lambda *a: based.append(original_base(*a)) or based[-1])
+    monkeypatch.setattr(
+        needle, "from_shared_prefill", lambda m, p, *a, **k: prefills.append(p) or real_fsp(m, p, *a, **k)
+    )
     for batch in (prompts, prompts[:1]):
+        n0 = len(prefills)
         got = greedy_batch(model, batch, policies, 6, **args)
         assert shared[-2:] == [arch == "llama"] * 2  # both SnapKV policies shared the dense prefill on Llama
+        new = prefills[n0:]  # what they started from: the prefix (Llama), a base per window (Gemma-3, batched)
+        if arch == "llama" or len(batch) > 1:  # (one prompt alone on Gemma-3 takes the batch-1 path: own prefills)
+            width = max(map(len, batch)) - 1
+            assert [p.get_seq_length() for p in new] == ([width] * 2 if arch == "llama" else [width - 8, width - 12])
         with monkeypatch.context() as m:
             m.setattr(needle, "shares_prefill", lambda *a: False)
+            m.setattr(needle, "shares_base", lambda *a: False)
             assert greedy_batch(model, batch, policies, 6, **args) == got
     assert not is_patched(model)
 
