@@ -300,7 +300,8 @@ def greedy_under_policies(
 
     Returns ``{key: generated token ids}``; every generated token comes from a decode step that ran the policy.
     A policy for which :func:`own_prefill` holds (SnapKV) forwards its observation window again on a cropped copy
-    of the shared prefill (:func:`shares_prefill`), or else prefills on its own. ``clock`` (when given) gets the
+    of the shared prefill (:func:`shares_prefill`) or on a copy of a dense prefill up to that window
+    (:func:`shares_base`: models with sliding layers), or else prefills on its own. ``clock`` (when given) gets the
     seconds of the phases ``prefill`` (the shared one, the policies' own and their observation windows), ``copy``
     (of the shared cache) and ``decode``.
     """
@@ -311,14 +312,20 @@ def greedy_under_policies(
         prefix = PagedKVCache(model.config, block_size=block_size)
         with torch.no_grad(), clock.phase("prefill"):
             model(ids[:, :-1], **{cache_kwarg(model): prefix}, **kw, logits_to_keep=1)  # the cache, not logits
+        bases = {}  # observe -> the dense prefill up to that window (shares_base: models with sliding layers)
+        for q in policies.values():
+            if shares_base(q, prefix, ids.shape[1]) and q.observe not in bases:
+                bases[q.observe] = PagedKVCache(model.config, block_size=block_size)
+                with torch.no_grad(), clock.phase("prefill"):
+                    model(ids[:, : -1 - q.observe], **{cache_kwarg(model): bases[q.observe]}, **kw, logits_to_keep=1)
         out = {}
         for key, policy in policies.items():
             before = sum(clock.seconds.values())
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if shares_prefill(policy, prefix, ids.shape[1]):
-                cache = from_shared_prefill(model, prefix, ids, policy.observe, clock)
+            if shares_prefill(policy, prefix, ids.shape[1]) or shares_base(policy, prefix, ids.shape[1]):
+                cache = from_shared_prefill(model, bases.get(policy.observe, prefix), ids, policy.observe, clock)
             elif own_prefill(policy):
                 cache = PagedKVCache(model.config, block_size=block_size)
                 with torch.no_grad(), clock.phase("prefill"):

@@ -139,10 +139,9 @@ def test_snapkv_from_the_shared_prefill_answers_as_its_own(arch, monkeypatch):
         n0 = len(prefills)
         got = greedy_batch(model, batch, policies, 6, **args)
         assert shared[-2:] == [arch == "llama"] * 2  # both SnapKV policies shared the dense prefill on Llama
-        new = prefills[n0:]  # what they started from: the prefix (Llama), a base per window (Gemma-3, batched)
-        if arch == "llama" or len(batch) > 1:  # (one prompt alone on Gemma-3 takes the batch-1 path: own prefills)
-            width = max(map(len, batch)) - 1
-            assert [p.get_seq_length() for p in new] == ([width] * 2 if arch == "llama" else [width - 8, width - 12])
+        new = prefills[n0:]  # what they started from: the prefix (Llama), a base per window (Gemma-3)
+        width = max(map(len, batch)) - 1  # (one prompt alone takes the batch-1 path: the same sharing)
+        assert [p.get_seq_length() for p in new] == ([width] * 2 if arch == "llama" else [width - 8, width - 12])
         with monkeypatch.context() as m:
             m.setattr(needle, "shares_prefill", lambda *a: False)
             m.setattr(needle, "shares_base", lambda *a: False)
