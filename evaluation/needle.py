@@ -233,13 +233,7 @@ def shares_prefill(policy: Policy, prefix: PagedKVCache, shortest: int) -> bool:
     observation (SnapKV's chunked prefill: the same scores, every stored key in view). It can when every prompt
     (``shortest``: the shortest's tokens, the decoded last one included) has more than ``observe`` tokens before its
     last one, and every layer of ``prefix`` is paged (a sliding-window layer cannot be cropped back)."""
-    observe = getattr(policy, "observe", None)
-    return (
-        own_prefill(policy)
-        and isinstance(observe, int)
-        and shortest - 1 > observe
-        and all(isinstance(layer, PagedLayer) for layer in prefix.layers)
-    )
+    return _observes_inside(policy, shortest) and all(isinstance(layer, PagedLayer) for layer in prefix.layers)
 
 
 def shares_base(policy: Policy, prefix: PagedKVCache, shortest: int) -> bool:
@@ -247,13 +241,25 @@ def shares_base(policy: Policy, prefix: PagedKVCache, shortest: int) -> bool:
     ``observe`` positions shared by the batch's policies of that ``observe``, on a model whose sliding-window layers
     keep ``prefix`` from being cropped back (Gemma-3): the same chunked prefill as :func:`shares_prefill`'s, one
     extra dense prefill a batch instead of one a policy."""
+    return _observes_inside(policy, shortest) and not all(isinstance(layer, PagedLayer) for layer in prefix.layers)
+
+
+def _observes_inside(policy: Policy, shortest: int) -> bool:
+    """Whether ``policy`` prefills on its own (:func:`own_prefill`) to observe its last ``observe`` (an int)
+    queries, and every prompt (``shortest``: the shortest's tokens, the decoded last one included) has more than
+    ``observe`` tokens before its last one."""
     observe = getattr(policy, "observe", None)
-    return (
-        own_prefill(policy)
-        and isinstance(observe, int)
-        and shortest - 1 > observe
-        and not all(isinstance(layer, PagedLayer) for layer in prefix.layers)
-    )
+    return own_prefill(policy) and isinstance(observe, int) and shortest - 1 > observe
+
+
+def prefill_bases(policies, prefix: PagedKVCache, shortest: int, prefilled) -> dict[int, PagedKVCache]:
+    """``observe -> cache`` for the policies that :func:`shares_base`: one dense prefill up to each distinct window
+    (``prefilled(end)``: a new cache holding the prompts' tokens ``[:, :end]``, prefilled under the dense patch)."""
+    bases: dict[int, PagedKVCache] = {}
+    for q in policies.values():
+        if shares_base(q, prefix, shortest) and q.observe not in bases:
+            bases[q.observe] = prefilled(-1 - q.observe)
+    return bases
 
 
 def from_shared_prefill(model, prefix: PagedKVCache, ids: torch.Tensor, observe: int, clock, **inputs):
@@ -309,15 +315,15 @@ def greedy_under_policies(
     clock = clock or PhaseClock(ids.device)
     patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
     try:
-        prefix = PagedKVCache(model.config, block_size=block_size)
-        with torch.no_grad(), clock.phase("prefill"):
-            model(ids[:, :-1], **{cache_kwarg(model): prefix}, **kw, logits_to_keep=1)  # the cache, not logits
-        bases = {}  # observe -> the dense prefill up to that window (shares_base: models with sliding layers)
-        for q in policies.values():
-            if shares_base(q, prefix, ids.shape[1]) and q.observe not in bases:
-                bases[q.observe] = PagedKVCache(model.config, block_size=block_size)
-                with torch.no_grad(), clock.phase("prefill"):
-                    model(ids[:, : -1 - q.observe], **{cache_kwarg(model): bases[q.observe]}, **kw, logits_to_keep=1)
+
+        def prefilled(end: int = -1) -> PagedKVCache:
+            cache = PagedKVCache(model.config, block_size=block_size)
+            with torch.no_grad(), clock.phase("prefill"):
+                model(ids[:, :end], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)  # the cache, not logits
+            return cache
+
+        prefix = prefilled()
+        bases = prefill_bases(policies, prefix, ids.shape[1], prefilled)  # observe -> a base (sliding-layer models)
         out = {}
         for key, policy in policies.items():
             before = sum(clock.seconds.values())
@@ -327,9 +333,7 @@ def greedy_under_policies(
             if shares_prefill(policy, prefix, ids.shape[1]) or shares_base(policy, prefix, ids.shape[1]):
                 cache = from_shared_prefill(model, bases.get(policy.observe, prefix), ids, policy.observe, clock)
             elif own_prefill(policy):
-                cache = PagedKVCache(model.config, block_size=block_size)
-                with torch.no_grad(), clock.phase("prefill"):
-                    model(ids[:, :-1], **{cache_kwarg(model): cache}, **kw, logits_to_keep=1)
+                cache = prefilled()
             else:
                 with clock.phase("copy"):
                     cache = copy.deepcopy(prefix)
@@ -405,12 +409,14 @@ def greedy_batch(
     ids, mask, pos = pad_left(prompts, device, pad_id)
     kw = {"use_cache": True}
 
-    def prefill(cache: PagedKVCache, end: int = -1) -> None:
+    def prefilled(end: int = -1) -> PagedKVCache:
+        cache = PagedKVCache(model.config, block_size=block_size)
         with torch.no_grad(), clock.phase("prefill"):
             model(
                 ids[:, :end], attention_mask=mask[:, :end], position_ids=pos[:, :end],
                 **{cache_kwarg(model): cache}, **kw, logits_to_keep=1,
             )  # fmt: skip
+        return cache
 
     out: list[dict[Any, list[int]]] = [{} for _ in prompts]
 
@@ -420,13 +426,9 @@ def greedy_batch(
     static_policies = [q for q in policies.values() if slotted(q)]
     patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
     try:
-        prefix = PagedKVCache(model.config, block_size=block_size)
-        prefill(prefix)
-        shortest, bases = min(map(len, prompts)), {}  # observe -> the dense prefill up to that window (shares_base)
-        for q in policies.values():
-            if shares_base(q, prefix, shortest) and q.observe not in bases:
-                bases[q.observe] = PagedKVCache(model.config, block_size=block_size)
-                prefill(bases[q.observe], -1 - q.observe)
+        prefix = prefilled()
+        shortest = min(map(len, prompts))
+        bases = prefill_bases(policies, prefix, shortest, prefilled)  # observe -> a base (models with sliding layers)
         for key, policy in policies.items():
             before = sum(clock.seconds.values())  # the policy's whole turn (copy / own prefill + decode): `phases`
             patch_model(
@@ -437,8 +439,7 @@ def greedy_batch(
                 window = {"attention_mask": mask[:, :-1], "position_ids": pos[:, -1 - W : -1]}
                 cache = from_shared_prefill(model, bases.get(W, prefix), ids, W, clock, **window)
             elif own_prefill(policy):
-                cache = PagedKVCache(model.config, block_size=block_size)
-                prefill(cache)
+                cache = prefilled()
             elif slotted(policy):
                 with torch.no_grad(), clock.phase("copy"):
                     cache, kept = slots.decode(model, key, prefix, ids.shape[1] - 1 + new_tokens, static_policies)
