@@ -1028,8 +1028,21 @@ def main(argv: list[str] | None = None) -> None:
         help="suite processes sharing the folder, each with its own model, none running a job another took "
         "(a small model's decoding leaves a GPU idle: two Qwen2.5-1.5B workers did ~1.7x the work on an H200)",
     )
+    p.add_argument(
+        "--compare",
+        metavar="OTHER",
+        help="only compare --out's cells with their twins in the folder OTHER (retrieval outcomes, perplexity NLL)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (YAML)")
     a = p.parse_args(argv)
+    if a.compare:
+        from .suite_compare import compare_folders
+
+        try:
+            print(compare_folders(a.out, a.compare), end="")
+        except FileNotFoundError as e:
+            p.error(str(e))
+        return
     overrides = {}
     for item in a.set:
         k, _, v = item.partition("=")
