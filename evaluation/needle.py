@@ -278,6 +278,49 @@ def from_shared_prefill(model, prefix: PagedKVCache, ids: torch.Tensor, observe:
     return cache
 
 
+class SharedObservations:
+    """The observed caches of a batch's policies that start from the shared prefill (:func:`shares_prefill` or
+    :func:`shares_base`): one observation pass (:func:`from_shared_prefill`) per kind of observation instead of one
+    per policy, each policy decoding on a copy of it and the last of its kind on the cache itself.
+
+    A pass depends on the policy only through its ``observe_prefill`` (its method and ``observe``), the state its
+    cache declares and the mode it is patched in (SnapKV's ``budget``, ``pool`` and ``then`` act at its first decode
+    step, on the observation the copy carries): policies equal in those share a pass (:meth:`kind`).
+
+    Args:
+        policies: the batch's ``{key: policy}``; ``shares``: whether a policy starts from the shared prefill;
+        ``mode``: the batch's mode (:func:`policy_mode` gives each policy's).
+    """
+
+    def __init__(self, policies: dict[Any, Policy], shares, mode: str):
+        self.mode = mode
+        self.left: dict[tuple, int] = {}
+        for q in policies.values():
+            if shares(q):
+                self.left[self.kind(q)] = self.left.get(self.kind(q), 0) + 1
+        self.held: dict[tuple, PagedKVCache] = {}
+        self.passes = 0  # observation passes run (for tests and logs)
+
+    def kind(self, policy: Policy) -> tuple:
+        return (type(policy).observe_prefill, policy.observe, policy.cache_state(), policy_mode(policy, self.mode))
+
+    def take(self, policy: Policy, clock, model, base: PagedKVCache, ids: torch.Tensor, observe: int, **inputs):
+        """``policy``'s cache: for the first of its kind its observation pass (:func:`from_shared_prefill` of
+        ``model`` as patched now, ``base``, ``ids``, ``observe``, ``inputs``), then a copy of that cache, the cache
+        itself for the last of its kind."""
+        k = self.kind(policy)
+        cache = self.held.pop(k, None)
+        if cache is None:
+            cache = from_shared_prefill(model, base, ids, observe, clock, **inputs)
+            self.passes += 1
+        self.left[k] -= 1
+        if self.left[k] == 0:
+            return cache
+        self.held[k] = cache
+        with clock.phase("copy"):
+            return copy.deepcopy(cache)
+
+
 def decodes_statically(policy: Policy, static: bool) -> bool:
     """Whether :func:`greedy_batch` with ``static`` decodes ``policy`` through static steps: all but a policy that
     frees blocks at every step (its block table changes during decoding), which decodes eagerly; one that frees
@@ -307,7 +350,8 @@ def greedy_under_policies(
     Returns ``{key: generated token ids}``; every generated token comes from a decode step that ran the policy.
     A policy for which :func:`own_prefill` holds (SnapKV) forwards its observation window again on a cropped copy
     of the shared prefill (:func:`shares_prefill`) or on a copy of a dense prefill up to that window
-    (:func:`shares_base`: models with sliding layers), or else prefills on its own. ``clock`` (when given) gets the
+    (:func:`shares_base`: models with sliding layers), or else prefills on its own; policies observing alike share
+    one such pass (:class:`SharedObservations`), each decoding on a copy of it. ``clock`` (when given) gets the
     seconds of the phases ``prefill`` (the shared one, the policies' own and their observation windows), ``copy``
     (of the shared cache) and ``decode``.
     """
@@ -324,14 +368,20 @@ def greedy_under_policies(
 
         prefix = prefilled()
         bases = prefill_bases(policies, prefix, ids.shape[1], prefilled)  # observe -> a base (sliding-layer models)
+
+        def shares(q: Policy) -> bool:
+            return shares_prefill(q, prefix, ids.shape[1]) or shares_base(q, prefix, ids.shape[1])
+
+        observations = SharedObservations(policies, shares, mode)
         out = {}
         for key, policy in policies.items():
             before = sum(clock.seconds.values())
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if shares_prefill(policy, prefix, ids.shape[1]) or shares_base(policy, prefix, ids.shape[1]):
-                cache = from_shared_prefill(model, bases.get(policy.observe, prefix), ids, policy.observe, clock)
+            if shares(policy):
+                W = policy.observe
+                cache = observations.take(policy, clock, model, bases.get(W, prefix), ids, W)
             elif own_prefill(policy):
                 cache = prefilled()
             else:
@@ -429,15 +479,20 @@ def greedy_batch(
         prefix = prefilled()
         shortest = min(map(len, prompts))
         bases = prefill_bases(policies, prefix, shortest, prefilled)  # observe -> a base (models with sliding layers)
+
+        def shares(q: Policy) -> bool:
+            return shares_prefill(q, prefix, shortest) or shares_base(q, prefix, shortest)
+
+        observations = SharedObservations(policies, shares, mode)
         for key, policy in policies.items():
             before = sum(clock.seconds.values())  # the policy's whole turn (copy / own prefill + decode): `phases`
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if shares_prefill(policy, prefix, shortest) or shares_base(policy, prefix, shortest):
+            if shares(policy):
                 W = policy.observe
                 window = {"attention_mask": mask[:, :-1], "position_ids": pos[:, -1 - W : -1]}
-                cache = from_shared_prefill(model, bases.get(W, prefix), ids, W, clock, **window)
+                cache = observations.take(policy, clock, model, bases.get(W, prefix), ids, W, **window)
             elif own_prefill(policy):
                 cache = prefilled()
             elif slotted(policy):

@@ -168,3 +168,36 @@ def test_top2_records_each_steps_two_best_logits(static):
             assert values.shape == ids.shape == (len(batch), 5, 2) and values.dtype == torch.float32
             assert (values[..., 0] >= values[..., 1]).all() and (ids[..., 0] != ids[..., 1]).all()
             assert ids[..., 0].tolist() == [answer[key] for answer in got]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_snapkv_policies_of_one_observation_share_its_pass(arch, monkeypatch):
+    """SnapKV policies that observe the same window (other budgets, pooling, a policy after them) run one
+    observation pass a batch and decode on copies of it (the last on the pass's cache itself), answering as each
+    with a pass of its own; a policy observing another window gets its own pass."""
+    from evaluation import needle
+
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (150, 131, 142)]
+    quest = Quest(budget=0.25, sink=4, window=8)
+    policies = {
+        "snapkv": SnapKV(budget=0.4, sink=4, window=16, observe=8),
+        "dense": Dense(),
+        "snapkv_mean": SnapKV(budget=0.3, sink=4, window=16, observe=8, pool="mean"),
+        "snapkv_quest": SnapKV(budget=0.5, sink=4, window=16, observe=8, then=quest),
+        "snapkv_12": SnapKV(budget=0.4, sink=4, window=16, observe=12),
+    }
+    args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
+    passes, real = [], needle.from_shared_prefill
+    monkeypatch.setattr(
+        needle, "from_shared_prefill", lambda m, p, i, w, *a, **k: passes.append(w) or real(m, p, i, w, *a, **k)
+    )
+    for batch in (prompts, prompts[:1]):
+        del passes[:]
+        got = greedy_batch(model, batch, policies, 6, **args)
+        assert sorted(passes) == [8, 12]  # one pass for the three policies observing 8 positions, one for 12
+        for key, policy in policies.items():
+            del passes[:]
+            assert [a[key] for a in greedy_batch(model, batch, {key: policy}, 6, **args)] == [a[key] for a in got]
+    assert not is_patched(model)
