@@ -265,6 +265,21 @@ def block_shares(
     return _forced_and_live(s, live, seq_lens, start, sink, window, block_size).contiguous()
 
 
+def pool_logits(q: torch.Tensor, k_pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """``q . k`` (unscaled, float32) of every query head with the first ``length`` positions of its sequence:
+    ``[B, Hkv, G, length]``, computed against every block of the pool and then picked through the table (an
+    evicted block's entry ``-1`` reads block 0: mask it). Costs ``B x pool`` scores instead of :func:`gather_dense`'s
+    ``B x length x D`` copied keys: for rows that share most of one pool (the ``simulate`` way's scored queries of one
+    sequence), not for a batch of separate sequences."""
+    Hkv, BS = k_pool.shape[1], k_pool.shape[2]
+    nblk = cdiv(length, BS)
+    qg = _group_q(q, Hkv)  # [B, Hkv, G, D]
+    B, _, G, _ = qg.shape
+    s = torch.einsum("bhgd,nhsd->bhgns", qg, k_pool.float())  # [B, Hkv, G, NB, BS]
+    idx = block_table[:, :nblk].long().clamp(min=0).view(B, 1, 1, nblk, 1).expand(B, Hkv, G, nblk, BS)
+    return s.gather(3, idx).reshape(B, Hkv, G, nblk * BS)[..., :length]
+
+
 def token_scores(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -272,13 +287,18 @@ def token_scores(
     seq_lens: torch.Tensor,
     start: torch.Tensor,
     length: int | None = None,
+    through_pool: bool = False,
 ) -> torch.Tensor:
     """Exact ``q . k`` of every token, max over each GQA group: ``[B, Hkv, L]`` float32, ``-inf`` where invalid
     (padding, past the end, in an evicted block). ``L`` is ``length`` (at most the table's ``MB * BS``), by default
-    ``max(seq_lens)`` (read from the device)."""
+    ``max(seq_lens)`` (read from the device). ``through_pool``: the products by :func:`pool_logits` (rows sharing
+    one pool) instead of gathered keys; the same scores up to float32 rounding."""
     L = int(seq_lens.max()) if length is None else length
-    keys = gather_dense(k_pool, block_table, L).float()  # [B, Hkv, L, D]
-    s = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys).amax(2)
+    if through_pool:
+        s = pool_logits(q, k_pool, block_table, L).amax(2)
+    else:
+        keys = gather_dense(k_pool, block_table, L).float()  # [B, Hkv, L, D]
+        s = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys).amax(2)
     pos = torch.arange(L, device=q.device).expand(q.shape[0], L)
     zero = torch.zeros_like(seq_lens)
     ok = valid_positions(pos, seq_lens, start, zero, zero) & _live_positions(block_table, k_pool.shape[2], L)
@@ -300,16 +320,21 @@ def oracle_block_scores(
     start: torch.Tensor,
     scale: float,
     length: int | None = None,
+    through_pool: bool = False,
 ) -> torch.Tensor:
     """True softmax mass of each block, summed over each GQA group's query heads: ``[B, Hkv, MB]`` float32.
 
     Reads every key (an evaluation oracle, not a fast path) up to ``length`` positions (default ``max(seq_lens)``,
-    read from the device). Blocks past the sequence or evicted get ``-inf``.
+    read from the device). Blocks past the sequence or evicted get ``-inf``. ``through_pool``: the products by
+    :func:`pool_logits` (rows sharing one pool), as in :func:`token_scores`.
     """
     BS, MB = k_pool.shape[2], block_table.shape[1]
     L = int(seq_lens.max()) if length is None else length
-    keys = gather_dense(k_pool, block_table, L).float()
-    logits = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys) * scale
+    if through_pool:
+        logits = pool_logits(q, k_pool, block_table, L) * scale
+    else:
+        keys = gather_dense(k_pool, block_table, L).float()
+        logits = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys) * scale
     pos = torch.arange(L, device=q.device).expand(q.shape[0], L)
     zero = torch.zeros_like(seq_lens)
     ok = valid_positions(pos, seq_lens, start, zero, zero) & _live_positions(block_table, BS, L)
