@@ -216,17 +216,18 @@ def _reused(ctx: SimulateContext, state: DecodeState, q_all, idx, positions, poo
 
 
 def simulate_ops() -> SimpleNamespace:
-    """The reference ops a scored query's policy selects with, its exact scorers (``token_scores``,
-    ``oracle_block_scores``) computed through the pool (``through_pool``): the scored queries of one sequence share
+    """The reference ops a scored query's policy selects with, its scorers (``token_scores``, ``oracle_block_scores``,
+    ``block_scores``) computed through the pool (``through_pool``): the scored queries of one sequence share
     its pool but for their current blocks, so scoring each against the pool and picking through its table costs
-    ``Q x pool`` products instead of gathering ``Q x L x D`` keys (8.6 GB a layer at 256 queries of Qwen2.5 at 32K).
-    The same scores up to float32 rounding."""
+    ``Q x pool`` products instead of gathering ``Q x L x D`` keys (8.6 GB a layer at 256 queries of Qwen2.5 at 32K)
+    or Quest's ``Q x MB x Hq x D`` bounds. The same scores up to float32 rounding."""
     ref = get_ops("reference")
     return SimpleNamespace(
         **{
             **vars(ref),
             "token_scores": functools.partial(ref.token_scores, through_pool=True),
             "oracle_block_scores": functools.partial(ref.oracle_block_scores, through_pool=True),
+            "block_scores": functools.partial(ref.block_scores, through_pool=True),
         }
     )
 

@@ -39,6 +39,20 @@ def test_scores_through_the_pool_equal_gathered(shared, seed):
         torch.testing.assert_close(n[m.isfinite()], m[m.isfinite()], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("method", ["quest", "mean"])
+def test_block_scores_through_the_pool_equal_gathered(shared, method):
+    q, k_pool, table, seq_lens, start = _case(shared, 3)
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(2, *k_pool.shape[:2], k_pool.shape[3], generator=g)
+    kmin, kmax, kmean = torch.minimum(a, b), torch.maximum(a, b), (a + b) / 2
+    for forcing in ({}, {"start": start, "sink": 4, "window": 6}):
+        want = ref.block_scores(q, kmin, kmax, kmean, table, seq_lens, 4, method, **forcing)
+        got = ref.block_scores(q, kmin, kmax, kmean, table, seq_lens, 4, method, **forcing, through_pool=True)
+        assert torch.equal(want.isinf(), got.isinf()) and torch.equal(want == float("inf"), got == float("inf"))
+        torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], rtol=1e-5, atol=1e-5)
+
+
 def test_simulate_ops_score_through_the_pool():
     ops = simulate_ops()
     q, k_pool, table, seq_lens, start = _case(True, 2)
@@ -47,3 +61,6 @@ def test_simulate_ops_score_through_the_pool():
     assert torch.equal(ops.token_scores(q, k_pool, table, seq_lens, start), want)
     want = ref.oracle_block_scores(q, k_pool, table, seq_lens, start, 0.5, through_pool=True)
     assert torch.equal(ops.oracle_block_scores(q, k_pool, table, seq_lens, start, 0.5), want)
+    meta = k_pool.amin(2), k_pool.amax(2), k_pool.mean(2)
+    want = ref.block_scores(q, *meta, table, seq_lens, 4, "quest", through_pool=True)
+    assert torch.equal(ops.block_scores(q, *meta, table, seq_lens, 4, "quest"), want)

@@ -181,6 +181,7 @@ def block_scores(
     start: torch.Tensor | None = None,
     sink: int = 0,
     window: int | None = None,
+    through_pool: bool = False,
 ) -> torch.Tensor:
     """Score every block of every sequence from its key metadata, pooled over each GQA group.
 
@@ -191,6 +192,9 @@ def block_scores(
         method: ``"quest"`` for the bound ``sum_d max(q_d min_d, q_d max_d)`` (Quest), ``"mean"`` for ``q . mean``.
         start, sink, window: with ``window`` given, the blocks of :func:`forced_block_mask` (sink from ``start [B]``,
             window, current block) score ``+inf`` (a top-k then always keeps them).
+        through_pool: score every block of the pool and pick each row's through its table (rows sharing one pool:
+            the ``simulate`` way's scored queries), Quest's bound as ``q+ . max + q- . min``: the same scores up to
+            float32 rounding, without the ``[B, MB, Hkv, G, D]`` products.
 
     Returns:
         ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block and
@@ -199,15 +203,23 @@ def block_scores(
     Hkv = kmin.shape[1]
     qg = _group_q(q, Hkv)  # [B, Hkv, G, D]
     phys = block_table.long().clamp(min=0)  # [B, MB]
-    if method == "quest":
+    if method not in ("quest", "mean"):
+        raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
+    if through_pool:
+        if method == "quest":  # max(q lo, q hi) = q+ hi + q- lo, as lo <= hi
+            pooled = torch.einsum("bhgd,nhd->bnhg", qg.clamp(min=0), kmax.float())
+            pooled = pooled + torch.einsum("bhgd,nhd->bnhg", qg.clamp(max=0), kmin.float())
+        else:
+            pooled = torch.einsum("bhgd,nhd->bnhg", qg, kmean.float())  # [B, NB, Hkv, G]
+        B, MB = phys.shape
+        s = pooled.amax(-1).gather(1, phys.view(B, MB, 1).expand(B, MB, Hkv))  # [B, MB, Hkv]
+    elif method == "quest":
         lo, hi = kmin[phys].float(), kmax[phys].float()  # [B, MB, Hkv, D]
         qe = qg.unsqueeze(1)  # [B, 1, Hkv, G, D]
-        s = torch.maximum(qe * lo.unsqueeze(3), qe * hi.unsqueeze(3)).sum(-1)  # [B, MB, Hkv, G]
-    elif method == "mean":
-        s = torch.einsum("bhgd,bmhd->bmhg", qg, kmean[phys].float())
+        s = torch.maximum(qe * lo.unsqueeze(3), qe * hi.unsqueeze(3)).sum(-1).amax(-1)  # [B, MB, Hkv]
     else:
-        raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
-    s = s.amax(-1).permute(0, 2, 1)  # [B, Hkv, MB]
+        s = torch.einsum("bhgd,bmhd->bmhg", qg, kmean[phys].float()).amax(-1)
+    s = s.permute(0, 2, 1)  # [B, Hkv, MB]
     live = live_blocks(block_table, seq_lens, block_size)
     return _forced_and_live(s, live, seq_lens, start, sink, window, block_size).contiguous()
 
