@@ -279,27 +279,30 @@ def from_shared_prefill(model, prefix: PagedKVCache, ids: torch.Tensor, observe:
 
 
 class SharedObservations:
-    """The observed caches of a batch's policies that start from the shared prefill (:func:`shares_prefill` or
-    :func:`shares_base`): one observation pass (:func:`from_shared_prefill`) per kind of observation instead of one
-    per policy, each policy decoding on a copy of it and the last of its kind on the cache itself.
+    """The observed caches of a batch's policies that start from the shared prefill (:meth:`shares`): one observation
+    pass (:func:`from_shared_prefill`) per kind of observation instead of one per policy, each policy decoding on a
+    copy of it and the last of its kind on the cache itself.
 
     A pass depends on the policy only through its ``observe_prefill`` (its method and ``observe``), the state its
     cache declares and the mode it is patched in (SnapKV's ``budget``, ``pool`` and ``then`` act at its first decode
     step, on the observation the copy carries): policies equal in those share a pass (:meth:`kind`).
 
     Args:
-        policies: the batch's ``{key: policy}``; ``shares``: whether a policy starts from the shared prefill;
-        ``mode``: the batch's mode (:func:`policy_mode` gives each policy's).
+        policies: the batch's ``{key: policy}``; ``prefix``: its shared prefill; ``shortest``: its shortest prompt's
+            tokens (the decoded last one included); ``mode``: the batch's mode (:func:`policy_mode` gives each
+            policy's).
     """
 
-    def __init__(self, policies: dict[Any, Policy], shares, mode: str):
-        self.mode = mode
+    def __init__(self, policies: dict[Any, Policy], prefix: PagedKVCache, shortest: int, mode: str):
+        self.prefix, self.shortest, self.mode = prefix, shortest, mode
         self.left: dict[tuple, int] = {}
-        for q in policies.values():
-            if shares(q):
-                self.left[self.kind(q)] = self.left.get(self.kind(q), 0) + 1
+        for k in map(self.kind, filter(self.shares, policies.values())):
+            self.left[k] = self.left.get(k, 0) + 1
         self.held: dict[tuple, PagedKVCache] = {}
-        self.passes = 0  # observation passes run (for tests and logs)
+
+    def shares(self, policy: Policy) -> bool:
+        """Whether ``policy`` starts from the shared prefill: :func:`shares_prefill` or :func:`shares_base`."""
+        return shares_prefill(policy, self.prefix, self.shortest) or shares_base(policy, self.prefix, self.shortest)
 
     def kind(self, policy: Policy) -> tuple:
         return (type(policy).observe_prefill, policy.observe, policy.cache_state(), policy_mode(policy, self.mode))
@@ -312,7 +315,6 @@ class SharedObservations:
         cache = self.held.pop(k, None)
         if cache is None:
             cache = from_shared_prefill(model, base, ids, observe, clock, **inputs)
-            self.passes += 1
         self.left[k] -= 1
         if self.left[k] == 0:
             return cache
@@ -368,18 +370,14 @@ def greedy_under_policies(
 
         prefix = prefilled()
         bases = prefill_bases(policies, prefix, ids.shape[1], prefilled)  # observe -> a base (sliding-layer models)
-
-        def shares(q: Policy) -> bool:
-            return shares_prefill(q, prefix, ids.shape[1]) or shares_base(q, prefix, ids.shape[1])
-
-        observations = SharedObservations(policies, shares, mode)
+        observations = SharedObservations(policies, prefix, ids.shape[1], mode)
         out = {}
         for key, policy in policies.items():
             before = sum(clock.seconds.values())
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if shares(policy):
+            if observations.shares(policy):
                 W = policy.observe
                 cache = observations.take(policy, clock, model, bases.get(W, prefix), ids, W)
             elif own_prefill(policy):
@@ -479,17 +477,13 @@ def greedy_batch(
         prefix = prefilled()
         shortest = min(map(len, prompts))
         bases = prefill_bases(policies, prefix, shortest, prefilled)  # observe -> a base (models with sliding layers)
-
-        def shares(q: Policy) -> bool:
-            return shares_prefill(q, prefix, shortest) or shares_base(q, prefix, shortest)
-
-        observations = SharedObservations(policies, shares, mode)
+        observations = SharedObservations(policies, prefix, shortest, mode)
         for key, policy in policies.items():
             before = sum(clock.seconds.values())  # the policy's whole turn (copy / own prefill + decode): `phases`
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
-            if shares(policy):
+            if observations.shares(policy):
                 W = policy.observe
                 window = {"attention_mask": mask[:, :-1], "position_ids": pos[:, -1 - W : -1]}
                 cache = observations.take(policy, clock, model, bases.get(W, prefix), ids, W, **window)

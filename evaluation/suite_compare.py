@@ -4,12 +4,11 @@ policy, budget; :func:`evaluation.suite_workers.cell_key`), and how far each pol
 
 The check behind every "the same answers" claim of evaluation/RESULTS.md when a grid is run again on another machine,
 kernel or code path: bf16 runs part at near-ties, so the counts say how often, and the relative NLL differences how
-much. Standard library only.
+much.
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .suite_workers import cell_key
+from .sweep import ResultsDir
 
 
 @dataclass
@@ -56,18 +56,6 @@ def compare_rows(rows: Iterable[dict[str, Any]], others: Iterable[dict[str, Any]
     return out
 
 
-def read_cells(folder: str | Path) -> list[dict[str, Any]]:
-    """Every complete row of ``folder``'s ``cells*.jsonl`` (a running suite's worker files too)."""
-    rows = []
-    for f in sorted(Path(folder).glob("cells*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 def report(c: Comparison, name: str, other: str) -> str:
     """The comparison as Markdown: retrieval outcomes, then perplexity by policy and budget."""
     lines = [f"### {name} against {other}", ""]
@@ -93,9 +81,10 @@ def report(c: Comparison, name: str, other: str) -> str:
 
 
 def compare_folders(folder: str | Path, other: str | Path) -> str:
-    """:func:`report` of ``folder``'s cells against ``other``'s; a folder without cells is an error."""
-    rows, others = read_cells(folder), read_cells(other)
-    for f, r in ((folder, rows), (other, others)):
-        if not r:
+    """:func:`report` of ``folder``'s cells (every ``cells*.jsonl``, a running suite's worker files too) against
+    ``other``'s; a folder without cells is an error (and is not created)."""
+    for f in (folder, other):
+        if not any(Path(f).glob("cells*.jsonl")):
             raise FileNotFoundError(f"no suite cells in {f} (cells*.jsonl)")
+    rows, others = ResultsDir(folder).rows(), ResultsDir(other).rows()
     return report(compare_rows(rows, others), str(folder), str(other))
