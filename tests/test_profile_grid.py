@@ -1,0 +1,30 @@
+"""benchmarks/profile_grid.py on the CPU: a tiny random model of Qwen2's layout through the grid's every cell."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import profile_grid
+
+
+def test_every_cell_gets_a_perplexity_row_and_a_needle_row(tmp_path):
+    """The issue-12 grid (22 cells): one simulate row per cell after the prefill, one phase row per batch and one
+    row per cell of its own seconds; SnapKV's cells run without fidelity (the simulate way refuses it), the others
+    with; the CSV holds them all."""
+    out = tmp_path / "p.csv"
+    args = ["--shape", "tiny", "--length", "256", "--batch", "2", "--batches", "2", "--device", "cpu"]
+    rows = profile_grid.main(args + ["--dtype", "float32", "--out", str(out)])
+    ppl = [r for r in rows if r["part"] == "perplexity"]
+    assert [r["cell"] for r in ppl][:2] == ["prefill", "dense@-"] and ppl[-1]["cell"] == "peak"
+    cells = {r["cell"]: r for r in ppl[1:-1]}
+    assert len(cells) == 22 and all(float(r["seconds"]) > 0 for r in cells.values())
+    assert not cells["snapkv@1/16"]["fidelity"] and cells["quest@1/16"]["fidelity"] and not cells["dense@-"]["fidelity"]
+    needle = [r for r in rows if r["part"] == "needle"]
+    batches = [r for r in needle if r["cell"].startswith("batch ")]
+    assert [r["cell"] for r in batches] == ["batch 0", "batch 1"]
+    assert all(float(r[k]) > 0 for r in batches for k in ("prefill", "copy", "decode"))
+    own = {r["cell"]: r for r in needle if "first" in r}
+    assert set(own) == set(cells) and all(float(r["last"]) > 0 for r in own.values())
+    assert out.read_text().count("\n") == len(rows) + 1
