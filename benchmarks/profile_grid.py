@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -128,10 +129,44 @@ def print_profile(session, cell, cfg, fidelity: bool, device: str) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=10))
 
 
-def needle_rows(model, cells, cfg, length: int, batch: int, batches: int, new_tokens: int, device: str) -> list[dict]:
+def allocator_counts(device: str) -> dict[str, int]:
+    """The CUDA caching allocator's running counts: ``mallocs`` / ``frees`` (cudaMalloc / cudaFree calls) and
+    ``retries`` (allocations that failed, freed every cached block and tried again); empty on the CPU."""
+    if torch.device(device).type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats()
+    names = {"mallocs": "num_device_alloc", "frees": "num_device_free", "retries": "num_alloc_retries"}
+    return {k: int(stats.get(v, 0)) for k, v in names.items()}
+
+
+@contextmanager
+def batch_profile(device: str, on: bool):
+    """When ``on``: the block under :mod:`torch.profiler`, then the 15 operators and runtime calls of most host
+    time (cudaMalloc, cudaFree, graph instantiation and synchronisations show there) and the 10 of most device time."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+    table = prof.key_averages()
+    print("\nneedle batch, by self host time:")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    if cuda:
+        print("\nneedle batch, by device time:")
+        print(table.table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
+
+
+def needle_rows(
+    model, cells, cfg, length: int, batch: int, batches: int, new_tokens: int, device: str, profile: bool = False
+) -> list[dict]:
     """``batches`` left-padded batches of ``batch`` random prompts of about ``length`` tokens, each decoded under
     every cell (``new_tokens`` each) as a ``one_pass`` suite job does: static steps kept across batches. One row per
-    batch (its phases), then one per cell (its own seconds in the first batch, with its captures, and in the last)."""
+    batch (its phases and, on a GPU, the allocator's cudaMalloc / cudaFree calls and retries during it), then one per
+    cell (its own seconds in the first batch, with its captures, and in the last one not profiled). ``profile``: the last batch under
+    :func:`batch_profile`."""
     rng = random.Random(2)
     slots = DecodeSlots()
     policies = {c.key: c.policy for c in cells}
@@ -142,15 +177,20 @@ def needle_rows(model, cells, cfg, length: int, batch: int, batches: int, new_to
             for _ in range(batch)
         ]
         clock = PhaseClock(device)
-        greedy_batch(
-            model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block"),
-            clock=clock, static=True, slots=slots,
-        )  # fmt: skip
+        before = allocator_counts(device)
+        with batch_profile(device, profile and b == batches - 1):
+            greedy_batch(
+                model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block"),
+                clock=clock, static=True, slots=slots,
+            )  # fmt: skip
+        after = allocator_counts(device)
         phases = {k: f"{v:.3f}" for k, v in clock.seconds.items()}
-        rows.append({"part": "needle", "cell": f"batch {b}", **phases, "peak_gib": peak_gib(device)})
+        counts = {k: after[k] - before[k] for k in after}
+        rows.append({"part": "needle", "cell": f"batch {b}", **phases, "peak_gib": peak_gib(device), **counts})
         if b == 0:
             first = dict(clock.per_key)
-        last = dict(clock.per_key)
+        if not (profile and b == batches - 1 and b > 0):  # a profiled batch's seconds are the profiler's too
+            last = dict(clock.per_key)
     for c in cells:
         one, end = first.get(str(c.key), {}), last.get(str(c.key), {})
         rows.append(
@@ -174,6 +214,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--no-perplexity", action="store_true")
     ap.add_argument("--profile", default="", help="cells label@budget to profile (simulate way), comma-separated")
+    ap.add_argument("--profile-needle", action="store_true", help="the last needle batch under torch.profiler")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="CSV of every row")
@@ -194,10 +235,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if torch.device(args.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         needle = needle_rows(
-            model, cells, cfg, args.length, args.batch, args.batches, args.new_tokens, args.device
+            model, cells, cfg, args.length, args.batch, args.batches, args.new_tokens, args.device, args.profile_needle
         )  # fmt: skip
         rows += needle
-        print_table([r for r in needle if "first" not in r], ["cell", "prefill", "copy", "decode", "peak_gib"])
+        print_table(
+            [r for r in needle if "first" not in r],
+            ["cell", "prefill", "copy", "decode", "peak_gib", "mallocs", "frees", "retries"],
+        )
         cols = ["cell", "first", "graphs", "capture", "last", "last_decode", "last_graphs"]
         print_table([r for r in needle if "first" in r], cols)
     if args.out:
