@@ -50,20 +50,22 @@ CONTEXT_KWARG = "hf_sparse_kv_simulate_context"
 
 @dataclass
 class Fidelity:
-    """Running sums of the fidelity metrics over (scored query, sparse layer, KV head)."""
+    """Running sums of the fidelity metrics over (scored query, sparse layer, KV head). The sums may be float64
+    device tensors (the simulate attention adds each layer's there, so that no layer waits for the GPU); the
+    properties read them as floats."""
 
-    recall_sum: float = 0.0
-    hit_sum: float = 0.0
+    recall_sum: float | torch.Tensor = 0.0
+    hit_sum: float | torch.Tensor = 0.0
     count: int = 0
     hit_count: int = 0
 
     @property
     def recall(self) -> float | None:
-        return self.recall_sum / self.count if self.count else None
+        return float(self.recall_sum) / self.count if self.count else None
 
     @property
     def hit_rate(self) -> float | None:
-        return self.hit_sum / self.hit_count if self.hit_count else None
+        return float(self.hit_sum) / self.hit_count if self.hit_count else None
 
 
 @dataclass
@@ -143,25 +145,29 @@ def _decode_state(**fields) -> DecodeState:
     return DecodeState(**{k: v for k, v in fields.items() if k in names})
 
 
-def _state_at(ctx: SimulateContext, q_all, idx, positions, pooled, scale, layer_idx, ops) -> DecodeState:
+def _state_at(
+    ctx: SimulateContext, q_all, idx, positions, pooled, scale, layer_idx, ops, host_pos: list[int]
+) -> DecodeState:
     """The :class:`DecodeState` of the decode steps of the scored queries ``idx [Q]`` (increasing indices into
     ``q_all [Tq, Hq, D]`` and ``positions [Tq]``), batched as sequences: each sees the blocks filled before its
-    position and its own current block (``pooled``: :func:`_block_metadata`'s output)."""
+    position and its own current block (``pooled``: :func:`_block_metadata`'s output). ``host_pos``: the same
+    queries' positions as host ints, which the state's host fields (lengths, widths) are made of: nothing is read
+    back from the device, so the host queues a whole forward's layers ahead of the GPU."""
     blocks, meta, cur, cmeta = pooled
     BS, nb = ctx.block_size, blocks.shape[0]
     pos = positions[idx]
     Q = idx.shape[0]
     seq_lens = (pos + 1).int()
     b = pos // BS
-    MB = int(b.max()) + 1
+    MB = host_pos[-1] // BS + 1  # positions increase
     col = torch.arange(MB, device=pos.device).view(1, -1)
     own = (nb + torch.arange(Q, device=pos.device)).view(-1, 1)
     table = torch.where(col < b.view(-1, 1), col, torch.where(col == b.view(-1, 1), own, -1)).int()
     evicted = None
     if ctx.freed:  # freed blocks lie below every scored query's current block (the first step's is kept), so < MB
-        gone = torch.zeros(MB, dtype=torch.bool, device=pos.device)
-        gone[list(ctx.freed)] = True
-        table = table.masked_fill(gone.view(1, -1), -1)
+        gone = torch.zeros(MB, dtype=torch.bool)
+        gone[sorted(ctx.freed)] = True
+        table = table.masked_fill(gone.to(pos.device, non_blocking=True).view(1, -1), -1)
         evicted = (len(ctx.freed),) * Q
     return _decode_state(
         q=q_all[idx],
@@ -172,8 +178,8 @@ def _state_at(ctx: SimulateContext, q_all, idx, positions, pooled, scale, layer_
         block_table=table,
         seq_lens=seq_lens,
         start=torch.zeros_like(seq_lens),
-        lens=tuple(int(n) for n in seq_lens.tolist()),
-        length=int(pos[-1]) + 1,
+        lens=tuple(p + 1 for p in host_pos),
+        length=host_pos[-1] + 1,
         block_size=BS,
         scale=scale,
         mode=ctx.mode,
@@ -191,16 +197,30 @@ def _selection_mask(ops, selection, state: DecodeState) -> torch.Tensor:
     )  # fmt: skip
 
 
-def _reused(ctx: SimulateContext, state: DecodeState, q_all, idx, positions, pooled, scale, layer_idx, ops):
-    """The masks ``[Q, Hkv, L]`` and blocks ``[Q, Hkv, nb]`` of the queries ``idx`` (``state``'s) when the policy
+def _reused(
+    ctx: SimulateContext,
+    state: DecodeState,
+    q_all,
+    idx,
+    positions,
+    pooled,
+    scale,
+    layer_idx,
+    ops,
+    rows: range,
+    first: int,
+):
+    """The masks ``[Q, Hkv, L]`` and blocks ``[Q, Hkv, nb]`` of the queries ``idx`` (``state``'s; ``rows``: the same
+    indices on the host, ``first``: the position of query 0) when the policy
     selects only every ``ctx.reuse``-th decode step (the anchors: scored queries ``0, r, 2r, ...``) and the steps in
     between reuse their anchor's selection: the anchor at position ``t0`` selects from what it sees, and a step at
     ``t`` attends that plus every position in ``(t0, t]`` (the tokens decoded since, which a block-granular reuse
     reads as its current block). Also returns the anchors' selection (for ``dense``)."""
     r = ctx.reuse
-    i0 = int(idx[0])
-    anchors = torch.arange(i0, int(idx[-1]) + 1, r, device=idx.device)
-    a_state = _state_at(ctx, q_all, anchors, positions, pooled, scale, layer_idx, ops)
+    i0 = rows[0]
+    hosted = range(i0, rows[-1] + 1, r)
+    anchors = torch.arange(hosted.start, hosted.stop, r, device=idx.device)
+    a_state = _state_at(ctx, q_all, anchors, positions, pooled, scale, layer_idx, ops, [first + i for i in hosted])
     a_sel = ctx.policy.select(a_state)
     a_mask = _selection_mask(ops, a_sel, a_state)  # [Qa, Hkv, a_len]
     which = (idx - i0) // r  # [Q] each query's anchor
@@ -251,16 +271,19 @@ def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> to
     r = ctx.reuse
     step = ctx.chunk if r == 1 else max(r, ctx.chunk // r * r)  # a chunk holds whole runs of one anchor
     for i0 in range(0, Tq, step):
-        idx = torch.arange(i0, min(i0 + step, Tq), device=query.device)
+        rows = range(i0, min(i0 + step, Tq))
+        idx = torch.arange(rows.start, rows.stop, device=query.device)
         Q = idx.shape[0]
-        state = _state_at(ctx, q_all, idx, positions, pooled, scale, layer_idx, ops)
+        state = _state_at(ctx, q_all, idx, positions, pooled, scale, layer_idx, ops, [L - Tq + i for i in rows])
         length = state.length
         q = state.q
         blocks = None
         if not sparse:
             selection = Policy.dense_selection(state)
         elif r > 1:
-            mask, blocks, selection = _reused(ctx, state, q_all, idx, positions, pooled, scale, layer_idx, ops)
+            mask, blocks, selection = _reused(
+                ctx, state, q_all, idx, positions, pooled, scale, layer_idx, ops, rows, L - Tq
+            )  # fmt: skip
         else:
             selection = ctx.policy.select(state)
         if blocks is None:
@@ -293,7 +316,7 @@ def _measure(ctx: SimulateContext, state: DecodeState, s_blocks, mask, logits) -
     heads_mass = p.sum(2) if ctx.oracle is not None else None  # [Q, Hkv, L], before p is masked below
     recall = p.masked_fill_(~mask.unsqueeze(2), 0.0).sum(-1).mean(2)  # [Q, Hkv]: the mass the policy attends
     fid = ctx.fidelity
-    fid.recall_sum += float(recall.sum())
+    fid.recall_sum = fid.recall_sum + recall.sum().double()  # on the device: read once, at the end of the forward
     fid.count += recall.numel()
     if ctx.oracle is None:
         return
@@ -305,7 +328,7 @@ def _measure(ctx: SimulateContext, state: DecodeState, s_blocks, mask, logits) -
     o_sel = oracle.select(state)
     o_blocks = _block_set(o_sel.indices, o_sel.kind, BS, nb)
     hit = (o_blocks & s_blocks).sum(-1).float() / o_blocks.sum(-1).clamp(min=1)
-    fid.hit_sum += float(hit.sum())
+    fid.hit_sum = fid.hit_sum + hit.sum().double()
     fid.hit_count += hit.numel()
 
 
