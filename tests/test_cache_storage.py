@@ -94,6 +94,25 @@ def test_reserve_static_allocates_every_block_up_to_max_length():
     unpatch_model(model)
 
 
+def test_reserve_static_grows_the_pool_to_the_blocks_it_holds_not_by_the_growth_factor():
+    """A static reservation is final (its table never changes again): a filled cache reserved a little further
+    than its prompt holds no spare blocks, where growing by ``POOL_GROWTH`` would have doubled the pool (a refilled
+    slot of 8 x 32K on Qwen2.5: ~15 GB instead of ~7.6); an unreserved cache still grows by it."""
+    from hf_sparse_kv.cache import POOL_GROWTH
+
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
+    cache = _filled_cache(model, 100, batch=2)  # 13 blocks a row and one spare: 28
+    grown = copy.deepcopy(cache)
+    assert cache.table.capacity == 28
+    cache.reserve_static(max_length=130)  # 17 blocks a row
+    assert cache.table.capacity == 34 == cache.table.blocks_in_use and not cache.table.free
+    assert all(t.shape[0] == 34 for layer in cache.paged_layers for t in layer._tensors())
+    grown.reserve(2, 130, 100)  # the same blocks, unreserved: room to grow
+    assert grown.table.capacity == int(28 * POOL_GROWTH)
+    unpatch_model(model)
+
+
 def test_reserve_static_refuses_what_a_captured_step_cannot_follow():
     model = tiny_model("llama")
     patch_model(model, policy=Quest(budget=48), block_size=BS)
