@@ -17,7 +17,7 @@ def test_every_cell_gets_a_perplexity_row_and_a_needle_row(tmp_path):
     row per cell of its own seconds; SnapKV's cells run without fidelity (the simulate way refuses it), the others
     with; the CSV holds them all."""
     out = tmp_path / "p.csv"
-    args = "--shape tiny --length 256 --batch 2 --batches 2 --device cpu".split()
+    args = ["--shape", "tiny", "--length", "256", "--batch", "2", "--batches", "2", "--device", "cpu"]
     rows = profile_grid.main(args + ["--dtype", "float32", "--out", str(out)])
     ppl = [r for r in rows if r["part"] == "perplexity"]
     assert [r["cell"] for r in ppl][:2] == ["prefill", "dense@-"] and ppl[-1]["cell"] == "peak"
