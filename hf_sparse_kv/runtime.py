@@ -150,14 +150,21 @@ class DecodeSession:
         """Keep a layer's prefill observation (``[B, Hkv, nblk]``) for the first decode step."""
         self.observed[layer_idx] = scores
 
+    def peek_observation(self) -> torch.Tensor | None:
+        """The pending observations as :meth:`take_observation` stacks them (``[layers, B, Hkv, nblk]`` float32 on
+        the CPU), left pending; ``None`` when there is none."""
+        if not self.observed:
+            return None
+        scores = [self.observed[i].float().cpu() for i in sorted(self.observed)]
+        width = max(s.shape[-1] for s in scores)
+        return torch.stack([torch.nn.functional.pad(s, (0, width - s.shape[-1])) for s in scores])
+
     def take_observation(self) -> Observation:
         """The pending observations as one stacked tensor (moved to the CPU: layers may sit on several devices), and
         whether an earlier step used one; the pending ones are consumed."""
         if not self.observed:
             return Observation(None, self.observation_used)
-        scores = [self.observed[i].float().cpu() for i in sorted(self.observed)]
-        width = max(s.shape[-1] for s in scores)
-        stacked = torch.stack([torch.nn.functional.pad(s, (0, width - s.shape[-1])) for s in scores])
+        stacked = self.peek_observation()
         self.observed = {}
         used, self.observation_used = self.observation_used, True
         return Observation(stacked, used)

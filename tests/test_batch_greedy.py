@@ -1,5 +1,7 @@
 """Needle/QA answers for several prompts in one left-padded batch equal the answers one prompt at a time."""
 
+import copy
+
 import pytest
 import torch
 from tiny_models import batch_policies, tiny_model
@@ -173,8 +175,9 @@ def test_top2_records_each_steps_two_best_logits(static):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_snapkv_policies_of_one_observation_share_its_pass(arch, monkeypatch):
     """SnapKV policies that observe the same window (other budgets, pooling, a policy after them) run one
-    observation pass a batch and decode on copies of it (the last on the pass's cache itself), answering as each
-    with a pass of its own; a policy observing another window gets its own pass."""
+    observation pass a batch and decode on copies of it (the last on the pass's cache itself), the blocks all of
+    them free already freed on it (``release_common``), answering as each with a pass of its own; a policy
+    observing another window gets its own pass."""
     from evaluation import needle
 
     model = tiny_model(arch)
@@ -193,11 +196,48 @@ def test_snapkv_policies_of_one_observation_share_its_pass(arch, monkeypatch):
     monkeypatch.setattr(
         needle, "from_shared_prefill", lambda m, p, i, w, *a, **k: passes.append(w) or real(m, p, i, w, *a, **k)
     )
+    freed, release = [], needle.release_common
+    monkeypatch.setattr(needle, "release_common", lambda c, qs: freed.append(release(c, qs)) or freed[-1])
     for batch in (prompts, prompts[:1]):
-        del passes[:]
+        del passes[:], freed[:]
         got = greedy_batch(model, batch, policies, 6, **args)
         assert sorted(passes) == [8, 12]  # one pass for the three policies observing 8 positions, one for 12
+        assert len(freed) == 1 and freed[0] > 0  # the pass shared by three freed what all three free
         for key, policy in policies.items():
             del passes[:]
             assert [a[key] for a in greedy_batch(model, batch, {key: policy}, 6, **args)] == [a[key] for a in got]
     assert not is_patched(model)
+
+
+@pytest.mark.parametrize("length", [160, 161, 167])
+def test_release_common_leaves_each_policy_the_blocks_its_first_step_keeps(length):
+    """On an observed cache two SnapKV budgets decode copies of, ``release_common`` frees what both free at their
+    first step: after that step each holds exactly the blocks it holds on a copy freed by its own step alone (at
+    160 tokens the budget's and the window's blocks move by one block if the step's length is off by one)."""
+    from evaluation.needle import from_shared_prefill, release_common
+    from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(5))
+    wide, narrow = (SnapKV(budget=b, sink=4, window=16, observe=8) for b in (0.4, 0.25))
+    kw = {"dense_layers": (0,), "block_size": 8}
+    patch_model(model, policy=Dense(), **kw)
+    prefix = PagedKVCache(model.config, block_size=8)
+    with torch.no_grad():
+        model(ids[:, :-1], **{cache_kwarg(model): prefix}, use_cache=True, logits_to_keep=1)
+    patch_model(model, policy=wide, **kw)
+    observed = from_shared_prefill(model, prefix, ids, 8, PhaseClock())
+    plain = copy.deepcopy(observed)
+    assert release_common(observed, [wide, narrow]) > 0
+
+    def held_after_first_step(policy, cache):
+        patch_model(model, policy=policy, **kw)
+        with torch.no_grad():
+            model(ids[:, -1:], **{cache_kwarg(model): cache}, use_cache=True)
+        return [[lb for lb, blk in enumerate(row) if blk >= 0] for row in cache.table.rows]
+
+    for policy in (wide, narrow):
+        assert held_after_first_step(policy, copy.deepcopy(observed)) == held_after_first_step(
+            policy, copy.deepcopy(plain)
+        )
+    unpatch_model(model)
