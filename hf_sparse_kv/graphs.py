@@ -116,6 +116,10 @@ class DecodeGraphs:
         forward: the model's forward to call (default: the class's forward, without the patch's model hook).
         compile: ``None``, a ``torch.compile`` backend name, or a dict of ``torch.compile`` keyword arguments:
             compile the step with ``fullgraph=True`` (then capture the compiled step).
+        pool: a ``torch.cuda.graph_pool_handle()`` to capture into, shared with other runners (default: one of
+            its own). Runners sharing a pool must never replay at the same time: a step's temporaries may lie where
+            another runner's were; each step returns a copy of its logits, so nothing of one replay is read after
+            the next.
 
     Attributes (what the steps cost, for benchmarks): ``graphs`` (``StaticPlan.key`` -> captured graph and its
     logits), ``replays`` (steps replayed from a graph), ``capture_seconds`` (wall time of the captures: each a
@@ -130,6 +134,7 @@ class DecodeGraphs:
         capture: bool = True,
         forward: Callable | None = None,
         compile: str | dict | None = None,
+        pool=None,
     ):
         refuse_freezing(compile)
         config = patch_state(model).config
@@ -165,7 +170,7 @@ class DecodeGraphs:
         self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device) if ignored else None
         self.given = None  # position ids of the model's own shape (see _positions); None: the reservation's [B, 1]
         self.graphs: dict = {}  # StaticPlan.key -> (graph, logits)
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if self.capture else None
         self.replays = 0
         self.capture_seconds = 0.0  # wall time of the captures (each warm-up forward and capture), synchronised
 

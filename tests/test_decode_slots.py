@@ -74,6 +74,35 @@ def test_a_longer_batch_or_another_size_makes_a_new_slot():
         DecodeSlots(margin=-1)
 
 
+def test_the_runners_of_one_slot_share_one_graph_pool_and_a_new_slot_takes_a_new_one(monkeypatch):
+    """On a GPU every policy's ``DecodeGraphs`` on a slot captures into the slot's one pool (asked for once), and a
+    new slot (another batch size) into a new one. The GPU is stood in for: the handle is a counter, the runners
+    record the pool they are given."""
+    from evaluation import slots as slots_module
+
+    handles = iter(range(100))
+    given = []
+
+    class Recorder(DecodeGraphs):
+        def __init__(self, *args, pool=None, **kwargs):
+            given.append(pool)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(slots_module, "DecodeGraphs", Recorder)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    model = tiny_model("llama")
+    slots = DecodeSlots(margin=16)
+    for prompts in (_prompts(3, (150, 133)), _prompts(4, (150, 133, 140))):
+        prefix, _ = _prefill(model, prompts)
+        for key, policy in (("quest", Quest(budget=0.25, sink=4, window=16)), ("dense", Dense())):
+            patch_model(model, policy=policy, dense_layers=(0,), block_size=8)
+            slots.decode(model, key, prefix, 160 + 8, [Quest(budget=0.25, sink=4, window=16)])
+    unpatch_model(model)
+    assert len(given) == 4 and given[0] == given[1] != given[2] == given[3] and slots.slots_made == 2
+    assert None not in given
+
+
 def test_load_static_holds_what_the_source_holds():
     """After a refill the slot's context (keys, values in transformers' frame), lengths, padding and declared state
     at every stored position are the source's, whatever the slot held before."""
