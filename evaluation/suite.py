@@ -742,6 +742,8 @@ ESTIMATE_NOT_COUNTED = "not counted: loading the model and the first launches' c
 
 # (layers, parameters) of the suite's models, for :func:`estimate`
 SHAPES = {"smollm2": (30, 0.135e9), "gemma3-270m": (18, 0.27e9), "qwen2.5-coder-1.5b": (28, 1.54e9)}
+# the suite's models with sliding-window layers: SnapKV starts from a dense prefill up to its window there
+SLIDING = frozenset({"gemma3-270m"})
 
 
 def _job_units(cfg: dict[str, Any], job: Job, cells: list[PolicyCell]) -> list[tuple[tuple, list[PolicyCell]]]:
@@ -883,6 +885,8 @@ def estimate(
     tflops: float = 150.0,
     rows: list[dict[str, Any]] | None = None,
     fresh: bool = False,
+    static_step_ms_per_layer: float = 0.3,
+    simulate_ms_per_layer: float = 6.0,
 ) -> list[tuple[Job, float, bool]]:
     """Rough device seconds per job, for planning a GPU session (not a measurement): ``(job, seconds, measured)``.
 
@@ -899,9 +903,14 @@ def estimate(
     window adds the dense pass it runs where no row's ``seconds`` holds it: every window of the decode way, at the
     kind's median, and a window whose dense cell is done, at the dense cell's median); otherwise a model:
     eager decode steps bound by the host at ``step_ms_per_layer`` per layer whatever the batch (about what
-    ``benchmarks/RESULTS.md`` measured on the H200: 50-60 ms per step of a 32-layer model), prefills at ``tflops``
-    effective, a ``simulate`` cell at 3 ms per layer (twice that with fidelity), scaled by the share of the job's
-    units left. A needle or QA cell decoded the way this config decodes it (``decode``: ``"static"`` or ``"eager"``,
+    ``benchmarks/RESULTS.md`` measured on the H200: 50-60 ms per step of a 32-layer model), static (captured) steps
+    at ``static_step_ms_per_layer`` (an H100, 2026-12-05: Qwen2.5's captured steps of 8-16 prompts at 8K-32K took
+    0.04-0.06 s for 8 steps of 28 layers, the exact scorers' 0.15-0.2 s), a SnapKV cell one eager step more (its
+    first) and, on a model with sliding-window layers (:data:`SLIDING`), one more prefill per observation window a
+    batch (elsewhere it starts from the shared prefill, its window forwarded again: not counted), prefills at
+    ``tflops`` effective, a ``simulate`` cell at ``simulate_ms_per_layer`` per layer (twice that with fidelity; the
+    same H100 on random weights of Qwen2.5's shape at 32K: 6 ms a layer for dense, 12-19 with fidelity), scaled by
+    the share of the job's units left. A needle or QA cell decoded the way this config decodes it (``decode``: ``"static"`` or ``"eager"``,
     :func:`decode_way`) prices its key before cells decoded the other way, which price a key only where none does
     (captured steps ran Qwen2.5's needle jobs ~2.3x faster than their eager cells). Policies scored with reference
     ops (an experiment named ``module:Class``) run slower than the model says; their measured rows say by how much.
@@ -985,16 +994,21 @@ def estimate(
                 b = batch_size(p["batch"], job.length)
                 sec = batches * (1 + len(mine)) * (prefill(b * job.length) + p["scored"] * step)
             else:
-                sim = layers * 0.003 * (2 if p["fidelity"] else 1)
-                sec = p["windows"] * (prefill(job.length) + (1 + len(mine)) * sim)
+                sim = layers * simulate_ms_per_layer / 1000
+                cost = [sim * (2 if p["fidelity"] and not c.policy.compresses else 1) for c in mine]
+                sec = p["windows"] * (prefill(job.length) + sim + sum(cost))
         else:
             part = _needle_params(cfg, job.params["variant"]) if job.task == "needle" else _qa_params(cfg)
             units_per_cell = int(part["trials"]) if job.task == "needle" else int(part["items"]) * len(part["tasks"])
             b = batch_size(part.get("batch"), job.length)
             new = int(part.get("new_tokens", 8)) + 1
-            compress = sum(c.policy.compresses for c in mine)
             dense_here = "dense" in job.labels and job.labels[0] == "dense" and len(job.budgets) == 1
-            per_batch = prefill(b * job.length) * (1 + compress) + (len(mine) + dense_here) * new * step
+            decoding = mine + [c for c in cells if c.budget is None][: int(dense_here)]
+            static_step = layers * static_step_ms_per_layer / 1000
+            steps = sum(new * (static_step if decode_way(part, c) == "static" else step) for c in decoding)
+            squeezing = [c.policy for c in mine if c.policy.compresses]
+            windows = len({getattr(q, "observe", None) for q in squeezing}) if cfg["model"] in SLIDING else 0
+            per_batch = prefill(b * job.length) * (1 + windows) + steps + len(squeezing) * step
             sec = cdiv(units_per_cell, b) * per_batch
         out.append((job, sec * len(left) / max(1, len(units)), False))
     return out

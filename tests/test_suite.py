@@ -348,6 +348,38 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     assert again_single == pytest.approx(again_want)
 
 
+def test_estimates_model_prices_captured_steps_at_their_own_rate_and_snapkv_prefills_only_with_sliding_layers(
+    monkeypatch,
+):
+    """Without finished cells (the model): a config decoding statically prices its needle jobs at the captured
+    step's rate (equal to the eager one's: equal prices; below it: cheaper), and SnapKV's cells add one prefill a
+    batch per observation window only on a model with sliding-window layers (elsewhere they share the prefill)."""
+    from evaluation import suite
+    from evaluation.suite import estimate
+
+    cfg = {**_tiny_cfg("qwen2.5"), "one_pass": True}  # one tier: every job's units all its own
+
+    def needles(c, **kw):
+        return sum(s for j, s, m in estimate(c, **kw) if j.task == "needle")
+
+    static = {**cfg, "static": True}
+    assert needles(static, static_step_ms_per_layer=1.6) == pytest.approx(needles(cfg))
+    assert needles(static) < needles(cfg)
+    gemma = {**cfg, "model": "gemma3-270m"}
+    without = needles(gemma)
+    monkeypatch.setattr(suite, "SLIDING", frozenset())
+    assert needles(gemma) < without
+    layers, params = suite.SHAPES["gemma3-270m"]
+    one_prefill = 2 * params * 2 * 640 / 150e12 + layers * 0.002  # a batch of 2 prompts of 640 tokens
+    cells = cells_of(cfg)
+    batches = sum(  # every needle job with a SnapKV cell: its batches of 2 (one observation window: 32)
+        -(-int(suite._needle_params(cfg, j.params["variant"])["trials"]) // 2)
+        for j in plan(cfg)
+        if j.task == "needle" and any(c.policy.compresses for c in suite._select(cells, j))
+    )
+    assert batches > 0 and without - needles(gemma) == pytest.approx(batches * one_prefill)
+
+
 def test_estimate_prices_needle_cells_from_those_decoded_the_way_the_config_decodes():
     """Finished cells decoded through captured steps and eagerly price a needle job each for the config that decodes
     that way: with ``static: true`` the static cells' seconds (SnapKV's too: it frees blocks once, then decodes
