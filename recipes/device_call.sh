@@ -8,7 +8,8 @@
 # usage: device_call.sh SUITE SECONDS [PART ...] [-- suite args...]
 #   SUITE: smollm2 | gemma3 | qwen2.5;  no PART: `hf-sparse-kv suite SUITE` on its own config, else the parts in order
 #   (recipes/suite_chain.sh).  Outputs: $OUT/cells_suite_SUITE.jsonl (the cells the tree's
-#   evaluation/results/suite_SUITE/cells.jsonl lacks: append them to it), $OUT/log_suite_SUITE.txt
+#   evaluation/results/suite_SUITE/cells.jsonl lacks: append them to it; past HF_SPARSE_KV_PART_BYTES, 15 MB, in parts
+#   cells_suite_SUITE.jsonl.part00, .part01, ... of whole lines: append them in order), $OUT/log_suite_SUITE.txt
 #   `--workers N` among the suite args runs N suite processes on the folder (evaluation.suite.run_workers)
 # Environment (defaults): HF_SPARSE_KV_ASSETS (/root/hfsk_assets), HF_SPARSE_KV_EXTRAS (.stage/extras: the texts and
 # the gguf wheel), HF_SPARSE_KV_SITE (/tmp/site: where the wheel goes), PY (python3), OUT (/tmp/out)
@@ -28,15 +29,27 @@ if [ ! -d "$R" ]; then
   cp "evaluation/results/suite_$SUITE/cells.jsonl" "$R"/ 2>/dev/null || true
 fi
 LOG=$OUTDIR/log_suite_$SUITE.txt
+PART_BYTES=${HF_SPARSE_KV_PART_BYTES:-15000000}
 SEED=evaluation/results/suite_$SUITE/cells.jsonl
 ALL=$R.snapshot.jsonl
 # the cells so far, with those of running `--workers` merged in (python -m evaluation.suite_workers snapshot), less
-# the lines of the tree's cells.jsonl: only new cells travel back (the whole file outgrew what a call returns)
+# the lines of the tree's cells.jsonl: only new cells travel back (the whole file outgrew what a call returns), as
+# one file, or, past PART_BYTES, as parts of whole lines (.part00, .part01, ...: a call brings back files of at most
+# 16 MiB each; `cat` them in order)
 keep() {
   PYTHONPATH=$PWD python3 -m evaluation.suite_workers snapshot "$R" "$ALL" 2>/dev/null \
     || cp "$R/cells.jsonl" "$ALL" 2>/dev/null || return 0
   if [ -s "$SEED" ]; then grep -vxFf "$SEED" "$ALL" > "$ALL.new"; else cp "$ALL" "$ALL.new"; fi
-  mv "$ALL.new" "$OUTDIR/cells_suite_$SUITE.jsonl"
+  local base=$OUTDIR/cells_suite_$SUITE.jsonl
+  if [ "$(wc -c < "$ALL.new")" -le "$PART_BYTES" ]; then
+    mv "$ALL.new" "$base"
+    rm -f "$base".part*
+  else
+    rm -rf "$ALL.parts" && mkdir "$ALL.parts"
+    split -C "$PART_BYTES" -d -a 2 "$ALL.new" "$ALL.parts/part"
+    rm -f "$base" "$base".part* "$ALL.new"
+    for f in "$ALL.parts"/part*; do mv "$f" "$base.${f##*/}"; done
+  fi
 }
 ( while sleep 20; do keep; done ) &
 COPIER=$!

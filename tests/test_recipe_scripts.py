@@ -4,6 +4,7 @@ runs parts in order within its time, passing the shared arguments on."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -110,6 +111,38 @@ def test_suite_chain_runs_parts_in_order_within_its_time(tmp_path):
     out = subprocess.run(["bash", str(tmp_path / "suite_chain.sh"), "RES", "100", "a"], check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
     assert "== a skipped" in out and not log.exists()
+
+
+def test_device_call_brings_many_new_cells_back_in_parts_of_whole_lines(tmp_path):
+    """Past ``HF_SPARSE_KV_PART_BYTES`` the new cells come back as ``.part00``, ``.part01``, ... of whole lines,
+    each within the limit, together the cells in order (a call brings back files of at most 16 MiB); a later call
+    with fewer new cells writes one file again and no stale part."""
+    fake = tmp_path / "fake_python"  # adds N cells of ~30 bytes to the --out folder
+    fake.write_text(
+        '#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ "$1" = "--out" ] && for i in $(seq 1 "$N"); do '
+        'echo "{\\"cell\\": $i, \\"pad\\": \\"xxxxxxxx\\"}" >> "$2/cells.jsonl"; done; shift; done\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    extras, site, assets, out = (tmp_path / n for n in ("extras", "site", "assets", "out"))
+    extras.mkdir()
+    (extras / "essays.txt").write_text("e")
+    (site / "gguf").mkdir(parents=True)
+    env = {
+        **os.environ, "PY": str(fake), "OUT": str(out), "HF_SPARSE_KV_ASSETS": str(assets), "N": "20",
+        "HF_SPARSE_KV_EXTRAS": str(extras), "HF_SPARSE_KV_SITE": str(site), "HF_SPARSE_KV_PART_BYTES": "200",
+    }  # fmt: skip
+    script = str(ROOT / "recipes" / "device_call.sh")
+    seed = set((ROOT / "evaluation/results/suite_gemma3/cells.jsonl").read_text().splitlines())
+    subprocess.run(["bash", script, "gemma3", "300"], check=True, env=env, cwd=ROOT)
+    parts = sorted(out.glob("cells_suite_gemma3.jsonl.part*"))
+    assert len(parts) > 2 and not (out / "cells_suite_gemma3.jsonl").exists()
+    assert all(p.stat().st_size <= 200 and p.read_text().endswith("\n") for p in parts)
+    lines = "".join(p.read_text() for p in parts).splitlines()
+    assert [json.loads(x)["cell"] for x in lines] == list(range(1, 21)) and not seed & set(lines)
+    (assets / "results" / "suite_gemma3" / "cells.jsonl").write_text("")  # a later call: few new cells
+    subprocess.run(["bash", script, "gemma3", "300"], check=True, env={**env, "N": "2"}, cwd=ROOT)
+    assert not list(out.glob("cells_suite_gemma3.jsonl.part*"))
+    assert [json.loads(x)["cell"] for x in (out / "cells_suite_gemma3.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_device_call_seeds_once_runs_the_suite_and_brings_the_new_cells_back(tmp_path):
