@@ -113,24 +113,36 @@ def test_suite_chain_runs_parts_in_order_within_its_time(tmp_path):
     assert "== a skipped" in out and not log.exists()
 
 
-def test_device_call_brings_many_new_cells_back_in_parts_of_whole_lines(tmp_path):
-    """Past ``HF_SPARSE_KV_PART_BYTES`` the new cells come back as ``.part00``, ``.part01``, ... of whole lines,
-    each within the limit, together the cells in order (a call brings back files of at most 16 MiB); a later call
-    with fewer new cells writes one file again and no stale part."""
-    fake = tmp_path / "fake_python"  # adds N cells of ~30 bytes to the --out folder
-    fake.write_text(
-        '#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ "$1" = "--out" ] && for i in $(seq 1 "$N"); do '
-        'echo "{\\"cell\\": $i, \\"pad\\": \\"xxxxxxxx\\"}" >> "$2/cells.jsonl"; done; shift; done\n'
-    )
+def _device_call_env(tmp_path, fake_body: str, **extra: str) -> tuple[dict, Path, Path]:
+    """A fake python (``fake_body``: its bash after the shebang) and the folders ``device_call.sh`` reads and writes
+    under ``tmp_path`` (the extras with both texts, the gguf wheel counted as installed): (the environment, the
+    assets folder, ``$OUT``)."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/usr/bin/env bash\n" + fake_body)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     extras, site, assets, out = (tmp_path / n for n in ("extras", "site", "assets", "out"))
     extras.mkdir()
     (extras / "essays.txt").write_text("e")
+    (extras / "kjv.txt").write_text("k")
     (site / "gguf").mkdir(parents=True)
     env = {
-        **os.environ, "PY": str(fake), "OUT": str(out), "HF_SPARSE_KV_ASSETS": str(assets), "N": "20",
-        "HF_SPARSE_KV_EXTRAS": str(extras), "HF_SPARSE_KV_SITE": str(site), "HF_SPARSE_KV_PART_BYTES": "200",
+        **os.environ, "PY": str(fake), "OUT": str(out), "HF_SPARSE_KV_ASSETS": str(assets),
+        "HF_SPARSE_KV_EXTRAS": str(extras), "HF_SPARSE_KV_SITE": str(site), **extra,
     }  # fmt: skip
+    return env, assets, out
+
+
+def test_device_call_brings_many_new_cells_back_in_parts_of_whole_lines(tmp_path):
+    """Past ``HF_SPARSE_KV_PART_BYTES`` the new cells come back as ``.part00``, ``.part01``, ... of whole lines,
+    each within the limit, together the cells in order (a call brings back files of at most 16 MiB); a later call
+    with fewer new cells writes one file again and no stale part."""
+    env, assets, out = _device_call_env(  # the fake adds N cells of ~40 bytes to the --out folder
+        tmp_path,
+        'while [ $# -gt 0 ]; do [ "$1" = "--out" ] && for i in $(seq 1 "$N"); do '
+        'echo "{\\"cell\\": $i, \\"pad\\": \\"xxxxxxxx\\"}" >> "$2/cells.jsonl"; done; shift; done\n',
+        N="20",
+        HF_SPARSE_KV_PART_BYTES="200",
+    )
     script = str(ROOT / "recipes" / "device_call.sh")
     seed = set((ROOT / "evaluation/results/suite_gemma3/cells.jsonl").read_text().splitlines())
     subprocess.run(["bash", script, "gemma3", "300"], check=True, env=env, cwd=ROOT)
@@ -149,22 +161,13 @@ def test_device_call_seeds_once_runs_the_suite_and_brings_the_new_cells_back(tmp
     """``device_call.sh``: the assets in place, the results folder seeded from the tree's cells once (a second call
     keeps what the first wrote), the suite (or the parts, through the chain) pointed at it, and in ``$OUT`` the cells
     the tree's file lacks (the whole file outgrew what a call brings back)."""
-    fake = tmp_path / "fake_python"  # records its arguments and adds one cell to the --out folder
-    fake.write_text(
-        '#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> "$ARGS_OUT"\n'
-        'while [ $# -gt 0 ]; do [ "$1" = "--out" ] && echo \'{"new": 1}\' >> "$2/cells.jsonl"; shift; done\n'
-    )
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    extras, site, assets, out = (tmp_path / n for n in ("extras", "site", "assets", "out"))
-    extras.mkdir()
-    (extras / "essays.txt").write_text("e")
-    (extras / "kjv.txt").write_text("k")
-    (site / "gguf").mkdir(parents=True)  # the wheel counts as installed
     args = tmp_path / "args.txt"
-    env = {
-        **os.environ, "PY": str(fake), "ARGS_OUT": str(args), "OUT": str(out), "HF_SPARSE_KV_ASSETS": str(assets),
-        "HF_SPARSE_KV_EXTRAS": str(extras), "HF_SPARSE_KV_SITE": str(site),
-    }  # fmt: skip
+    env, assets, out = _device_call_env(  # the fake records its arguments and adds one cell to the --out folder
+        tmp_path,
+        'printf "%s\\n" "$@" >> "$ARGS_OUT"\n'
+        'while [ $# -gt 0 ]; do [ "$1" = "--out" ] && echo \'{"new": 1}\' >> "$2/cells.jsonl"; shift; done\n',
+        ARGS_OUT=str(args),
+    )
     script = str(ROOT / "recipes" / "device_call.sh")
     subprocess.run(["bash", script, "gemma3", "300", "--", "--set", "x=1"], check=True, env=env, cwd=ROOT)
     res = assets / "results" / "suite_gemma3"
