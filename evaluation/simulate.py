@@ -85,6 +85,7 @@ class SimulateContext:
     reuse: int = 1  # the policy selects at every reuse-th decode step; the steps between reuse it (_reused)
     freed: frozenset[int] = frozenset()  # logical blocks a compressing policy freed at the first decode step
     queries: dict | None = None  # prefill only: layer -> (its last OBSERVED queries [1, Hq, w, D], its scaling)
+    judge: Policy | None = None  # fidelity: the oracle's rule on given scores (_GivenScores), made once a forward
 
 
 def oracle_for(policy: Policy) -> Policy | None:
@@ -104,6 +105,22 @@ class _GivenScores(OracleBlockTopK):
 
     def mass(self, state: DecodeState) -> torch.Tensor:
         return self.given
+
+
+def remembering_plans(policy: Policy) -> Policy:
+    """A shallow copy of ``policy`` whose ``plan`` keeps its last answers: a simulated forward asks it at every layer
+    for the same lengths (one per scored query: ~1 ms of Python a call at 256 queries), and it depends on nothing
+    else. Each answer is handed out as a new list. For one forward (:meth:`SimulateSession.run`); ``policy`` itself is
+    left as it is."""
+    twin = copy.copy(policy)
+    plan = functools.lru_cache(maxsize=8)(policy.plan)
+
+    def remembered(lens, block_size: int):
+        counts = plan(tuple(lens), block_size)
+        return None if counts is None else list(counts)
+
+    twin.plan = remembered
+    return twin
 
 
 def check_reuse(reuse) -> None:
@@ -323,7 +340,7 @@ def _measure(ctx: SimulateContext, state: DecodeState, s_blocks, mask, logits) -
     nb = cdiv(length, BS)
     mass = torch.nn.functional.pad(heads_mass, (0, nb * BS - length)).view(Q, Hkv, nb, BS).sum(-1)
     in_use = torch.arange(nb, device=p.device).view(1, -1) < ((state.seq_lens.long() + BS - 1) // BS).view(-1, 1)
-    oracle = _GivenScores(budget=ctx.oracle.budget, sink=ctx.oracle.sink, window=ctx.oracle.window)
+    oracle = ctx.judge or _GivenScores(budget=ctx.oracle.budget, sink=ctx.oracle.sink, window=ctx.oracle.window)
     oracle.given = mass.masked_fill(~in_use.unsqueeze(1), float("-inf"))
     o_sel = oracle.select(state)
     o_blocks = _block_set(o_sel.indices, o_sel.kind, BS, nb)
@@ -456,17 +473,22 @@ class SimulateSession:
                 )
             freed = self.freed(policy)
         fid = Fidelity() if fidelity else None
+        oracle = oracle_for(policy) if fidelity else None
+        judge = None
+        if oracle is not None:
+            judge = remembering_plans(_GivenScores(budget=oracle.budget, sink=oracle.sink, window=oracle.window))
         ctx = SimulateContext(
-            policy,
+            remembering_plans(policy),
             tuple(dense_layers),
             self.paged,
             self.block_size,
             True,
             self.chunk,
             fid,
-            oracle_for(policy) if fidelity else None,
+            oracle,
             reuse=reuse,
             freed=freed,
+            judge=judge,
         )
         cache = copy.deepcopy(self.cache)
         with torch.no_grad(), simulating(self.model, ctx):

@@ -51,3 +51,22 @@ def test_a_simulated_forward_reads_nothing_back_and_its_fidelity_is_read_once(po
     assert isinstance(fid.recall_sum, torch.Tensor) and fid.recall_sum.dtype == torch.float64
     assert 0.0 < fid.recall <= 1.0 + 1e-9 and 0.0 <= fid.hit_rate <= 1.0
     assert torch.isfinite(logprobs).all()
+
+
+def test_a_simulated_forward_plans_each_chunk_once_not_once_a_layer(monkeypatch):
+    """The policy's ``plan`` (Python over every scored query's length) runs once per chunk of scored queries and
+    rule (the policy's, the fidelity oracle's), not again at every layer: the answers are remembered for the
+    forward; the policy the caller passed is left as it was."""
+    from hf_sparse_kv.policies.blocks import _BlockTopK
+
+    calls = []
+    real = _BlockTopK.plan
+    monkeypatch.setattr(
+        _BlockTopK, "plan", lambda self, lens, bs: calls.append(type(self).__name__) or real(self, lens, bs)
+    )
+    model = tiny_model("llama", num_hidden_layers=4)
+    session = SimulateSession(model, prompt(160), 40, block_size=8, chunk=16)  # three chunks, three sparse layers
+    policy = Quest(budget=0.25, sink=4, window=8)
+    session.run(policy, dense_layers=(0,), fidelity=True)
+    assert sorted(calls) == ["Quest"] * 3 + ["_GivenScores"] * 3
+    assert "plan" not in vars(policy)
