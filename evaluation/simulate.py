@@ -86,6 +86,7 @@ class SimulateContext:
     freed: frozenset[int] = frozenset()  # logical blocks a compressing policy freed at the first decode step
     queries: dict | None = None  # prefill only: layer -> (its last OBSERVED queries [1, Hq, w, D], its scaling)
     judge: Policy | None = None  # fidelity: the oracle's rule on given scores (_GivenScores), made once a forward
+    ops: SimpleNamespace | None = None  # active: the scored queries' ops (simulate_ops), made once a forward
 
 
 def oracle_for(policy: Policy) -> Policy | None:
@@ -214,33 +215,19 @@ def _selection_mask(ops, selection, state: DecodeState) -> torch.Tensor:
     )  # fmt: skip
 
 
-def _reused(
-    ctx: SimulateContext,
-    state: DecodeState,
-    q_all,
-    idx,
-    positions,
-    pooled,
-    scale,
-    layer_idx,
-    ops,
-    rows: range,
-    first: int,
-):
-    """The masks ``[Q, Hkv, L]`` and blocks ``[Q, Hkv, nb]`` of the queries ``idx`` (``state``'s; ``rows``: the same
-    indices on the host, ``first``: the position of query 0) when the policy
-    selects only every ``ctx.reuse``-th decode step (the anchors: scored queries ``0, r, 2r, ...``) and the steps in
-    between reuse their anchor's selection: the anchor at position ``t0`` selects from what it sees, and a step at
-    ``t`` attends that plus every position in ``(t0, t]`` (the tokens decoded since, which a block-granular reuse
-    reads as its current block). Also returns the anchors' selection (for ``dense``)."""
+def _reused(ctx: SimulateContext, state: DecodeState, q_all, idx, positions, pooled, scale, layer_idx, ops):
+    """The masks ``[Q, Hkv, L]`` and blocks ``[Q, Hkv, nb]`` of the queries ``idx`` (``state``'s: consecutive) when
+    the policy selects only every ``ctx.reuse``-th decode step (the anchors: scored queries ``0, r, 2r, ...``) and the
+    steps in between reuse their anchor's selection: the anchor at position ``t0`` selects from what it sees, and a
+    step at ``t`` attends that plus every position in ``(t0, t]`` (the tokens decoded since, which a block-granular
+    reuse reads as its current block). Also returns the anchors' selection (for ``dense``)."""
     r = ctx.reuse
-    i0 = rows[0]
-    hosted = range(i0, rows[-1] + 1, r)
-    anchors = torch.arange(hosted.start, hosted.stop, r, device=idx.device)
-    a_state = _state_at(ctx, q_all, anchors, positions, pooled, scale, layer_idx, ops, [first + i for i in hosted])
+    anchors = idx[::r]
+    hosted = [n - 1 for n in state.lens[::r]]  # the anchors' positions, on the host (``lens`` are positions + 1)
+    a_state = _state_at(ctx, q_all, anchors, positions, pooled, scale, layer_idx, ops, hosted)
     a_sel = ctx.policy.select(a_state)
     a_mask = _selection_mask(ops, a_sel, a_state)  # [Qa, Hkv, a_len]
-    which = (idx - i0) // r  # [Q] each query's anchor
+    which = torch.arange(idx.shape[0], device=idx.device) // r  # [Q] each query's anchor
     t0, t = positions[anchors][which], positions[idx]
     L, BS = state.length, state.block_size
     col = torch.arange(L, device=idx.device).view(1, -1)
@@ -277,7 +264,7 @@ def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> to
     Hkv, L = key.shape[1], key.shape[2]
     G, BS = Hq // Hkv, ctx.block_size
     scale = scaling if scaling is not None else D**-0.5
-    ops = simulate_ops()
+    ops = ctx.ops
     layer_idx = module.layer_idx
     sparse = layer_idx not in ctx.dense_layers
     positions = torch.arange(L - Tq, L, device=query.device)
@@ -298,9 +285,7 @@ def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> to
         if not sparse:
             selection = Policy.dense_selection(state)
         elif r > 1:
-            mask, blocks, selection = _reused(
-                ctx, state, q_all, idx, positions, pooled, scale, layer_idx, ops, rows, L - Tq
-            )  # fmt: skip
+            mask, blocks, selection = _reused(ctx, state, q_all, idx, positions, pooled, scale, layer_idx, ops)
         else:
             selection = ctx.policy.select(state)
         if blocks is None:
@@ -489,6 +474,7 @@ class SimulateSession:
             reuse=reuse,
             freed=freed,
             judge=judge,
+            ops=simulate_ops(),
         )
         cache = copy.deepcopy(self.cache)
         with torch.no_grad(), simulating(self.model, ctx):
