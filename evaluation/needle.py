@@ -338,11 +338,10 @@ def release_common(cache: PagedKVCache, policies: list[Policy]) -> int:
     scores = cache.session.peek_observation()
     if scores is None or not all(callable(getattr(q, "blocks_to_free", None)) for q in policies):
         return 0
-    rows = len(cache.table.rows)
-    pads = cache.pads if len(cache.pads) == rows else [0] * rows
-    lens = tuple(cache.get_seq_length() + 1 - p for p in pads)  # the first decode step's stored lengths
+    # the first decode step's stored lengths, as its plan_step counts them (a filled cache holds a pad per row)
+    lens = tuple(cache.get_seq_length() + 1 - p for p in cache.pads)
     sets = [q.blocks_to_free(scores, lens, cache.block_size) for q in policies]
-    common = [sorted(set.intersection(*(set(s[b]) for s in sets))) for b in range(rows)]
+    common = [sorted(set.intersection(*(set(s[b]) for s in sets))) for b in range(len(lens))]
     freed = cache.free_blocks(common)
     cache.compact_if_mostly_free()
     return freed
