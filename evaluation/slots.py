@@ -31,14 +31,14 @@ from hf_sparse_kv.policies import Policy
 class DecodeSlots:
     """One reserved cache and each policy's captured steps on it, kept across batches (see the module docstring).
 
-        Args:
-            margin: tokens reserved beyond the first batch's prompt + new tokens, so that later batches of the job
-                (prompts a few tokens longer) fit the same reservation.
+    Args:
+        margin: tokens reserved beyond the first batch's prompt + new tokens, so that later batches of the job
+            (prompts a few tokens longer) fit the same reservation.
 
-        Attributes: ``slots_made`` (slots built so far), ``loads`` (refills), ``cache`` (the current slot or ``None``),
-        ``runners`` (policy key -> its ``DecodeGraphs`` on the current slot), ``pool`` (on a GPU, the one CUDA-graph
-        memory pool they all capture into: the policies decode one after the other, so each needs room for one step's
-        temporaries, not a pool of its own: graph pools held 7.75 GiB of a process that ran out of memory at 16 x 32K on
+    Attributes: ``slots_made`` (slots built so far), ``loads`` (refills), ``cache`` (the current slot or ``None``),
+    ``runners`` (policy key -> its ``DecodeGraphs`` on the current slot), ``pool`` (on a GPU, the one CUDA-graph
+    memory pool they all capture into: the policies decode one after the other, so each needs room for one step's
+    temporaries, not a pool of its own: graph pools held 7.75 GiB of a process that ran out of memory at 16 x 32K on
     Qwen2.5 on an H100, 2026-12-05).
     """
 

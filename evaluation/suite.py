@@ -918,6 +918,7 @@ def estimate(
     written before cells carried their device are taken as they are)."""
     layers, params = SHAPES.get(cfg["model"], (32, 1e9))
     step = layers * step_ms_per_layer / 1000
+    static_step = layers * static_step_ms_per_layer / 1000
 
     def prefill(tokens: int) -> float:
         return 2 * params * tokens / (tflops * 1e12) + layers * 0.002
@@ -1004,7 +1005,6 @@ def estimate(
             new = int(part.get("new_tokens", 8)) + 1
             dense_here = "dense" in job.labels and job.labels[0] == "dense" and len(job.budgets) == 1
             decoding = mine + [c for c in cells if c.budget is None][: int(dense_here)]
-            static_step = layers * static_step_ms_per_layer / 1000
             steps = sum(new * (static_step if decode_way(part, c) == "static" else step) for c in decoding)
             squeezing = [c.policy for c in mine if c.policy.compresses]
             windows = len({getattr(q, "observe", None) for q in squeezing}) if cfg["model"] in SLIDING else 0
