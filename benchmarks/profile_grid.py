@@ -11,8 +11,8 @@ weights' values (every cell decodes a fixed number of tokens); answers are meani
 
 Rows: ``perplexity`` (the window's dense prefill, then each cell's :meth:`~evaluation.simulate.SimulateSession.run`),
 ``needle`` (each batch's phases from :class:`~evaluation.needle.PhaseClock`, and per cell its own seconds and the
-graphs it captured). ``--profile CELLS`` (``label@budget``, comma-separated) prints the ten costliest operators (by device time) of
-each one's simulate run under :mod:`torch.profiler`. ``--grid`` picks the policies: ``issue12`` (the eight of
+graphs it captured). ``--profile CELLS`` (``label@budget``, comma-separated) prints the costliest operators (by
+host and by device time) of one more simulate run of each under :mod:`torch.profiler`. ``--grid`` picks the policies: ``issue12`` (the eight of
 ``recipes/suite_gaps.sh``'s ``grid_one_pass`` parts) or ``suite`` (the suite config's own list).
 """
 
@@ -110,23 +110,11 @@ def perplexity_rows(model, cells, cfg, length: int, device: str, profile: tuple[
         _sync(device)
         sec = f"{time.perf_counter() - t0:.3f}"
         rows.append({"part": "perplexity", "cell": name, "seconds": sec, "fidelity": want})
-        if name in profile:
-            print_profile(session, cell, cfg, want, device)
+        if name in profile:  # one more run under the profiler
+            with profiled(device, True, f"profile of {name}"):
+                session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
     rows.append({"part": "perplexity", "cell": "peak", "peak_gib": peak_gib(device)})
     return rows
-
-
-def print_profile(session, cell, cfg, fidelity: bool, device: str) -> None:
-    """The ten costliest operators of one more run of ``cell`` (device time on a GPU, CPU time on the CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        session.run(cell.policy, cfg["dense_layers"], fidelity=fidelity, reuse=cell.reuse)
-        _sync(device)
-    key = "cuda_time_total" if torch.device(device).type == "cuda" else "cpu_time_total"
-    print(f"\nprofile of {cell.label}@{budget_label(cell.budget)}:")
-    print(prof.key_averages().table(sort_by=key, row_limit=10))
 
 
 def allocator_counts(device: str) -> dict[str, int]:
@@ -140,9 +128,10 @@ def allocator_counts(device: str) -> dict[str, int]:
 
 
 @contextmanager
-def batch_profile(device: str, on: bool):
-    """When ``on``: the block under :mod:`torch.profiler`, then the 15 operators and runtime calls of most host
-    time (cudaMalloc, cudaFree, graph instantiation and synchronisations show there) and the 10 of most device time."""
+def profiled(device: str, on: bool, title: str):
+    """When ``on``: the block under :mod:`torch.profiler` (synchronised at its end), then under ``title`` the 15
+    operators and runtime calls of most host time (cudaMalloc, cudaFree, graph instantiation and synchronisations
+    show there) and the 10 of most device time."""
     if not on:
         yield
         return
@@ -151,11 +140,12 @@ def batch_profile(device: str, on: bool):
     cuda = torch.device(device).type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         yield
+        _sync(device)
     table = prof.key_averages()
-    print("\nneedle batch, by self host time:")
+    print(f"\n{title}, by self host time:")
     print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     if cuda:
-        print("\nneedle batch, by device time:")
+        print(f"\n{title}, by device time:")
         print(table.table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
 
 
@@ -166,7 +156,7 @@ def needle_rows(
     every cell (``new_tokens`` each) as a ``one_pass`` suite job does: static steps kept across batches. One row per
     batch (its phases and, on a GPU, the allocator's cudaMalloc / cudaFree calls and retries during it), then one per
     cell (its own seconds in the first batch, with its captures, and in the last one not profiled). ``profile``: the last batch under
-    :func:`batch_profile`."""
+    :func:`profiled`."""
     rng = random.Random(2)
     slots = DecodeSlots()
     policies = {c.key: c.policy for c in cells}
@@ -178,7 +168,7 @@ def needle_rows(
         ]
         clock = PhaseClock(device)
         before = allocator_counts(device)
-        with batch_profile(device, profile and b == batches - 1):
+        with profiled(device, profile and b == batches - 1, "needle batch"):
             greedy_batch(
                 model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block"),
                 clock=clock, static=True, slots=slots,

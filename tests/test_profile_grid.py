@@ -12,12 +12,13 @@ import pytest
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_every_cell_gets_a_perplexity_row_and_a_needle_row(tmp_path):
+def test_every_cell_gets_a_perplexity_row_and_a_needle_row(tmp_path, capsys):
     """The issue-12 grid (22 cells): one simulate row per cell after the prefill, one phase row per batch and one
     row per cell of its own seconds; SnapKV's cells run without fidelity (the simulate way refuses it), the others
-    with; the CSV holds them all."""
+    with; the CSV holds them all; the cell asked for is profiled."""
     out = tmp_path / "p.csv"
     args = ["--shape", "tiny", "--length", "256", "--batch", "2", "--batches", "2", "--device", "cpu"]
+    args += ["--profile", "quest@1/16"]  # one more run of that cell under the profiler
     rows = profile_grid.main(args + ["--dtype", "float32", "--out", str(out)])
     ppl = [r for r in rows if r["part"] == "perplexity"]
     assert [r["cell"] for r in ppl][:2] == ["prefill", "dense@-"] and ppl[-1]["cell"] == "peak"
@@ -31,16 +32,17 @@ def test_every_cell_gets_a_perplexity_row_and_a_needle_row(tmp_path):
     own = {r["cell"]: r for r in needle if "first" in r}
     assert set(own) == set(cells) and all(float(r["last"]) > 0 for r in own.values())
     assert out.read_text().count("\n") == len(rows) + 1
+    assert "profile of quest@1/16, by self host time" in capsys.readouterr().out
 
 
-def test_batch_profile_prints_host_tables_only_when_on(capsys):
+def test_profiled_prints_host_tables_only_when_on(capsys):
     """The profiled batch's tables (host time on the CPU: no device table there); off: nothing printed."""
     import torch
 
-    with profile_grid.batch_profile("cpu", False):
+    with profile_grid.profiled("cpu", False, "needle batch"):
         torch.ones(64, 64) @ torch.ones(64, 64)
     assert capsys.readouterr().out == ""
-    with profile_grid.batch_profile("cpu", True):
+    with profile_grid.profiled("cpu", True, "needle batch"):
         torch.ones(64, 64) @ torch.ones(64, 64)
     out = capsys.readouterr().out
     assert "by self host time" in out and "aten::mm" in out and "by device time" not in out
