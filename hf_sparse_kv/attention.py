@@ -239,21 +239,27 @@ class StaticPlan:
         widths: :meth:`Policy.static_widths` of ``counts`` (the selection's width first; ``None`` with them): the
             only host ints of the plan the step reads, so that a compiled step recompiles when a width first
             changes (then it is dynamic), not whenever one sequence's count does.
+        held: the reservation's width of a dense selection of the blocks held (``StaticBuffers.held``: a table with
+            freed blocks), which the dense layers read on the host; ``None``: every block. Fixed for a reservation
+            unless a refill leaves other blocks out (``PagedKVCache.load_static(free=...)``).
     """
 
     sparse: bool
     counts: tuple[int, ...] | None
     widths: tuple[int, ...] | None
+    held: int | None = None
 
     @property
-    def key(self) -> tuple[bool, tuple[int, ...] | None]:
-        """What the step reads of this plan on the host (``sparse``, ``widths``): the key of its captured graph."""
-        return self.sparse, self.widths
+    def key(self) -> tuple[bool, tuple[int, ...] | None, int | None]:
+        """What the step reads of this plan on the host (``sparse``, ``widths``, ``held``): the key of its captured
+        graph."""
+        return self.sparse, self.widths, self.held
 
 
 def freed_before(cache: PagedKVCache) -> tuple[int, ...] | None:
-    """Blocks freed per sequence before the cache's static reservation (``StaticBuffers.evicted``; fixed, read once
-    at the reservation), or, on a cache not reserved, now (``None``: none)."""
+    """Blocks freed per sequence of a cache reserved for static steps (``StaticBuffers.evicted``: before the
+    reservation, or left out by its last refill; fixed between refills), or, on a cache not reserved, now (``None``:
+    none)."""
     return cache.static.evicted if cache.static is not None else cache.evicted_counts()
 
 
@@ -266,14 +272,15 @@ def static_plan(config: SparseConfig, cache: PagedKVCache, lens: tuple[int, ...]
         _, Hkv, _, D = cache.paged_layers[0].k_pool.shape
         sparse = auto_runs_sparse(config, len(lens), Hkv, D, max(lens))
     counts = config.policy.plan(lens, cache.block_size) if sparse else None
+    held = cache.static.held if cache.static is not None else None
     if counts is None:
-        return StaticPlan(sparse, None, None)
+        return StaticPlan(sparse, None, None, held)
     evicted = freed_before(cache)
     if evicted is not None:  # never more than a sequence still holds, as the eager step's select (Counts.at_most)
         unit = "token" if config.policy.granularity == "token" else "block"
         live = live_counts(lens, evicted, cache.block_size, unit)
         counts = [min(c, n) for c, n in zip(counts, live)]
-    return StaticPlan(sparse, tuple(counts), tuple(config.policy.static_widths(counts, cache.block_size)))
+    return StaticPlan(sparse, tuple(counts), tuple(config.policy.static_widths(counts, cache.block_size)), held)
 
 
 @dataclass(frozen=True)

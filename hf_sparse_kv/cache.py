@@ -623,11 +623,19 @@ class PagedKVCache(DynamicCache):
         self._mark_static()
         return self.static
 
-    def load_static(self, source: PagedKVCache) -> None:
+    def load_static(self, source: PagedKVCache, free: list | None = None) -> None:
         """Refill this cache, reserved for static decoding (:meth:`reserve_static`), with the contents of ``source``
         (a filled cache of as many sequences, not reserved, nothing evicted: e.g. a shared prefill) in place: every
         tensor a static step reads keeps its address, so the steps captured on this cache
         (:class:`~hf_sparse_kv.graphs.DecodeGraphs`) replay on the new contents instead of being captured again.
+
+        ``free``: per sequence, logical blocks of ``source`` to leave out, as a policy that frees once (SnapKV)
+        frees them at its first decode step (its ``blocks_to_free`` of ``source``'s observation at that step's
+        lengths; full blocks of the stored context only). They are not copied and become holes (``-1``) of the
+        step's table (:attr:`StaticBuffers.table`, rewritten in place, with :attr:`StaticBuffers.evicted` and
+        ``held``), which the steps never select: the refill is what that policy's cache holds after its first step,
+        and its static steps decode from the first one (the decode session counts the observation as handed over).
+        The blocks stay this reservation's; the next refill without ``free`` gives the table all of them back.
 
         Each paged layer's pools, metadata and declared state are zeroed and ``source``'s blocks copied into this
         cache's blocks of the same sequence and position (the declared state recomputed from the copied keys: what
@@ -637,13 +645,14 @@ class PagedKVCache(DynamicCache):
         anything changes, when ``source`` does not fit: another batch size, block size or layer layout, no room
         left for a step, or a sequence with less padding than the reservation's rows allow (reserve with
         ``any_padding=True``)."""
-        self._check_load(source)
+        holes = self._check_load(source, free)
         B, BS = len(self.table.rows), self.block_size
         length = source.get_seq_length()
         pads = list(source.pads) if len(source.pads) == B else [0] * B
         need = [cdiv(max(length - p, 0), BS) for p in pads]
-        dst = [self.table.rows[b][j] for b in range(B) for j in range(need[b])]
-        src = [source.table.rows[b][j] for b in range(B) for j in range(need[b])]
+        kept = [[j for j in range(need[b]) if j not in holes[b]] for b in range(B)]
+        dst = [self.table.rows[b][j] for b in range(B) for j in kept[b]]
+        src = [source.table.rows[b][j] for b in range(B) for j in kept[b]]
         stored = [max(length - p, 0) for p in pads]
         index: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per device, made once for all its layers
         for mine, theirs in zip(self.layers, source.layers):
@@ -656,21 +665,40 @@ class PagedKVCache(DynamicCache):
                 mine.load(theirs, length)
         self.pads = pads
         self._pads_on = {}
-        self.static.reload(pads)
+        self.static.reload(pads, *self._holed_table(holes))
         self._deferred.clear()
-        self.session.reload()
+        self.session.reload(released=free is not None)
         for layer in self.paged_layers:
             if layer.state:
                 hi = torch.tensor(stored, dtype=torch.long, device=layer.device)
                 layer.refresh_state(torch.zeros_like(hi), hi, max(stored))
 
-    def _check_load(self, source: PagedKVCache) -> None:
-        """Why ``source`` cannot be loaded into this reservation (``ValueError``), or nothing (see :meth:`load_static`)."""
+    def _holed_table(self, holes: list[set[int]]) -> tuple[torch.Tensor | None, tuple[int, ...] | None, int | None]:
+        """The step's table of a refill leaving ``holes[b]`` (logical blocks) of each sequence out, with its freed
+        counts and the width of a dense selection of the blocks held, the table's (``StaticBuffers.reload``'s
+        arguments); the table is a host tensor of the reserved table's shape, ``None`` where the table already holds
+        every block and keeps doing so."""
+        rows, table = self.table.rows, self.static.table
+        if not any(holes) and self.static.evicted is None:
+            return None, None, None  # the table holds every block and keeps doing so
+        host = torch.full(tuple(table.shape), -1, dtype=table.dtype)
+        for b, row in enumerate(rows):
+            host[b, : len(row)] = torch.tensor([-1 if j in holes[b] else blk for j, blk in enumerate(row)])
+        if not any(holes):
+            return host, None, None
+        # the dense selection of the blocks held as wide as the table (the entries past a row's blocks are -1): what
+        # a refill holds varies with its padding and its policy, and a width that varied would key a new captured
+        # step at every refill
+        return host, tuple(len(h) for h in holes), table.shape[1]
+
+    def _check_load(self, source: PagedKVCache, free: list | None = None) -> list[set[int]]:
+        """Why ``source`` (and ``free``) cannot be loaded into this reservation (``ValueError``), or the blocks of
+        each sequence to leave out (see :meth:`load_static`)."""
         if self.static is None:
             raise ValueError("load_static needs a cache reserved for static steps (call reserve_static first)")
         if not isinstance(source, PagedKVCache) or source.static is not None or source.evicted:
             raise ValueError("load_static takes a filled PagedKVCache that is not reserved and has no evicted block")
-        if self.static.evicted is not None:
+        if self.evicted:
             raise ValueError(
                 "load_static cannot refill a reservation made after blocks were freed (its steps select the blocks "
                 "its table held when reserved): reserve a cache without freed blocks"
@@ -712,6 +740,19 @@ class PagedKVCache(DynamicCache):
                 f"load_static: sequences {short} are padded less than this reservation's rows allow for its "
                 f"{self.static.max_length} tokens: reserve_static(max_length, any_padding=True)"
             )
+        if free is None:
+            return [set() for _ in range(B)]
+        full = [max(length - p, 0) // self.block_size for p in pads]  # whole blocks of each stored context
+        if len(free) != B:
+            raise ValueError(f"load_static: free names blocks of {len(free)} sequences; the source holds {B}")
+        holes = [set(blocks) for blocks in free]
+        wrong = {b: sorted(h - set(range(n))) for b, (h, n) in enumerate(zip(holes, full)) if h - set(range(n))}
+        if wrong:
+            raise ValueError(
+                f"load_static: free may name only whole blocks of each stored context (0 to its length // "
+                f"{self.block_size} - 1); got {wrong} (sequence: blocks)"
+            )
+        return holes
 
     def _mark_static(self) -> None:
         """Tell ``torch.compile`` that every tensor a static step reads or writes keeps its address (the pools are

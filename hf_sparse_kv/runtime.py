@@ -93,13 +93,14 @@ class DecodeSession:
         self.observation_used = False
         self.graphs = None
 
-    def reload(self) -> None:
+    def reload(self, released: bool = False) -> None:
         """The cache's contents were replaced in place (``PagedKVCache.load_static``): forget the step and the
         observations; the captured steps stay (they read the new contents through the same tensors), and so do the
-        counters."""
+        counters. ``released``: the new contents are what a policy that frees once holds after its first step (the
+        refill left its freed blocks out): its observation counts as handed over."""
         self.step = None
         self.observed = {}
-        self.observation_used = False
+        self.observation_used = released
 
     # ---- forwards and steps --------------------------------------------------------------------------------------
 

@@ -36,11 +36,13 @@ class StaticBuffers:
             :func:`hf_sparse_kv.attention.static_plan`).
         filled: the host counts ``counts`` holds (``None``: none yet).
         kept: what :meth:`keep` made, by key, for as long as the reservation lives.
-        evicted: per sequence, the blocks freed before the reservation (a policy that frees once, SnapKV: their
-            table entries stay ``-1``), on the host; ``None``: none was. Fixed for the reservation: a static step
-            frees nothing.
-        held: with ``evicted``, the most blocks any sequence's row holds (reserved ones included): the width of a
-            dense selection of the blocks held (``DecodeState.held``); ``None`` otherwise.
+        evicted: per sequence, the blocks freed (their entries of ``table`` are ``-1``), on the host; ``None``: none
+            was. Freed before the reservation (a policy that frees once, SnapKV, at its first decode step), or left
+            out by a refill (``PagedKVCache.load_static(free=...)``); a static step frees nothing.
+        held: with ``evicted``, the width of a dense selection of the blocks held (``DecodeState.held``): at least
+            the most blocks any sequence's row of ``table`` holds (reserved ones included); ``None`` otherwise.
+        remakes: the ``make`` of each kept entry that reads ``table``'s contents (:meth:`keep` with ``table=True``),
+            by key: :meth:`reload` remakes them in place when a refill changes the table.
     """
 
     max_length: int
@@ -58,6 +60,7 @@ class StaticBuffers:
     kept: dict = field(default_factory=dict)
     evicted: tuple[int, ...] | None = None
     held: int | None = None
+    remakes: dict = field(default_factory=dict)
 
     def begin_step(
         self, frame: int, plan, counts: tuple[int, ...] | None, positions: torch.Tensor | None = None
@@ -79,26 +82,43 @@ class StaticBuffers:
             self.filled = counts
         self.plan = plan
 
-    def reload(self, pads: list[int]) -> None:
+    def reload(
+        self,
+        pads: list[int],
+        table: torch.Tensor | None = None,
+        evicted: tuple[int, ...] | None = None,
+        held: int | None = None,
+    ) -> None:
         """The cache was refilled in place with a batch padded by ``pads`` (``PagedKVCache.load_static``): the
-        padding buffer takes them, and the next step fills the counts afresh; what :meth:`keep` made stays (it
-        depends on its key alone)."""
+        padding buffer takes them, and the next step fills the counts afresh. ``table`` (``[B, MB]`` int32, on the
+        host or the device): the refill's block table, copied into :attr:`table` in place with its ``evicted`` and
+        ``held`` (see the class); the kept entries that read the table are then remade in place (a graph reads
+        them at their addresses); the others stay (they depend on their key alone)."""
         self.pads.copy_(torch.tensor(pads, dtype=self.pads.dtype))
         self.filled = None
         self.plan = None
+        if table is not None:
+            self.table.copy_(table)
+            self.evicted, self.held = evicted, held
+            for key, make in self.remakes.items():
+                self.kept[key].copy_(make())
 
-    def keep(self, key, make: Callable[[], object]) -> object:
+    def keep(self, key, make: Callable[[], object], table: bool = False) -> object:
         """``make()``, made once per ``key`` and kept for the reservation: what is the same at every step that asks
         with this key (a plan's counting rates, a device tensor of per-sequence counts, the table's block numbers).
 
         A static step asks from inside: the first step that asks makes it (a captured step's warm-up forward, so
         its kernels stay out of the CUDA graph); the graph then reads the kept tensor at every replay instead of
-        remaking it in every layer. ``make`` must depend on ``key`` alone. Under ``torch.compile`` tracing nothing
-        is kept: the traced step computes it (inductor fuses it) and the reservation holds no traced values."""
+        remaking it in every layer. ``make`` must depend on ``key`` alone, or with ``table`` on ``key`` and the
+        contents of :attr:`table` (a tensor, then: a refill that rewrites the table remakes it in place,
+        :meth:`reload`). Under ``torch.compile`` tracing nothing is kept: the traced step computes it (inductor
+        fuses it) and the reservation holds no traced values."""
         if torch.compiler.is_compiling():
             return make()
         if key not in self.kept:
             self.kept[key] = make()
+            if table:
+                self.remakes[key] = make
         return self.kept[key]
 
 

@@ -9,9 +9,10 @@ import torch
 from tiny_models import DEVICE, greedy, prompt, static_steps_anywhere, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
-from hf_sparse_kv.attention import StaticPlan
+from hf_sparse_kv.attention import StaticPlan, static_plan
 from hf_sparse_kv.crossover import CrossoverTable
 from hf_sparse_kv.graphs import DecodeGraphs
+from hf_sparse_kv.patched import patch_state
 from hf_sparse_kv.policies import (
     Dense,
     QuantBlockTopK,
@@ -249,6 +250,115 @@ def test_a_reservation_made_after_freeing_is_not_refilled():
     unpatch_model(model)
     with pytest.raises(ValueError, match="reservation made after blocks were freed"):
         cache.load_static(source)
+
+
+def _refilled_leaving_out(model, ids, mask, n, backend="auto"):
+    """A slot (another prompt prefilled, then reserved) refilled with the observed prefill of the left-padded ``ids``
+    less the blocks the patched policy frees at its first step (``load_static(free=...)``), then ``n`` greedy static
+    steps from the first one (captured on CUDA): the slot, the source, ``free`` and the logits ``[B, n, V]``."""
+    policy = patch_state(model).config.policy
+    source, slot = (PagedKVCache(model.config, block_size=8, backend=backend) for _ in range(2))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(prompt(ids.shape[1] - 3, batch=ids.shape[0]), **{cache_kwarg(model): slot})  # other contents first
+        logits = model(ids, attention_mask=mask, position_ids=pos, **{cache_kwarg(model): source}).logits[:, -1:]
+        slot.reserve_static(ids.shape[1] + n, any_padding=True)
+        lens = tuple(ids.shape[1] + 1 - p for p in source.pads)  # the first step's stored lengths
+        free = policy.blocks_to_free(source.session.peek_observation(), lens, 8)
+        slot.load_static(source, free)
+        assert slot.session.observation_used  # handed over: the steps may start
+        runner = DecodeGraphs(model, slot, ids.shape[1] + n, capture=DEVICE.type == "cuda")
+        out = []
+        for _ in range(n):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    return slot, source, free, torch.cat(out, 1)
+
+
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [(p, m) for p in SNAPKV for m in ("block", "token") if not (p.granularity == "token" and m == "block")],
+    ids=lambda x: x if isinstance(x, str) else f"{type(x.then).__name__}-{getattr(x.then, 'budget', '')}",
+)
+def test_a_refill_leaving_out_what_a_policy_frees_decodes_it_statically_from_its_first_step(policy, mode):
+    """``load_static(source, free)`` with the blocks SnapKV frees at its first step: the step's table has holes there
+    (the blocks stay the reservation's), and static steps from the first one give the eager steps' logits and
+    counters (steps, K/V bytes read), left-padded; the source is left as it was (its observation pending, nothing
+    freed). A refill without ``free`` gives the table its blocks back."""
+    model = tiny_model("llama")
+    ids, mask = _padded_prompt([61, 40, 53], 61)
+    patch_model(model, policy=policy, mode=mode, block_size=8, dense_layers=(0,))
+    eager = PagedKVCache(model.config, block_size=8)
+    ref = _eager_padded(model, ids, mask, 20, eager)
+    slot, source, free, out = _refilled_leaving_out(model, ids, mask, 20)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert slot.decode_steps == eager.decode_steps == 20
+    assert slot.kv_bytes_read == eager.kv_bytes_read
+    rows, table = slot.table.rows, slot.static.table.tolist()
+    assert (
+        min(map(len, free)) > 0 and all(-1 not in row for row in rows) and not slot.evicted
+    )  # the blocks stay the slot's
+    assert all(table[b][j] == (-1 if j in f else rows[b][j]) for b, f in enumerate(free) for j in range(len(rows[b])))
+    assert slot.static.evicted == tuple(map(len, free)) and slot.static.held == len(table[0])
+    holes = [rows[b][j] for b, f in enumerate(free) for j in f]  # not copied: the refill zeroed them
+    assert all(not layer.k_pool[holes].any() and not layer.v_pool[holes].any() for layer in slot.paged_layers)
+    assert source.session.peek_observation() is not None and not source.evicted
+    config, lens = patch_state(model).config, tuple(ids.shape[1] + 21 - p for p in slot.pads)
+    holed = static_plan(config, slot, lens)
+    patch_model(model, policy=Dense(), mode="block", block_size=8, dense_layers=(0,))
+    other = PagedKVCache(model.config, block_size=8)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **{cache_kwarg(model): other})
+    slot.load_static(other)
+    unpatch_model(model)
+    assert slot.static.table.tolist() == [row + [-1] * (len(table[0]) - len(row)) for row in rows]
+    assert slot.static.evicted is None and slot.static.held is None and not slot.session.observation_used
+    # a step captured over the holes (its dense selection as wide as the table) is not replayed over the whole table
+    assert holed.held == len(table[0]) and static_plan(config, slot, lens).key != holed.key
+
+
+def test_a_refill_leaving_out_blocks_through_the_triton_kernels():
+    """The same through the Triton kernels (the interpreter on the CPU), SnapKV alone and with Quest, block mode:
+    the dense selection of the blocks held is as wide as the table, mostly ``-1``."""
+    model = tiny_model("llama")
+    ids, mask = _padded_prompt([61, 44], 61)
+    for policy in SNAPKV[:2]:
+        patch_model(model, policy=policy, mode="block", block_size=8, dense_layers=(0,), backend="triton")
+        eager = PagedKVCache(model.config, block_size=8, backend="triton")
+        ref = _eager_padded(model, ids, mask, 8, eager)
+        slot, _, _, out = _refilled_leaving_out(model, ids, mask, 8, backend="triton")
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        assert slot.kv_bytes_read == eager.kv_bytes_read
+    unpatch_model(model)
+
+
+def test_a_refill_refuses_to_leave_out_what_is_not_a_whole_stored_block():
+    """``free`` names whole blocks of each stored context, one list per sequence; anything else is refused before
+    anything changes."""
+    model = tiny_model("llama")
+    ids, mask = _padded_prompt([61, 40], 61)
+    patch_model(model, policy=SNAPKV[0], mode="block", block_size=8, dense_layers=(0,))
+    source, slot = PagedKVCache(model.config, block_size=8), PagedKVCache(model.config, block_size=8)
+    with torch.no_grad():
+        for cache in (source, slot):
+            model(
+                ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **{cache_kwarg(model): cache}
+            )
+    unpatch_model(model)
+    slot.reserve_static(90, any_padding=True)
+    before = (slot.static.table.clone(), slot.paged_layers[0].k_pool.clone(), slot.session.observation_used)
+    for free, match in [
+        ([[1]], "the source holds 2"),
+        ([[1], [5]], "whole blocks"),
+        ([[7], []], "whole blocks"),
+        ([[-1], []], "whole blocks"),
+    ]:
+        with pytest.raises(ValueError, match=match):  # 40 stored tokens: blocks 0-4 whole; 61: 0-6 (7 is partial)
+            slot.load_static(source, free)
+    assert torch.equal(slot.static.table, before[0]) and torch.equal(slot.paged_layers[0].k_pool, before[1])
+    assert slot.session.observation_used == before[2] and slot.static.evicted is None
+    slot.load_static(source, [[6], [4]])  # the last whole block of each
+    assert slot.static.evicted == (1, 1)
 
 
 # ---- left padding and sliding-window layers ----------------------------------------------------------------------

@@ -86,8 +86,9 @@ class DecodeState:
             the same in every layer and at every step (:meth:`Policy.dense_selection`) go through it, so that a
             captured step does not rebuild them in every layer.
         held: a static step on a table with freed blocks (a policy that :attr:`~Policy.frees_once` released them
-            before the reservation): the most blocks any sequence's row holds (the reserved ones included), the
-            width of the dense selection of the blocks held; ``None``: no block was freed.
+            before the reservation, or a refill left them out: ``PagedKVCache.load_static(free=...)``): the width of
+            the dense selection of the blocks held, at least the most blocks any sequence's row holds (the reserved
+            ones included); ``None``: no block was freed.
     """
 
     q: torch.Tensor
@@ -404,6 +405,7 @@ class Policy:
             indices = state.keep(
                 ("blocks held", str(device), B, H, nblk, width),
                 lambda: held_blocks(table, width).unsqueeze(1).expand(B, H, width).contiguous(),
+                table=True,  # a refill that leaves other blocks out rewrites the table: remade then
             )
             return Selection("block", indices, state.start, state.start, (width,) * B)
         if state.keep is not None and not (state.evicted is not None and any(state.evicted)):
