@@ -300,6 +300,7 @@ class SharedObservations:
             self.members.setdefault(self.kind(q), []).append(q)
         self.left = {k: len(v) for k, v in self.members.items()}
         self.held: dict[tuple, PagedKVCache] = {}
+        self.ways: dict[tuple, str] = {}  # kind -> "take" or "observed": one way per kind (take frees blocks of it)
 
     def shares(self, policy: Policy) -> bool:
         """Whether ``policy`` starts from the shared prefill: :func:`shares_prefill` or :func:`shares_base`."""
@@ -312,7 +313,7 @@ class SharedObservations:
         """``policy``'s cache: for the first of its kind its observation pass (:func:`from_shared_prefill` of
         ``model`` as patched now, ``base``, ``ids``, ``observe``, ``inputs``), less what every policy of the kind
         frees (:func:`release_common`), then a copy of that cache, the cache itself for the last of its kind."""
-        k = self.kind(policy)
+        k = self._way(policy, "take")
         cache = self.held.pop(k, None)
         if cache is None:
             cache = from_shared_prefill(model, base, ids, observe, clock, **inputs)
@@ -326,6 +327,26 @@ class SharedObservations:
         with clock.phase("copy"):
             return copy.deepcopy(cache)
 
+    def observed(self, policy: Policy, clock, model, base: PagedKVCache, ids: torch.Tensor, observe: int, **inputs):
+        """``policy``'s observed cache itself, not a copy, for a caller that only reads it (that loads it into a slot
+        leaving out what the policy frees: :meth:`evaluation.slots.DecodeSlots.decode` with ``free``): the first of
+        its kind makes the pass (as :meth:`take`), the last lets go of it. A kind is served one way, :meth:`take`'s
+        or this (``ValueError`` otherwise: take frees blocks of the cache it hands on)."""
+        k = self._way(policy, "observed")
+        cache = self.held.get(k)
+        if cache is None:
+            cache = self.held[k] = from_shared_prefill(model, base, ids, observe, clock, **inputs)
+        self.left[k] -= 1
+        if self.left[k] == 0:
+            del self.held[k]
+        return cache
+
+    def _way(self, policy: Policy, way: str) -> tuple:
+        k = self.kind(policy)
+        if self.ways.setdefault(k, way) != way:
+            raise ValueError(f"the policies observing as {policy!r} are served by {self.ways[k]}(), not by {way}()")
+        return k
+
 
 def release_common(cache: PagedKVCache, policies: list[Policy]) -> int:
     """On an observed cache that ``policies`` will each decode a copy of: free now the blocks that every one of them
@@ -335,22 +356,32 @@ def release_common(cache: PagedKVCache, policies: list[Policy]) -> int:
     still frees its own blocks (those freed here are holes already), so every policy holds the same blocks as
     without this. Returns the blocks freed: 0 when some policy frees nothing this way (no ``blocks_to_free``) or
     no observation is pending."""
-    scores = cache.session.peek_observation()
-    if scores is None or not all(callable(getattr(q, "blocks_to_free", None)) for q in policies):
+    sets = [first_step_frees(cache, q) for q in policies]
+    if any(s is None for s in sets):
         return 0
-    # the first decode step's stored lengths, as its plan_step counts them (a filled cache holds a pad per row)
-    lens = tuple(cache.get_seq_length() + 1 - p for p in cache.pads)
-    sets = [q.blocks_to_free(scores, lens, cache.block_size) for q in policies]
-    common = [sorted(set.intersection(*(set(s[b]) for s in sets))) for b in range(len(lens))]
+    common = [sorted(set.intersection(*(set(s[b]) for s in sets))) for b in range(len(cache.pads))]
     freed = cache.free_blocks(common)
     cache.compact_if_mostly_free()
     return freed
 
 
+def first_step_frees(cache: PagedKVCache, policy: Policy) -> list[list[int]] | None:
+    """Per sequence, the blocks ``policy`` frees at ``cache``'s first decode step (its ``blocks_to_free`` of the
+    cache's pending observation at that step's stored lengths), or ``None`` when no observation is pending or the
+    policy frees nothing this way."""
+    scores = cache.session.peek_observation()
+    if scores is None or not callable(getattr(policy, "blocks_to_free", None)):
+        return None
+    # the first decode step's stored lengths, as its plan_step counts them (a filled cache holds a pad per row)
+    lens = tuple(cache.get_seq_length() + 1 - p for p in cache.pads)
+    return policy.blocks_to_free(scores, lens, cache.block_size)
+
+
 def decodes_statically(policy: Policy, static: bool) -> bool:
     """Whether :func:`greedy_batch` with ``static`` decodes ``policy`` through static steps: all but a policy that
     frees blocks at every step (its block table changes during decoding), which decodes eagerly; one that frees
-    them once (SnapKV) decodes its first step eagerly (it frees the prompt's blocks) and the others statically."""
+    them once (SnapKV) decodes its first step eagerly (it frees the prompt's blocks) and the others statically, or
+    on a kept slot from the shared observation every step statically (the refill leaves those blocks out)."""
     return static and (not policy.frees_blocks or policy.frees_once)
 
 
@@ -468,7 +499,10 @@ def greedy_batch(
     The tokens are those of the eager steps (tested on the CPU for every mode; a captured step replays the same
     kernels). ``slots`` (with ``static``): a :class:`~evaluation.slots.DecodeSlots` kept across the batches of a
     job: each static policy decodes on its refilled slot with the steps captured in earlier batches instead of
-    on a copy of the prefill with steps captured anew.
+    on a copy of the prefill with steps captured anew; SnapKV too, from its first step, when it starts from the
+    batch's shared observation (the slot refilled from the observed cache itself, less the blocks its first step
+    frees: :func:`first_step_frees`, ``PagedKVCache.load_static(free=...)``), instead of a copy of that cache, an
+    eager first step and steps captured anew every batch.
 
     ``top2``: a dict that receives, per policy key, the two largest float32 logits of every step and their token ids
     (``(values [B, new_tokens, 2], ids [B, new_tokens, 2])``): how close to a tie each choice was, to tell where two
@@ -492,10 +526,15 @@ def greedy_batch(
 
     out: list[dict[Any, list[int]]] = [{} for _ in prompts]
 
-    def slotted(q: Policy) -> bool:  # decoded on the kept slot (a policy that frees blocks gets its own steps)
-        return slots is not None and decodes_statically(q, static) and not q.frees_blocks
+    def slotted(q: Policy) -> bool:
+        """Decoded on the kept slot: a policy that frees no blocks, or one that frees them once and says which
+        (SnapKV; the refill leaves them out, when it starts from the shared observation); one that frees at every
+        step gets steps of its own."""
+        frees = q.frees_blocks and not (q.frees_once and callable(getattr(q, "blocks_to_free", None)))
+        return slots is not None and decodes_statically(q, static) and not frees
 
     static_policies = [q for q in policies.values() if slotted(q)]
+    need = ids.shape[1] - 1 + new_tokens  # tokens per sequence: the prompt, every new token, the padding
     patch_model(model, policy=Dense(), mode="block", dense_layers=dense_layers, block_size=block_size)
     try:
         prefix = prefilled()
@@ -507,15 +546,25 @@ def greedy_batch(
             patch_model(
                 model, policy=policy, mode=policy_mode(policy, mode), dense_layers=dense_layers, block_size=block_size
             )
+            on_slot = slotted(policy) and (not policy.frees_blocks or observations.shares(policy))
             if observations.shares(policy):
                 W = policy.observe
                 window = {"attention_mask": mask[:, :-1], "position_ids": pos[:, -1 - W : -1]}
-                cache = observations.take(policy, clock, model, bases.get(W, prefix), ids, W, **window)
+                base = bases.get(W, prefix)
+                if on_slot:
+                    observed = observations.observed(policy, clock, model, base, ids, W, **window)
+                    free = first_step_frees(observed, policy)
+                    if free is None:
+                        raise RuntimeError(f"{policy!r} observed its prompt but no observation is pending")
+                    with torch.no_grad(), clock.phase("copy"):
+                        cache, kept = slots.decode(model, key, observed, need, static_policies, free)
+                else:
+                    cache = observations.take(policy, clock, model, base, ids, W, **window)
             elif own_prefill(policy):
                 cache = prefilled()
-            elif slotted(policy):
+            elif on_slot:
                 with torch.no_grad(), clock.phase("copy"):
-                    cache, kept = slots.decode(model, key, prefix, ids.shape[1] - 1 + new_tokens, static_policies)
+                    cache, kept = slots.decode(model, key, prefix, need, static_policies)
             else:
                 with clock.phase("copy"):
                     cache = copy.deepcopy(prefix)
@@ -523,12 +572,12 @@ def greedy_batch(
             decoded = clock.seconds.get("decode", 0.0)
             with torch.no_grad(), clock.phase("decode"):
                 runner, captured, graphs = None, 0.0, 0
-                own_steps = decodes_statically(policy, static) and not slotted(policy)
-                if slotted(policy):
+                own_steps = decodes_statically(policy, static) and not on_slot
+                if on_slot:
                     runner, captured, graphs = kept, kept.capture_seconds, len(kept.graphs)
                 for i in range(new_tokens):
                     if own_steps and i == first_static_step(policy):  # room for the prompt and every new token
-                        runner = DecodeGraphs(model, cache, ids.shape[1] - 1 + new_tokens)
+                        runner = DecodeGraphs(model, cache, need)
                     if runner is not None:
                         logits = runner.step(token, position_ids=p)
                     else:

@@ -9,6 +9,10 @@ turn refills in place from the batch's shared prefill (``PagedKVCache.load_stati
 address), and each policy's ``DecodeGraphs`` on it, rebound to the model patched again for that policy
 (``DecodeGraphs.rebind``). A policy's graphs are then captured once per job and width, not once per batch.
 
+A policy that frees blocks once (SnapKV: the prompt's unkept blocks, at its first decode step) decodes on the slot
+too: the refill leaves those blocks out (``load_static(free=...)``: holes of the step's table), so that its cache is
+what its first step would leave, and its steps, the first included, replay as the others' do.
+
 The slot holds the state every policy of the job declares (their ``cache_state()``, recomputed from the keys at
 each refill), is reserved for any left padding (``reserve_static(any_padding=True)``) and for the longest batch
 seen plus ``margin`` tokens; a batch of another size, or longer than that, or a policy declaring state the slot
@@ -69,11 +73,13 @@ class DecodeSlots:
         )
 
     def decode(
-        self, model, key: Any, prefix: PagedKVCache, need: int, policies: list[Policy]
+        self, model, key: Any, prefix: PagedKVCache, need: int, policies: list[Policy], free: list | None = None
     ) -> tuple[PagedKVCache, DecodeGraphs]:
         """The slot refilled with ``prefix`` (a filled, shared prefill) and the captured steps of ``model`` as now
         patched (policy ``key``), ready for ``need`` tokens per sequence (prompt + new tokens, padding included).
-        ``policies``: every policy the job decodes statically (the slot keeps the state they all declare)."""
+        ``policies``: every policy the job decodes statically (the slot keeps the state they all declare).
+        ``free``: per sequence, the blocks of ``prefix`` that the policy (one that frees once) frees at its first
+        decode step, left out of the refill (``PagedKVCache.load_static``)."""
         specs = tuple(dict.fromkeys(s for p in policies for s in p.cache_state()))
         if not self._fits(prefix, need, specs):
             self.drop()
@@ -82,7 +88,7 @@ class DecodeSlots:
             slot.declare_state(specs)
             slot.reserve_static(need + self.margin, any_padding=True)
             self.cache, self.slots_made = slot, self.slots_made + 1
-        self.cache.load_static(prefix)
+        self.cache.load_static(prefix, free)
         self.loads += 1
         runner = self.runners.get(key)
         if runner is not None:

@@ -21,7 +21,8 @@ the ``decode`` way, or with ``perplexity: {compressed: simulate}`` the ``simulat
 replayed, tested against the decode way; no fidelity: :func:`decoded`). Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
 Needle and QA batches decode eagerly unless the config's ``static: true`` (or their block's) says otherwise
 (:func:`decode_way`); ``reuse_graphs: true`` beside it keeps each policy's captured steps across a job's batches
-(:class:`~evaluation.slots.DecodeSlots`).
+(:class:`~evaluation.slots.DecodeSlots`; SnapKV's too, its first step included, where it starts from the batch's
+shared observation).
 """
 
 from __future__ import annotations
@@ -441,8 +442,8 @@ def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None
 def decode_way(p: dict[str, Any], cell: PolicyCell) -> str:
     """How a needle or QA cell's tokens were decoded: ``"static"`` (the task's ``static: true``: static steps,
     captured as CUDA graphs on a GPU; see :func:`~evaluation.needle.greedy_batch`; a policy that frees blocks once,
-    SnapKV, after its first step, which is eager) or ``"eager"`` (the default, and a policy that frees blocks at
-    every step)."""
+    SnapKV, after its first step, which is eager, or from its first on a kept slot, ``reuse_graphs``) or ``"eager"``
+    (the default, and a policy that frees blocks at every step)."""
     return "static" if decodes_statically(cell.policy, bool(p.get("static"))) else "eager"
 
 
@@ -906,7 +907,7 @@ def estimate(
     ``benchmarks/RESULTS.md`` measured on the H200: 50-60 ms per step of a 32-layer model), static (captured) steps
     at ``static_step_ms_per_layer`` (an H100, 2026-12-05: Qwen2.5's captured steps of 8-16 prompts at 8K-32K took
     0.04-0.06 s for 8 steps of 28 layers, the exact scorers' 0.15-0.2 s), a SnapKV cell one eager step more (its
-    first) and, on a model with sliding-window layers (:data:`SLIDING`), one more prefill per observation window a
+    first; none on a kept slot, ``reuse_graphs``) and, on a model with sliding-window layers (:data:`SLIDING`), one more prefill per observation window a
     batch (elsewhere it starts from the shared prefill, its window forwarded again: not counted), prefills at
     ``tflops`` effective, a ``simulate`` cell at ``simulate_ms_per_layer`` per layer (twice that with fidelity; the
     same H100 on random weights of Qwen2.5's shape at 32K: 6 ms a layer for dense, 12-19 with fidelity), scaled by
@@ -1008,7 +1009,8 @@ def estimate(
             steps = sum(new * (static_step if decode_way(part, c) == "static" else step) for c in decoding)
             squeezing = [c.policy for c in mine if c.policy.compresses]
             windows = len({getattr(q, "observe", None) for q in squeezing}) if cfg["model"] in SLIDING else 0
-            per_batch = prefill(b * job.length) * (1 + windows) + steps + len(squeezing) * step
+            eager_first = 0 if _slots(part) is not None else len(squeezing)  # a kept slot steps SnapKV statically
+            per_batch = prefill(b * job.length) * (1 + windows) + steps + eager_first * step
             sec = cdiv(units_per_cell, b) * per_batch
         out.append((job, sec * len(left) / max(1, len(units)), False))
     return out

@@ -209,6 +209,54 @@ def test_snapkv_policies_of_one_observation_share_its_pass(arch, monkeypatch):
     assert not is_patched(model)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_snapkv_policies_on_a_kept_slot_load_their_shared_pass_without_copies(arch, monkeypatch):
+    """With static steps on a kept slot (``DecodeSlots``), the SnapKV policies observing one window still make one
+    pass a batch, and each decodes on the slot refilled from that pass's cache itself, less the blocks it frees
+    (no copy of the pass, nothing freed on it, ``release_common`` not called): the eager answers, batch after
+    batch, with each policy's steps kept; a policy observing more than the shortest prompt holds before its last
+    token prefills and steps on its own."""
+    from evaluation import needle
+    from evaluation.slots import DecodeSlots
+
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(12)
+    quest = Quest(budget=0.25, sink=4, window=8)
+    policies = {
+        "snapkv": SnapKV(budget=0.4, sink=4, window=16, observe=8),
+        "dense": Dense(),
+        "snapkv_mean": SnapKV(budget=0.3, sink=4, window=16, observe=8, pool="mean"),
+        "snapkv_quest": SnapKV(budget=0.5, sink=4, window=16, observe=8, then=quest),
+        "snapkv_12": SnapKV(budget=0.4, sink=4, window=16, observe=12),
+    }
+    args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
+    passes, real = [], needle.from_shared_prefill
+    monkeypatch.setattr(
+        needle, "from_shared_prefill", lambda m, p, i, w, *a, **k: passes.append(w) or real(m, p, i, w, *a, **k)
+    )
+    freed = []
+    monkeypatch.setattr(needle, "release_common", lambda c, qs: freed.append(qs) or 0)
+    copies, deepcopy = [], copy.deepcopy
+    monkeypatch.setattr(needle.copy, "deepcopy", lambda x, *a: copies.append(type(x).__name__) or deepcopy(x, *a))
+    slots, runners = DecodeSlots(margin=16), {}
+    for i, lengths in enumerate([(150, 131, 142), (139, 150, 128)]):
+        batch = [torch.randint(3, 90, (n,), generator=g).tolist() for n in lengths]
+        eager = greedy_batch(model, batch, policies, 6, **args)
+        del passes[:], copies[:], freed[:]
+        assert greedy_batch(model, batch, policies, 6, static=True, slots=slots, **args) == eager
+        # the caches copied: the two passes' starts (a copy of the prefill each) and, in the first batch, the slot
+        assert sorted(passes) == [8, 12] and not freed and copies.count("PagedKVCache") == 2 + (i == 0)
+        assert set(slots.runners) == set(policies)
+        runners = runners or dict(slots.runners)
+        assert all(slots.runners[k] is r for k, r in runners.items())
+    short = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [7] * 9]  # 8 tokens before the last: too few to observe 8
+    assert greedy_batch(model, short, policies, 4, static=True, slots=slots, **args) == greedy_batch(
+        model, short, policies, 4, **args
+    )
+    assert set(slots.runners) == {"dense"}  # a new slot (shorter batch): only dense decoded on it
+    assert not is_patched(model)
+
+
 @pytest.mark.parametrize("arch,length", [("llama", 160), ("llama", 161), ("llama", 167), ("gemma3", 160)])
 def test_release_common_leaves_each_policy_the_blocks_its_first_step_keeps(arch, length):
     """On an observed cache two SnapKV budgets decode copies of, ``release_common`` frees what both free at their

@@ -8,11 +8,11 @@ import torch
 from tiny_models import DEVICE, batch_policies, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from evaluation.needle import PhaseClock, greedy_batch, pad_left
+from evaluation.needle import PhaseClock, first_step_frees, greedy_batch, pad_left
 from evaluation.slots import DecodeSlots
 from hf_sparse_kv import PagedKVCache, cache_kwarg, is_patched, patch_model, unpatch_model
 from hf_sparse_kv.graphs import DecodeGraphs
-from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, TokenTopK
+from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, SnapKV, TokenTopK
 
 
 def _prefill(model, prompts: list[list[int]], block_size: int = 8) -> tuple[PagedKVCache, tuple]:
@@ -39,10 +39,15 @@ BATCHES = [(150, 133, 141), (128, 150, 139), (140, 131, 158)]
 @pytest.mark.parametrize("arch,mode", [("llama", "block"), ("llama", "token"), ("llama", "mask"), ("gemma3", "block")])
 def test_slots_across_batches_give_the_eager_tokens(arch, mode):
     """Three batches of one job through one :class:`DecodeSlots`: each batch's answers equal its eager answers for
-    every policy (a policy with per-token state, quant4, included); one slot is made, refilled for every static
-    policy of every batch, and each policy keeps one runner (``DecodeGraphs``) for the whole job."""
+    every policy (a policy with per-token state, quant4, included; SnapKV, which frees the prompt's blocks at its
+    first step, alone, sharing its observation with another budget, and with Quest over what it keeps); one slot is
+    made, refilled for every policy of every batch, and each policy keeps one runner (``DecodeGraphs``) for the
+    whole job."""
     model = tiny_model(arch)
     policies = batch_policies()  # quant4: per-token state in the cache
+    snap = {"sink": 4, "window": 16, "observe": 8}
+    policies["snapkv 1/4"] = SnapKV(budget=0.25, **snap)  # observes as "snapkv" does: one pass for the two
+    policies["snapkv+quest"] = SnapKV(budget=0.5, then=Quest(budget=0.25, sink=4, window=16), **snap)
     args = {"dense_layers": (0,), "block_size": 8, "mode": mode}
     slots = DecodeSlots(margin=16)
     runners = {}
@@ -51,12 +56,12 @@ def test_slots_across_batches_give_the_eager_tokens(arch, mode):
         eager = greedy_batch(model, batch, policies, 6, **args)
         clock = PhaseClock()
         assert greedy_batch(model, batch, policies, 6, static=True, slots=slots, clock=clock, **args) == eager
-        assert set(slots.runners) == set(policies) - {"snapkv"}  # SnapKV frees blocks: steps of its own, no slot
+        assert set(slots.runners) == set(policies)  # SnapKV too: its freed blocks left out of the refill
         if i == 0:
             runners = dict(slots.runners)
         assert all(slots.runners[k] is r for k, r in runners.items()), "each policy's runner kept"
         assert set(clock.per_key) == set(policies)
-    assert slots.slots_made == 1 and slots.loads == 3 * 5
+    assert slots.slots_made == 1 and slots.loads == 3 * len(policies)
     assert not is_patched(model)
 
 
@@ -218,22 +223,30 @@ class _Reads(TorchDispatchMode):
         ("llama", QuantBlockTopK(budget=0.25, sink=4, window=16, bits=4), "block"),
         ("llama", Dense(), "mask"),
         ("gemma3", Quest(budget=0.25, sink=4, window=16), "block"),
+        ("llama", SnapKV(budget=0.5, sink=4, window=16, observe=8), "block"),
+        (
+            "llama",
+            SnapKV(budget=0.5, sink=4, window=16, observe=8, then=Quest(budget=0.25, sink=4, window=16)),
+            "token",
+        ),
     ],
-    ids=["quest", "token_topk", "quant4", "dense-mask", "gemma3-quest"],
+    ids=["quest", "token_topk", "quant4", "dense-mask", "gemma3-quest", "snapkv", "snapkv+quest"],
 )
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="a replayed graph runs no Python to record: the CPU's steps do")
 def test_a_refilled_slot_steps_on_the_same_tensors_and_host_values(arch, policy, mode):
     """A CUDA graph replays the tensors and host values of its capture. Two batches of the same padded width but
     other paddings and tokens, loaded in turn into one slot: at every step whose plan key agrees, the forward runs
     the same ops on the same cache and buffer tensors (addresses, shapes, strides) with the same host arguments,
-    so the graph captured on the first batch computes the second's step."""
+    so the graph captured on the first batch computes the second's step. SnapKV's refills leave out what its first
+    step frees (other blocks in each batch): the same ops read the rewritten table and the remade held blocks."""
     model = tiny_model(arch)
     patch_model(model, policy=policy, mode=mode, block_size=8, dense_layers=(0,))
     try:
         slots, steps = DecodeSlots(margin=8), []
         for seed, lengths in [(1, (150, 133, 141)), (2, (131, 150, 122))]:
             prefix, (ids, _, pos) = _prefill(model, _prompts(seed, lengths))
-            cache, runner = slots.decode(model, "k", prefix, ids.shape[1] - 1 + 6, [policy])
+            free = first_step_frees(prefix, policy) if policy.frees_blocks else None  # the prefill observed
+            cache, runner = slots.decode(model, "k", prefix, ids.shape[1] - 1 + 6, [policy], free)
             forward, reads = runner.forward_fn, []
 
             def recorded(*a, _forward=forward, _reads=reads, **k):

@@ -353,7 +353,8 @@ def test_estimates_model_prices_captured_steps_at_their_own_rate_and_snapkv_pref
 ):
     """Without finished cells (the model): a config decoding statically prices its needle jobs at the captured
     step's rate (equal to the eager one's: equal prices; below it: cheaper), and SnapKV's cells add one prefill a
-    batch per observation window only on a model with sliding-window layers (elsewhere they share the prefill)."""
+    batch per observation window only on a model with sliding-window layers (elsewhere they share the prefill), and
+    one eager step a batch unless a kept slot (``reuse_graphs``) steps them statically from the first."""
     from evaluation import suite
     from evaluation.suite import estimate
 
@@ -378,6 +379,16 @@ def test_estimates_model_prices_captured_steps_at_their_own_rate_and_snapkv_pref
         if j.task == "needle" and any(c.policy.compresses for c in suite._select(cells, j))
     )
     assert batches > 0 and without - needles(gemma) == pytest.approx(batches * one_prefill)
+    # on a kept slot (reuse_graphs) SnapKV's first step is static too: one eager step a batch less
+    eager_firsts = sum(  # SnapKV cells times batches (of 2) of every needle job
+        -(-int(suite._needle_params(cfg, j.params["variant"])["trials"]) // 2)
+        * sum(c.policy.compresses for c in suite._select(cells, j) if c.budget is not None)
+        for j in plan(cfg)
+        if j.task == "needle"
+    )
+    step = suite.SHAPES[cfg["model"]][0] * 1.6 / 1000
+    assert eager_firsts > batches
+    assert needles(static) - needles({**static, "reuse_graphs": True}) == pytest.approx(eager_firsts * step)
 
 
 def test_estimate_prices_needle_cells_from_those_decoded_the_way_the_config_decodes():
