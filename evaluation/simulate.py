@@ -2,8 +2,9 @@
 would select at that step.
 
 A patched model runs its policy only on single-token decode steps. To score ``N`` tokens of decode quality without
-``N`` forwards, :class:`SimulateSession` prefills the context once (dense, as the patched model does), then runs
-the ``N`` scored tokens in one forward through an attention function registered under :data:`ATTENTION_NAME`. On
+``N`` forwards, :class:`SimulateSession` prefills the context once (dense, as the patched model does; several windows
+of one length at once if given: each op then serves them all, each window's queries seeing only its own blocks), then
+runs the ``N`` scored tokens in one forward through an attention function registered under :data:`ATTENTION_NAME`. On
 each full-attention layer that function rebuilds, for every scored query at position ``t``, the paged state a decode
 step at ``t`` would see: the blocks filled so far with their key min/max/mean (the current block described by its
 filled prefix ``[block start, t]``), ``seq_len = t + 1`` (so a fractional budget resolves against ``t + 1``), the
@@ -67,6 +68,15 @@ class Fidelity:
     def hit_rate(self) -> float | None:
         return float(self.hit_sum) / self.hit_count if self.hit_count else None
 
+    def windows(self, n: int) -> list[Fidelity]:
+        """The sums of a forward over ``n`` windows at once (each sum a ``[n]`` tensor, the counts per window) as one
+        :class:`Fidelity` per window (its sums views of those tensors: still nothing read to the host)."""
+
+        def each(total):
+            return [total[w] for w in range(n)] if isinstance(total, torch.Tensor) else [total] * n
+
+        return [Fidelity(r, h, self.count, self.hit_count) for r, h in zip(each(self.recall_sum), each(self.hit_sum))]
+
 
 @dataclass
 class SimulateContext:
@@ -83,7 +93,8 @@ class SimulateContext:
     mode: str = "block"
     extra: dict = field(default_factory=dict)
     reuse: int = 1  # the policy selects at every reuse-th decode step; the steps between reuse it (_reused)
-    freed: frozenset[int] = frozenset()  # logical blocks a compressing policy freed at the first decode step
+    # per window, the logical blocks a compressing policy freed at the first decode step (() : none anywhere)
+    freed: tuple[frozenset[int], ...] = ()
     queries: dict | None = None  # prefill only: layer -> (its last OBSERVED queries [1, Hq, w, D], its scaling)
     judge: Policy | None = None  # fidelity: the oracle's rule on given scores (_GivenScores), made once a forward
     ops: SimpleNamespace | None = None  # active: the scored queries' ops (simulate_ops), made once a forward
@@ -138,23 +149,25 @@ def full_attention_layers(config) -> frozenset[int]:
 
 
 def _block_metadata(keys: torch.Tensor, block_size: int, positions: torch.Tensor):
-    """Pool and metadata a decode step at each of ``positions`` would see.
+    """Pool and metadata a decode step at each of ``positions`` would see, in each of ``B`` windows.
 
-    keys ``[Hkv, L, D]``; positions ``[Q]``. Returns (blocks ``[NB, Hkv, BS, D]``, full-block min/max/mean
-    ``[NB, Hkv, D]`` each, and for each query its current block's keys ``[Q, Hkv, BS, D]`` (zero past ``t``) and
-    min/max/mean over the filled prefix ``[Q, Hkv, D]``)."""
-    H, L, D = keys.shape
+    keys ``[B, Hkv, L, D]``; positions ``[Q]`` (the same in every window). Returns (blocks ``[B * NB, Hkv, BS, D]``,
+    window ``b``'s block ``j`` at ``b * NB + j``; full-block min/max/mean ``[B * NB, Hkv, D]`` each; for each window
+    and query its current block's keys ``[B, Q, Hkv, BS, D]`` (zero past ``t``) and min/max/mean over the filled
+    prefix ``[B, Q, Hkv, D]``)."""
+    B, H, L, D = keys.shape
     BS = block_size
     nb = cdiv(L, BS)
-    k = torch.nn.functional.pad(keys, (0, 0, 0, nb * BS - L)).view(H, nb, BS, D).permute(1, 0, 2, 3)
-    kmin, kmax, kmean = k.amin(2), k.amax(2), k.mean(2)  # right only for full blocks; the current one is below
+    k = torch.nn.functional.pad(keys, (0, 0, 0, nb * BS - L)).view(B, H, nb, BS, D).permute(0, 2, 1, 3, 4)
+    kmin, kmax, kmean = k.amin(3), k.amax(3), k.mean(3)  # right only for full blocks; the current one is below
     b, o = positions // BS, positions % BS
-    cur = k[b]  # [Q, H, BS, D]
-    filled = (torch.arange(BS, device=keys.device).view(1, BS) <= o.view(-1, 1)).view(-1, 1, BS, 1)
-    cmin = cur.masked_fill(~filled, float("inf")).amin(2)
-    cmax = cur.masked_fill(~filled, float("-inf")).amax(2)
-    cmean = cur.masked_fill(~filled, 0.0).sum(2) / (o + 1).view(-1, 1, 1).to(cur.dtype)
-    return k, (kmin, kmax, kmean), cur.masked_fill(~filled, 0.0), (cmin, cmax, cmean)
+    cur = k[:, b]  # [B, Q, H, BS, D]
+    filled = (torch.arange(BS, device=keys.device).view(1, BS) <= o.view(-1, 1)).view(1, -1, 1, BS, 1)
+    cmin = cur.masked_fill(~filled, float("inf")).amin(3)
+    cmax = cur.masked_fill(~filled, float("-inf")).amax(3)
+    cmean = cur.masked_fill(~filled, 0.0).sum(3) / (o + 1).view(1, -1, 1, 1).to(cur.dtype)
+    flat = (kmin.flatten(0, 1), kmax.flatten(0, 1), kmean.flatten(0, 1))
+    return k.flatten(0, 1), flat, cur.masked_fill(~filled, 0.0), (cmin, cmax, cmean)
 
 
 def _decode_state(**fields) -> DecodeState:
@@ -167,36 +180,45 @@ def _state_at(
     ctx: SimulateContext, q_all, idx, positions, pooled, scale, layer_idx, ops, host_pos: list[int]
 ) -> DecodeState:
     """The :class:`DecodeState` of the decode steps of the scored queries ``idx [Q]`` (increasing indices into
-    ``q_all [Tq, Hq, D]`` and ``positions [Tq]``), batched as sequences: each sees the blocks filled before its
-    position and its own current block (``pooled``: :func:`_block_metadata`'s output). ``host_pos``: the same
-    queries' positions as host ints, which the state's host fields (lengths, widths) are made of: nothing is read
-    back from the device, so the host queues a whole forward's layers ahead of the GPU."""
+    ``q_all [B, Tq, Hq, D]``'s rows and ``positions [Tq]``) in each of its ``B`` windows, batched as ``B * Q``
+    sequences, window by window: each sees its window's blocks filled before its position and its own current block
+    (``pooled``: :func:`_block_metadata`'s output). ``host_pos``: the queries' positions as host ints, which the
+    state's host fields (lengths, widths) are made of: nothing is read back from the device, so the host queues a
+    whole forward's layers ahead of the GPU."""
     blocks, meta, cur, cmeta = pooled
-    BS, nb = ctx.block_size, blocks.shape[0]
+    B = q_all.shape[0]
+    BS, nb = ctx.block_size, blocks.shape[0] // B
     pos = positions[idx]
     Q = idx.shape[0]
-    seq_lens = (pos + 1).int()
-    b = pos // BS
+    seq_lens = (pos + 1).int().repeat(B)
+    b = (pos // BS).repeat(B).view(-1, 1)
     MB = host_pos[-1] // BS + 1  # positions increase
     col = torch.arange(MB, device=pos.device).view(1, -1)
-    own = (nb + torch.arange(Q, device=pos.device)).view(-1, 1)
-    table = torch.where(col < b.view(-1, 1), col, torch.where(col == b.view(-1, 1), own, -1)).int()
+    own = (B * nb + torch.arange(B * Q, device=pos.device)).view(-1, 1)
+    first = (torch.arange(B, device=pos.device) * nb).repeat_interleave(Q).view(-1, 1)  # each window's block 0
+    table = torch.where(col < b, col + first, torch.where(col == b, own, -1)).int()
     evicted = None
-    if ctx.freed:  # freed blocks lie below every scored query's current block (the first step's is kept), so < MB
-        gone = torch.zeros(MB, dtype=torch.bool)
-        gone[sorted(ctx.freed)] = True
-        table = table.masked_fill(gone.to(pos.device, non_blocking=True).view(1, -1), -1)
-        evicted = (len(ctx.freed),) * Q
+    if any(ctx.freed):  # freed blocks lie below every scored query's current block (the first step's is kept), so < MB
+        gone = torch.zeros(B, MB, dtype=torch.bool)
+        for w, freed in enumerate(ctx.freed):
+            gone[w, sorted(freed)] = True
+        gone = gone.to(pos.device, non_blocking=True).repeat_interleave(Q, 0)
+        table = table.masked_fill(gone, -1)
+        evicted = tuple(len(f) for f in ctx.freed for _ in range(Q))
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [B, Tq, ...] -> the chunk's [B * Q, ...]
+        return t[:, idx].flatten(0, 1)
+
     return _decode_state(
-        q=q_all[idx],
-        k_pool=torch.cat([blocks, cur[idx]]),
-        kmin=torch.cat([meta[0], cmeta[0][idx]]),
-        kmax=torch.cat([meta[1], cmeta[1][idx]]),
-        kmean=torch.cat([meta[2], cmeta[2][idx]]),
+        q=rows(q_all),
+        k_pool=torch.cat([blocks, rows(cur)]),
+        kmin=torch.cat([meta[0], rows(cmeta[0])]),
+        kmax=torch.cat([meta[1], rows(cmeta[1])]),
+        kmean=torch.cat([meta[2], rows(cmeta[2])]),
         block_table=table,
         seq_lens=seq_lens,
         start=torch.zeros_like(seq_lens),
-        lens=tuple(p + 1 for p in host_pos),
+        lens=tuple(p + 1 for p in host_pos) * B,
         length=host_pos[-1] + 1,
         block_size=BS,
         scale=scale,
@@ -216,25 +238,27 @@ def _selection_mask(ops, selection, state: DecodeState) -> torch.Tensor:
 
 
 def _reused(ctx: SimulateContext, state: DecodeState, q_all, idx, positions, pooled, scale, layer_idx, ops):
-    """The masks ``[Q, Hkv, L]`` and blocks ``[Q, Hkv, nb]`` of the queries ``idx`` (``state``'s: consecutive) when
-    the policy selects only every ``ctx.reuse``-th decode step (the anchors: scored queries ``0, r, 2r, ...``) and the
-    steps in between reuse their anchor's selection: the anchor at position ``t0`` selects from what it sees, and a
-    step at ``t`` attends that plus every position in ``(t0, t]`` (the tokens decoded since, which a block-granular
-    reuse reads as its current block). Also returns the anchors' selection (for ``dense``)."""
-    r = ctx.reuse
+    """The masks ``[B * Q, Hkv, L]`` and blocks ``[B * Q, Hkv, nb]`` of the queries ``idx`` (``state``'s: consecutive;
+    its sequences window by window) when the policy selects only every ``ctx.reuse``-th decode step (the anchors:
+    scored queries ``0, r, 2r, ...`` of each window) and the steps in between reuse their anchor's selection: the
+    anchor at position ``t0`` selects from what it sees, and a step at ``t`` attends that plus every position in
+    ``(t0, t]`` (the tokens decoded since, which a block-granular reuse reads as its current block). Also returns the
+    anchors' selection (for ``dense``)."""
+    r, B, Q = ctx.reuse, q_all.shape[0], idx.shape[0]
     anchors = idx[::r]
-    hosted = [n - 1 for n in state.lens[::r]]  # the anchors' positions, on the host (``lens`` are positions + 1)
+    hosted = [n - 1 for n in state.lens[:Q:r]]  # the anchors' positions, on the host (``lens`` are positions + 1)
     a_state = _state_at(ctx, q_all, anchors, positions, pooled, scale, layer_idx, ops, hosted)
     a_sel = ctx.policy.select(a_state)
-    a_mask = _selection_mask(ops, a_sel, a_state)  # [Qa, Hkv, a_len]
-    which = torch.arange(idx.shape[0], device=idx.device) // r  # [Q] each query's anchor
-    t0, t = positions[anchors][which], positions[idx]
+    a_mask = _selection_mask(ops, a_sel, a_state)  # [B * Qa, Hkv, a_len]
+    rank = torch.arange(Q, device=idx.device) // r  # each query's anchor within its window
+    which = (torch.arange(B, device=idx.device).view(-1, 1) * anchors.shape[0] + rank).flatten()  # [B * Q]
+    t0, t = positions[anchors][rank].repeat(B), positions[idx].repeat(B)
     L, BS = state.length, state.block_size
     col = torch.arange(L, device=idx.device).view(1, -1)
-    fresh = (col > t0.view(-1, 1)) & (col <= t.view(-1, 1))  # [Q, L]
+    fresh = (col > t0.view(-1, 1)) & (col <= t.view(-1, 1))  # [B * Q, L]
     mask = torch.nn.functional.pad(a_mask, (0, L - a_mask.shape[-1]))[which] | fresh.unsqueeze(1)
     nb = cdiv(L, BS)
-    fresh_blocks = torch.nn.functional.pad(fresh, (0, nb * BS - L)).view(-1, nb, BS).any(-1)  # [Q, nb]
+    fresh_blocks = torch.nn.functional.pad(fresh, (0, nb * BS - L)).view(-1, nb, BS).any(-1)  # [B * Q, nb]
     blocks = _block_set(a_sel.indices, a_sel.kind, BS, nb)[which] | fresh_blocks.unsqueeze(1)
     return mask, blocks, a_sel
 
@@ -257,10 +281,9 @@ def simulate_ops() -> SimpleNamespace:
 
 
 def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> torch.Tensor:
-    """query ``[1, Hq, Tq, D]`` at the last ``Tq`` positions of key/value ``[1, Hkv, L, D]`` -> ``[1, Tq, Hq, D]``."""
-    if query.shape[0] != 1:
-        raise ValueError("the simulate way scores one sequence at a time (batch 1)")
-    _, Hq, Tq, D = query.shape
+    """query ``[B, Hq, Tq, D]`` at the last ``Tq`` positions of key/value ``[B, Hkv, L, D]`` (``B`` windows of one
+    length) -> ``[B, Tq, Hq, D]``."""
+    B, Hq, Tq, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]
     G, BS = Hq // Hkv, ctx.block_size
     scale = scaling if scaling is not None else D**-0.5
@@ -268,10 +291,10 @@ def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> to
     layer_idx = module.layer_idx
     sparse = layer_idx not in ctx.dense_layers
     positions = torch.arange(L - Tq, L, device=query.device)
-    k, v = key[0].float(), value[0].float()  # [Hkv, L, D]
-    pooled = _block_metadata(key[0], BS, positions)
-    q_all = query[0].transpose(0, 1)  # [Tq, Hq, D]
-    out = torch.empty(Tq, Hq, D, dtype=torch.float32, device=query.device)
+    k, v = key.float(), value.float()  # [B, Hkv, L, D]
+    pooled = _block_metadata(key, BS, positions)
+    q_all = query.transpose(1, 2)  # [B, Tq, Hq, D]
+    out = torch.empty(B, Tq, Hq, D, dtype=torch.float32, device=query.device)
     r = ctx.reuse
     step = ctx.chunk if r == 1 else max(r, ctx.chunk // r * r)  # a chunk holds whole runs of one anchor
     for i0 in range(0, Tq, step):
@@ -290,25 +313,29 @@ def _sparse_rows(ctx: SimulateContext, module, query, key, value, scaling) -> to
             selection = ctx.policy.select(state)
         if blocks is None:
             mask = _selection_mask(ops, selection, state)
-        # [Q, Hkv, G, L] float32 (0.4 GB a layer at 256 queries of Qwen2.5 at 32K): scaled and masked in place where
-        # nothing reads them after, the same values as new tensors would hold
-        logits = torch.einsum("qhgd,hld->qhgl", q.float().view(Q, Hkv, G, D), k[:, :length]).mul_(scale)
+        # [B * Q, Hkv, G, L] float32 (0.4 GB a layer at 256 queries of Qwen2.5 at 32K, per window): scaled and masked
+        # in place where nothing reads them after, the same values as new tensors would hold
+        logits = torch.einsum("bqhgd,bhld->bqhgl", q.float().view(B, Q, Hkv, G, D), k[:, :, :length])
+        logits = logits.reshape(B * Q, Hkv, G, length).mul_(scale)  # a view for one window, a copy for several
         measure = sparse and ctx.fidelity is not None and not selection.dense
         hidden = ~mask.unsqueeze(2)
         p = logits.masked_fill(hidden, float("-inf")) if measure else logits.masked_fill_(hidden, float("-inf"))
         p = p.softmax(-1)
-        out[idx] = torch.einsum("qhgl,hld->qhgd", p, v[:, :length]).reshape(Q, Hq, D)
+        out[:, idx] = torch.einsum("bqhgl,bhld->bqhgd", p.view(B, Q, Hkv, G, length), v[:, :, :length]).reshape(
+            B, Q, Hq, D
+        )
         del p
         if measure:
             if blocks is None:
                 blocks = _block_set(selection.indices, selection.kind, BS, cdiv(length, BS))
-            _measure(ctx, state, blocks, mask, logits)
-    return out.to(query.dtype).unsqueeze(0)
+            _measure(ctx, state, blocks, mask, logits, B)
+    return out.to(query.dtype)
 
 
-def _measure(ctx: SimulateContext, state: DecodeState, s_blocks, mask, logits) -> None:
-    """Add this chunk's attention recall and oracle block hit rate to ``ctx.fidelity``; ``s_blocks [Q, Hkv, nb]``
-    the blocks the policy's queries read, ``mask [Q, Hkv, L]`` the positions they attend. Uses up ``logits`` (masked
+def _measure(ctx: SimulateContext, state: DecodeState, s_blocks, mask, logits, windows: int = 1) -> None:
+    """Add this chunk's attention recall and oracle block hit rate to ``ctx.fidelity``, per window (its sums ``[B]``
+    tensors, ``B = windows``, its counts per window); ``s_blocks [B * Q, Hkv, nb]`` the blocks the policy's queries
+    read, ``mask [B * Q, Hkv, L]`` the positions they attend (sequences window by window). Uses up ``logits`` (masked
     in place)."""
     Q, Hkv, _G, length = logits.shape
     BS = state.block_size
@@ -318,8 +345,9 @@ def _measure(ctx: SimulateContext, state: DecodeState, s_blocks, mask, logits) -
     heads_mass = p.sum(2) if ctx.oracle is not None else None  # [Q, Hkv, L], before p is masked below
     recall = p.masked_fill_(~mask.unsqueeze(2), 0.0).sum(-1).mean(2)  # [Q, Hkv]: the mass the policy attends
     fid = ctx.fidelity
-    fid.recall_sum = fid.recall_sum + recall.sum().double()  # on the device: read once, at the end of the forward
-    fid.count += recall.numel()
+    # on the device: read once, at the end of the forward
+    fid.recall_sum = fid.recall_sum + recall.view(windows, -1).sum(1).double()
+    fid.count += recall.numel() // windows
     if ctx.oracle is None:
         return
     nb = cdiv(length, BS)
@@ -330,8 +358,8 @@ def _measure(ctx: SimulateContext, state: DecodeState, s_blocks, mask, logits) -
     o_sel = oracle.select(state)
     o_blocks = _block_set(o_sel.indices, o_sel.kind, BS, nb)
     hit = (o_blocks & s_blocks).sum(-1).float() / o_blocks.sum(-1).clamp(min=1)
-    fid.hit_sum = fid.hit_sum + hit.sum().double()
-    fid.hit_count += hit.numel()
+    fid.hit_sum = fid.hit_sum + hit.view(windows, -1).sum(1).double()
+    fid.hit_count += hit.numel() // windows
 
 
 def _block_set(indices: torch.Tensor, kind: str, block_size: int, nb: int) -> torch.Tensor:
@@ -396,12 +424,15 @@ def simulating(model: torch.nn.Module, ctx: SimulateContext):
 
 
 class SimulateSession:
-    """One window ``ids [1, W]`` with its last ``n_scored`` tokens scored: the dense prefix is prefilled once and
-    every :meth:`run` (one policy) only forwards the scored part.
+    """Windows ``ids [B, W]`` (``B`` windows of one length, scored together: each op of a forward serves them all)
+    with their last ``n_scored`` tokens scored: the dense prefix is prefilled once and every :meth:`run_windows` (one
+    policy) only forwards the scored part. ``chunk``: scored queries of each window attended at once (the float32
+    logits of a chunk are ``B * chunk * Hq * W`` floats).
 
     Scored token ``j`` (position ``W - N + j``) is predicted by the decode step of the token before it, so every
-    score comes from a step that ran the policy. :meth:`run` returns the log-probabilities ``[N, V]`` of the scored
-    positions and the fidelity (or None).
+    score comes from a step that ran the policy. :meth:`run_windows` returns the log-probabilities ``[B, N, V]`` of
+    the scored positions and each window's fidelity (or None); :meth:`run`, for one window, ``[N, V]`` and its
+    fidelity. Each window is scored as it would be alone (tested).
     """
 
     def __init__(self, model, ids: torch.Tensor, n_scored: int, block_size: int = 16, chunk: int = 64):
@@ -410,7 +441,7 @@ class SimulateSession:
         self.model, self.ids, self.n, self.block_size, self.chunk = model, ids, n_scored, block_size, chunk
         self.paged = full_attention_layers(model.config)
         split = ids.shape[1] - n_scored - 1  # the prefix prefilled dense; tokens split.. W-2 are decode steps
-        self.targets = ids[0, split + 1 :]
+        self.targets = ids[:, split + 1 :]  # [B, N]
         ctx = SimulateContext(Dense(), (), self.paged, block_size, queries={})
         self.cache = DynamicCache(config=model.config)
         with torch.no_grad(), simulating(model, ctx):
@@ -420,43 +451,64 @@ class SimulateSession:
         self.queries = ctx.queries  # for a compressing policy's observation (freed)
 
     def freed(self, policy: Policy) -> frozenset[int]:
-        """The logical blocks ``policy`` (one that :attr:`~hf_sparse_kv.policies.Policy.compresses`) frees at the
-        first decode step: its ``observe_prefill`` of each paged layer's last queries against the layer's prefix
-        keys (the patched prefill's observation, in layer order), then its ``blocks_to_free`` at the first step's
-        length (the prefix and the step's token)."""
+        """:meth:`freed_windows` of a session of one window: its blocks."""
+        self._one_window("freed")
+        return self.freed_windows(policy)[0]
+
+    def freed_windows(self, policy: Policy) -> tuple[frozenset[int], ...]:
+        """Per window, the logical blocks ``policy`` (one that :attr:`~hf_sparse_kv.policies.Policy.compresses`) frees
+        at the first decode step: its ``observe_prefill`` of each paged layer's last queries against the layer's
+        prefix keys (the patched prefill's observation, in layer order), then its ``blocks_to_free`` at the first
+        step's length (the prefix and the step's token)."""
         if getattr(policy, "observe", 0) > OBSERVED:
             raise ValueError(
                 f"the simulate way keeps the prefix's last {OBSERVED} queries, and {type(policy).__name__} observes "
                 f"{policy.observe}: score it with way: decode"
             )
+        B = self.ids.shape[0]
         if not self.paged:  # every layer slides (Mistral with a window): no block table, nothing is freed
-            return frozenset()
+            return (frozenset(),) * B
         scores = []
         for i in sorted(self.paged):
             query, scaling = self.queries[i]
             key = self.cache.layers[i].keys
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            pads = torch.zeros(1, dtype=torch.long, device=key.device)
+            pads = torch.zeros(B, dtype=torch.long, device=key.device)
             scores.append(policy.observe_prefill(query, key, None, pads, self.block_size, scale).float().cpu())
-        return frozenset(policy.blocks_to_free(torch.stack(scores), (self.split + 1,), self.block_size)[0])
+        freed = policy.blocks_to_free(torch.stack(scores), (self.split + 1,) * B, self.block_size)
+        return tuple(frozenset(f) for f in freed)
+
+    def _one_window(self, what: str) -> None:
+        if self.ids.shape[0] != 1:
+            raise ValueError(f"{what} scores one window; this session holds {self.ids.shape[0]}: use {what}_windows")
 
     def run(
         self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False, reuse: int = 1
     ) -> tuple[torch.Tensor, Fidelity | None]:
-        """Score the window under ``policy``; with ``reuse = r > 1`` the policy selects only at every ``r``-th
-        decode step (the first scored one, then every ``r``) and each step in between attends its anchor's
-        selection plus the tokens decoded since (:func:`_reused`): what a selection computed once per ``r`` steps
-        would cost in quality. A policy that compresses the prompt (SnapKV) runs on the blocks its first decode step
-        keeps (:meth:`freed`), with ``reuse=1`` and without fidelity (refused otherwise)."""
+        """:meth:`run_windows` of a session of one window: its log-probabilities ``[N, V]`` and fidelity."""
+        self._one_window("run")
+        logprobs, fids = self.run_windows(policy, dense_layers, fidelity, reuse)
+        return logprobs[0], fids[0]
+
+    def run_windows(
+        self, policy: Policy, dense_layers=(0, 1), fidelity: bool = False, reuse: int = 1
+    ) -> tuple[torch.Tensor, list[Fidelity | None]]:
+        """Score the windows under ``policy``: log-probabilities ``[B, N, V]`` and each window's fidelity (``None``
+        each without ``fidelity``). With ``reuse = r > 1`` the policy selects only at every ``r``-th decode step
+        (the first scored one, then every ``r``) and each step in between attends its anchor's selection plus the
+        tokens decoded since (:func:`_reused`): what a selection computed once per ``r`` steps would cost in quality.
+        A policy that compresses the prompt (SnapKV) runs on the blocks its first decode step keeps in each window
+        (:meth:`freed_windows`), with ``reuse=1`` and without fidelity (refused otherwise)."""
         check_reuse(reuse)
-        freed = frozenset()
+        B = self.ids.shape[0]
+        freed = ()
         if policy.compresses:
             if reuse > 1 or fidelity:
                 raise ValueError(
                     f"{type(policy).__name__} frees prompt blocks at its first decode step: the simulate way replays "
                     "it with reuse=1 and without fidelity (whose oracle would read the freed blocks)"
                 )
-            freed = self.freed(policy)
+            freed = self.freed_windows(policy)
         fid = Fidelity() if fidelity else None
         oracle = oracle_for(policy) if fidelity else None
         judge = None
@@ -479,8 +531,11 @@ class SimulateSession:
         cache = copy.deepcopy(self.cache)
         with torch.no_grad(), simulating(self.model, ctx):
             logits = self.model(self.ids[:, self.split : -1], **{cache_kwarg(self.model): cache}, use_cache=True).logits
-        return torch.log_softmax(logits[0].float(), -1), fid
+        return torch.log_softmax(logits.float(), -1), fid.windows(B) if fid is not None else [None] * B
 
     def nll(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """``[N]`` negative log-likelihood of the scored tokens."""
-        return -logprobs.gather(1, self.targets.view(-1, 1)).squeeze(1)
+        """Negative log-likelihood of the scored tokens: ``[N]`` from one window's ``[N, V]`` (the first window's
+        targets), ``[B, N]`` from :meth:`run_windows`' ``[B, N, V]``."""
+        if logprobs.dim() == 2:
+            return -logprobs.gather(1, self.targets[0].view(-1, 1)).squeeze(1)
+        return -logprobs.gather(2, self.targets.unsqueeze(-1)).squeeze(-1)

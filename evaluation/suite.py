@@ -256,38 +256,55 @@ def windows_of(tok, texts: dict[str, str], length: int, n: int, cache: dict) -> 
 
 
 def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cache) -> None:
-    p = {"windows": 16, "scored": 256, "chunk": 64, "fidelity": True, **cfg.get("perplexity", {})}
+    """The perplexity job's windows, ``perplexity.simulate_batch`` at once (an int, or ``{length: int}``; default 1):
+    consecutive windows with the same cells left are scored together, the simulate way through one
+    :class:`~evaluation.simulate.SimulateSession` of all of them (each op of a forward then serves them all: the 8K
+    and 16K cells were bound by the host; each window scored as alone, tested), a policy that frees blocks the
+    ``decode`` way (:func:`_decode_batch`). Each window gets its rows, their ``seconds`` the batch's divided by its
+    windows; the time limit is checked before each batch."""
+    p = {"windows": 16, "scored": 256, "chunk": 64, "fidelity": True, "simulate_batch": 1, **cfg.get("perplexity", {})}
     from hf_sparse_kv.policies import Dense
 
     windows = windows_of(tok, texts, job.length, p["windows"], cache)
+    size = batch_size(p["simulate_batch"], job.length)
+    batches: list[tuple[list[int], list[PolicyCell]]] = []
     for (_, _, w), todo in _pending(cfg, job, cells, done):
+        last = batches[-1] if batches else None
+        if last is not None and len(last[0]) < size and [c.key for c in last[1]] == [c.key for c in todo]:
+            last[0].append(w)
+        else:
+            batches.append(([w], todo))
+    for ws, todo in batches:
         if deadline.passed():
             return
-        text_name, window = windows[w]
-        ids = torch.tensor([window], device=model.device)
+        ids = torch.tensor([windows[w][1] for w in ws], device=model.device)
         session = None
         dense_lp = None
         for cell in [PolicyCell("dense", None, Dense())] + [c for c in todo if c.budget is not None]:
             t0 = time.perf_counter()
-            fid, way = None, "simulate"
+            way = "simulate"
             if decoded(cfg, cell.policy):
                 way = "decode"
-                lp = _decode_batch(model, ids, p["scored"], cell.policy, cfg, p["static"])[0]
+                static = bool(p.get("static", cfg.get("static", False)))
+                lp, fids = _decode_batch(model, ids, p["scored"], cell.policy, cfg, static), [None] * len(ws)
             else:
                 session = session or SimulateSession(model, ids, p["scored"], cfg["block_size"], p["chunk"])
                 # a compressing policy has no fidelity (its oracle would read the blocks it freed)
                 want = bool(p["fidelity"]) and cell.budget is not None and not cell.policy.compresses
-                lp, fid = session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
+                lp, fids = session.run_windows(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
             if cell.budget is None:
                 dense_lp = lp
+            seconds = round((time.perf_counter() - t0) / len(ws), 2)
+            for b, w in enumerate(ws):
                 if ("perplexity", job.length, w, *cell.key) in done:
                     continue
-            nll = nll_of(lp, ids)
-            kl = kl_dense_sparse(dense_lp, lp).mean()
-            seconds = round(time.perf_counter() - t0, 2)
-            row = perplexity_row(job.length, w, cell, way, nll, kl, fid, seconds, task="perplexity", text=text_name)
-            results.append(row)
-            done.add(("perplexity", job.length, w, *cell.key))
+                nll = nll_of(lp[b], ids[b : b + 1])
+                kl = kl_dense_sparse(dense_lp[b], lp[b]).mean()
+                row = perplexity_row(
+                    job.length, w, cell, way, nll, kl, fids[b], seconds, task="perplexity", text=windows[w][0]
+                )
+                results.append(row)
+                done.add(("perplexity", job.length, w, *cell.key))
 
 
 def _decode_batch(model, ids: torch.Tensor, n_scored: int, policy, cfg, static: bool = False) -> torch.Tensor:

@@ -12,6 +12,7 @@ import pytest
 from test_assets_text import make_essays
 from tiny_models import tiny_model
 
+from evaluation import suite as suite_module
 from evaluation.suite import SUITES, _needle_params, _qa_params, cells_of, device_name, load_suite, plan, run_suite
 from evaluation.suite_summary import perplexity_rows, summarize
 from evaluation.toy import CharTokenizer
@@ -715,6 +716,51 @@ def test_compressed_perplexity_simulated_equals_the_decode_way(tmp_path):
     assert quest and all(r.get("hit_rate") is not None for r in quest)  # the others keep their fidelity
     with pytest.raises(ValueError, match="compressed"):
         plan(dict(cfg, perplexity=dict(cfg["perplexity"], compressed="exact")))
+
+
+def test_perplexity_windows_scored_together_give_each_window_its_own_cells(tmp_path):
+    """``perplexity.simulate_batch``: consecutive windows with the same cells left are scored through one simulate
+    session (SnapKV's freed blocks per window, fidelity per window): every window's NLL, KL, recall and hit rate are
+    those it gets alone; a window whose cells differ (a resumed run) starts a batch of its own."""
+    cfg = _tiny_cfg("qwen2.5")
+    cfg["policies"] = [p for p in cfg["policies"] if p["name"] in ("dense", "quest", "oracle", "snapkv")]
+    cfg.update(decisive={"policies": ["dense"], "budgets": ["1/8"]}, qa=None, one_pass=True)
+    cfg["perplexity"] = dict(cfg["perplexity"], compressed="simulate")
+    cfg["needle"] = dict(cfg["needle"], trials=0, hard={"variants": []}, start=None)
+    alone = {(r["window"], r["policy"], r["budget"]): r for r in _run_tiny(cfg, tmp_path / "one")}
+    sizes = []
+    real = suite_module.SimulateSession
+
+    def counted(model, ids, *a, **k):
+        sizes.append(ids.shape[0])
+        return real(model, ids, *a, **k)
+
+    together = dict(cfg, perplexity=dict(cfg["perplexity"], simulate_batch={640: 2}))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(suite_module, "SimulateSession", counted)
+        rows = {(r["window"], r["policy"], r["budget"]): r for r in _run_tiny(together, tmp_path / "two")}
+        assert sizes == [2, 1]  # windows 0 and 1, then 2
+        assert rows.keys() == alone.keys() and any(k[1] == "snapkv" for k in rows)
+        # alone and together the model's matmuls see other batch shapes: float32 rounding apart (KL, a difference of
+        # close log-probabilities, by ~1e-5 of itself)
+        tolerance = {"nll_sum": (1e-6, 0.0), "kl_mean": (1e-3, 1e-8), "recall": (1e-6, 0.0), "hit_rate": (1e-6, 0.0)}
+        for k, r in rows.items():
+            for field, (rel, abs_) in tolerance.items():
+                want = alone[k].get(field)
+                assert (r.get(field) is None) == (want is None), (k, field)
+                if want is not None:
+                    assert r[field] == pytest.approx(want, rel=rel, abs=abs_), (k, field)
+        # resumed with window 0's cells done but Quest's: window 0 is a batch of its own, then windows 1 and 2
+        lines = [json.loads(line) for line in (tmp_path / "two" / "cells.jsonl").read_text().splitlines()]
+        keep = [r for r in lines if r["window"] == 0 and r["policy"] != "quest"]
+        (tmp_path / "three").mkdir()
+        (tmp_path / "three" / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
+        del sizes[:]
+        resumed = {(r["window"], r["policy"], r["budget"]): r for r in _run_tiny(together, tmp_path / "three")}
+        assert sizes == [1, 2]
+    assert resumed.keys() == alone.keys()
+    for k, r in resumed.items():
+        assert r["nll_sum"] == pytest.approx(alone[k]["nll_sum"], rel=1e-6), k
 
 
 def test_a_dotted_override_sets_one_key_of_a_block():
