@@ -89,30 +89,34 @@ def peak_gib(device: str) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.device(device).type == "cuda" else None
 
 
-def perplexity_rows(model, cells, cfg, length: int, device: str, profile: tuple[str, ...] = ()) -> list[dict]:
-    """The simulated perplexity of one random window of ``length`` tokens: its prefill, then each cell's run."""
+def perplexity_rows(
+    model, cells, cfg, length: int, device: str, profile: tuple[str, ...] = (), windows: int = 1
+) -> list[dict]:
+    """The simulated perplexity of ``windows`` random windows of ``length`` tokens scored together (one
+    :class:`SimulateSession`, as the suite's ``simulate_batch``): their prefill, then each cell's run; ``seconds``
+    per window (the run's divided by ``windows``)."""
     p = {"scored": 256, "chunk": 64, "fidelity": True, **(cfg.get("perplexity") or {})}
     scored = min(int(p["scored"]), length // 2)
-    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (windows, length), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     _sync(device)
     t0 = time.perf_counter()
     session = SimulateSession(model, ids, scored, cfg["block_size"], int(p["chunk"]))
     _sync(device)
-    rows = [{"part": "perplexity", "cell": "prefill", "seconds": f"{time.perf_counter() - t0:.3f}"}]
-    session.run(cells[0].policy, cfg["dense_layers"])  # warms the kernels every run uses (untimed)
+    rows = [{"part": "perplexity", "cell": "prefill", "seconds": f"{(time.perf_counter() - t0) / windows:.3f}"}]
+    session.run_windows(cells[0].policy, cfg["dense_layers"])  # warms the kernels every run uses (untimed)
     for cell in cells:
         want = bool(p["fidelity"]) and cell.budget is not None and not cell.policy.compresses
         name = f"{cell.label}@{budget_label(cell.budget)}"
         _sync(device)
         t0 = time.perf_counter()
-        session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
+        session.run_windows(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
         _sync(device)
-        sec = f"{time.perf_counter() - t0:.3f}"
+        sec = f"{(time.perf_counter() - t0) / windows:.3f}"
         rows.append({"part": "perplexity", "cell": name, "seconds": sec, "fidelity": want})
         if name in profile:  # one more run under the profiler
             with profiled(device, True, f"profile of {name}"):
-                session.run(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
+                session.run_windows(cell.policy, cfg["dense_layers"], fidelity=want, reuse=cell.reuse)
     rows.append({"part": "perplexity", "cell": "peak", "peak_gib": peak_gib(device)})
     return rows
 
@@ -203,14 +207,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batches", type=int, default=3, help="needle batches (0: none)")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--no-perplexity", action="store_true")
+    ap.add_argument("--windows", type=int, default=1, help="perplexity windows scored together (simulate_batch)")
     ap.add_argument("--profile", default="", help="cells label@budget to profile (simulate way), comma-separated")
     ap.add_argument("--profile-needle", action="store_true", help="the last needle batch under torch.profiler")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="CSV of every row")
     args = ap.parse_args(argv)
-    if args.length < 2 or args.batch < 1 or args.batches < 0 or args.new_tokens < 1:
-        raise SystemExit("--length >= 2, --batch >= 1, --batches >= 0 and --new-tokens >= 1")
+    if args.length < 2 or args.batch < 1 or args.batches < 0 or args.new_tokens < 1 or args.windows < 1:
+        raise SystemExit("--length >= 2, --batch >= 1, --batches >= 0, --new-tokens >= 1 and --windows >= 1")
     overrides = {"policies": ISSUE12} if args.grid == "issue12" else {}
     cfg = load_suite(SHAPES[args.shape]["suite"], overrides)
     cells = cells_of(cfg)
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     if not args.no_perplexity:
         profile = tuple(filter(None, args.profile.split(",")))
-        rows += perplexity_rows(model, cells, cfg, args.length, args.device, profile)
+        rows += perplexity_rows(model, cells, cfg, args.length, args.device, profile, args.windows)
         print_table([r for r in rows if r["part"] == "perplexity"], ["cell", "seconds", "fidelity", "peak_gib"])
     if args.batches:
         if torch.device(args.device).type == "cuda":

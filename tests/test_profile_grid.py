@@ -35,6 +35,21 @@ def test_every_cell_gets_a_perplexity_row_and_a_needle_row(tmp_path, capsys):
     assert "profile of quest@1/16, by self host time" in capsys.readouterr().out
 
 
+def test_windows_scored_together_give_a_row_per_cell_and_refuse_none(monkeypatch):
+    """``--windows 2``: the perplexity part scores two windows through one session (``run_windows`` on ``[2, L]``
+    ids), a row per cell; ``--windows 0`` is refused."""
+    sizes = []
+    real = profile_grid.SimulateSession
+    monkeypatch.setattr(
+        profile_grid, "SimulateSession", lambda m, ids, *a: sizes.append(ids.shape[0]) or real(m, ids, *a)
+    )
+    args = ["--shape", "tiny", "--length", "128", "--batches", "0", "--device", "cpu", "--dtype", "float32"]
+    rows = profile_grid.main(args + ["--windows", "2"])
+    assert sizes == [2] and len([r for r in rows if r["part"] == "perplexity"]) == 22 + 2
+    with pytest.raises(SystemExit, match="windows"):
+        profile_grid.main(args + ["--windows", "0"])
+
+
 def test_profiled_prints_host_tables_only_when_on(capsys):
     """The profiled batch's tables (host time on the CPU: no device table there); off: nothing printed."""
     import torch
