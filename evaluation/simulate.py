@@ -151,10 +151,9 @@ def full_attention_layers(config) -> frozenset[int]:
 def _block_metadata(keys: torch.Tensor, block_size: int, positions: torch.Tensor):
     """Pool and metadata a decode step at each of ``positions`` would see, in each of ``B`` windows.
 
-    keys ``[B, Hkv, L, D]``; positions ``[Q]`` (the same in every window). Returns (blocks ``[B * NB, Hkv, BS, D]``,
-    window ``b``'s block ``j`` at ``b * NB + j``; full-block min/max/mean ``[B * NB, Hkv, D]`` each; for each window
-    and query its current block's keys ``[B, Q, Hkv, BS, D]`` (zero past ``t``) and min/max/mean over the filled
-    prefix ``[B, Q, Hkv, D]``)."""
+    keys ``[B, Hkv, L, D]``; positions ``[Q]`` (the same in every window). Returns (blocks ``[B, NB, Hkv, BS, D]``;
+    full-block min/max/mean ``[B, NB, Hkv, D]`` each; for each window and query its current block's keys
+    ``[B, Q, Hkv, BS, D]`` (zero past ``t``) and min/max/mean over the filled prefix ``[B, Q, Hkv, D]``)."""
     B, H, L, D = keys.shape
     BS = block_size
     nb = cdiv(L, BS)
@@ -166,8 +165,7 @@ def _block_metadata(keys: torch.Tensor, block_size: int, positions: torch.Tensor
     cmin = cur.masked_fill(~filled, float("inf")).amin(3)
     cmax = cur.masked_fill(~filled, float("-inf")).amax(3)
     cmean = cur.masked_fill(~filled, 0.0).sum(3) / (o + 1).view(1, -1, 1, 1).to(cur.dtype)
-    flat = (kmin.flatten(0, 1), kmax.flatten(0, 1), kmean.flatten(0, 1))
-    return k.flatten(0, 1), flat, cur.masked_fill(~filled, 0.0), (cmin, cmax, cmean)
+    return k, (kmin, kmax, kmean), cur.masked_fill(~filled, 0.0), (cmin, cmax, cmean)
 
 
 def _decode_state(**fields) -> DecodeState:
@@ -182,20 +180,21 @@ def _state_at(
     """The :class:`DecodeState` of the decode steps of the scored queries ``idx [Q]`` (increasing indices into
     ``q_all [B, Tq, Hq, D]``'s rows and ``positions [Tq]``) in each of its ``B`` windows, batched as ``B * Q``
     sequences, window by window: each sees its window's blocks filled before its position and its own current block
-    (``pooled``: :func:`_block_metadata`'s output). ``host_pos``: the queries' positions as host ints, which the
-    state's host fields (lengths, widths) are made of: nothing is read back from the device, so the host queues a
-    whole forward's layers ahead of the GPU."""
+    (``pooled``: :func:`_block_metadata`'s output). The pool holds each window's slice in turn, its ``NB`` blocks then
+    its ``Q`` current blocks (the ops score each window's queries against its slice only: :func:`simulate_ops`).
+    ``host_pos``: the queries' positions as host ints, which the state's host fields (lengths, widths) are made of:
+    nothing is read back from the device, so the host queues a whole forward's layers ahead of the GPU."""
     blocks, meta, cur, cmeta = pooled
-    B = q_all.shape[0]
-    BS, nb = ctx.block_size, blocks.shape[0] // B
+    B, nb = blocks.shape[:2]
+    BS = ctx.block_size
     pos = positions[idx]
     Q = idx.shape[0]
     seq_lens = (pos + 1).int().repeat(B)
     b = (pos // BS).repeat(B).view(-1, 1)
     MB = host_pos[-1] // BS + 1  # positions increase
     col = torch.arange(MB, device=pos.device).view(1, -1)
-    own = (B * nb + torch.arange(B * Q, device=pos.device)).view(-1, 1)
-    first = (torch.arange(B, device=pos.device) * nb).repeat_interleave(Q).view(-1, 1)  # each window's block 0
+    first = (torch.arange(B, device=pos.device) * (nb + Q)).repeat_interleave(Q).view(-1, 1)  # each window's slice
+    own = first + nb + torch.arange(Q, device=pos.device).repeat(B).view(-1, 1)
     table = torch.where(col < b, col + first, torch.where(col == b, own, -1)).int()
     evicted = None
     if any(ctx.freed):  # freed blocks lie below every scored query's current block (the first step's is kept), so < MB
@@ -206,15 +205,15 @@ def _state_at(
         table = table.masked_fill(gone, -1)
         evicted = tuple(len(f) for f in ctx.freed for _ in range(Q))
 
-    def rows(t: torch.Tensor) -> torch.Tensor:  # [B, Tq, ...] -> the chunk's [B * Q, ...]
-        return t[:, idx].flatten(0, 1)
+    def pool(full: torch.Tensor, current: torch.Tensor) -> torch.Tensor:  # each window's blocks, then its queries'
+        return torch.cat([full, current[:, idx]], 1).flatten(0, 1)
 
     return _decode_state(
-        q=rows(q_all),
-        k_pool=torch.cat([blocks, rows(cur)]),
-        kmin=torch.cat([meta[0], rows(cmeta[0])]),
-        kmax=torch.cat([meta[1], rows(cmeta[1])]),
-        kmean=torch.cat([meta[2], rows(cmeta[2])]),
+        q=q_all[:, idx].flatten(0, 1),
+        k_pool=pool(blocks, cur),
+        kmin=pool(meta[0], cmeta[0]),
+        kmax=pool(meta[1], cmeta[1]),
+        kmean=pool(meta[2], cmeta[2]),
         block_table=table,
         seq_lens=seq_lens,
         start=torch.zeros_like(seq_lens),
@@ -263,19 +262,21 @@ def _reused(ctx: SimulateContext, state: DecodeState, q_all, idx, positions, poo
     return mask, blocks, a_sel
 
 
-def simulate_ops() -> SimpleNamespace:
+def simulate_ops(windows: int = 1) -> SimpleNamespace:
     """The reference ops a scored query's policy selects with, its scorers (``token_scores``, ``oracle_block_scores``,
     ``block_scores``) computed through the pool (``through_pool``): the scored queries of one sequence share
     its pool but for their current blocks, so scoring each against the pool and picking through its table costs
     ``Q x pool`` products instead of gathering ``Q x L x D`` keys (8.6 GB a layer at 256 queries of Qwen2.5 at 32K)
-    or Quest's ``Q x MB x Hq x D`` bounds. The same scores up to float32 rounding."""
+    or Quest's ``Q x MB x Hq x D`` bounds. The same scores up to float32 rounding. ``windows``: the queries of that
+    many windows, each against its own slice of the pool (:func:`_state_at`'s layout)."""
     ref = get_ops("reference")
+    through = True if windows == 1 else windows
     return SimpleNamespace(
         **{
             **vars(ref),
-            "token_scores": functools.partial(ref.token_scores, through_pool=True),
-            "oracle_block_scores": functools.partial(ref.oracle_block_scores, through_pool=True),
-            "block_scores": functools.partial(ref.block_scores, through_pool=True),
+            "token_scores": functools.partial(ref.token_scores, through_pool=through),
+            "oracle_block_scores": functools.partial(ref.oracle_block_scores, through_pool=through),
+            "block_scores": functools.partial(ref.block_scores, through_pool=through),
         }
     )
 
@@ -501,6 +502,11 @@ class SimulateSession:
         (:meth:`freed_windows`), with ``reuse=1`` and without fidelity (refused otherwise)."""
         check_reuse(reuse)
         B = self.ids.shape[0]
+        if B > 1 and policy.fits_to_the_batch:
+            raise ValueError(
+                f"{type(policy).__name__} fits its state on every sequence's keys together (fits_to_the_batch): "
+                "windows scored together would share it; score its windows one session each"
+            )
         freed = ()
         if policy.compresses:
             if reuse > 1 or fidelity:
@@ -526,7 +532,7 @@ class SimulateSession:
             reuse=reuse,
             freed=freed,
             judge=judge,
-            ops=simulate_ops(),
+            ops=simulate_ops(B),
         )
         cache = copy.deepcopy(self.cache)
         with torch.no_grad(), simulating(self.model, ctx):

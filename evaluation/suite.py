@@ -261,7 +261,8 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
     :class:`~evaluation.simulate.SimulateSession` of all of them (each op of a forward then serves them all: the 8K
     and 16K cells were bound by the host; each window scored as alone, tested), a policy that frees blocks the
     ``decode`` way (:func:`_decode_batch`). Each window gets its rows, their ``seconds`` the batch's divided by its
-    windows; the time limit is checked before each batch."""
+    windows; the time limit is checked before each batch. Windows whose cells hold a policy that fits its state on
+    the whole batch (``fits_to_the_batch``: centres fitted at the prefill) are scored one at a time."""
     p = {"windows": 16, "scored": 256, "chunk": 64, "fidelity": True, "simulate_batch": 1, **cfg.get("perplexity", {})}
     from hf_sparse_kv.policies import Dense
 
@@ -270,7 +271,8 @@ def _perplexity(cfg, job, cells, model, tok, texts, results, done, deadline, cac
     batches: list[tuple[list[int], list[PolicyCell]]] = []
     for (_, _, w), todo in _pending(cfg, job, cells, done):
         last = batches[-1] if batches else None
-        if last is not None and len(last[0]) < size and [c.key for c in last[1]] == [c.key for c in todo]:
+        apart = any(c.policy.fits_to_the_batch for c in todo)  # its state fitted on all windows: one at a time
+        if last is not None and not apart and len(last[0]) < size and [c.key for c in last[1]] == [c.key for c in todo]:
             last[0].append(w)
         else:
             batches.append(([w], todo))

@@ -58,3 +58,21 @@ def test_a_session_of_several_windows_refuses_the_one_window_calls():
         session.run(Quest(budget=0.25, sink=4, window=8), dense_layers=(0,))
     with pytest.raises(ValueError, match="freed_windows"):
         session.freed(SnapKV(budget=0.5, sink=4, window=16, observe=8))
+
+
+def test_a_policy_fitted_on_the_whole_batch_is_scored_one_window_at_a_time():
+    """Product-quantized coarse codes fitted at the prefill fit their centres on every sequence's keys
+    (``fits_to_the_batch``), so windows scored together would share centres: a session of several windows refuses
+    it, one of one window scores it; SnapKV inherits it from ``then``, the other policies do not fit to the batch."""
+    from hf_sparse_kv.policies import QuantBlockTopK, TopPBlockTopK, TwoStageBlockTopK
+
+    pq = TopPBlockTopK(budget=0.25, sink=4, window=8, candidates=4, p=1.0, coarse="pq", calibration="prefill")
+    assert pq.fits_to_the_batch and SnapKV(budget=0.5, then=pq).fits_to_the_batch
+    others = [Quest(budget=0.25), QuantBlockTopK(budget=0.25, bits=4), TwoStageBlockTopK(budget=0.25), SnapKV()]
+    assert not any(p.fits_to_the_batch for p in others)
+    model = tiny_model("llama")
+    ids = torch.cat([prompt(200, seed=1), prompt(200, seed=2)])
+    with pytest.raises(ValueError, match="fits_to_the_batch"):
+        SimulateSession(model, ids, 40, block_size=8).run_windows(pq, dense_layers=(0,))
+    lp, _ = SimulateSession(model, ids[:1], 40, block_size=8).run(pq, dense_layers=(0,))
+    assert lp.isfinite().all()

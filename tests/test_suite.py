@@ -761,6 +761,15 @@ def test_perplexity_windows_scored_together_give_each_window_its_own_cells(tmp_p
     assert resumed.keys() == alone.keys()
     for k, r in resumed.items():
         assert r["nll_sum"] == pytest.approx(alone[k]["nll_sum"], rel=1e-6), k
+    # a policy that fits its state on the whole batch (centres fitted at the prefill): its windows one at a time
+    pq = {"name": "top_p_block_topk", "label": "pq", "sink": 2, "window": 8, "candidates": 4, "p": 1.0}
+    pq.update(coarse="pq", calibration="prefill")
+    apart = dict(together, policies=together["policies"] + [pq])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(suite_module, "SimulateSession", counted)
+        del sizes[:]
+        rows = _run_tiny(apart, tmp_path / "four")
+    assert sizes == [1, 1, 1] and any(r["policy"] == "pq" for r in rows)
 
 
 def test_a_dotted_override_sets_one_key_of_a_block():

@@ -143,6 +143,25 @@ def _group_q(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.float().view(B, num_kv_heads, Hq // num_kv_heads, D)  # [B, Hkv, G, D]
 
 
+def _pool_groups(through_pool: bool | int, rows: int, pool: int) -> int:
+    """The groups of a ``through_pool`` argument: ``True`` (or 1) one, an int ``n > 1`` that many, each of
+    ``rows / n`` consecutive rows reading only its ``pool / n`` consecutive blocks of the pool (several sequences'
+    scored queries, each sequence's slice of the pool its own: the ``simulate`` way's windows scored together)."""
+    groups = int(through_pool)
+    if groups < 1 or rows % groups or pool % groups:
+        raise ValueError(f"through_pool={through_pool!r}: {rows} rows and {pool} pool blocks in equal groups")
+    return groups
+
+
+def _in_group(block_table: torch.Tensor, groups: int, per_group: int) -> torch.Tensor:
+    """``block_table`` (``[B, MB]``, -1 for none) as indices into each row's group's slice of the pool (``groups``
+    consecutive slices of ``per_group`` blocks); ``-1`` entries read the slice's first block (to be masked)."""
+    B = block_table.shape[0]
+    first = (torch.arange(B, device=block_table.device) // (B // groups) * per_group).view(-1, 1)
+    table = block_table.long()
+    return torch.where(table >= 0, table - first, 0)
+
+
 def live_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """``[B, MB]`` bool: the block exists (before the sequence's end) and was not evicted (table entry ``>= 0``)."""
     MB = block_table.shape[1]
@@ -181,7 +200,7 @@ def block_scores(
     start: torch.Tensor | None = None,
     sink: int = 0,
     window: int | None = None,
-    through_pool: bool = False,
+    through_pool: bool | int = False,
 ) -> torch.Tensor:
     """Score every block of every sequence from its key metadata, pooled over each GQA group.
 
@@ -194,7 +213,8 @@ def block_scores(
             window, current block) score ``+inf`` (a top-k then always keeps them).
         through_pool: score every block of the pool and pick each row's through its table (rows sharing one pool:
             the ``simulate`` way's scored queries), Quest's bound as ``q+ . max + q- . min``: the same scores up to
-            float32 rounding, without the ``[B, MB, Hkv, G, D]`` products.
+            float32 rounding, without the ``[B, MB, Hkv, G, D]`` products. An int ``n > 1``: the rows are ``n`` equal
+            groups, each sharing its own of ``n`` equal consecutive slices of the pool (scored against it only).
 
     Returns:
         ``[B, Hkv, MB]`` float32, the max over the group's query heads; ``-inf`` past each sequence's last block and
@@ -206,12 +226,26 @@ def block_scores(
     if method not in ("quest", "mean"):
         raise ValueError(f"method must be 'quest' or 'mean', got {method!r}")
     if through_pool:
-        if method == "quest":  # max(q lo, q hi) = q+ hi + q- lo, as lo <= hi
-            pooled = torch.einsum("bhgd,nhd->bnhg", qg.clamp(min=0), kmax.float())
-            pooled = pooled + torch.einsum("bhgd,nhd->bnhg", qg.clamp(max=0), kmin.float())
-        else:
-            pooled = torch.einsum("bhgd,nhd->bnhg", qg, kmean.float())  # [B, NB, Hkv, G]
         B, MB = phys.shape
+        groups = _pool_groups(through_pool, B, kmin.shape[0])
+        if groups == 1:
+            if method == "quest":  # max(q lo, q hi) = q+ hi + q- lo, as lo <= hi
+                pooled = torch.einsum("bhgd,nhd->bnhg", qg.clamp(min=0), kmax.float())
+                pooled = pooled + torch.einsum("bhgd,nhd->bnhg", qg.clamp(max=0), kmin.float())
+            else:
+                pooled = torch.einsum("bhgd,nhd->bnhg", qg, kmean.float())  # [B, NB, Hkv, G]
+        else:  # each group of rows against its slice of the pool only
+            n = kmin.shape[0] // groups
+            qw = qg.view(groups, B // groups, *qg.shape[1:])
+
+            def per_group(x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+                return torch.einsum("wbhgd,wnhd->wbnhg", x, meta.float().view(groups, n, *meta.shape[1:])).flatten(0, 1)
+
+            if method == "quest":
+                pooled = per_group(qw.clamp(min=0), kmax) + per_group(qw.clamp(max=0), kmin)
+            else:
+                pooled = per_group(qw, kmean)  # [B, n, Hkv, G]
+            phys = _in_group(block_table, groups, n)
         s = pooled.amax(-1).gather(1, phys.view(B, MB, 1).expand(B, MB, Hkv))  # [B, MB, Hkv]
     elif method == "quest":
         lo, hi = kmin[phys].float(), kmax[phys].float()  # [B, MB, Hkv, D]
@@ -277,18 +311,28 @@ def block_shares(
     return _forced_and_live(s, live, seq_lens, start, sink, window, block_size).contiguous()
 
 
-def pool_logits(q: torch.Tensor, k_pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def pool_logits(
+    q: torch.Tensor, k_pool: torch.Tensor, block_table: torch.Tensor, length: int, groups: int = 1
+) -> torch.Tensor:
     """``q . k`` (unscaled, float32) of every query head with the first ``length`` positions of its sequence:
     ``[B, Hkv, G, length]``, computed against every block of the pool and then picked through the table (an
     evicted block's entry ``-1`` reads block 0: mask it). Costs ``B x pool`` scores instead of :func:`gather_dense`'s
     ``B x length x D`` copied keys: for rows that share most of one pool (the ``simulate`` way's scored queries of one
-    sequence), not for a batch of separate sequences."""
+    sequence), not for a batch of separate sequences. ``groups > 1``: the rows are that many equal groups, each
+    against its own of as many equal consecutive slices of the pool (several sequences' scored queries)."""
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
     nblk = cdiv(length, BS)
     qg = _group_q(q, Hkv)  # [B, Hkv, G, D]
-    B, _, G, _ = qg.shape
-    s = torch.einsum("bhgd,nhsd->bhgns", qg, k_pool.float())  # [B, Hkv, G, NB, BS]
-    idx = block_table[:, :nblk].long().clamp(min=0).view(B, 1, 1, nblk, 1).expand(B, Hkv, G, nblk, BS)
+    B, _, G, D = qg.shape
+    if groups == 1:
+        s = torch.einsum("bhgd,nhsd->bhgns", qg, k_pool.float())  # [B, Hkv, G, NB, BS]
+        table = block_table[:, :nblk].long().clamp(min=0)
+    else:
+        n = k_pool.shape[0] // groups
+        pool = k_pool.float().view(groups, n, Hkv, BS, D)
+        s = torch.einsum("wbhgd,wnhsd->wbhgns", qg.view(groups, B // groups, Hkv, G, D), pool).flatten(0, 1)
+        table = _in_group(block_table[:, :nblk], groups, n)
+    idx = table.view(B, 1, 1, nblk, 1).expand(B, Hkv, G, nblk, BS)
     return s.gather(3, idx).reshape(B, Hkv, G, nblk * BS)[..., :length]
 
 
@@ -299,15 +343,16 @@ def token_scores(
     seq_lens: torch.Tensor,
     start: torch.Tensor,
     length: int | None = None,
-    through_pool: bool = False,
+    through_pool: bool | int = False,
 ) -> torch.Tensor:
     """Exact ``q . k`` of every token, max over each GQA group: ``[B, Hkv, L]`` float32, ``-inf`` where invalid
     (padding, past the end, in an evicted block). ``L`` is ``length`` (at most the table's ``MB * BS``), by default
     ``max(seq_lens)`` (read from the device). ``through_pool``: the products by :func:`pool_logits` (rows sharing
-    one pool) instead of gathered keys; the same scores up to float32 rounding."""
+    one pool, or with an int ``n > 1`` ``n`` groups of rows each sharing its slice of it, as in :func:`block_scores`)
+    instead of gathered keys; the same scores up to float32 rounding."""
     L = int(seq_lens.max()) if length is None else length
     if through_pool:
-        s = pool_logits(q, k_pool, block_table, L).amax(2)
+        s = pool_logits(q, k_pool, block_table, L, _pool_groups(through_pool, q.shape[0], k_pool.shape[0])).amax(2)
     else:
         keys = gather_dense(k_pool, block_table, L).float()  # [B, Hkv, L, D]
         s = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys).amax(2)
@@ -332,7 +377,7 @@ def oracle_block_scores(
     start: torch.Tensor,
     scale: float,
     length: int | None = None,
-    through_pool: bool = False,
+    through_pool: bool | int = False,
 ) -> torch.Tensor:
     """True softmax mass of each block, summed over each GQA group's query heads: ``[B, Hkv, MB]`` float32.
 
@@ -343,7 +388,7 @@ def oracle_block_scores(
     BS, MB = k_pool.shape[2], block_table.shape[1]
     L = int(seq_lens.max()) if length is None else length
     if through_pool:
-        logits = pool_logits(q, k_pool, block_table, L) * scale
+        logits = pool_logits(q, k_pool, block_table, L, _pool_groups(through_pool, q.shape[0], k_pool.shape[0])) * scale
     else:
         keys = gather_dense(k_pool, block_table, L).float()
         logits = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys) * scale

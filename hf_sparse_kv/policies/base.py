@@ -321,6 +321,14 @@ class Policy:
         policy that frees at every step (``SinkWindow(evict=True)``) and for one that frees nothing."""
         return False
 
+    @property
+    def fits_to_the_batch(self) -> bool:
+        """Whether what it selects for one sequence depends on the batch's other sequences: state fitted on all
+        their stored keys at once (product-quantization centres fitted at the prefill, ``calibration="prefill"``).
+        For callers that batch separate texts and want each scored as alone (evaluation's simulate way scores such a
+        policy's windows one at a time)."""
+        return False
+
     def check_patch(self, mode: str, dense_layers: tuple[int, ...]) -> None:
         """Raise a ``ValueError`` if the policy cannot run with this patch's ``mode`` and ``dense_layers``."""
         if self.granularity == "token" and mode == "block":

@@ -79,6 +79,10 @@ class SnapKV(Policy):
     def frees_once(self) -> bool:
         return True  # the prompt's blocks at the first decode step; the table only grows after it
 
+    @property
+    def fits_to_the_batch(self) -> bool:
+        return self.then is not None and self.then.fits_to_the_batch
+
     def release(self, cache, lens: tuple[int, ...], observation) -> None:
         """At the first decode step after the prefill: free the unkept prompt blocks (:meth:`blocks_to_free`)."""
         if observation.scores is not None:

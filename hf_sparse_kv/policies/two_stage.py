@@ -157,6 +157,11 @@ class _TwoStage:
     def cache_state(self) -> tuple[StateSpec, ...]:
         return self._coarse.cache_state()
 
+    @property
+    def fits_to_the_batch(self) -> bool:
+        """Product-quantized coarse codes whose centres are fitted at the prefill fit them on the whole batch."""
+        return self._coarse.codes is not None and bool(self._coarse.codes.fit_sizes)
+
     def coarse_blocks(self, width: int, block_size: int) -> int:  # pragma: no cover - abstract
         """The blocks the coarse pass sizes its candidates by, for a selection ``width`` wide."""
         raise NotImplementedError
