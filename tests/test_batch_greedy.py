@@ -172,6 +172,30 @@ def test_top2_records_each_steps_two_best_logits(static):
             assert ids[..., 0].tolist() == [answer[key] for answer in got]
 
 
+def _observing_policies() -> dict:
+    """SnapKV policies observing one window alike (other budgets, pooling, a policy after them), dense, and one
+    observing another window."""
+    quest = Quest(budget=0.25, sink=4, window=8)
+    return {
+        "snapkv": SnapKV(budget=0.4, sink=4, window=16, observe=8),
+        "dense": Dense(),
+        "snapkv_mean": SnapKV(budget=0.3, sink=4, window=16, observe=8, pool="mean"),
+        "snapkv_quest": SnapKV(budget=0.5, sink=4, window=16, observe=8, then=quest),
+        "snapkv_12": SnapKV(budget=0.4, sink=4, window=16, observe=12),
+    }
+
+
+def _count_passes(monkeypatch) -> list[int]:
+    """The observation windows of the observation passes ``greedy_batch`` makes from now on, in order."""
+    from evaluation import needle
+
+    passes, real = [], needle.from_shared_prefill
+    monkeypatch.setattr(
+        needle, "from_shared_prefill", lambda m, p, i, w, *a, **k: passes.append(w) or real(m, p, i, w, *a, **k)
+    )
+    return passes
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_snapkv_policies_of_one_observation_share_its_pass(arch, monkeypatch):
     """SnapKV policies that observe the same window (other budgets, pooling, a policy after them) run one
@@ -183,19 +207,8 @@ def test_snapkv_policies_of_one_observation_share_its_pass(arch, monkeypatch):
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (150, 131, 142)]
-    quest = Quest(budget=0.25, sink=4, window=8)
-    policies = {
-        "snapkv": SnapKV(budget=0.4, sink=4, window=16, observe=8),
-        "dense": Dense(),
-        "snapkv_mean": SnapKV(budget=0.3, sink=4, window=16, observe=8, pool="mean"),
-        "snapkv_quest": SnapKV(budget=0.5, sink=4, window=16, observe=8, then=quest),
-        "snapkv_12": SnapKV(budget=0.4, sink=4, window=16, observe=12),
-    }
-    args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
-    passes, real = [], needle.from_shared_prefill
-    monkeypatch.setattr(
-        needle, "from_shared_prefill", lambda m, p, i, w, *a, **k: passes.append(w) or real(m, p, i, w, *a, **k)
-    )
+    policies, args = _observing_policies(), {"dense_layers": (0,), "block_size": 8, "mode": "block"}
+    passes = _count_passes(monkeypatch)
     freed, release = [], needle.release_common
     monkeypatch.setattr(needle, "release_common", lambda c, qs: freed.append(release(c, qs)) or freed[-1])
     for batch in (prompts, prompts[:1]):
@@ -221,19 +234,8 @@ def test_snapkv_policies_on_a_kept_slot_load_their_shared_pass_without_copies(ar
 
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(12)
-    quest = Quest(budget=0.25, sink=4, window=8)
-    policies = {
-        "snapkv": SnapKV(budget=0.4, sink=4, window=16, observe=8),
-        "dense": Dense(),
-        "snapkv_mean": SnapKV(budget=0.3, sink=4, window=16, observe=8, pool="mean"),
-        "snapkv_quest": SnapKV(budget=0.5, sink=4, window=16, observe=8, then=quest),
-        "snapkv_12": SnapKV(budget=0.4, sink=4, window=16, observe=12),
-    }
-    args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
-    passes, real = [], needle.from_shared_prefill
-    monkeypatch.setattr(
-        needle, "from_shared_prefill", lambda m, p, i, w, *a, **k: passes.append(w) or real(m, p, i, w, *a, **k)
-    )
+    policies, args = _observing_policies(), {"dense_layers": (0,), "block_size": 8, "mode": "block"}
+    passes = _count_passes(monkeypatch)
     freed = []
     monkeypatch.setattr(needle, "release_common", lambda c, qs: freed.append(qs) or 0)
     copies, deepcopy = [], copy.deepcopy
