@@ -154,13 +154,22 @@ def profiled(device: str, on: bool, title: str):
 
 
 def needle_rows(
-    model, cells, cfg, length: int, batch: int, batches: int, new_tokens: int, device: str, profile: bool = False
+    model,
+    cells,
+    cfg,
+    length: int,
+    batch: int,
+    batches: int,
+    new_tokens: int,
+    device: str,
+    profile: bool = False,
+    prefill: str = "batch",
 ) -> list[dict]:
     """``batches`` left-padded batches of ``batch`` random prompts of about ``length`` tokens, each decoded under
     every cell (``new_tokens`` each) as a ``one_pass`` suite job does: static steps kept across batches. One row per
     batch (its phases and, on a GPU, the allocator's cudaMalloc / cudaFree calls and retries during it), then one per
     cell (its own seconds in the first batch, with its captures, and in the last one not profiled). ``profile``: the last batch under
-    :func:`profiled`."""
+    :func:`profiled`. ``prefill``: ``greedy_batch``'s (``"rows"``: each prompt prefilled alone, the caches stacked)."""
     rng = random.Random(2)
     slots = DecodeSlots()
     policies = {c.key: c.policy for c in cells}
@@ -175,7 +184,7 @@ def needle_rows(
         with profiled(device, profile and b == batches - 1, "needle batch"):
             greedy_batch(
                 model, prompts, policies, new_tokens, cfg["dense_layers"], cfg["block_size"], cfg.get("mode", "block"),
-                clock=clock, static=True, slots=slots,
+                clock=clock, static=True, slots=slots, prefill=prefill,
             )  # fmt: skip
         after = allocator_counts(device)
         phases = {k: f"{v:.3f}" for k, v in clock.seconds.items()}
@@ -210,6 +219,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--windows", type=int, default=1, help="perplexity windows scored together (simulate_batch)")
     ap.add_argument("--profile", default="", help="cells label@budget to profile (simulate way), comma-separated")
     ap.add_argument("--profile-needle", action="store_true", help="the last needle batch under torch.profiler")
+    ap.add_argument("--prefill", choices=("batch", "rows"), default="batch", help="needle batches' prefill")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="CSV of every row")
@@ -230,7 +240,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if torch.device(args.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         needle = needle_rows(
-            model, cells, cfg, args.length, args.batch, args.batches, args.new_tokens, args.device, args.profile_needle
+            model, cells, cfg, args.length, args.batch, args.batches, args.new_tokens, args.device, args.profile_needle,
+            args.prefill,
         )  # fmt: skip
         rows += needle
         print_table(

@@ -463,6 +463,20 @@ def greedy_under_policies(
     return out
 
 
+def stacked_prefill(model, prompts: list[list[int]], block_size: int, clock: PhaseClock) -> PagedKVCache:
+    """The cache of the left-padded batch of ``prompts`` minus their last tokens, as ``model`` (patched) prefills it,
+    made from one prefill per prompt (unpadded, unmasked) stacked into one cache (``PagedKVCache.stacked``)."""
+    width = max(map(len, prompts))
+    rows = []
+    with torch.no_grad(), clock.phase("prefill"):
+        for p in prompts:
+            cache = PagedKVCache(model.config, block_size=block_size)
+            row = torch.tensor([p[:-1]], device=model.device)
+            model(row, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
+            rows.append(cache)
+        return PagedKVCache.stacked(model.config, rows, [width - len(p) for p in prompts])
+
+
 def pad_left(prompts: list[list[int]], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``prompts`` left-padded to the longest: (ids, attention mask, position ids), each ``[B, width]``; a padded
     position has mask 0 and position 0, a sequence's first token position 0."""
@@ -485,6 +499,7 @@ def greedy_batch(
     static: bool = False,
     slots: DecodeSlots | None = None,
     top2: dict | None = None,
+    prefill: str = "batch",
 ) -> list[dict[Any, list[int]]]:
     """:func:`greedy_under_policies` for several prompts at once: left-padded into one batch, one shared prefill,
     then every policy decodes all of them together (the patched attention stores no padding and runs each
@@ -506,7 +521,14 @@ def greedy_batch(
 
     ``top2``: a dict that receives, per policy key, the two largest float32 logits of every step and their token ids
     (``(values [B, new_tokens, 2], ids [B, new_tokens, 2])``): how close to a tie each choice was, to tell where two
-    decodings of one prompt part (with ``top2``, one prompt takes the batched path too)."""
+    decodings of one prompt part (with ``top2``, one prompt takes the batched path too).
+
+    ``prefill``: ``"batch"`` (the left-padded batch in one forward) or ``"rows"``: each prompt prefilled alone and the
+    batch's cache stacked from theirs (``PagedKVCache.stacked``): no ``[B, 1, L, L]`` mask (8 GiB at 8 x 32K) and one
+    prompt's activations at a time; the same cache up to the rounding of the model's matmuls at another batch shape
+    (tested). A model with sliding-window layers (their padded window cannot be stacked) prefills the batch."""
+    if prefill not in ("batch", "rows"):
+        raise ValueError(f"prefill must be 'batch' or 'rows', got {prefill!r}")
     device = model.device
     clock = clock or PhaseClock(device)
     if len(prompts) == 1 and not static and top2 is None:
@@ -517,6 +539,8 @@ def greedy_batch(
 
     def prefilled(end: int = -1) -> PagedKVCache:
         cache = PagedKVCache(model.config, block_size=block_size)
+        if prefill == "rows" and end == -1 and len(cache.paged_layers) == len(cache.layers):
+            return stacked_prefill(model, prompts, block_size, clock)
         with torch.no_grad(), clock.phase("prefill"):
             model(
                 ids[:, :end], attention_mask=mask[:, :end], position_ids=pos[:, :end],

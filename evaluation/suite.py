@@ -22,7 +22,8 @@ replayed, tested against the decode way; no fidelity: :func:`decoded`). Needle t
 Needle and QA batches decode eagerly unless the config's ``static: true`` (or their block's) says otherwise
 (:func:`decode_way`); ``reuse_graphs: true`` beside it keeps each policy's captured steps across a job's batches
 (:class:`~evaluation.slots.DecodeSlots`; SnapKV's too, its first step included, where it starts from the batch's
-shared observation).
+shared observation). ``prefill: rows`` in the needle or QA block prefills each prompt alone and stacks their caches
+(:func:`~evaluation.needle.greedy_batch`'s ``prefill``: no ``[B, 1, L, L]`` mask, one prompt's activations at a time).
 """
 
 from __future__ import annotations
@@ -521,6 +522,7 @@ def _answer_batch(job: Job, model, built: tuple, todo: list[PolicyCell], cfg, p:
     gens = greedy_batch(
         model, prompts, policies, int(p["new_tokens"]), cfg["dense_layers"], cfg["block_size"],
         cfg.get("mode", "block"), clock=clock, static=bool(p.get("static", False)), slots=slots,
+        prefill=str(p.get("prefill", "batch")),
     )  # fmt: skip
     phases = {k: round(v, 3) for k, v in {"build": waited, **clock.seconds}.items()}
     split = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())

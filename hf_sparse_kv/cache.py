@@ -394,6 +394,59 @@ class PagedKVCache(DynamicCache):
             layer.attach(new)
         return new
 
+    @classmethod
+    def stacked(cls, config, rows: list[PagedKVCache], pads: list[int]) -> PagedKVCache:
+        """One cache of ``len(rows)`` sequences holding ``rows[b]``'s contents as sequence ``b``, left-padded by
+        ``pads[b]``: what a first prefill of the left-padded batch would hold (up to block numbering), made from
+        prefills of one sequence each (no padding, no ``[B, 1, L, L]`` mask, a sequence's activations at a time).
+
+        ``rows``: filled caches of one sequence each (no padding), of ``config``'s layer layout with every layer
+        paged, one block size and backend, the same declared state, nothing evicted, not reserved, no observation
+        pending; their lengths plus ``pads`` must agree (the batch's frame). Raises ``ValueError`` otherwise, before
+        anything is made. The new pools hold the rows' blocks one after the other and one spare block a sequence."""
+        why = ""
+        first = rows[0] if rows else None
+        frame = {r.get_seq_length() + p for r, p in zip(rows, pads)}
+        if not rows or len(pads) != len(rows):
+            why = f"{len(rows)} caches and {len(pads)} paddings"
+        elif any(len(r.table.rows) != 1 or any(r.pads) for r in rows):
+            why = "each cache must hold one sequence without padding"
+        elif any(not r.paged_layers or len(r.paged_layers) != len(r.layers) for r in rows):
+            why = "every layer must be paged (a sliding-window layer holds its padded window: prefill the batch)"
+        elif len({(r.block_size, r.backend, len(r.layers), r.specs) for r in rows}) > 1:
+            why = "the caches differ in block size, backend, layers or declared state"
+        elif any(r.evicted or r.static is not None or r.session.peek_observation() is not None for r in rows):
+            why = "a cache has evicted blocks, a static reservation or a pending observation"
+        elif len(frame) != 1 or min(pads) < 0 or 0 in {r.get_seq_length() for r in rows}:
+            why = f"lengths {[r.get_seq_length() for r in rows]} and paddings {pads} do not make one frame"
+        if why:
+            raise ValueError(f"PagedKVCache.stacked: {why}")
+        length = frame.pop()
+        new = cls(config, block_size=first.block_size, backend=first.backend)
+        if len(new.layers) != len(first.layers) or len(new.paged_layers) != len(new.layers):
+            raise ValueError("PagedKVCache.stacked: config's layer layout is not the caches'")
+        counts = [len(r.table.rows[0]) for r in rows]
+        capacity = sum(counts) + len(rows)  # one spare block a sequence, as a first write reserves
+        new.table.grow(capacity)
+        new.table.rows = [[new.table.take() for _ in range(n)] for n in counts]
+        new.pads, new.specs = list(pads), first.specs
+        for i, layer in enumerate(new.layers):
+            parts = [r.layers[i] for r in rows]
+            index = [
+                torch.tensor(r.table.rows[0], dtype=torch.long, device=part.device) for r, part in zip(rows, parts)
+            ]
+            tensors = []
+            for t in range(len(parts[0]._tensors())):
+                held = torch.cat([part._tensors()[t].index_select(0, idx) for part, idx in zip(parts, index)])
+                tensors.append(torch.cat([held, held.new_zeros((len(rows), *held.shape[1:]))]))
+            layer.device, layer.dtype = parts[0].device, parts[0].dtype
+            layer.state = dict.fromkeys(parts[0].state)
+            layer._replace(tensors)
+            layer.is_initialized = True
+            layer.length = length
+        new.table.invalidate()
+        return new
+
     @property
     def is_compileable(self) -> bool:
         """Whether transformers may compile a decode step on this cache: a cache that decodes in static steps, unless

@@ -61,3 +61,18 @@ def test_profiled_prints_host_tables_only_when_on(capsys):
         torch.ones(64, 64) @ torch.ones(64, 64)
     out = capsys.readouterr().out
     assert "by self host time" in out and "aten::mm" in out and "by device time" not in out
+
+
+def test_needle_batches_prefilled_by_rows(monkeypatch):
+    """``--prefill rows``: the needle batches' caches stacked from one prefill per prompt (each batch's prompts go
+    through ``stacked_prefill``), a row per batch and cell as with the batch prefill."""
+    from evaluation import needle
+
+    stacked = []
+    real = needle.stacked_prefill
+    monkeypatch.setattr(
+        needle, "stacked_prefill", lambda m, prompts, *a: stacked.append(len(prompts)) or real(m, prompts, *a)
+    )
+    args = ["--shape", "tiny", "--length", "128", "--batch", "2", "--batches", "2", "--device", "cpu"]
+    rows = profile_grid.main(args + ["--dtype", "float32", "--no-perplexity", "--prefill", "rows"])
+    assert stacked == [2, 2] and len([r for r in rows if r["cell"].startswith("batch ")]) == 2
