@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode_slots import _prefill, _prompts
 from tiny_models import batch_policies, tiny_model
 
 from evaluation.needle import PhaseClock, greedy_batch, pad_left, stacked_prefill
@@ -14,21 +15,9 @@ from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.policies import Dense, QuantBlockTopK, SnapKV
 
 
-def _prompts(seed: int, lengths) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 90, (n,), generator=g).tolist() for n in lengths]
-
-
 def _batched(model, prompts, block_size: int = 8) -> PagedKVCache:
     """The cache a prefill of the left-padded batch (its last tokens left out) leaves."""
-    ids, mask, pos = pad_left(prompts, model.device)
-    cache = PagedKVCache(model.config, block_size=block_size)
-    with torch.no_grad():
-        model(
-            ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
-            **{cache_kwarg(model): cache}, use_cache=True,
-        )  # fmt: skip
-    return cache
+    return _prefill(model, prompts, block_size)[0]
 
 
 def test_a_stacked_cache_holds_what_the_batch_prefill_holds_and_decodes_on():
