@@ -474,7 +474,7 @@ def stacked_prefill(model, prompts: list[list[int]], block_size: int, clock: Pha
             row = torch.tensor([p[:-1]], device=model.device)
             model(row, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
             rows.append(cache)
-        return PagedKVCache.stacked(model.config, rows, [width - len(p) for p in prompts])
+        return PagedKVCache.stacked(model.config, rows, [width - len(p) for p in prompts], consume=True)
 
 
 def pad_left(prompts: list[list[int]], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

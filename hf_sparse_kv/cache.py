@@ -169,6 +169,13 @@ class PagedLayer(DynamicLayer):
         hi = torch.tensor(lens, dtype=torch.long, device=self.device)
         self.refresh_state(torch.zeros_like(hi), hi, max(lens), specs=specs)
 
+    def free_pools(self) -> None:
+        """Let go of the pools, metadata and declared state (their memory is freed with the last reference); the
+        layer's next write allocates them again. For :meth:`PagedKVCache.stacked` with ``consume``."""
+        self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
+        self.state = {}
+        self.is_initialized = False
+
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by physical block: pools, metadata, declared state."""
         return [self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, *self.state.values()]
@@ -395,7 +402,7 @@ class PagedKVCache(DynamicCache):
         return new
 
     @classmethod
-    def stacked(cls, config, rows: list[PagedKVCache], pads: list[int]) -> PagedKVCache:
+    def stacked(cls, config, rows: list[PagedKVCache], pads: list[int], consume: bool = False) -> PagedKVCache:
         """One cache of ``len(rows)`` sequences holding ``rows[b]``'s contents as sequence ``b``, left-padded by
         ``pads[b]``: what a first prefill of the left-padded batch would hold (up to block numbering), made from
         prefills of one sequence each (no padding, no ``[B, 1, L, L]`` mask, a sequence's activations at a time).
@@ -403,7 +410,9 @@ class PagedKVCache(DynamicCache):
         ``rows``: filled caches of one sequence each (no padding), of ``config``'s layer layout with every layer
         paged, one block size and backend, the same declared state, nothing evicted, not reserved, no observation
         pending; their lengths plus ``pads`` must agree (the batch's frame). Raises ``ValueError`` otherwise, before
-        anything is made. The new pools hold the rows' blocks one after the other and one spare block a sequence."""
+        anything is made. The new pools hold the rows' blocks one after the other and one spare block a sequence.
+        ``consume``: each row's layer lets go of its pools once copied and the rows end reset (empty, as after
+        :meth:`reset`), so the rows and the new cache never hold two copies of the whole batch at once."""
         why = ""
         first = rows[0] if rows else None
         frame = {r.get_seq_length() + p for r, p in zip(rows, pads)}
@@ -444,6 +453,12 @@ class PagedKVCache(DynamicCache):
             layer._replace(tensors)
             layer.is_initialized = True
             layer.length = length
+            if consume:
+                for part in parts:
+                    part.free_pools()
+        if consume:
+            for r in rows:
+                r.reset()
         new.table.invalidate()
         return new
 

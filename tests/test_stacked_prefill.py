@@ -50,6 +50,36 @@ def test_a_stacked_cache_holds_what_the_batch_prefill_holds_and_decodes_on():
         unpatch_model(model)
 
 
+def test_stacking_may_consume_its_rows_layer_by_layer(monkeypatch):
+    """``consume=True``: the same stacked cache, and each row's pools let go as soon as its layer is copied (layer by
+    layer, every row's, in order), so the rows and the batch never both hold the whole batch; the rows end empty and
+    a consumed row takes a new prefill as a fresh cache does."""
+    from hf_sparse_kv.cache import PagedLayer
+
+    model = tiny_model("llama")
+    prompts = _prompts(12, (60, 47))
+    patch_model(model, policy=Dense(), block_size=8, dense_layers=(0,))
+    try:
+        rows = [_batched(model, [p]) for p in prompts]
+        want = PagedKVCache.stacked(model.config, rows, [0, 13])
+        freed, free = [], PagedLayer.free_pools
+        monkeypatch.setattr(PagedLayer, "free_pools", lambda self: freed.append(self.index) or free(self))
+        got = PagedKVCache.stacked(model.config, rows, [0, 13], consume=True)
+        assert freed == [i for i in range(len(got.layers)) for _ in rows]
+        for a, b in zip(got.paged_layers, want.paged_layers):
+            for x, y in zip(a._tensors(), b._tensors()):
+                assert torch.equal(x, y)
+        assert all(layer.k_pool is None and not layer.is_initialized for r in rows for layer in r.paged_layers)
+        assert all(not r.table.rows and r.get_seq_length() == 0 for r in rows)
+        with torch.no_grad():
+            model(torch.tensor([prompts[0][:-1]]), **{cache_kwarg(model): rows[0]}, use_cache=True)
+        fresh = _batched(model, prompts[:1])
+        for x, y in zip(rows[0].paged_layers[1].dense_kv(), fresh.paged_layers[1].dense_kv()):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    finally:
+        unpatch_model(model)
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_greedy_batch_answers_the_same_prefilled_by_rows(static):
     """``prefill="rows"`` gives the batch prefill's answers for every policy (SnapKV, which observes its window on the
