@@ -192,3 +192,31 @@ def test_device_call_seeds_once_runs_the_suite_and_brings_the_new_cells_back(tmp
     called = args.read_text().splitlines()
     assert called[:4] == ["-m", "evaluation.cli", "suite", "gemma3"] and called[called.index("--out") + 1] == str(res)
     assert (out / "cells_suite_gemma3.jsonl").read_text() == '{"new": 1}\n' * 2  # not seeded again
+
+
+def test_profile_levers_runs_its_five_parts_and_goes_on_after_a_failure(tmp_path):
+    """``profile_levers.sh``: five ``profile_grid.py`` runs (the batch and stacked prefills, twice the batch stacked,
+    one and several perplexity windows), each with its CSV and log under ``$OUT``; a part that fails (as an
+    out-of-memory batch would) says so in its log and the others still run. The runs are stood in for by a python that
+    records its arguments (``profile_grid``'s options themselves: tests/test_profile_grid.py)."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "fake_python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$@" >> {log}\n[[ " $* " == *" --windows 4 "* ]] && exit 3\nexit 0\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": str(fake)}
+    script = str(ROOT / "recipes" / "profile_levers.sh")
+    subprocess.run(["bash", script, "qwen2.5", "32768", "8192", "8", "4", "60", "--x"], check=True, env=env, cwd=ROOT,
+                   capture_output=True)  # fmt: skip
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert len(calls) == 5 and all(c[0] == "benchmarks/profile_grid.py" and c[-1] == "--x" for c in calls)
+    opts = [
+        {a: (b if not b.startswith("--") else True) for a, b in zip(c[1:], [*c[2:], "--"]) if a.startswith("--")}
+        for c in calls
+    ]  # option -> its value (True for a flag)
+    assert [o.get("--prefill") for o in opts] == ["batch", "rows", "rows", None, None]
+    assert [o.get("--batch") for o in opts[:3]] == ["8", "8", "16"] and [o["--windows"] for o in opts[3:]] == ["1", "4"]
+    assert {o["--length"] for o in opts[:3]} == {"32768"} and {o["--length"] for o in opts[3:]} == {"8192"}
+    names = ["batch", "rows", "rows_x2", "ppl_w1", "ppl_w4"]
+    assert [Path(o["--out"]).name for o in opts] == [f"levers_{n}.csv" for n in names]
+    texts = {n: (tmp_path / "out" / f"levers_{n}.txt").read_text() for n in names}
+    assert "ended with status 3" in texts["ppl_w4"] and not any("ended" in texts[n] for n in names[:4])
