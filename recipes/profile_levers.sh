@@ -5,10 +5,11 @@
 #   2. the same, each prompt prefilled alone and the caches stacked    -> $OUT/levers_rows.{csv,txt}
 #   3. the same with twice the prompts a batch (stacked prefill)       -> $OUT/levers_rows_x2.{csv,txt}
 #   4. simulated perplexity at SHORT, one window, then WINDOWS at once -> $OUT/levers_ppl_w1/_wN.{csv,txt}
-# Each part has SECONDS (default 150) and goes on after a failure (an out-of-memory batch says so in its .txt).
+# Each part has SECONDS (default 110: the five fit a 10-minute call) and goes on after a failure (an out-of-memory
+# batch says so in its .txt).
 # usage: profile_levers.sh [SHAPE [LONG [SHORT [BATCH [WINDOWS [SECONDS [profile_grid args, e.g. --device cpu]]]]]]]
 set -u
-SHAPE=${1:-qwen2.5}; LONG=${2:-32768}; SHORT=${3:-8192}; B=${4:-8}; W=${5:-4}; S=${6:-150}
+SHAPE=${1:-qwen2.5}; LONG=${2:-32768}; SHORT=${3:-8192}; B=${4:-8}; W=${5:-4}; S=${6:-110}
 shift $(( $# < 6 ? $# : 6 ))
 OUTDIR=${OUT:-/tmp/out}
 PY=${PY:-python3}
