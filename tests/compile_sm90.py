@@ -38,6 +38,7 @@ from hf_sparse_kv.ops.triton import (
     decode_blocks,
     decode_tokens,
     merge_partials,
+    oracle_block_scores,
     paged_write,
     pq_block_scores,
     pq_encode,
@@ -46,6 +47,7 @@ from hf_sparse_kv.ops.triton import (
     projected_write,
     quant_block_scores,
     quant_write,
+    token_scores,
     topk_indices,
 )
 from hf_sparse_kv.ops.triton.product import pq_block_lse
@@ -123,6 +125,11 @@ def cases():
             (f"block_scores quest walk {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest", **quest_walk)),
             (f"paged_write {tag}", partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new)),
             (f"candidate_scores {tag}", partial(candidate_scores, q, k_pool, table, lens, zero, blocks[..., :5])),
+            (f"token_scores (every block) {tag}", partial(token_scores, q, k_pool, table, lens, zero, MB * BS)),
+            (
+                f"oracle_block_scores (every block) {tag}",
+                partial(oracle_block_scores, q, k_pool, table, lens, zero, D**-0.5, MB * BS),
+            ),
             (
                 f"candidate_scores block+forced {tag}",
                 partial(candidate_scores, q, k_pool, table, lens, zero, blocks, reduce="block", sink=4, window=32),

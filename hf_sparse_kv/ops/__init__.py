@@ -46,12 +46,10 @@ _OP_NAMES = (
 )
 
 
-# the ops without a Triton kernel: the Triton namespace runs their reference (evaluation oracles, plain tensor code, and
-# block_shares, the per-head coarse score of issue 13 measured for quality only so far)
+# the ops without a Triton kernel: the Triton namespace runs their reference (plain tensor code, and block_shares, the
+# per-head coarse score of issue 13 measured for quality only so far)
 REFERENCE_ONLY = (
     "gather_dense",
-    "token_scores",
-    "oracle_block_scores",
     "blocks_to_tokens",
     "selection_to_mask",
     "block_shares",

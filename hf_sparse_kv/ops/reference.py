@@ -381,7 +381,8 @@ def oracle_block_scores(
 ) -> torch.Tensor:
     """True softmax mass of each block, summed over each GQA group's query heads: ``[B, Hkv, MB]`` float32.
 
-    Reads every key (an evaluation oracle, not a fast path) up to ``length`` positions (default ``max(seq_lens)``,
+    Reads every key (an oracle: the Triton backend's twin, ``ops/triton/exact.py``, reads them once through the
+    candidate kernel) up to ``length`` positions (default ``max(seq_lens)``,
     read from the device). Blocks past the sequence or evicted get ``-inf``. ``through_pool``: the products by
     :func:`pool_logits` (rows sharing one pool), as in :func:`token_scores`.
     """

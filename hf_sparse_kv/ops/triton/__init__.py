@@ -4,6 +4,7 @@ from .block_decode import decode_blocks
 from .block_scores import block_scores
 from .candidate_mass import candidate_mass
 from .candidates import candidate_scores
+from .exact import oracle_block_scores, token_scores
 from .masked_decode import decode_masked
 from .merge import merge_partials
 from .paged_write import paged_write
@@ -21,6 +22,7 @@ __all__ = [
     "decode_masked",
     "decode_tokens",
     "merge_partials",
+    "oracle_block_scores",
     "paged_write",
     "pq_block_scores",
     "pq_encode",
@@ -29,5 +31,6 @@ __all__ = [
     "projected_write",
     "quant_block_scores",
     "quant_write",
+    "token_scores",
     "topk_indices",
 ]
