@@ -386,7 +386,7 @@ def oracle_block_scores(
     read from the device). Blocks past the sequence or evicted get ``-inf``. ``through_pool``: the products by
     :func:`pool_logits` (rows sharing one pool), as in :func:`token_scores`.
     """
-    BS, MB = k_pool.shape[2], block_table.shape[1]
+    BS = k_pool.shape[2]
     L = int(seq_lens.max()) if length is None else length
     if through_pool:
         logits = pool_logits(q, k_pool, block_table, L, _pool_groups(through_pool, q.shape[0], k_pool.shape[0])) * scale
@@ -399,10 +399,17 @@ def oracle_block_scores(
     # a sequence with nothing valid has no mass (0), not NaN
     p = logits.masked_fill(~ok.view(ok.shape[0], 1, 1, L), NEG_INF).softmax(-1).nan_to_num(0.0).sum(2)  # [B, Hkv, L]
     nblk = cdiv(L, BS)
-    mass = F.pad(p, (0, nblk * BS - L)).view(*p.shape[:2], nblk, BS).sum(-1)
-    out = torch.full((*p.shape[:2], MB), NEG_INF, device=q.device)
+    return held_block_mass(F.pad(p, (0, nblk * BS - L)).view(*p.shape[:2], nblk, BS).sum(-1), block_table, seq_lens, BS)
+
+
+def held_block_mass(mass: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
+    """``mass [B, Hkv, nblk]`` of the first ``nblk`` logical blocks as the oracle's ``[B, Hkv, MB]`` scores: ``-inf``
+    past them, past each sequence's end and at evicted blocks (:func:`live_blocks`). Shared with the Triton twin of
+    :func:`oracle_block_scores`."""
+    B, H, nblk = mass.shape
+    out = torch.full((B, H, block_table.shape[1]), NEG_INF, device=mass.device)
     out[..., :nblk] = mass
-    return out.masked_fill(~live_blocks(block_table, seq_lens, BS).unsqueeze(1), NEG_INF)
+    return out.masked_fill(~live_blocks(block_table, seq_lens, block_size).unsqueeze(1), NEG_INF)
 
 
 # ------------------------------------------------------------------------------------------------------- selection

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import cdiv
-from ..reference import NEG_INF, live_blocks
+from ..reference import held_block_mass
 from .candidates import candidate_scores
 
 
@@ -60,13 +60,10 @@ def oracle_block_scores(
     positions (default ``max(seq_lens)``, read from the device). Shapes as ``reference.oracle_block_scores``."""
     L = int(seq_lens.max()) if length is None else length
     B, HQ = q.shape[:2]
-    H, BS, MB = k_pool.shape[1], k_pool.shape[2], block_table.shape[1]
+    H = k_pool.shape[1]
     blocks = _every_block(q, k_pool, block_table, L)
     within = seq_lens.clamp(max=L)  # positions past ``length`` are not scored (the reference's window)
     lse = candidate_scores(q, k_pool, block_table, within, start, blocks, reduce="head_mass", scale=scale)
     # a head's share of each block: exp(block lse - the head's lse); a head with nothing valid: -inf - -inf -> 0
     mass = (lse - lse.logsumexp(-1, keepdim=True)).exp().nan_to_num(0.0)  # [B, HQ, nblk]
-    mass = mass.view(B, H, HQ // H, -1).sum(2)
-    out = torch.full((B, H, MB), NEG_INF, device=q.device)
-    out[..., : mass.shape[-1]] = mass
-    return out.masked_fill(~live_blocks(block_table, seq_lens, BS).unsqueeze(1), NEG_INF)
+    return held_block_mass(mass.view(B, H, HQ // H, -1).sum(2), block_table, seq_lens, k_pool.shape[2])
