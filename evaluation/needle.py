@@ -365,12 +365,17 @@ def release_common(cache: PagedKVCache, policies: list[Policy]) -> int:
     return freed
 
 
+def names_what_it_frees(policy: Policy) -> bool:
+    """Whether ``policy`` says which blocks an observation makes it free (SnapKV's ``blocks_to_free``)."""
+    return callable(getattr(policy, "blocks_to_free", None))
+
+
 def first_step_frees(cache: PagedKVCache, policy: Policy) -> list[list[int]] | None:
     """Per sequence, the blocks ``policy`` frees at ``cache``'s first decode step (its ``blocks_to_free`` of the
     cache's pending observation at that step's stored lengths), or ``None`` when no observation is pending or the
     policy frees nothing this way."""
     scores = cache.session.peek_observation()
-    if scores is None or not callable(getattr(policy, "blocks_to_free", None)):
+    if scores is None or not names_what_it_frees(policy):
         return None
     # the first decode step's stored lengths, as its plan_step counts them (a filled cache holds a pad per row)
     lens = tuple(cache.get_seq_length() + 1 - p for p in cache.pads)
@@ -537,10 +542,16 @@ def greedy_batch(
     ids, mask, pos = pad_left(prompts, device, pad_id)
     kw = {"use_cache": True}
 
+    def every_layer_paged() -> bool:
+        probe = PagedKVCache(model.config, block_size=block_size)  # no pools until written: its layers' kinds
+        return len(probe.paged_layers) == len(probe.layers)
+
+    stack = prefill == "rows" and every_layer_paged()  # sliding layers hold a padded window: prefill the batch
+
     def prefilled(end: int = -1) -> PagedKVCache:
-        cache = PagedKVCache(model.config, block_size=block_size)
-        if prefill == "rows" and end == -1 and len(cache.paged_layers) == len(cache.layers):
+        if stack and end == -1:
             return stacked_prefill(model, prompts, block_size, clock)
+        cache = PagedKVCache(model.config, block_size=block_size)
         with torch.no_grad(), clock.phase("prefill"):
             model(
                 ids[:, :end], attention_mask=mask[:, :end], position_ids=pos[:, :end],
@@ -554,7 +565,7 @@ def greedy_batch(
         """Decoded on the kept slot: a policy that frees no blocks, or one that frees them once and says which
         (SnapKV; the refill leaves them out, when it starts from the shared observation); one that frees at every
         step gets steps of its own."""
-        frees = q.frees_blocks and not (q.frees_once and callable(getattr(q, "blocks_to_free", None)))
+        frees = q.frees_blocks and not (q.frees_once and names_what_it_frees(q))
         return slots is not None and decodes_statically(q, static) and not frees
 
     static_policies = [q for q in policies.values() if slotted(q)]

@@ -95,7 +95,7 @@ class SimulateContext:
     reuse: int = 1  # the policy selects at every reuse-th decode step; the steps between reuse it (_reused)
     # per window, the logical blocks a compressing policy freed at the first decode step (() : none anywhere)
     freed: tuple[frozenset[int], ...] = ()
-    queries: dict | None = None  # prefill only: layer -> (its last OBSERVED queries [1, Hq, w, D], its scaling)
+    queries: dict | None = None  # prefill only: layer -> (its last OBSERVED queries [B, Hq, w, D], its scaling)
     judge: Policy | None = None  # fidelity: the oracle's rule on given scores (_GivenScores), made once a forward
     ops: SimpleNamespace | None = None  # active: the scored queries' ops (simulate_ops), made once a forward
 
@@ -270,13 +270,12 @@ def simulate_ops(windows: int = 1) -> SimpleNamespace:
     or Quest's ``Q x MB x Hq x D`` bounds. The same scores up to float32 rounding. ``windows``: the queries of that
     many windows, each against its own slice of the pool (:func:`_state_at`'s layout)."""
     ref = get_ops("reference")
-    through = True if windows == 1 else windows
     return SimpleNamespace(
         **{
             **vars(ref),
-            "token_scores": functools.partial(ref.token_scores, through_pool=through),
-            "oracle_block_scores": functools.partial(ref.oracle_block_scores, through_pool=through),
-            "block_scores": functools.partial(ref.block_scores, through_pool=through),
+            "token_scores": functools.partial(ref.token_scores, through_pool=windows),
+            "oracle_block_scores": functools.partial(ref.oracle_block_scores, through_pool=windows),
+            "block_scores": functools.partial(ref.block_scores, through_pool=windows),
         }
     )
 

@@ -445,8 +445,8 @@ class PagedKVCache(DynamicCache):
                 torch.tensor(r.table.rows[0], dtype=torch.long, device=part.device) for r, part in zip(rows, parts)
             ]
             tensors = []
-            for t in range(len(parts[0]._tensors())):
-                held = torch.cat([part._tensors()[t].index_select(0, idx) for part, idx in zip(parts, index)])
+            for same in zip(*(part._tensors() for part in parts)):  # one tensor kind (K, V, a metadata, a state)
+                held = torch.cat([t.index_select(0, idx) for t, idx in zip(same, index)])
                 tensors.append(torch.cat([held, held.new_zeros((len(rows), *held.shape[1:]))]))
             layer.device, layer.dtype = parts[0].device, parts[0].dtype
             layer.state = dict.fromkeys(parts[0].state)
