@@ -102,7 +102,7 @@ class PagedLayer(DynamicLayer):
         self.length = 0
         self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
         self._given = None  # weak references to what the last unreserved update() returned (see gave)
-        self.writes = 0  # writes into the pools so far (update, copy_block, load): part of PagedKVCache's stamp
+        self.writes = 0  # unreserved writes into the pools so far (update, copy_block, load): in PagedKVCache's stamp
         self.state: dict[str, torch.Tensor] = {}  # the policy-declared state (see PagedKVCache.declare_state)
 
     def attach(self, cache: PagedKVCache) -> None:
@@ -261,7 +261,6 @@ class PagedLayer(DynamicLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.writes += 1
         B, _, T, _ = key_states.shape
         static = self.cache.static
         if static is not None:  # a static step: blocks reserved, positions in device buffers, lengths kept outside
@@ -273,6 +272,8 @@ class PagedLayer(DynamicLayer):
                 self.refresh_state(static.pos0, static.pos0 + 1, 1, static.table, static.ops)
             return key_states, value_states
         frame0 = self.length
+        self.writes += 1  # not on the static path above: a compiled step would guard on the count (a reserved cache
+        # is no refill's source; its steps count in the session's decode steps, which the stamp holds too)
         self.cache.reserve(B, frame0 + T, frame0)
         pos0 = frame0 - self.cache.pads_tensor(self.device)  # [B]; negative at a left-padded prefill
         table = self.cache.table.tensor(self.device)
@@ -798,11 +799,12 @@ class PagedKVCache(DynamicCache):
         self._refill = _Refill(weakref.ref(source), stamp, self.static, self._layout(), tuple(map(frozenset, holes)))
 
     def _stamp(self) -> tuple:
-        """What identifies these contents for a refill from them (:meth:`load_static`): each paged layer's writes,
-        length and pools, the padding and the table. Any write (:meth:`PagedLayer.update`, a block copied, a refill)
+        """What identifies these contents for a refill from them (:meth:`load_static`): the decode steps run on
+        them, each paged layer's writes, length and pools, the padding and the table. Any write (:meth:`PagedLayer.update`, a block copied, a refill)
         or change of the table, padding or pools gives another stamp."""
         paged = self.paged_layers
         return (
+            self.session.counters.decode_steps,
             tuple(layer.writes for layer in paged),
             tuple(layer.length for layer in paged),
             tuple(layer.k_pool.data_ptr() if layer.is_initialized else 0 for layer in paged),

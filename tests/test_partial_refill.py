@@ -122,8 +122,8 @@ def test_a_refill_from_the_same_contents_ends_as_a_whole_refill(arch, policy, fr
 
 
 def test_a_source_written_since_or_a_reset_slot_is_refilled_whole(spy):
-    """The stamp: a source written since the last refill (cropped by one token and given another: the same
-    length, other contents) is refilled whole, and so is anything after the slot's reset."""
+    """The stamp: a source written since the last refill (cropped by two tokens and given two others: the same
+    length, other contents, no decode step) is refilled whole, and so is anything after the slot's reset."""
     model = tiny_model("llama")
     patch_model(model, policy=Quest(budget=0.25, sink=4, window=16), mode="block", block_size=BS, dense_layers=(0,))
     try:
@@ -134,11 +134,11 @@ def test_a_source_written_since_or_a_reset_slot_is_refilled_whole(spy):
         slot.load_static(source)
         _steps(model, slot, 3)
         length = source.get_seq_length()
-        source.crop(length - 1)
+        source.crop(length - 2)
         ids, mask, pos = pad_left(prompts, model.device)
-        with torch.no_grad():
+        with torch.no_grad():  # two tokens: a write that is not a decode step
             model(
-                torch.full_like(ids[:, -1:], 11), attention_mask=mask, position_ids=pos[:, -1:],
+                torch.full_like(ids[:, -2:], 11), attention_mask=mask, position_ids=pos[:, -2:],
                 **{cache_kwarg(model): source}, use_cache=True,
             )  # fmt: skip
         assert source.get_seq_length() == length
