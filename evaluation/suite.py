@@ -20,8 +20,8 @@ fidelity (recall, hit rate against the oracle) on the same windows; policies tha
 the ``decode`` way, or with ``perplexity: {compressed: simulate}`` the ``simulate`` way too (their freed blocks
 replayed, tested against the decode way; no fidelity: :func:`decoded`). Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
 Needle and QA batches decode eagerly unless the config's ``static: true`` (or their block's) says otherwise
-(:func:`decode_way`); ``reuse_graphs: true`` beside it keeps each policy's captured steps across a job's batches
-(:class:`~evaluation.slots.DecodeSlots`; SnapKV's too, its first step included, where it starts from the batch's
+(:func:`decode_way`); ``reuse_graphs: true`` beside it keeps each policy's captured steps across the batches and
+jobs of a run, per batch size (one :class:`~evaluation.slots.DecodeSlots` for the run; SnapKV's too, its first step included, where it starts from the batch's
 shared observation). ``prefill: rows`` in the needle or QA block prefills each prompt alone and stacks their caches
 (:func:`~evaluation.needle.greedy_batch`'s ``prefill``: no ``[B, 1, L, L]`` mask, one prompt's activations at a time).
 """
@@ -402,14 +402,14 @@ def _with_dense(cells: list[PolicyCell], job: Job) -> list[PolicyCell]:
     return chosen
 
 
-def _needle(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
+def _needle(cfg, job, cells, model, tok, texts, results, done, deadline, run) -> None:
     variant = job.params["variant"]
     p = _needle_params(cfg, variant)
     names = list(texts)
     chosen = _with_dense(cells, job)
     pending = [(u[3], todo) for u, todo in _pending(cfg, job, cells, done)]
     batch = batch_size(p.get("batch"), job.length)
-    slots = _slots(p)
+    slots = _slots(p, run)
 
     def build(trial: int) -> tuple[tuple, list[int]]:
         seed = stable_seed(cfg.get("seed", 0), job.length, variant, trial)
@@ -481,10 +481,20 @@ def _build_all(build, keys: list) -> tuple[list, list[list[int]]]:
     return [b[0] for b in built], [b[1] for b in built]
 
 
-def _slots(p: dict[str, Any]) -> DecodeSlots | None:
-    """A job's :class:`~evaluation.slots.DecodeSlots` when its task decodes statically with ``reuse_graphs: true``
-    (each policy's captured steps kept across the job's batches), else ``None``."""
-    return DecodeSlots() if p.get("static") and p.get("reuse_graphs") else None
+def _reuses_graphs(p: dict[str, Any]) -> bool:
+    """Whether a needle / QA task decodes statically on kept slots (``static`` and ``reuse_graphs``)."""
+    return bool(p.get("static") and p.get("reuse_graphs"))
+
+
+def _slots(p: dict[str, Any], run: dict) -> DecodeSlots | None:
+    """The run's :class:`~evaluation.slots.DecodeSlots` (one for all its needle and QA jobs, kept in ``run``, the
+    run's shared dict) when the task decodes statically with ``reuse_graphs: true`` (each policy's captured steps
+    kept across batches and jobs, per batch size), else ``None``."""
+    if not _reuses_graphs(p):
+        return None
+    if "decode_slots" not in run:
+        run["decode_slots"] = DecodeSlots()
+    return run["decode_slots"]
 
 
 def _prefetched(build, batches: list[list]):
@@ -555,13 +565,13 @@ def _qa_params(cfg: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _qa(cfg, job, cells, model, tok, texts, results, done, deadline) -> None:
+def _qa(cfg, job, cells, model, tok, texts, results, done, deadline, run) -> None:
     p = _qa_params(cfg)
     names = list(texts)
     chosen = _with_dense(cells, job)
     pending = [(u[2], u[3], todo) for u, todo in _pending(cfg, job, cells, done)]
     batch = batch_size(p.get("batch"), job.length)
-    slots = _slots(p)
+    slots = _slots(p, run)
 
     def build(key: tuple[str, int]) -> tuple[tuple, list[int]]:
         task, i = key
@@ -648,7 +658,7 @@ def run_suite(
         stamp = {"device": device_name(model), "date": time.strftime("%Y-%m-%d")}
         results = ResultsDir(out, stamp=stamp, name=cells_file)
     torch.manual_seed(cfg.get("seed", 0))
-    cache: dict = {}
+    cache: dict = {}  # the run's shared things: tokenized texts (perplexity), the kept decode slots (needle, QA)
     done = _done_keys(results.rows())
     finished = len(jobs) - len(todo)
     index = {id(job): i for i, job in enumerate(jobs)}
@@ -667,9 +677,9 @@ def run_suite(
         elif job.task == "perplexity":
             _perplexity(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
         elif job.task == "needle":
-            _needle(cfg, job, cells, model, tokenizer, texts, results, done, deadline)
+            _needle(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
         else:
-            _qa(cfg, job, cells, model, tokenizer, texts, results, done, deadline)
+            _qa(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
         finished += not deadline.passed()
     status = {
         "finished": finished == len(jobs),
@@ -1030,7 +1040,7 @@ def estimate(
             steps = sum(new * (static_step if decode_way(part, c) == "static" else step) for c in decoding)
             squeezing = [c.policy for c in mine if c.policy.compresses]
             windows = len({getattr(q, "observe", None) for q in squeezing}) if cfg["model"] in SLIDING else 0
-            eager_first = 0 if _slots(part) is not None else len(squeezing)  # a kept slot steps SnapKV statically
+            eager_first = 0 if _reuses_graphs(part) else len(squeezing)  # a kept slot steps SnapKV statically
             per_batch = prefill(b * job.length) * (1 + windows) + steps + eager_first * step
             sec = cdiv(units_per_cell, b) * per_batch
         out.append((job, sec * len(left) / max(1, len(units)), False))

@@ -79,10 +79,10 @@ def test_a_longer_batch_or_another_size_makes_a_new_slot():
         DecodeSlots(margin=-1)
 
 
-def test_the_runners_of_one_slot_share_one_graph_pool_and_a_new_slot_takes_a_new_one(monkeypatch):
-    """On a GPU every policy's ``DecodeGraphs`` on a slot captures into the slot's one pool (asked for once), and a
-    new slot (another batch size) into a new one. The GPU is stood in for: the handle is a counter, the runners
-    record the pool they are given."""
+def test_every_runner_of_every_slot_captures_into_one_graph_pool(monkeypatch):
+    """On a GPU every policy's ``DecodeGraphs`` on every slot (here two batch sizes) captures into the one pool of
+    the ``DecodeSlots``, asked for once; ``drop`` lets go of it. The GPU is stood in for: the handle is a counter,
+    the runners record the pool they are given."""
     from evaluation import slots as slots_module
 
     handles = iter(range(100))
@@ -104,8 +104,39 @@ def test_the_runners_of_one_slot_share_one_graph_pool_and_a_new_slot_takes_a_new
             patch_model(model, policy=policy, dense_layers=(0,), block_size=8)
             slots.decode(model, key, prefix, 160 + 8, [Quest(budget=0.25, sink=4, window=16)])
     unpatch_model(model)
-    assert len(given) == 4 and given[0] == given[1] != given[2] == given[3] and slots.slots_made == 2
-    assert None not in given
+    assert given == [0, 0, 0, 0] and slots.slots_made == 2 and sorted(slots.kept) == [2, 3]
+    slots.drop()
+    assert slots.pool is None and not slots.kept and slots.cache is None and slots.runners == {}
+
+
+def test_slots_are_kept_per_batch_size_across_jobs():
+    """Batches of three, then two, then three prompts again (a job's last, smaller batch, then the next job): the
+    slot of three and its runners are found again (no capture anew), the answers equal the eager ones; with
+    ``keep=1`` the slot of two pushes it out and the third batch makes a new one; the least recently used goes
+    first."""
+    model = tiny_model("llama")
+    policies = {"quest": Quest(budget=0.25, sink=4, window=16), "dense": Dense()}
+    args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
+    batches = [(150, 133, 141), (128, 150), (140, 131, 149)]
+    for keep, made in ((3, 2), (1, 3)):
+        slots, first = DecodeSlots(margin=16, keep=keep), None
+        for i, lengths in enumerate(batches):
+            batch = _prompts(20 + i, lengths)
+            eager = greedy_batch(model, batch, policies, 5, **args)
+            assert greedy_batch(model, batch, policies, 5, static=True, slots=slots, **args) == eager
+            if i == 0:
+                first = dict(slots.runners)
+        assert slots.slots_made == made and len(slots.kept) == min(keep, 2)
+        kept = all(slots.runners[k] is r for k, r in first.items())
+        assert kept == (keep > 1), "the runners of three prompts kept only while their slot is"
+    slots = DecodeSlots(keep=2)
+    patch_model(model, policy=Dense(), dense_layers=(0,), block_size=8)
+    for n in (3, 2, 4):  # the slot of three is the least recently used when four arrives
+        slots.decode(model, "dense", _prefill(model, _prompts(30 + n, [60] * n))[0], 70, [Dense()])
+    unpatch_model(model)
+    assert list(slots.kept) == [2, 4]
+    with pytest.raises(ValueError, match="keep"):
+        DecodeSlots(keep=0)
 
 
 def test_load_static_holds_what_the_source_holds():

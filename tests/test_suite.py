@@ -624,6 +624,37 @@ def test_static_decode_in_the_suite_gives_the_eager_answers(tmp_path):
     assert ways["snapkv"] == ways["quest"] == ways["dense"] == ways["oracle"] == "static"
 
 
+def test_a_suite_run_keeps_one_set_of_decode_slots_for_all_its_jobs(tmp_path, monkeypatch):
+    """With ``static`` and ``reuse_graphs`` the run's needle and QA jobs share one ``DecodeSlots``: a job finds the
+    slot of its batch size (and its captured steps) that an earlier job made, so fewer slots are made than jobs run;
+    every answer is the eager run's."""
+    from evaluation import suite as suite_module
+
+    made = []
+
+    class Recording(suite_module.DecodeSlots):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(suite_module, "DecodeSlots", Recording)
+    cfg = _tiny_cfg("qwen2.5")
+    cfg["perplexity"] = dict(cfg["perplexity"], windows=0)
+    cfg["needle"] = dict(cfg["needle"], trials=2, start=None)
+    cfg["qa"] = dict(cfg["qa"], tasks=["fact"], items=2)
+    eager = _run_tiny(cfg, tmp_path / "eager")
+    assert not made
+    kept = _run_tiny(dict(cfg, static=True, reuse_graphs=True), tmp_path / "kept")
+    jobs = {(r["task"], r.get("variant")) for r in kept}
+    assert len(made) == 1 and len(jobs) >= 4 and made[0].slots_made < len(jobs)
+
+    def answers(rows):
+        return {(r["task"], r.get("variant"), r.get("trial", r.get("item")), r["policy"], r["budget"]): r["generated"]
+                for r in rows}  # fmt: skip
+
+    assert answers(kept) == answers(eager) and len(answers(eager)) > 40
+
+
 def test_static_decode_way_perplexity_equals_the_eager_one(tmp_path, monkeypatch):
     """SnapKV's perplexity (the ``decode`` way) with ``static: true``: its first step eager (it frees the prompt's
     blocks), the others static steps, and dense beside it static throughout: the eager run's NLL and KL, each cell
