@@ -196,8 +196,9 @@ def test_device_call_seeds_once_runs_the_suite_and_brings_the_new_cells_back(tmp
 
 def test_profile_levers_runs_its_five_parts_and_goes_on_after_a_failure(tmp_path):
     """``profile_levers.sh``: five ``profile_grid.py`` runs (the batch and stacked prefills, twice the batch stacked,
-    one and several perplexity windows), each with its CSV and log under ``$OUT``; a part that fails (as an
-    out-of-memory batch would) says so in its log and the others still run. The runs are stood in for by a python that
+    one and several perplexity windows), each with its CSV under ``$OUT`` and its section of one log (a device call
+    brings back at most eight files); a part that fails (as an out-of-memory batch would) says so in its section and
+    the others still run. The runs are stood in for by a python that
     records its arguments (``profile_grid``'s options themselves: tests/test_profile_grid.py)."""
     log = tmp_path / "calls.txt"
     fake = tmp_path / "fake_python"
@@ -218,5 +219,7 @@ def test_profile_levers_runs_its_five_parts_and_goes_on_after_a_failure(tmp_path
     assert {o["--length"] for o in opts[:3]} == {"32768"} and {o["--length"] for o in opts[3:]} == {"8192"}
     names = ["batch", "rows", "rows_x2", "ppl_w1", "ppl_w4"]
     assert [Path(o["--out"]).name for o in opts] == [f"levers_{n}.csv" for n in names]
-    texts = {n: (tmp_path / "out" / f"levers_{n}.txt").read_text() for n in names}
+    parts = (tmp_path / "out" / "levers.txt").read_text().split("== part ")[1:]  # one log, a section per part
+    texts = {part.split("\n", 1)[0]: part for part in parts}
+    assert list(texts) == names and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["levers.txt"]
     assert "ended with status 3" in texts["ppl_w4"] and not any("ended" in texts[n] for n in names[:4])
