@@ -1097,14 +1097,27 @@ class PagedKVCache(DynamicCache):
             while len(row) > need:
                 t.release(row.pop())
         t.invalidate()
+        BS = self.block_size
+        his = [max(keep - p, 0) for p in self.pads]  # stored tokens kept per sequence
+        # each sequence's last (now partial) block and its filled slots, from the host: no read back per layer
+        last = [(row[(h - 1) // BS], h - (h - 1) // BS * BS) for row, h in zip(t.rows, his) if h > 0]
+        last = [(blk, n) for blk, n in last if blk >= 0]
+        made: dict[str, tuple[torch.Tensor, ...]] = {}  # per device: blocks, fill, lo, hi (one copy to it)
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
                 layer.length = min(layer.length, keep)
                 if layer.is_initialized and t.rows:
-                    hi = (keep - self.pads_tensor(layer.device)).clamp(min=0)
-                    lo = (hi - 1).clamp(min=0)  # the last (now partial) block of each sequence
-                    table = t.tensor(layer.device)
-                    reference.refresh_metadata(layer.k_pool, layer.kmin, layer.kmax, layer.kmean, table, lo, hi)
+                    key = str(layer.device)
+                    if key not in made:
+                        host = [b for b, _ in last] + [n for _, n in last] + [max(h - 1, 0) for h in his] + his
+                        made[key] = (
+                            torch.tensor(host, dtype=torch.long)
+                            .to(layer.device)
+                            .split([len(last), len(last), len(his), len(his)])
+                        )
+                    blocks, fill, lo, hi = made[key]
+                    if len(last):
+                        reference.refresh_blocks(layer.k_pool, layer.kmin, layer.kmax, layer.kmean, blocks, fill)
                     layer.refresh_state(lo, hi, 1)
             else:
                 layer.crop(keep - length)

@@ -409,3 +409,36 @@ def test_values_of_another_shape_than_the_keys_are_refused_before_the_layer_keep
         layer.update(k, k[..., :8])
     assert not layer.is_initialized and layer.k_pool is None and layer.length == 0
     assert not layer.gave(k, k[..., :8])
+
+
+@pytest.mark.parametrize("keep", [37, 40, 26, 18])
+def test_crop_leaves_each_held_blocks_metadata_over_its_filled_slots(keep):
+    """After a crop of a left-padded batch (into a partial block, onto a block's end, past a sequence's padding)
+    every held block's min / max / mean is that of its filled slots' keys, and a sequence cropped to nothing is
+    left alone; the refresh reads no host value per layer (each sequence's last block found from the host rows)."""
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=16, sink=2, window=4), block_size=BS, dense_layers=(0,))
+    ids = prompt(45, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # padded by 9 and by 20: 36 and 25 stored tokens
+    mask[2, :20] = 0
+    cache = PagedKVCache(model.config, block_size=BS)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **{cache_kwarg(model): cache})
+    unpatch_model(model)
+    for layer in cache.paged_layers:  # stale metadata everywhere: a crop must rewrite what it refreshes
+        for t in (layer.kmin, layer.kmax, layer.kmean):
+            t.fill_(7.0)
+    cache.crop(keep)
+    for layer in cache.paged_layers:
+        for row, pad in zip(cache.table.rows, cache.pads):
+            stored = max(keep - pad, 0)
+            assert len(row) == -(-stored // BS)
+            if stored:
+                j = (stored - 1) // BS  # the last block: refreshed; the others keep what they held
+                n = stored - j * BS
+                keys = layer.k_pool[row[j], :, :n].float()  # [H, n, D]
+                torch.testing.assert_close(layer.kmin[row[j]].float(), keys.amin(1), rtol=0, atol=0)
+                torch.testing.assert_close(layer.kmax[row[j]].float(), keys.amax(1), rtol=0, atol=0)
+                torch.testing.assert_close(layer.kmean[row[j]].float(), keys.mean(1), rtol=1e-6, atol=1e-6)
+                assert all((layer.kmin[blk] == 7.0).all() for blk in row[:j])

@@ -108,11 +108,23 @@ def refresh_metadata(
         if h <= l:
             continue
         lbs = torch.arange(l // BS, (h - 1) // BS + 1, device=k_pool.device)
-        blk = block_table[b, lbs].long()
-        fill = (h - lbs * BS).clamp(max=BS)  # [n]
-        keys, ok, lo_, hi_ = _prefix_range(k_pool[blk], fill)
-        kmin[blk], kmax[blk] = lo_.to(kmin.dtype), hi_.to(kmax.dtype)
-        kmean[blk] = (keys.masked_fill(~ok, 0.0).sum(2) / fill.view(-1, 1, 1)).to(kmean.dtype)
+        refresh_blocks(k_pool, kmin, kmax, kmean, block_table[b, lbs].long(), (h - lbs * BS).clamp(max=BS))
+
+
+def refresh_blocks(
+    k_pool: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kmean: torch.Tensor,
+    blocks: torch.Tensor,
+    fill: torch.Tensor,
+) -> None:
+    """Recompute min / max / mean of the physical blocks ``blocks [n]`` (long) over their first ``fill [n]`` slots,
+    in place: :func:`refresh_metadata`'s work for blocks already found, with no host read (a crop passes every
+    sequence's last block at once)."""
+    keys, ok, lo_, hi_ = _prefix_range(k_pool[blocks], fill)
+    kmin[blocks], kmax[blocks] = lo_.to(kmin.dtype), hi_.to(kmax.dtype)
+    kmean[blocks] = (keys.masked_fill(~ok, 0.0).sum(2) / fill.view(-1, 1, 1)).to(kmean.dtype)
 
 
 def _prefix_range(
