@@ -96,6 +96,9 @@ def test_a_dequantized_copy_loads_what_the_gguf_loads(tmp_path, monkeypatch):
     assert sources[-1] == (kept[0], None)  # from the kept copy, not the GGUF file
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    c1, c2 = first.config.to_dict(), second.config.to_dict()
+    differ = {k for k in c1.keys() | c2.keys() if c1.get(k) != c2.get(k)}
+    assert differ <= {"_name_or_path", "quantization_config"}, differ  # the GGUF load's marker is not kept
     text = "The quick brown fox jumps over the lazy dog. 1234 ünïcödé\n\tdef f(x): return x"
     ids = tok1.encode(text)
     assert tok2.encode(text) == ids and tok2.decode(ids) == tok1.decode(ids)
