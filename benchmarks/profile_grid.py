@@ -164,14 +164,16 @@ def needle_rows(
     device: str,
     profile: bool = False,
     prefill: str = "batch",
+    whole_refills: bool = False,
 ) -> list[dict]:
     """``batches`` left-padded batches of ``batch`` random prompts of about ``length`` tokens, each decoded under
     every cell (``new_tokens`` each) as a ``one_pass`` suite job does: static steps kept across batches. One row per
     batch (its phases and, on a GPU, the allocator's cudaMalloc / cudaFree calls and retries during it), then one per
     cell (its own seconds in the first batch, with its captures, and in the last one not profiled). ``profile``: the last batch under
-    :func:`profiled`. ``prefill``: ``greedy_batch``'s (``"rows"``: each prompt prefilled alone, the caches stacked)."""
+    :func:`profiled`. ``prefill``: ``greedy_batch``'s (``"rows"``: each prompt prefilled alone, the caches stacked).
+    ``whole_refills``: the kept slot refilled whole at every turn (``DecodeSlots(whole_refills=True)``)."""
     rng = random.Random(2)
-    slots = DecodeSlots()
+    slots = DecodeSlots(whole_refills=whole_refills)
     policies = {c.key: c.policy for c in cells}
     rows, first, last = [], {}, {}
     for b in range(batches):
@@ -220,6 +222,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--profile", default="", help="cells label@budget to profile (simulate way), comma-separated")
     ap.add_argument("--profile-needle", action="store_true", help="the last needle batch under torch.profiler")
     ap.add_argument("--prefill", choices=("batch", "rows"), default="batch", help="needle batches' prefill")
+    ap.add_argument("--whole-refills", action="store_true", help="refill the kept slot whole at every turn")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="CSV of every row")
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
         needle = needle_rows(
             model, cells, cfg, args.length, args.batch, args.batches, args.new_tokens, args.device, args.profile_needle,
-            args.prefill,
+            args.prefill, args.whole_refills,
         )  # fmt: skip
         rows += needle
         print_table(

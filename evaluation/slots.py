@@ -54,6 +54,8 @@ class DecodeSlots:
         margin: tokens reserved beyond the first batch's prompt + new tokens, so that later batches (prompts a few
             tokens longer) fit the same reservation.
         keep: slots kept at most (one per batch size; the least recently used is dropped for a new one).
+        whole_refills: refill a slot whole at every turn (``PagedKVCache.load_static(whole=True)``), not only what
+            changed since its last refill: to time what the partial refill saves.
 
     Attributes: ``slots_made`` (slots built so far), ``loads`` (refills), ``cache`` and ``runners`` (the slot used
     last and its policy key -> ``DecodeGraphs``; ``None`` and ``{}`` before any), ``kept`` (batch size -> slot, least
@@ -62,12 +64,12 @@ class DecodeSlots:
     7.75 GiB of a process that ran out of memory at 16 x 32K on Qwen2.5 on an H100, 2026-12-05).
     """
 
-    def __init__(self, margin: int = 256, keep: int = 3):
+    def __init__(self, margin: int = 256, keep: int = 3, whole_refills: bool = False):
         if margin < 0:
             raise ValueError(f"margin must be >= 0, got {margin}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.margin, self.keep = margin, keep
+        self.margin, self.keep, self.whole_refills = margin, keep, whole_refills
         self.kept: dict[int, _Slot] = {}  # batch size -> slot, least recently used first
         self.current: _Slot | None = None
         self.pool = None  # one CUDA-graph memory pool for every runner (they replay one at a time)
@@ -126,7 +128,7 @@ class DecodeSlots:
         frees at its first decode step, left out of the refill (``PagedKVCache.load_static``)."""
         specs = tuple(dict.fromkeys(s for p in policies for s in p.cache_state()))
         slot = self._slot(prefix, need, specs)
-        slot.cache.load_static(prefix, free)
+        slot.cache.load_static(prefix, free, whole=self.whole_refills)
         self.loads += 1
         runner = slot.runners.get(key)
         if runner is not None:

@@ -721,7 +721,7 @@ class PagedKVCache(DynamicCache):
         self._mark_static()
         return self.static
 
-    def load_static(self, source: PagedKVCache, free: list | None = None) -> None:
+    def load_static(self, source: PagedKVCache, free: list | None = None, whole: bool = False) -> None:
         """Refill this cache, reserved for static decoding (:meth:`reserve_static`), with the contents of ``source``
         (a filled cache of as many sequences, not reserved, nothing evicted: e.g. a shared prefill) in place: every
         tensor a static step reads keeps its address, so the steps captured on this cache
@@ -743,6 +743,7 @@ class PagedKVCache(DynamicCache):
         from its context's last partial block on (where the steps wrote), and the blocks whose hole status
         changed; every tensor ends as a whole refill leaves it (a suite batch's 22 turns on the slot refill it whole
         twice, once per shared prefill, instead of 22 times: ~27 ms each on an H100 at 8 x 32K on Qwen2.5).
+        ``whole``: refill whole anyway (what the partial refill saves can then be timed).
         Sliding-window rings take
         ``source``'s window; lengths and left padding (host and device) become ``source``'s; the decode session
         forgets its step and observations and keeps its captured steps and counters. Raises ``ValueError``, before
@@ -757,7 +758,8 @@ class PagedKVCache(DynamicCache):
         stamp = source._stamp()
         last = self._refill
         partial = (
-            last is not None
+            not whole
+            and last is not None
             and last.source() is source
             and last.stamp == stamp
             and last.static is self.static

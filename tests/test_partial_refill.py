@@ -151,6 +151,9 @@ def test_a_source_written_since_or_a_reset_slot_is_refilled_whole(spy):
         slot.load_static(source)  # unchanged now, no step since: partial, nothing but the tails
         assert spy and not any(w for w, _ in spy)
         assert _same(_held(slot), _held(twin))
+        spy.clear()
+        slot.load_static(source, whole=True)  # asked for: whole all the same, the same contents
+        assert spy and all(w for w, _ in spy) and _same(_held(slot), _held(twin))
         slot.reset()
         assert slot._refill is None
     finally:

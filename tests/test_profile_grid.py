@@ -76,3 +76,22 @@ def test_needle_batches_prefilled_by_rows(monkeypatch):
     args = ["--shape", "tiny", "--length", "128", "--batch", "2", "--batches", "2", "--device", "cpu"]
     rows = profile_grid.main(args + ["--dtype", "float32", "--no-perplexity", "--prefill", "rows"])
     assert stacked == [2, 2] and len([r for r in rows if r["cell"].startswith("batch ")]) == 2
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_whole_refills_refill_the_kept_slot_whole_at_every_turn(monkeypatch, whole):
+    """``--whole-refills`` (``DecodeSlots(whole_refills=True)``): every turn on the kept slot refills it whole; by
+    default the turns after a batch's first from the same prefill refill only what changed."""
+    from hf_sparse_kv.cache import PagedLayer
+
+    kinds = []
+    real = PagedLayer.load
+
+    def recording(self, source, length, dst, src, zero=None):
+        kinds.append(zero is None)
+        return real(self, source, length, dst, src, zero)
+
+    monkeypatch.setattr(PagedLayer, "load", recording)
+    args = ["--shape", "tiny", "--length", "128", "--batch", "2", "--batches", "1", "--device", "cpu"]
+    profile_grid.main(args + ["--dtype", "float32", "--no-perplexity"] + (["--whole-refills"] if whole else []))
+    assert kinds and all(kinds) == whole and any(kinds)
