@@ -5,12 +5,13 @@
 #   2. the same, each prompt prefilled alone and the caches stacked    -> $OUT/levers_rows.csv
 #   3. the same with twice the prompts a batch (stacked prefill)       -> $OUT/levers_rows_x2.csv
 #   4. simulated perplexity at SHORT, one window, then WINDOWS at once -> $OUT/levers_ppl_w1/_wN.csv
-# and every part's log in $OUT/levers.txt, each after a line "== part NAME" (six files: a device call brings back at
-# most eight). Each part has SECONDS (default 110: the five fit a 10-minute call) and goes on after a failure (an
+#   5. part 2 again with the kept slot refilled whole at every turn     -> $OUT/levers_rows_whole.csv
+# and every part's log in $OUT/levers.txt, each after a line "== part NAME" (seven files: a device call brings back
+# at most eight). Each part has SECONDS (default 90: the six fit a 10-minute call) and goes on after a failure (an
 # out-of-memory batch says so in the log).
 # usage: profile_levers.sh [SHAPE [LONG [SHORT [BATCH [WINDOWS [SECONDS [profile_grid args, e.g. --device cpu]]]]]]]
 set -u
-SHAPE=${1:-qwen2.5}; LONG=${2:-32768}; SHORT=${3:-8192}; B=${4:-8}; W=${5:-4}; S=${6:-110}
+SHAPE=${1:-qwen2.5}; LONG=${2:-32768}; SHORT=${3:-8192}; B=${4:-8}; W=${5:-4}; S=${6:-90}
 shift $(( $# < 6 ? $# : 6 ))
 OUTDIR=${OUT:-/tmp/out}
 PY=${PY:-python3}
@@ -29,3 +30,4 @@ part rows --length "$LONG" --batch "$B" --batches 3 --no-perplexity --prefill ro
 part rows_x2 --length "$LONG" --batch $(( 2 * B )) --batches 2 --no-perplexity --prefill rows "$@"
 part ppl_w1 --length "$SHORT" --batches 0 --windows 1 "$@"
 part "ppl_w$W" --length "$SHORT" --batches 0 --windows "$W" "$@"
+part rows_whole --length "$LONG" --batch "$B" --batches 3 --no-perplexity --prefill rows --whole-refills "$@"

@@ -194,9 +194,9 @@ def test_device_call_seeds_once_runs_the_suite_and_brings_the_new_cells_back(tmp
     assert (out / "cells_suite_gemma3.jsonl").read_text() == '{"new": 1}\n' * 2  # not seeded again
 
 
-def test_profile_levers_runs_its_five_parts_and_goes_on_after_a_failure(tmp_path):
-    """``profile_levers.sh``: five ``profile_grid.py`` runs (the batch and stacked prefills, twice the batch stacked,
-    one and several perplexity windows), each with its CSV under ``$OUT`` and its section of one log (a device call
+def test_profile_levers_runs_its_six_parts_and_goes_on_after_a_failure(tmp_path):
+    """``profile_levers.sh``: six ``profile_grid.py`` runs (the batch and stacked prefills, twice the batch stacked,
+    one and several perplexity windows, the stacked one again with whole refills of the kept slot), each with its CSV under ``$OUT`` and its section of one log (a device call
     brings back at most eight files); a part that fails (as an out-of-memory batch would) says so in its section and
     the others still run. The runs are stood in for by a python that
     records its arguments (``profile_grid``'s options themselves: tests/test_profile_grid.py)."""
@@ -209,17 +209,21 @@ def test_profile_levers_runs_its_five_parts_and_goes_on_after_a_failure(tmp_path
     subprocess.run(["bash", script, "qwen2.5", "32768", "8192", "8", "4", "60", "--x"], check=True, env=env, cwd=ROOT,
                    capture_output=True)  # fmt: skip
     calls = [line.split() for line in log.read_text().splitlines()]
-    assert len(calls) == 5 and all(c[0] == "benchmarks/profile_grid.py" and c[-1] == "--x" for c in calls)
+    assert len(calls) == 6 and all(c[0] == "benchmarks/profile_grid.py" and c[-1] == "--x" for c in calls)
     opts = [
         {a: (b if not b.startswith("--") else True) for a, b in zip(c[1:], [*c[2:], "--"]) if a.startswith("--")}
         for c in calls
     ]  # option -> its value (True for a flag)
-    assert [o.get("--prefill") for o in opts] == ["batch", "rows", "rows", None, None]
-    assert [o.get("--batch") for o in opts[:3]] == ["8", "8", "16"] and [o["--windows"] for o in opts[3:]] == ["1", "4"]
-    assert {o["--length"] for o in opts[:3]} == {"32768"} and {o["--length"] for o in opts[3:]} == {"8192"}
-    names = ["batch", "rows", "rows_x2", "ppl_w1", "ppl_w4"]
+    assert [o.get("--prefill") for o in opts] == ["batch", "rows", "rows", None, None, "rows"]
+    assert [o.get("--batch") for o in opts[:3]] == ["8", "8", "16"] and [o["--windows"] for o in opts[3:5]] == [
+        "1",
+        "4",
+    ]
+    assert {o["--length"] for o in opts[:3] + opts[5:]} == {"32768"} and {o["--length"] for o in opts[3:5]} == {"8192"}
+    assert [bool(o.get("--whole-refills")) for o in opts] == [False] * 5 + [True] and opts[5]["--batch"] == "8"
+    names = ["batch", "rows", "rows_x2", "ppl_w1", "ppl_w4", "rows_whole"]
     assert [Path(o["--out"]).name for o in opts] == [f"levers_{n}.csv" for n in names]
     parts = (tmp_path / "out" / "levers.txt").read_text().split("== part ")[1:]  # one log, a section per part
     texts = {part.split("\n", 1)[0]: part for part in parts}
     assert list(texts) == names and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["levers.txt"]
-    assert "ended with status 3" in texts["ppl_w4"] and not any("ended" in texts[n] for n in names[:4])
+    assert "ended with status 3" in texts["ppl_w4"] and not any("ended" in texts[n] for n in names if n != "ppl_w4")
