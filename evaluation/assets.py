@@ -387,11 +387,11 @@ def keep_dequantized(model, tokenizer, folder: Path) -> None:
     """Save ``model`` and ``tokenizer`` (just loaded from a GGUF file) into ``folder`` for the next load: written
     beside it, then renamed into place with :data:`MARKER` last, so that a load never reads a half-written copy; a
     folder another process kept first is left as it is."""
+    from safetensors.torch import save_model
+
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    from safetensors.torch import save_model
-
     tmp.mkdir()
     # transformers refuses save_pretrained for a model loaded from GGUF: its weights, config and tokenizer instead
     save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})

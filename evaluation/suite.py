@@ -21,8 +21,8 @@ the ``decode`` way, or with ``perplexity: {compressed: simulate}`` the ``simulat
 replayed, tested against the decode way; no fidelity: :func:`decoded`). Needle trial ``t`` uses haystack ``t % 2``, phrasing ``t % 3`` and depth ``depths[t % n]``.
 Needle and QA batches decode eagerly unless the config's ``static: true`` (or their block's) says otherwise
 (:func:`decode_way`); ``reuse_graphs: true`` beside it keeps each policy's captured steps across the batches and
-jobs of a run, per batch size (one :class:`~evaluation.slots.DecodeSlots` for the run; SnapKV's too, its first step included, where it starts from the batch's
-shared observation). ``prefill: rows`` in the needle or QA block prefills each prompt alone and stacks their caches
+jobs of a run, per batch size (one :class:`~evaluation.slots.DecodeSlots` for the run; SnapKV's too, its first step
+included, where it starts from the batch's shared observation). ``prefill: rows`` in the needle or QA block prefills each prompt alone and stacks their caches
 (:func:`~evaluation.needle.greedy_batch`'s ``prefill``: no ``[B, 1, L, L]`` mask, one prompt's activations at a time).
 """
 

@@ -32,6 +32,16 @@ POOL_GROWTH = 2.0
 MIN_POOL_BLOCKS = 16
 
 
+def host_ints_on(made: dict, device, lists: tuple[list[int], ...]) -> tuple[torch.Tensor, ...]:
+    """``lists`` of host ints as ``[len(list)]`` long tensors on ``device``, made with one host-to-device copy the
+    first time a device is asked for and kept in ``made`` (per device) for the layers after it."""
+    key = str(device)
+    if key not in made:
+        flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long).to(device)
+        made[key] = flat.split([len(xs) for xs in lists])
+    return made[key]
+
+
 def check_block_size(block_size: int) -> None:
     """Raise a ``ValueError`` unless ``block_size`` is a power of two between 8 and 256."""
     ok = isinstance(block_size, int) and not isinstance(block_size, bool) and 8 <= block_size <= 256
@@ -469,11 +479,10 @@ class PagedKVCache(DynamicCache):
         new.table.grow(capacity)
         new.table.rows = [[new.table.take() for _ in range(n)] for n in counts]
         new.pads, new.specs = list(pads), first.specs
+        made: dict = {}  # per device: each row's blocks (one copy to it)
         for i, layer in enumerate(new.layers):
             parts = [r.layers[i] for r in rows]
-            index = [
-                torch.tensor(r.table.rows[0], dtype=torch.long, device=part.device) for r, part in zip(rows, parts)
-            ]
+            index = host_ints_on(made, parts[0].device, tuple(r.table.rows[0] for r in rows))
             tensors = []
             for same in zip(*(part._tensors() for part in parts)):  # one tensor kind (K, V, a metadata, a state)
                 held = torch.cat([t.index_select(0, idx) for t, idx in zip(same, index)])
@@ -743,8 +752,7 @@ class PagedKVCache(DynamicCache):
         from its context's last partial block on (where the steps wrote), and the blocks whose hole status
         changed; every tensor ends as a whole refill leaves it (a suite batch's 22 turns on the slot refill it whole
         twice, once per shared prefill, instead of 22 times: ~27 ms each on an H100 at 8 x 32K on Qwen2.5).
-        ``whole``: refill whole anyway (what the partial refill saves can then be timed).
-        Sliding-window rings take
+        ``whole``: refill whole anyway (what the partial refill saves can then be timed). Sliding-window rings take
         ``source``'s window; lengths and left padding (host and device) become ``source``'s; the decode session
         forgets its step and observations and keeps its captured steps and counters. Raises ``ValueError``, before
         anything changes, when ``source`` does not fit: another batch size, block size or layer layout, no room
@@ -774,15 +782,11 @@ class PagedKVCache(DynamicCache):
             dst = [self.table.rows[b][j] for b in range(B) for j in kept[b]]
             src = [source.table.rows[b][j] for b in range(B) for j in kept[b]]
             zero = None
-        index: dict[str, tuple] = {}  # per device, made once for all its layers (one host-to-device copy)
+        index: dict = {}  # per device, made once for all its layers
         for mine, theirs in zip(self.layers, source.layers):
             if isinstance(mine, PagedLayer):
-                key = str(mine.device)
-                if key not in index:
-                    flat = torch.tensor(dst + src + (zero or []), dtype=torch.long).to(mine.device)
-                    parts = flat.split([len(dst), len(src), len(zero or [])])
-                    index[key] = (*parts[:2], parts[2] if zero is not None else None)
-                mine.load(theirs, length, *index[key])
+                d, s, z = host_ints_on(index, mine.device, (dst, src, zero or []))
+                mine.load(theirs, length, d, s, z if zero is not None else None)
             elif isinstance(mine, WindowRing):
                 mine.load(theirs, length)
         self.pads = pads
@@ -791,19 +795,18 @@ class PagedKVCache(DynamicCache):
         self._deferred.clear()
         self.session.reload(released=free is not None)
         lo = [(n // BS) * BS if partial else 0 for n in stored]  # a partial refill: from the first block it rewrote
-        bounds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: [2, B] -> lo, hi
+        bounds: dict = {}  # per device: lo, hi
         for layer in self.paged_layers:
             if layer.state:
-                key = str(layer.device)
-                if key not in bounds:
-                    bounds[key] = tuple(torch.tensor([lo, stored], dtype=torch.long).to(layer.device))
-                layer.refresh_state(*bounds[key], max(1, *(h - low for h, low in zip(stored, lo))))
+                lo_t, hi_t = host_ints_on(bounds, layer.device, (lo, stored))
+                layer.refresh_state(lo_t, hi_t, max(1, *(h - low for h, low in zip(stored, lo))))
         self._refill = _Refill(weakref.ref(source), stamp, self.static, self._layout(), tuple(map(frozenset, holes)))
 
     def _stamp(self) -> tuple:
         """What identifies these contents for a refill from them (:meth:`load_static`): the decode steps run on
-        them, each paged layer's writes, length and pools, the padding and the table. Any write (:meth:`PagedLayer.update`, a block copied, a refill)
-        or change of the table, padding or pools gives another stamp."""
+        them, each paged layer's writes, length and pools, the padding and the table. Any write
+        (:meth:`PagedLayer.update`, a block copied, a refill) or change of the table, padding or pools gives another
+        stamp."""
         paged = self.paged_layers
         return (
             self.session.counters.decode_steps,
@@ -1104,20 +1107,13 @@ class PagedKVCache(DynamicCache):
         # each sequence's last (now partial) block and its filled slots, from the host: no read back per layer
         last = [(row[(h - 1) // BS], h - (h - 1) // BS * BS) for row, h in zip(t.rows, his) if h > 0]
         last = [(blk, n) for blk, n in last if blk >= 0]
-        made: dict[str, tuple[torch.Tensor, ...]] = {}  # per device: blocks, fill, lo, hi (one copy to it)
+        lists = ([b for b, _ in last], [n for _, n in last], [max(h - 1, 0) for h in his], his)
+        made: dict = {}  # per device: blocks, fill, lo, hi
         for layer in self.layers:
             if isinstance(layer, PagedLayer):
                 layer.length = min(layer.length, keep)
                 if layer.is_initialized and t.rows:
-                    key = str(layer.device)
-                    if key not in made:
-                        host = [b for b, _ in last] + [n for _, n in last] + [max(h - 1, 0) for h in his] + his
-                        made[key] = (
-                            torch.tensor(host, dtype=torch.long)
-                            .to(layer.device)
-                            .split([len(last), len(last), len(his), len(his)])
-                        )
-                    blocks, fill, lo, hi = made[key]
+                    blocks, fill, lo, hi = host_ints_on(made, layer.device, lists)
                     if len(last):
                         reference.refresh_blocks(layer.k_pool, layer.kmin, layer.kmax, layer.kmean, blocks, fill)
                     layer.refresh_state(lo, hi, 1)

@@ -324,15 +324,16 @@ def block_shares(
 
 
 def pool_logits(
-    q: torch.Tensor, k_pool: torch.Tensor, block_table: torch.Tensor, length: int, groups: int = 1
+    q: torch.Tensor, k_pool: torch.Tensor, block_table: torch.Tensor, length: int, through_pool: bool | int = True
 ) -> torch.Tensor:
     """``q . k`` (unscaled, float32) of every query head with the first ``length`` positions of its sequence:
     ``[B, Hkv, G, length]``, computed against every block of the pool and then picked through the table (an
     evicted block's entry ``-1`` reads block 0: mask it). Costs ``B x pool`` scores instead of :func:`gather_dense`'s
     ``B x length x D`` copied keys: for rows that share most of one pool (the ``simulate`` way's scored queries of one
-    sequence), not for a batch of separate sequences. ``groups > 1``: the rows are that many equal groups, each
-    against its own of as many equal consecutive slices of the pool (several sequences' scored queries)."""
+    sequence), not for a batch of separate sequences. ``through_pool`` an int ``n > 1``: the rows are ``n`` equal
+    groups, each against its own of ``n`` equal consecutive slices of the pool (several sequences' scored queries)."""
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
+    groups = _pool_groups(through_pool, q.shape[0], k_pool.shape[0])
     nblk = cdiv(length, BS)
     qg = _group_q(q, Hkv)  # [B, Hkv, G, D]
     B, _, G, D = qg.shape
@@ -364,7 +365,7 @@ def token_scores(
     instead of gathered keys; the same scores up to float32 rounding."""
     L = int(seq_lens.max()) if length is None else length
     if through_pool:
-        s = pool_logits(q, k_pool, block_table, L, _pool_groups(through_pool, q.shape[0], k_pool.shape[0])).amax(2)
+        s = pool_logits(q, k_pool, block_table, L, through_pool).amax(2)
     else:
         keys = gather_dense(k_pool, block_table, L).float()  # [B, Hkv, L, D]
         s = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys).amax(2)
@@ -401,7 +402,7 @@ def oracle_block_scores(
     BS = k_pool.shape[2]
     L = int(seq_lens.max()) if length is None else length
     if through_pool:
-        logits = pool_logits(q, k_pool, block_table, L, _pool_groups(through_pool, q.shape[0], k_pool.shape[0])) * scale
+        logits = pool_logits(q, k_pool, block_table, L, through_pool) * scale
     else:
         keys = gather_dense(k_pool, block_table, L).float()
         logits = torch.einsum("bhgd,bhld->bhgl", _group_q(q, k_pool.shape[1]), keys) * scale
