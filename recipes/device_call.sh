@@ -11,6 +11,14 @@
 #   evaluation/results/suite_SUITE/cells.jsonl lacks: append them to it; past HF_SPARSE_KV_PART_BYTES, 15 MB, in parts
 #   cells_suite_SUITE.jsonl.part00, .part01, ... of whole lines: append them in order), $OUT/log_suite_SUITE.txt
 #   `--workers N` among the suite args runs N suite processes on the folder (evaluation.suite.run_workers)
+# Detached (HF_SPARSE_KV_DETACH=TOTAL seconds): the suite (or the chain) runs in its own process session within TOTAL
+#   seconds, outliving the call (the device tool ends a call's processes, not a new session's), and the call waits for
+#   it at most SECONDS, copying its cells and log (kept in $ASSETS/results/suite_SUITE.run/) to $OUT as above. The next
+#   call with the same arguments, back to back on the same warm machine, finds it running and waits again instead of
+#   starting another: a grid longer than one call runs in one process (one model load, its captured steps kept for
+#   every job) instead of one per call. The call's status: the run's, once it ended (a run that ended between two
+#   calls is reported by the next one, which starts none); 0 while it still runs ("still running" on the log's last
+#   line). After a call saw it end, the next detached call starts a new run (on a finished suite: nothing to do).
 # Environment (defaults): HF_SPARSE_KV_ASSETS (/root/hfsk_assets), HF_SPARSE_KV_EXTRAS (.stage/extras: the texts and
 # the gguf wheel), HF_SPARSE_KV_SITE (/tmp/site: where the wheel goes), HF_SPARSE_KV_DEQUANTIZED ($ASSETS/dequantized:
 # the model kept de-quantized by the first call, loaded by the next ones), PY (python3), OUT (/tmp/out)
@@ -52,20 +60,54 @@ keep() {
     for f in "$ALL.parts"/part*; do mv "$f" "$base.${f##*/}"; done
   fi
 }
-( while sleep 20; do keep; done ) &
-COPIER=$!
+EVERY=${HF_SPARSE_KV_COPY_EVERY:-20}
 export PYTHONPATH=$SITE:$PWD HF_SPARSE_KV_ASSETS=$ASSETS PYTHONUNBUFFERED=1 PY
 export HF_SPARSE_KV_DEQUANTIZED=${HF_SPARSE_KV_DEQUANTIZED:-$ASSETS/dequantized}
-{
+# the suite, or the chain of parts, within $1 seconds (the arguments after SECONDS are the script's own)
+suite() {
+  local limit=$1; shift
   if [ $# -eq 0 ] || [ "$1" = "--" ]; then
     [ "${1:-}" = "--" ] && shift
-    "$PY" -m evaluation.cli suite "$SUITE" --out "$R" --time-limit "$S" "$@"
+    "$PY" -m evaluation.cli suite "$SUITE" --out "$R" --time-limit "$limit" "$@"
   else
-    bash recipes/suite_chain.sh "$R" "$S" "$@"
+    bash recipes/suite_chain.sh "$R" "$limit" "$@"
   fi
-} >> "$LOG" 2>&1
+}
+show() { tail -c 3000 "$1" | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -25; }
+if [ -n "${HF_SPARSE_KV_DETACH:-}" ]; then
+  RUN=$R.run  # pid (the detached shell's), rc (once it ended), log
+  alive() { [ -s "$RUN/pid" ] && [ ! -e "$RUN/rc" ] && kill -0 "$(cat "$RUN/pid")" 2>/dev/null; }
+  if ! alive && [ ! -e "$RUN/rc" ]; then
+    rm -rf "$RUN" && mkdir -p "$RUN"
+    export -f suite && export SUITE R RUN
+    setsid bash -c 'echo $$ > "$RUN/pid.new" && mv "$RUN/pid.new" "$RUN/pid"; suite "$@" >> "$RUN/log" 2>&1 < /dev/null; echo $? > "$RUN/rc"' \
+      _ "$HF_SPARSE_KV_DETACH" "$@" > /dev/null 2>&1 < /dev/null &
+    while [ ! -s "$RUN/pid" ] && [ ! -e "$RUN/rc" ]; do sleep 0.2; done
+    echo "== detached run started (pid $(cat "$RUN/pid" 2>/dev/null), within $HF_SPARSE_KV_DETACH s)" >> "$RUN/log"
+  fi
+  end=$((SECONDS + S)) next=$((SECONDS + EVERY))
+  while alive && [ "$SECONDS" -lt "$end" ]; do
+    sleep 1
+    if [ "$SECONDS" -ge "$next" ]; then keep; cp "$RUN/log" "$LOG"; next=$((SECONDS + EVERY)); fi
+  done
+  keep
+  if [ -e "$RUN/rc" ]; then  # ended: its status, and the next detached call starts afresh
+    rc=$(cat "$RUN/rc")
+    echo "== detached run ended with status $rc" >> "$RUN/log"
+    cp "$RUN/log" "$LOG" && mv "$RUN" "$RUN.ended.$(date +%s)"
+  else
+    rc=0
+    echo "== detached run still running (pid $(cat "$RUN/pid")): call again to wait for it" >> "$RUN/log"
+    cp "$RUN/log" "$LOG"
+  fi
+  show "$LOG"
+  exit "$rc"
+fi
+( while sleep "$EVERY"; do keep; done ) &
+COPIER=$!
+suite "$S" "$@" >> "$LOG" 2>&1
 rc=$?
 kill "$COPIER" 2>/dev/null
 keep
-tail -c 3000 "$LOG" | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -25
+show "$LOG"
 exit $rc

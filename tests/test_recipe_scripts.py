@@ -10,6 +10,7 @@ import re
 import shutil
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,64 @@ def test_device_call_seeds_once_runs_the_suite_and_brings_the_new_cells_back(tmp
     called = args.read_text().splitlines()
     assert called[:4] == ["-m", "evaluation.cli", "suite", "gemma3"] and called[called.index("--out") + 1] == str(res)
     assert (out / "cells_suite_gemma3.jsonl").read_text() == '{"new": 1}\n' * 2  # not seeded again
+
+
+def test_device_call_detached_runs_one_suite_across_calls(tmp_path):
+    """``HF_SPARSE_KV_DETACH=TOTAL``: the first call starts the suite in its own process session with TOTAL as its
+    time limit and returns after its SECONDS while the suite runs on (status 0, "still running"); the next call finds
+    it and waits instead of starting another, and returns the run's status and every cell; a run that ended between
+    two calls is reported by the next one, which starts none; after that the next call starts afresh."""
+    starts, go = tmp_path / "starts.txt", tmp_path / "go"
+    env, assets, out = _device_call_env(  # the fake writes 2 cells, waits for $GO, writes 2 more, exits with status 3
+        tmp_path,
+        'while [ $# -gt 0 ]; do [ "$1" = "--out" ] && O=$2; [ "$1" = "--time-limit" ] && L=$2; shift; done\n'
+        'echo "$L" >> "$STARTS"\n'
+        'for i in 1 2 3 4; do [ $i = 3 ] && while [ ! -e "$GO" ]; do sleep 0.1; done\n'
+        '  echo "{\\"cell\\": $i}" >> "$O/cells.jsonl"; done\n'
+        "exit 3\n",
+        STARTS=str(starts), GO=str(go), HF_SPARSE_KV_DETACH="900", HF_SPARSE_KV_COPY_EVERY="1",
+    )  # fmt: skip
+    script = str(ROOT / "recipes" / "device_call.sh")
+    seed = set((ROOT / "evaluation/results/suite_gemma3/cells.jsonl").read_text().splitlines())
+    run_dir = assets / "results" / "suite_gemma3.run"
+    argv = ["bash", script, "gemma3"]
+
+    def call(seconds: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*argv, seconds], check=False, env=env, cwd=ROOT, capture_output=True, text=True)
+
+    def cells() -> list[int]:
+        lines = (out / "cells_suite_gemma3.jsonl").read_text().splitlines()
+        assert not seed & set(lines)
+        return [json.loads(x)["cell"] for x in lines]
+
+    def ended() -> None:  # or ended and collected by the call that started it
+        for _ in range(300):
+            if (run_dir / "rc").exists() or not run_dir.exists():
+                return
+            time.sleep(0.1)
+        raise AssertionError("the detached run did not end")
+
+    first = call("1")  # the run waits for $GO: still running when the call returns
+    assert first.returncode == 0 and "still running" in first.stdout
+    assert starts.read_text().split() == ["900"] and (run_dir / "pid").exists() and not (run_dir / "rc").exists()
+    assert cells() == [1, 2]
+    second = subprocess.Popen([*argv, "60"], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    time.sleep(1)
+    go.touch()  # the run goes on while the second call waits for it
+    said, _ = second.communicate(timeout=60)
+    assert second.returncode == 3 and "ended with status 3" in said
+    assert cells() == [1, 2, 3, 4] and starts.read_text().split() == ["900"] and not run_dir.exists()
+
+    (assets / "results" / "suite_gemma3" / "cells.jsonl").write_text("")
+    go.unlink()
+    assert call("0").returncode == 0 and starts.read_text().split() == ["900", "900"]  # afresh
+    go.touch()
+    ended()  # between two calls
+    later = call("60")
+    assert later.returncode == 3 and cells() == [1, 2, 3, 4] and starts.read_text().split() == ["900", "900"]
+    call("0")  # seen ended: the next call starts afresh
+    assert len(starts.read_text().split()) == 3
+    ended()
 
 
 def test_profile_levers_runs_its_six_parts_and_goes_on_after_a_failure(tmp_path):
