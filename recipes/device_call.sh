@@ -91,15 +91,10 @@ if [ -n "${HF_SPARSE_KV_DETACH:-}" ]; then
     if [ "$SECONDS" -ge "$next" ]; then keep; cp "$RUN/log" "$LOG"; next=$((SECONDS + EVERY)); fi
   done
   keep
-  if [ -e "$RUN/rc" ]; then  # ended: its status, and the next detached call starts afresh
-    rc=$(cat "$RUN/rc")
-    echo "== detached run ended with status $rc" >> "$RUN/log"
-    cp "$RUN/log" "$LOG" && mv "$RUN" "$RUN.ended.$(date +%s)"
-  else
-    rc=0
-    echo "== detached run still running (pid $(cat "$RUN/pid")): call again to wait for it" >> "$RUN/log"
-    cp "$RUN/log" "$LOG"
-  fi
+  ended=0 rc=0 said="still running (pid $(cat "$RUN/pid")): call again to wait for it"
+  if [ -e "$RUN/rc" ]; then ended=1 rc=$(cat "$RUN/rc") said="ended with status $rc"; fi
+  echo "== detached run $said" >> "$RUN/log" && cp "$RUN/log" "$LOG"
+  [ "$ended" = 1 ] && mv "$RUN" "$RUN.ended.$(date +%s)"  # ended: the next detached call starts afresh
   show "$LOG"
   exit "$rc"
 fi
