@@ -46,6 +46,7 @@ import torch
 from hf_sparse_kv.ops.layout import cdiv
 
 from .environment import environment
+from .kernel_specs import SPECS_ENV, ahead
 from .needle import PhaseClock, decodes_statically, first_static_step, greedy_batch, needle_trial, score_trial
 from .perplexity import kl_dense_sparse, nll_of
 from .qa import make_item, score_item
@@ -627,6 +628,7 @@ def run_suite(
     *,
     claim: Callable[[int], bool] | None = None,
     cells_file: str = "cells.jsonl",
+    kernel_specs: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the suite's jobs in order into ``out/cells.jsonl`` until done or ``time_limit`` seconds have passed.
 
@@ -636,7 +638,10 @@ def run_suite(
 
     Several processes share one ``out`` (:mod:`evaluation.suite_workers`) through ``claim`` (called with a job's
     index in :func:`plan` before it starts: ``False`` leaves the job to another process, which the returned
-    ``jobs_done`` then does not count) and ``cells_file`` (this process's ``cells*.jsonl`` in ``out``)."""
+    ``jobs_done`` then does not count) and ``cells_file`` (this process's ``cells*.jsonl`` in ``out``).
+
+    ``kernel_specs``: a file of Triton specializations (:mod:`evaluation.kernel_specs`) built ahead in worker
+    processes while the model loads, and to which every new one this run compiles is appended (on a GPU)."""
     t0 = time.monotonic()
     deadline = Deadline(time_limit)
     results = ResultsDir(out, name=cells_file)
@@ -645,13 +650,20 @@ def run_suite(
     rows = results.rows()
     check_windows(cfg, out, rows)  # before anything is written
     (results.path / "suite.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cells = cells_of(cfg)
     jobs, todo = remaining(cfg, rows)
+    with ahead(kernel_specs if todo else None):
+        return _run_todo(cfg, results, out, jobs, todo, model, tokenizer, texts, deadline, claim, cells_file, t0)
+
+
+def _run_todo(cfg, results, out, jobs, todo, model, tokenizer, texts, deadline, claim, cells_file, t0) -> dict:
+    """:func:`run_suite`'s jobs ``todo`` of ``jobs``, the model loaded first if not given: its status."""
+    cells = cells_of(cfg)
     if todo and model is None:
         from .assets import load_model
 
         device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = load_model(cfg["model"], dtype=getattr(torch, cfg.get("dtype", "float32")), device=device)
+        print(f"[suite] {cfg['model']} loaded (t+{time.monotonic() - t0:.1f} s)")
     if todo and texts is None:
         texts = {name: suite_text(name) for name in cfg.get("texts", ["essays", "kjv"])}
     if todo:  # every new cell says where and when it ran (an estimate for the GPU leaves out the CPU's cells)
@@ -671,7 +683,8 @@ def run_suite(
                 skipped += 1
                 continue
             done = _done_keys(results.rows())
-        print(f"[suite] {job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}")
+        head = f"{job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}"
+        print(f"[suite] {head} (t+{time.monotonic() - t0:.1f} s)")  # the time since the run started
         if job.task == "perplexity" and any(decoded(cfg, c.policy) for c in _select(cells, job)):
             _perplexity_decode(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
         elif job.task == "perplexity":
@@ -704,10 +717,11 @@ def remaining(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[list[Job
     return jobs, [job for job in jobs if any(u not in done for u in _units(cfg, job, cells))]
 
 
-def _worker(cfg: dict[str, Any], out: str, time_limit: float | None, k: int, claims: str, setup) -> None:
+def _worker(cfg: dict[str, Any], out: str, time_limit: float | None, k: int, claims: str, setup, specs) -> None:
     print(f"[suite] worker {k}: pid {os.getpid()}", flush=True)
     kwargs = setup() if setup is not None else {}
-    run_suite(cfg, out, time_limit, claim=JobClaims(claims), cells_file=WORKER_FILE.format(k), **kwargs)
+    cells = WORKER_FILE.format(k)
+    run_suite(cfg, out, time_limit, claim=JobClaims(claims), cells_file=cells, kernel_specs=specs, **kwargs)
 
 
 def run_workers(
@@ -716,10 +730,12 @@ def run_workers(
     time_limit: float | None,
     workers: int,
     setup: Callable[[], dict[str, Any]] | None = None,
+    kernel_specs: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the suite ``cfg`` into ``out`` with ``workers`` processes (:mod:`evaluation.suite_workers`); ``setup``:
     a picklable function each worker calls for :func:`run_suite`'s ``model`` / ``tokenizer`` / ``texts`` (``None``:
-    each loads them from the config). Returns ``run_suite``'s status for the whole folder after the
+    each loads them from the config); ``kernel_specs``: :func:`run_suite`'s, for the first worker only (its builds
+    ahead serve every worker: they share Triton's cache; only its own new specializations are recorded). Returns ``run_suite``'s status for the whole folder after the
     merge, with ``workers`` and each worker's ``exitcodes``."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, not {workers!r}")
@@ -731,7 +747,10 @@ def run_workers(
     ctx = multiprocessing.get_context("spawn")
     try:
         procs = [
-            ctx.Process(target=_worker, args=(cfg, str(out), time_limit, k, claims, setup)) for k in range(workers)
+            ctx.Process(
+                target=_worker, args=(cfg, str(out), time_limit, k, claims, setup, kernel_specs if k == 0 else None)
+            )
+            for k in range(workers)
         ]
         for p in procs:
             p.start()
@@ -1081,6 +1100,13 @@ def main(argv: list[str] | None = None) -> None:
         help="only compare --out's cells with their twins in the folder OTHER (retrieval outcomes, perplexity NLL)",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (YAML)")
+    p.add_argument(
+        "--kernel-specs",
+        metavar="FILE",
+        default=os.environ.get(SPECS_ENV) or None,
+        help="Triton specializations built ahead in parallel while the model loads, each new one this run compiles "
+        f"appended (on a GPU; evaluation.kernel_specs); default ${SPECS_ENV}",
+    )
     a = p.parse_args(argv)
     if a.compare:
         from .suite_compare import compare_folders
@@ -1109,7 +1135,7 @@ def main(argv: list[str] | None = None) -> None:
         print(ESTIMATE_NOT_COUNTED)
         return
     if not a.summarize and a.workers > 1:
-        run_workers(cfg, a.out, a.time_limit, a.workers)
+        run_workers(cfg, a.out, a.time_limit, a.workers, kernel_specs=a.kernel_specs)
     elif not a.summarize:
-        run_suite(cfg, a.out, a.time_limit)
+        run_suite(cfg, a.out, a.time_limit, kernel_specs=a.kernel_specs)
     print(summarize(a.out, title=str(cfg.get("model"))))

@@ -10,7 +10,8 @@
 #   (recipes/suite_chain.sh).  Outputs: $OUT/cells_suite_SUITE.jsonl (the cells the tree's
 #   evaluation/results/suite_SUITE/cells.jsonl lacks: append them to it; past HF_SPARSE_KV_PART_BYTES, 15 MB, in parts
 #   cells_suite_SUITE.jsonl.part00, .part01, ... of whole lines: append them in order), $OUT/log_suite_SUITE.txt
-#   `--workers N` among the suite args runs N suite processes on the folder (evaluation.suite.run_workers)
+#   `--workers N` among the suite args runs N suite processes on the folder (evaluation.suite.run_workers);
+#   $OUT/kernel_specs_SUITE.jsonl: the Triton specializations recorded so far (below)
 # Detached (HF_SPARSE_KV_DETACH=TOTAL seconds): the suite (or the chain) runs in its own process session within TOTAL
 #   seconds, outliving the call (the device tool ends a call's processes, not a new session's), and the call waits for
 #   it at most SECONDS, copying its cells and log (kept in $ASSETS/results/suite_SUITE.run/) to $OUT as above. The next
@@ -37,6 +38,11 @@ if [ ! -d "$R" ]; then
   mkdir -p "$R"
   cp "evaluation/results/suite_$SUITE/cells.jsonl" "$R"/ 2>/dev/null || true
 fi
+# Triton specializations (evaluation/kernel_specs.py): those recorded by earlier runs (the tree's
+# recipes/kernel_specs_SUITE.jsonl) built ahead in parallel while the model loads, each new one appended; the file
+# travels back as $OUT/kernel_specs_SUITE.jsonl (replace the tree's with it to keep what this run added)
+export HF_SPARSE_KV_KERNEL_SPECS=${HF_SPARSE_KV_KERNEL_SPECS:-$ASSETS/kernel_specs_$SUITE.jsonl}
+[ -s "$HF_SPARSE_KV_KERNEL_SPECS" ] || cp "recipes/kernel_specs_$SUITE.jsonl" "$HF_SPARSE_KV_KERNEL_SPECS" 2>/dev/null || true
 LOG=$OUTDIR/log_suite_$SUITE.txt
 PART_BYTES=${HF_SPARSE_KV_PART_BYTES:-15000000}
 SEED=evaluation/results/suite_$SUITE/cells.jsonl
@@ -46,6 +52,7 @@ ALL=$R.snapshot.jsonl
 # one file, or, past PART_BYTES, as parts of whole lines (.part00, .part01, ...: a call brings back files of at most
 # 16 MiB each; `cat` them in order)
 keep() {
+  cp "$HF_SPARSE_KV_KERNEL_SPECS" "$OUTDIR/kernel_specs_$SUITE.jsonl" 2>/dev/null
   PYTHONPATH=$PWD python3 -m evaluation.suite_workers snapshot "$R" "$ALL" 2>/dev/null \
     || cp "$R/cells.jsonl" "$ALL" 2>/dev/null || return 0
   if [ -s "$SEED" ]; then grep -vxFf "$SEED" "$ALL" > "$ALL.new"; else cp "$ALL" "$ALL.new"; fi

@@ -31,6 +31,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from evaluation.kernel_specs import TargetDriver
 from hf_sparse_kv.ops.triton import (
     block_scores,
     candidate_mass,
@@ -54,25 +55,6 @@ from hf_sparse_kv.ops.triton.product import pq_block_lse
 from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
 
-class Sm90Driver:
-    """Just enough of a Triton driver for compiling: device 0, stream 0, an sm_90 target."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device=None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def is_active(self) -> bool:
-        return True
-
-
 @contextlib.contextmanager
 def compile_only():
     """Within: every Triton launch compiles its kernel for sm_90 and returns without running it."""
@@ -81,7 +63,7 @@ def compile_only():
     def run(self, *args, grid, warmup, **kwargs):
         return real_run(self, *args, grid=grid, warmup=True, **kwargs)
 
-    triton_driver.set_active(Sm90Driver())
+    triton_driver.set_active(TargetDriver(GPUTarget("cuda", 90, 32)))  # just enough of a driver
     JITFunction.run = run
     try:
         yield

@@ -195,6 +195,20 @@ def test_device_call_seeds_once_runs_the_suite_and_brings_the_new_cells_back(tmp
     assert (out / "cells_suite_gemma3.jsonl").read_text() == '{"new": 1}\n' * 2  # not seeded again
 
 
+def test_device_call_records_kernel_specs_in_the_assets_and_brings_them_back(tmp_path):
+    """The suite gets ``$HF_SPARSE_KV_KERNEL_SPECS`` (default: a file in the assets folder, kept across calls) and
+    the call brings the file back in ``$OUT``."""
+    env, assets, out = _device_call_env(  # the fake appends a line to the file the suite was pointed at
+        tmp_path, 'echo "{\\"name\\": \\"hf_sparse_kv.k\\"}" >> "$HF_SPARSE_KV_KERNEL_SPECS"\n'
+    )
+    script = str(ROOT / "recipes" / "device_call.sh")
+    subprocess.run(["bash", script, "gemma3", "300"], check=True, env=env, cwd=ROOT)
+    subprocess.run(["bash", script, "gemma3", "300"], check=True, env=env, cwd=ROOT)
+    kept = assets / "kernel_specs_gemma3.jsonl"
+    assert kept.read_text() == '{"name": "hf_sparse_kv.k"}\n' * 2
+    assert (out / "kernel_specs_gemma3.jsonl").read_text() == kept.read_text()
+
+
 def test_device_call_detached_runs_one_suite_across_calls(tmp_path):
     """``HF_SPARSE_KV_DETACH=TOTAL``: the first call starts the suite in its own process session with TOTAL as its
     time limit and returns after its SECONDS while the suite runs on (status 0, "still running"); the next call finds
