@@ -190,3 +190,14 @@ def test_run_suite_builds_ahead_only_with_work_to_do(tmp_path, monkeypatch):
     assert not status["finished"] and seen == [specs]
     monkeypatch.setattr(suite, "remaining", lambda cfg, rows: (suite.plan(cfg), []))  # as if every job were done
     assert suite.run_suite(cfg, tmp_path / "r", kernel_specs=specs)["finished"] and seen == [specs, None]
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "recipes").glob("kernel_specs_*.jsonl")))
+def test_recorded_specs_in_the_tree_fit_the_kernels(path):
+    """Each specialization the tree keeps names a kernel that still exists, with the parameters it was recorded
+    with (a renamed kernel or changed parameters: record the file again, or `preload` skips them)."""
+    specs = read_specs(path)
+    assert specs
+    for s in specs:
+        obj = json.loads(s)
+        assert list(obj["signature"]) == kernel(obj["name"]).arg_names, obj["name"]
