@@ -20,6 +20,7 @@
 #   every job) instead of one per call. The call's status: the run's, once it ended (a run that ended between two
 #   calls is reported by the next one, which starts none); 0 while it still runs ("still running" on the log's last
 #   line). After a call saw it end, the next detached call starts a new run (on a finished suite: nothing to do).
+#   A call without HF_SPARSE_KV_DETACH while a detached run is alive starts nothing and exits with status 75.
 # Environment (defaults): HF_SPARSE_KV_ASSETS (/root/hfsk_assets), HF_SPARSE_KV_EXTRAS (.stage/extras: the texts and
 # the gguf wheel), HF_SPARSE_KV_SITE (/tmp/site: where the wheel goes), HF_SPARSE_KV_DEQUANTIZED ($ASSETS/dequantized:
 # the model kept de-quantized by the first call, loaded by the next ones), PY (python3), OUT (/tmp/out)
@@ -81,9 +82,14 @@ suite() {
   fi
 }
 show() { tail -c 3000 "$1" | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -25; }
+RUN=$R.run  # a detached run's: pid (the detached shell's), rc (once it ended), log
+alive() { [ -s "$RUN/pid" ] && [ ! -e "$RUN/rc" ] && kill -0 "$(cat "$RUN/pid")" 2>/dev/null; }
+if [ -z "${HF_SPARSE_KV_DETACH:-}" ] && alive; then  # a second suite on the same folder would redo its jobs
+  echo "== a detached run (pid $(cat "$RUN/pid")) is still running on $R: call with HF_SPARSE_KV_DETACH to wait for it" \
+    | tee -a "$LOG"
+  exit 75
+fi
 if [ -n "${HF_SPARSE_KV_DETACH:-}" ]; then
-  RUN=$R.run  # pid (the detached shell's), rc (once it ended), log
-  alive() { [ -s "$RUN/pid" ] && [ ! -e "$RUN/rc" ] && kill -0 "$(cat "$RUN/pid")" 2>/dev/null; }
   if ! alive && [ ! -e "$RUN/rc" ]; then
     rm -rf "$RUN" && mkdir -p "$RUN"
     export -f suite && export SUITE R RUN

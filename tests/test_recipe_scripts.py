@@ -248,6 +248,10 @@ def test_device_call_detached_runs_one_suite_across_calls(tmp_path):
     assert first.returncode == 0 and "still running" in first.stdout
     assert starts.read_text().split() == ["900"] and (run_dir / "pid").exists() and not (run_dir / "rc").exists()
     assert cells() == [1, 2]
+    plain = {k: v for k, v in env.items() if k != "HF_SPARSE_KV_DETACH"}  # a call that would start a second suite
+    refused = subprocess.run([*argv, "5"], check=False, env=plain, cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 75 and "is still running" in refused.stdout
+    assert starts.read_text().split() == ["900"]
     second = subprocess.Popen([*argv, "60"], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     time.sleep(1)
     go.touch()  # the run goes on while the second call waits for it
