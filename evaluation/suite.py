@@ -651,49 +651,46 @@ def run_suite(
     check_windows(cfg, out, rows)  # before anything is written
     (results.path / "suite.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     jobs, todo = remaining(cfg, rows)
-    with ahead(kernel_specs if todo else None):
-        return _run_todo(cfg, results, out, jobs, todo, model, tokenizer, texts, deadline, claim, cells_file, t0)
-
-
-def _run_todo(cfg, results, out, jobs, todo, model, tokenizer, texts, deadline, claim, cells_file, t0) -> dict:
-    """:func:`run_suite`'s jobs ``todo`` of ``jobs``, the model loaded first if not given: its status."""
     cells = cells_of(cfg)
-    if todo and model is None:
-        from .assets import load_model
+    with ahead(kernel_specs if todo else None):  # the kernels built ahead while the model loads
+        if todo and model is None:
+            from .assets import load_model
 
-        device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer = load_model(cfg["model"], dtype=getattr(torch, cfg.get("dtype", "float32")), device=device)
-        print(f"[suite] {cfg['model']} loaded (t+{time.monotonic() - t0:.1f} s)")
-    if todo and texts is None:
-        texts = {name: suite_text(name) for name in cfg.get("texts", ["essays", "kjv"])}
-    if todo:  # every new cell says where and when it ran (an estimate for the GPU leaves out the CPU's cells)
-        stamp = {"device": device_name(model), "date": time.strftime("%Y-%m-%d")}
-        results = ResultsDir(out, stamp=stamp, name=cells_file)
-    torch.manual_seed(cfg.get("seed", 0))
-    cache: dict = {}  # the run's shared things: tokenized texts (perplexity), the kept decode slots (needle, QA)
-    done = _done_keys(results.rows())
-    finished = len(jobs) - len(todo)
-    index = {id(job): i for i, job in enumerate(jobs)}
-    skipped = 0  # jobs left to other processes
-    for job in todo:
-        if deadline.passed():
-            break
-        if claim is not None:  # shared with other processes: skip what they took or finished meanwhile
-            if not claim(index[id(job)]):
-                skipped += 1
-                continue
-            done = _done_keys(results.rows())
-        head = f"{job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}"
-        print(f"[suite] {head} (t+{time.monotonic() - t0:.1f} s)")  # the time since the run started
-        if job.task == "perplexity" and any(decoded(cfg, c.policy) for c in _select(cells, job)):
-            _perplexity_decode(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
-        elif job.task == "perplexity":
-            _perplexity(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
-        elif job.task == "needle":
-            _needle(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
-        else:
-            _qa(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
-        finished += not deadline.passed()
+            device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+            model, tokenizer = load_model(
+                cfg["model"], dtype=getattr(torch, cfg.get("dtype", "float32")), device=device
+            )
+            print(f"[suite] {cfg['model']} loaded (t+{time.monotonic() - t0:.1f} s)")
+        if todo and texts is None:
+            texts = {name: suite_text(name) for name in cfg.get("texts", ["essays", "kjv"])}
+        if todo:  # every new cell says where and when it ran (an estimate for the GPU leaves out the CPU's cells)
+            stamp = {"device": device_name(model), "date": time.strftime("%Y-%m-%d")}
+            results = ResultsDir(out, stamp=stamp, name=cells_file)
+        torch.manual_seed(cfg.get("seed", 0))
+        cache: dict = {}  # the run's shared things: tokenized texts (perplexity), the kept decode slots (needle, QA)
+        done = _done_keys(results.rows())
+        finished = len(jobs) - len(todo)
+        index = {id(job): i for i, job in enumerate(jobs)}
+        skipped = 0  # jobs left to other processes
+        for job in todo:
+            if deadline.passed():
+                break
+            if claim is not None:  # shared with other processes: skip what they took or finished meanwhile
+                if not claim(index[id(job)]):
+                    skipped += 1
+                    continue
+                done = _done_keys(results.rows())
+            head = f"{job.task} {job.length} {job.params or ''} {','.join(job.labels)} @ {','.join(job.budgets)}"
+            print(f"[suite] {head} (t+{time.monotonic() - t0:.1f} s)")  # the time since the run started
+            if job.task == "perplexity" and any(decoded(cfg, c.policy) for c in _select(cells, job)):
+                _perplexity_decode(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
+            elif job.task == "perplexity":
+                _perplexity(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
+            elif job.task == "needle":
+                _needle(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
+            else:
+                _qa(cfg, job, cells, model, tokenizer, texts, results, done, deadline, cache)
+            finished += not deadline.passed()
     status = {
         "finished": finished == len(jobs),
         "jobs_done": finished,
@@ -735,8 +732,8 @@ def run_workers(
     """Run the suite ``cfg`` into ``out`` with ``workers`` processes (:mod:`evaluation.suite_workers`); ``setup``:
     a picklable function each worker calls for :func:`run_suite`'s ``model`` / ``tokenizer`` / ``texts`` (``None``:
     each loads them from the config); ``kernel_specs``: :func:`run_suite`'s, for the first worker only (its builds
-    ahead serve every worker: they share Triton's cache; only its own new specializations are recorded). Returns ``run_suite``'s status for the whole folder after the
-    merge, with ``workers`` and each worker's ``exitcodes``."""
+    ahead serve every worker: they share Triton's cache; only its own new specializations are recorded). Returns
+    ``run_suite``'s status for the whole folder after the merge, with ``workers`` and each worker's ``exitcodes``."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, not {workers!r}")
     t0 = time.monotonic()
