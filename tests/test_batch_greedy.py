@@ -269,7 +269,7 @@ def test_release_common_leaves_each_policy_the_blocks_its_first_step_keeps(arch,
     from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 
     model = tiny_model(arch)
-    ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(5)).to(model.device)
     wide, narrow = (SnapKV(budget=b, sink=4, window=16, observe=8) for b in (0.4, 0.25))
     kw = {"dense_layers": (0,), "block_size": 8}
     patch_model(model, policy=Dense(), **kw)

@@ -72,7 +72,7 @@ def test_stacking_may_consume_its_rows_layer_by_layer(monkeypatch):
         assert all(layer.k_pool is None and not layer.is_initialized for r in rows for layer in r.paged_layers)
         assert all(not r.table.rows and r.get_seq_length() == 0 for r in rows)
         with torch.no_grad():
-            model(torch.tensor([prompts[0][:-1]]), **{cache_kwarg(model): rows[0]}, use_cache=True)
+            model(torch.tensor([prompts[0][:-1]], device=model.device), **{cache_kwarg(model): rows[0]}, use_cache=True)
         fresh = _batched(model, prompts[:1])
         for x, y in zip(rows[0].paged_layers[1].dense_kv(), fresh.paged_layers[1].dense_kv()):
             torch.testing.assert_close(x, y, rtol=0, atol=0)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from test_assets_text import make_essays
-from tiny_models import tiny_model
+from tiny_models import DEVICE, tiny_model
 
 from evaluation import suite as suite_module
 from evaluation.suite import SUITES, _needle_params, _qa_params, cells_of, device_name, load_suite, plan, run_suite
@@ -773,8 +773,10 @@ def test_perplexity_windows_scored_together_give_each_window_its_own_cells(tmp_p
         assert sizes == [2, 1]  # windows 0 and 1, then 2
         assert rows.keys() == alone.keys() and any(k[1] == "snapkv" for k in rows)
         # alone and together the model's matmuls see other batch shapes: float32 rounding apart (KL, a difference of
-        # close log-probabilities, by ~1e-5 of itself)
-        tolerance = {"nll_sum": (1e-6, 0.0), "kl_mean": (1e-3, 1e-8), "recall": (1e-6, 0.0), "hit_rate": (1e-6, 0.0)}
+        # close log-probabilities, by ~1e-5 of itself on the CPU; on an H100 cuBLAS picks other kernels for the two
+        # shapes: 6.5e-8 apart on a KL of 3.9e-5, 2026-12-06)
+        kl_abs = 1e-8 if DEVICE.type == "cpu" else 2e-7
+        tolerance = {"nll_sum": (1e-6, 0.0), "kl_mean": (1e-3, kl_abs), "recall": (1e-6, 0.0), "hit_rate": (1e-6, 0.0)}
         for k, r in rows.items():
             for field, (rel, abs_) in tolerance.items():
                 want = alone[k].get(field)
