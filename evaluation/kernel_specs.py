@@ -162,6 +162,9 @@ class Prebuild:
             workers, mp_context=get_context("spawn"), initializer=_worker_init, initargs=(tuple(target),)
         )
         self.futures: list[Future] = [self.pool.submit(_build, s) for s in specs]
+        self.ended: list[float] = []  # when each build ended (its future's callback)
+        for f in self.futures:
+            f.add_done_callback(lambda _: self.ended.append(time.monotonic()))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for every build, at most ``timeout`` seconds: whether all ended."""
@@ -175,7 +178,8 @@ class Prebuild:
         return True
 
     def summary(self) -> str:
-        """``"N of M built (F failed, first: ...), P pending, S s"``."""
+        """``"N of M built (F failed, first: ...) in S s"`` (S: from the start to the last build's end), or, while
+        some are pending, ``"..., P pending after S s"`` (S: so far)."""
         done = [f for f in self.futures if f.done()]
         errors = [f.result()[2] for f in done if f.exception() is None and f.result()[2]]
         broken = [f for f in done if f.exception() is not None]
@@ -184,7 +188,12 @@ class Prebuild:
         if errors or broken:
             first = errors[0] if errors else repr(broken[0].exception())
             text += f" ({len(errors) + len(broken)} failed, first: {first[:200]})"
-        return f"{text}, {len(self.futures) - len(done)} pending, {time.monotonic() - self.t0:.1f} s"
+        pending = len(self.futures) - len(done)
+        if pending:
+            return f"{text}, {pending} pending after {time.monotonic() - self.t0:.1f} s"
+        # a future's callbacks run just after its waiters wake: one not yet run leaves the end at "now"
+        last = max(self.ended) if len(self.ended) == len(self.futures) else time.monotonic()
+        return f"{text} in {last - self.t0:.1f} s"
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -50,7 +50,7 @@ def main() -> int:
         ended = pre.wait(300)
         print(pre.summary())
         pre.close()
-        return 0 if ended and pre.summary().startswith(f"{len(specs)} of {len(specs)} built,") else 1
+        return 0 if ended and pre.summary().startswith(f"{len(specs)} of {len(specs)} built in ") else 1
     elif step == "launch":
         with compile_only():
             launch()
