@@ -155,7 +155,8 @@ def test_one_pass_prefills_each_batch_once_and_writes_the_tiers_cells(tmp_path, 
 def test_estimate_prices_one_pass_below_the_tiers_by_their_extra_prefills():
     """From the same finished cells (carrying their batch's phases), a fresh one-pass run is priced below the
     tiered one by the prefills the tiers repeat: each needle prompt's once-for-all part per extra job."""
-    from evaluation.suite import _units, estimate
+    from evaluation.suite import _units
+    from evaluation.suite_estimate import estimate
 
     cfg = _tiny_cfg("qwen2.5")
     cells = cells_of(cfg)
@@ -300,7 +301,8 @@ def test_estimate_counts_what_is_left_and_prices_it_from_finished_cells():
     """The estimate counts each (unit, cell) once across the plan's tiers, skips the finished ones, and prices a kind
     of unit from the finished cells' median seconds when there are some: each cell at its share of its batch's
     decoding, each prompt of a job with cells left once at its batch's prefill."""
-    from evaluation.suite import _units, estimate
+    from evaluation.suite import _units
+    from evaluation.suite_estimate import estimate
 
     cfg = _tiny_cfg("qwen2.5")
     cells = cells_of(cfg)
@@ -356,8 +358,8 @@ def test_estimates_model_prices_captured_steps_at_their_own_rate_and_snapkv_pref
     step's rate (equal to the eager one's: equal prices; below it: cheaper), and SnapKV's cells add one prefill a
     batch per observation window only on a model with sliding-window layers (elsewhere they share the prefill), and
     one eager step a batch unless a kept slot (``reuse_graphs``) steps them statically from the first."""
-    from evaluation import suite
-    from evaluation.suite import estimate
+    from evaluation import suite, suite_estimate
+    from evaluation.suite_estimate import estimate
 
     cfg = {**_tiny_cfg("qwen2.5"), "one_pass": True}  # one tier: every job's units all its own
 
@@ -369,9 +371,9 @@ def test_estimates_model_prices_captured_steps_at_their_own_rate_and_snapkv_pref
     assert needles(static) < needles(cfg)
     gemma = {**cfg, "model": "gemma3-270m"}
     without = needles(gemma)
-    monkeypatch.setattr(suite, "SLIDING", frozenset())
+    monkeypatch.setattr(suite_estimate, "SLIDING", frozenset())
     assert needles(gemma) < without
-    layers, params = suite.SHAPES["gemma3-270m"]
+    layers, params = suite_estimate.SHAPES["gemma3-270m"]
     one_prefill = 2 * params * 2 * 640 / 150e12 + layers * 0.002  # a batch of 2 prompts of 640 tokens
     cells = cells_of(cfg)
     batches = sum(  # every needle job with a SnapKV cell: its batches of 2 (one observation window: 32)
@@ -387,7 +389,7 @@ def test_estimates_model_prices_captured_steps_at_their_own_rate_and_snapkv_pref
         for j in plan(cfg)
         if j.task == "needle"
     )
-    step = suite.SHAPES[cfg["model"]][0] * 1.6 / 1000
+    step = suite_estimate.SHAPES[cfg["model"]][0] * 1.6 / 1000
     assert eager_firsts > batches
     assert needles(static) - needles({**static, "reuse_graphs": True}) == pytest.approx(eager_firsts * step)
 
@@ -396,7 +398,8 @@ def test_estimate_prices_needle_cells_from_those_decoded_the_way_the_config_deco
     """Finished cells decoded through captured steps and eagerly price a needle job each for the config that decodes
     that way: with ``static: true`` the static cells' seconds (SnapKV's too: it frees blocks once, then decodes
     statically), without it the eager ones; a policy with cells of the other way only is priced from them."""
-    from evaluation.suite import _units, estimate
+    from evaluation.suite import _units
+    from evaluation.suite_estimate import estimate
 
     cfg = _tiny_cfg("qwen2.5")
     cells = cells_of(cfg)
@@ -428,7 +431,8 @@ def test_estimate_prices_needle_cells_from_those_decoded_the_way_the_config_deco
 def test_estimate_counts_the_cpus_cells_as_done_and_prices_nothing_from_them():
     """Cells recorded on the CPU are done (not priced again) but do not price the GPU estimate: the same cells
     stamped with a GPU price their kind, stamped ``cpu`` leave it to the model."""
-    from evaluation.suite import _units, estimate
+    from evaluation.suite import _units
+    from evaluation.suite_estimate import estimate
 
     cfg = _tiny_cfg("qwen2.5")
     cells = cells_of(cfg)
@@ -452,7 +456,8 @@ def test_estimate_counts_the_cpus_cells_as_done_and_prices_nothing_from_them():
 def test_estimate_adds_a_measured_prefill_to_a_compressing_policy_without_cells_of_its_own():
     """A policy that prefills on its own (SnapKV) with no finished cells of a kind is priced at the kind's median
     plus a prompt's share of the measured prefill; a policy that shares the prefill, at the kind's median."""
-    from evaluation.suite import _units, estimate
+    from evaluation.suite import _units
+    from evaluation.suite_estimate import estimate
 
     cfg = _tiny_cfg("qwen2.5")
     cells = cells_of(cfg)
@@ -483,7 +488,8 @@ def test_estimate_adds_the_dense_pass_no_perplexity_row_carries():
     shared session), timed in no row once the window's dense cell is done: the estimate adds the dense cell's median
     once per window with cells left and its dense cell not among them; the decode way decodes dense beside every
     batch, in no row: one more cell of the kind per window."""
-    from evaluation.suite import _select, _units, estimate
+    from evaluation.suite import _select, _units
+    from evaluation.suite_estimate import estimate
 
     cfg = _tiny_cfg("qwen2.5")
     cells = cells_of(cfg)
@@ -580,7 +586,8 @@ def test_prefetched_builds_the_next_batch_while_the_caller_works():
 def test_estimate_command_prints_its_table_and_what_it_leaves_out(tmp_path, capsys):
     """``hf-sparse-kv suite MODEL --out DIR --estimate`` loads no model: one line per job of the plan, then the line
     saying what the figures leave out (the model's load and the first compiles)."""
-    from evaluation.suite import ESTIMATE_NOT_COUNTED, main
+    from evaluation.suite import main
+    from evaluation.suite_estimate import ESTIMATE_NOT_COUNTED
 
     main(["smollm2", "--out", str(tmp_path), "--estimate"])
     lines = capsys.readouterr().out.strip().splitlines()
