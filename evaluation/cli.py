@@ -47,7 +47,7 @@ COMMANDS = {
 LAZY = {  # command -> the module whose main() runs it
     "demo": ".demo",
     "stage": ".stage",
-    "suite": ".suite",
+    "suite": ".suite_cli",
     "calibrate": "hf_sparse_kv.calibrate",
     "calibrate-selector": ".calibrate_selector",
 }

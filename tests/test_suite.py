@@ -586,7 +586,7 @@ def test_prefetched_builds_the_next_batch_while_the_caller_works():
 def test_estimate_command_prints_its_table_and_what_it_leaves_out(tmp_path, capsys):
     """``hf-sparse-kv suite MODEL --out DIR --estimate`` loads no model: one line per job of the plan, then the line
     saying what the figures leave out (the model's load and the first compiles)."""
-    from evaluation.suite import main
+    from evaluation.suite_cli import main
     from evaluation.suite_estimate import ESTIMATE_NOT_COUNTED
 
     main(["smollm2", "--out", str(tmp_path), "--estimate"])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from evaluation.suite import main as suite_main
+from evaluation.suite_cli import main as suite_main
 from evaluation.suite_compare import compare_rows, report
 
 

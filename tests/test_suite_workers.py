@@ -11,8 +11,8 @@ from test_assets_text import make_essays
 from test_suite import _tiny_cfg
 from tiny_models import tiny_model
 
-from evaluation.suite import main as suite_main
 from evaluation.suite import remaining, run_suite, run_workers
+from evaluation.suite_cli import main as suite_main
 from evaluation.suite_workers import JobClaims, merge_worker_cells, snapshot
 from evaluation.sweep import ResultsDir
 from evaluation.toy import CharTokenizer
