@@ -48,9 +48,10 @@ def main() -> int:
         specs = read_specs(sys.argv[2])
         pre = Prebuild(specs, workers=2, target=("cuda", 90, 32))
         ended = pre.wait(300)
-        print(pre.summary())
+        summary = pre.summary()
+        print(summary)
         pre.close()
-        return 0 if ended and pre.summary().startswith(f"{len(specs)} of {len(specs)} built in ") else 1
+        return 0 if ended and summary.startswith(f"{len(specs)} of {len(specs)} built in ") else 1
     elif step == "launch":
         with compile_only():
             launch()
