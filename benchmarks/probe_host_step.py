@@ -14,6 +14,7 @@ table last::
     python benchmarks/probe_host_step.py --signature --profile 0   # also each row with the old cache_kwarg
     python benchmarks/probe_host_step.py --device cpu --layers 2 --length 256 --steps 4   # a dry run (no graphs)
     python benchmarks/probe_host_step.py --generate 64    # also a real generate(): its median step (generate_us)
+    python benchmarks/probe_host_step.py --stamps --profile 0     # the host part by stage; single device ops' cost
 
 ``--generate N``: after the filled-cache steps, each row runs a greedy ``generate()`` of ``N`` tokens after a real
 prefill of ``--length`` (an all-ones attention mask), its steps timed by bench_e2e's ``StepClock`` (a logits
@@ -42,16 +43,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_e2e import StepClock, build_model, fill_caches, llama8b_config, sync, tiny_config
 
 from hf_sparse_kv import cache_kwarg, patch_model, patched, unpatch_model
+from hf_sparse_kv import graphs as hf_graphs
+from hf_sparse_kv import patch as hf_patch
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, Quest
+from hf_sparse_kv.static import StaticBuffers
 
 
 class Clock:
-    """Host clock readings around ``DecodeGraphs.step``'s replay (patched onto ``torch.cuda.CUDAGraph.replay``)."""
+    """Host clock readings around ``DecodeGraphs.step``'s replay (patched onto ``torch.cuda.CUDAGraph.replay``) and,
+    with ``stamps``, at the entry (and exit) of the host part's stages: ``captured_step`` (the patch's forward has
+    found the cache), ``begin_static_step`` and its ``StaticBuffers.begin_step`` (the buffers' device ops)."""
 
-    def __init__(self):
+    STAGES = ("captured", "plan", "fill", "filled", "planned")
+
+    def __init__(self, stamps: bool = False):
         self.enter = self.leave = 0.0
+        self.at: dict[str, float] = {}
         self._replay = torch.cuda.CUDAGraph.replay
+        self._saved = []
 
         def replay(graph):
             self.enter = time.perf_counter()
@@ -59,15 +69,80 @@ class Clock:
             self.leave = time.perf_counter()
 
         torch.cuda.CUDAGraph.replay = replay
+        if stamps:
+            self._wrap(hf_patch, "captured_step", "captured", None)
+            self._wrap(hf_graphs, "begin_static_step", "plan", "planned")
+            self._wrap(StaticBuffers, "begin_step", "fill", "filled")
+
+    def _wrap(self, owner, name: str, enter: str, leave: str | None) -> None:
+        inner = getattr(owner, name)
+        self._saved.append((owner, name, inner))
+
+        def stamped(*args, **kwargs):
+            self.at[enter] = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if leave:
+                    self.at[leave] = time.perf_counter()
+
+        setattr(owner, name, stamped)
 
     def close(self):
         torch.cuda.CUDAGraph.replay = self._replay
+        for owner, name, inner in reversed(self._saved):
+            setattr(owner, name, inner)
+
+    def stages(self, t0: float) -> dict[str, float]:
+        """µs of each stage of the host part, from the step's start to the replay's entry."""
+        at = self.at
+        if not all(k in at for k in self.STAGES):
+            return {}
+        return {
+            "hook_us": 1e6 * (at["captured"] - t0),  # the model's pre-hook, the patch's forward up to captured_step
+            "checks_us": 1e6 * (at["plan"] - at["captured"]),  # step_applies, fits, the patch-state check
+            "plan_us": 1e6 * (at["fill"] - at["plan"] + at["planned"] - at["filled"]),  # plan, advance, counters
+            "fill_us": 1e6 * (at["filled"] - at["fill"]),  # the buffers' device ops
+            "launch_us": 1e6 * (self.enter - at["planned"]),  # the token's copy, the graph's lookup
+        }
 
 
-def time_steps(model, cache, batch, length, steps, warmup, device) -> list[dict]:
+def launch_costs(device: torch.device, n: int = 1000) -> dict[str, float]:
+    """Host µs of one small device op, as the host part launches them: the mean of ``n`` back to back, and the median
+    of single ones each after a sync (the GPU idle, as at the start of a decode step)."""
+    pads = torch.zeros(1, dtype=torch.int32, device=device)
+    frame = torch.zeros(1, dtype=torch.long, device=device)
+    pos0 = torch.zeros(1, dtype=torch.int32, device=device)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    src = torch.ones(1, 1, dtype=torch.long, device=device)
+    ops = {
+        "fill_": lambda: frame.fill_(7),
+        "sub(int, t, out)": lambda: torch.sub(7, pads, out=pos0),
+        "copy_": lambda: ids.copy_(src),
+    }
+    out = {}
+    for name, op in ops.items():
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            op()
+        out[f"{name} back to back"] = 1e6 * (time.perf_counter() - t0) / n
+        sync(device)
+        single = []
+        for _ in range(100):
+            sync(device)
+            t0 = time.perf_counter()
+            op()
+            single.append(1e6 * (time.perf_counter() - t0))
+        out[f"{name} after a sync"] = statistics.median(single)
+    sync(device)
+    return out
+
+
+def time_steps(model, cache, batch, length, steps, warmup, device, stamps: bool = False) -> list[dict]:
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
     kw = {cache_kwarg(model): cache, "use_cache": True}
-    clock = Clock() if device.type == "cuda" else None
+    clock = Clock(stamps) if device.type == "cuda" else None
     rows = []
     try:
         with torch.no_grad():
@@ -91,6 +166,7 @@ def time_steps(model, cache, batch, length, steps, warmup, device) -> list[dict]
                 if clock:
                     row |= {"host_us": 1e6 * (clock.enter - t0), "replay_us": 1e6 * (clock.leave - clock.enter),
                             "after_us": 1e6 * (t1 - clock.leave), "gpu_us": 1000 * ev[0].elapsed_time(ev[1])}  # fmt: skip
+                    row |= clock.stages(t0)
                 rows.append(row)
     finally:
         if clock:
@@ -169,8 +245,18 @@ def main() -> None:
         help="also time each row's greedy generate() of this many tokens after a real prefill of --length (and, "
         "with --profile, a cProfile of a second one)",
     )
+    ap.add_argument(
+        "--stamps",
+        action="store_true",
+        help="also split the host part into stages (host clock at each stage's entry; a CUDA device only) and time "
+        "single small device ops",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.stamps and device.type == "cuda":
+        print("host µs of one small device op (back to back: the mean of 1000; after a sync: the median of 100)")
+        for name, us in launch_costs(device).items():
+            print(f"  {name:<32} {us:8.1f}")
     config = llama8b_config(args.layers) if device.type == "cuda" else tiny_config()
     config.num_hidden_layers = args.layers
     model = build_model(args.layers, args.device, config)
@@ -185,10 +271,10 @@ def main() -> None:
         if signature:  # cache_kwarg as it was: a Signature built at every call
             patched.forward_parameters = lambda fn: frozenset(inspect.signature(fn).parameters)
         try:
-            rows = time_steps(model, paged, args.batch, args.length, args.steps, args.warmup, device)
+            rows = time_steps(model, paged, args.batch, args.length, args.steps, args.warmup, device, args.stamps)
             runner = paged.session.graphs
             replays = runner.replays if isinstance(runner, DecodeGraphs) else 0
-            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            med = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]}
             if args.generate:
                 steps, table = time_generate(model, args.batch, args.length, args.generate, device, args.profile > 0)
                 med["generate_us"] = statistics.median(steps)

@@ -78,14 +78,16 @@ def _inductor_freezing() -> bool:
 
 
 def begin_static_step(
-    config, cache: PagedKVCache, positions: torch.Tensor | None = None, compiled: bool = True
+    config, cache: PagedKVCache, positions: torch.Tensor | None = None, compiled: bool = True, derive: bool = True
 ) -> StaticPlan:
     """The host part of a static decode step on a reserved ``cache``, before the step runs: plan it at its lengths,
     fill the device buffers (``positions`` ``[B, 1]``: the step's position ids, default ``generate()``'s), move the
     layers' lengths on by the new token and count the step (as the eager step would). Returns the step's plan (the
     key of its graph). ``compiled``: whether the step may run compiled (``False`` only for a :class:`DecodeGraphs`
     without ``compile``); such a step refuses to run (``RuntimeError``, before anything changes) while inductor's
-    global ``freezing`` flag is on: a frozen compile of the step would read the cache as constants."""
+    global ``freezing`` flag is on: a frozen compile of the step would read the cache as constants. ``derive=False``:
+    the step derives its lengths from the frame on the device (:meth:`StaticBuffers.derive`, as
+    :class:`DecodeGraphs`' steps do), two launches fewer on the host."""
     if compiled and _inductor_freezing():
         raise RuntimeError(FREEZING_ERROR)
     static = cache.static
@@ -97,7 +99,7 @@ def begin_static_step(
         )
     lens = tuple(frame + 1 - p for p in cache.pads)
     plan = static_plan(config, cache, lens)
-    static.begin_step(frame, plan, plan.counts, positions)
+    static.begin_step(frame, plan, plan.counts, positions, derive=derive)
     cache.advance(1)
     cache.session.add_counters(static_counters(config, cache, plan, lens))
     return plan
@@ -214,11 +216,16 @@ class DecodeGraphs:
         )
 
     def _forward(self):
+        """The step itself (what a graph captures): the lengths derived from the frame, the forward, the frame
+        moved on to the next token's (so that the host fills nothing at the next step, :meth:`step`)."""
         kw = {self.cache_name: self.cache, "use_cache": True}
         if self.mask is not None:
             kw["attention_mask"] = self.mask
         positions = self.static.positions if self.given is None else self.given
-        return self.forward_fn(input_ids=self.ids, position_ids=positions, **kw).logits
+        self.static.derive()
+        logits = self.forward_fn(input_ids=self.ids, position_ids=positions, **kw).logits
+        self.static.next_frame()
+        return logits
 
     def _positions(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
         """The step's ``position_ids`` for the reservation's ``[B, 1]`` buffer, or ``None`` where they have another
@@ -256,20 +263,29 @@ class DecodeGraphs:
                 "the model was patched again (or unpatched) after this cache's static steps were set up: they would "
                 "replay its old settings and weights. Call cache.reset() and prefill again."
             )
-        plan = begin_static_step(self.config, self.cache, self._positions(position_ids), compiled=self.compiled)
+        static = self.static
+        plan = begin_static_step(
+            self.config, self.cache, self._positions(position_ids), compiled=self.compiled, derive=False
+        )
+        frame = static.frame_held  # the step's frame, in static.frame now
         self.ids.copy_(input_ids)
+        static.moved(None)  # until the step has run: an error in it leaves the frame unknown
         if not self.capture:
-            return self._forward().clone()
-        if plan.key not in self.graphs:  # a new width (or mode="auto"'s decision), not a new per-sequence count
-            t0 = time.perf_counter()
-            self.graphs[plan.key] = self._capture()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.capture_seconds += time.perf_counter() - t0
-        graph, logits = self.graphs[plan.key]
-        graph.replay()
-        self.replays += 1
-        return logits.clone()
+            logits = self._forward().clone()
+        else:
+            if plan.key not in self.graphs:  # a new width (or mode="auto"'s decision), not a new per-sequence count
+                t0 = time.perf_counter()
+                self.graphs[plan.key] = self._capture()  # its warm-up ran the step: the frame moved on
+                static.set_frame(frame)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.capture_seconds += time.perf_counter() - t0
+            graph, logits = self.graphs[plan.key]
+            graph.replay()
+            self.replays += 1
+            logits = logits.clone()
+        static.moved(frame + 1)
+        return logits
 
 
 def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:

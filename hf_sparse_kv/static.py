@@ -43,6 +43,9 @@ class StaticBuffers:
             the most blocks any sequence's row of ``table`` holds (reserved ones included); ``None`` otherwise.
         remakes: the ``make`` of each kept entry that reads ``table``'s contents (:meth:`keep` with ``table=True``),
             by key: :meth:`reload` remakes them in place when a refill changes the table.
+        frame_held: the frame :attr:`frame` holds once the work queued so far has run (``None``: not known), so
+            that a step at that frame does not fill it again: :meth:`begin_step` sets it, a step that moves
+            :attr:`frame` on by itself (:meth:`next_frame`, inside a captured step) tells it with :meth:`moved`.
     """
 
     max_length: int
@@ -61,18 +64,32 @@ class StaticBuffers:
     evicted: tuple[int, ...] | None = None
     held: int | None = None
     remakes: dict = field(default_factory=dict)
+    frame_held: int | None = None
 
     def begin_step(
-        self, frame: int, plan, counts: tuple[int, ...] | None, positions: torch.Tensor | None = None
+        self,
+        frame: int,
+        plan,
+        counts: tuple[int, ...] | None,
+        positions: torch.Tensor | None = None,
+        derive: bool = True,
     ) -> None:
         """Fill the buffers for the token at position ``frame`` (transformers' frame) and keep the step's plan and
         its per-sequence ``counts`` (``None``: the plan has none); runs before the step (outside a traced or captured
         region). ``positions`` ``[B, 1]``: the step's position ids when the caller has its own (default:
-        ``frame - pads``, as ``generate()`` makes them)."""
-        self.frame.fill_(frame)
-        torch.sub(frame, self.pads, out=self.pos0)
-        torch.add(self.pos0, 1, out=self.seq_lens)
-        self.positions.copy_(self.pos0.view(-1, 1) if positions is None else positions)
+        ``frame - pads``, as ``generate()`` makes them). ``derive=False``: leave :attr:`pos0` and :attr:`seq_lens`
+        to the step, which derives them from :attr:`frame` on the device (:meth:`derive`).
+
+        Each device op here is a launch the host makes while the GPU waits for the step (tens of µs each on a
+        loaded host): :attr:`frame` is filled only when it does not hold ``frame`` already (:attr:`frame_held`)."""
+        if self.frame_held != frame:
+            self.set_frame(frame)
+        if derive:
+            self.derive()
+        if positions is None:
+            torch.sub(frame, self.pads, out=self.positions.view(-1))
+        else:
+            self.positions.copy_(positions)
         if counts is not None and counts != self.filled:
             # fill_ with a Python number is a kernel argument: no host-to-device copy, and no sync; only the counts
             # that changed (a plan changes one sequence's count every few blocks)
@@ -81,6 +98,26 @@ class StaticBuffers:
                     self.counts[b : b + 1].fill_(c)
             self.filled = counts
         self.plan = plan
+
+    def set_frame(self, frame: int) -> None:
+        """Fill :attr:`frame` with ``frame`` (a kernel argument: no copy, no sync), whatever it holds."""
+        self.frame.fill_(frame)
+        self.frame_held = frame
+
+    def derive(self) -> None:
+        """Set :attr:`pos0` (``frame - pads``) and :attr:`seq_lens` (``pos0 + 1``) from :attr:`frame`, on the device:
+        two kernels, which a captured step holds (no host value read, nothing launched by the host at replay)."""
+        torch.sub(self.frame, self.pads, out=self.pos0)
+        torch.add(self.pos0, 1, out=self.seq_lens)
+
+    def next_frame(self) -> None:
+        """Move :attr:`frame` on by one token on the device (the last op of a captured step: the next step at the
+        next frame then needs no fill); the host learns it through :meth:`moved`."""
+        self.frame.add_(1)
+
+    def moved(self, frame: int | None) -> None:
+        """The work queued so far leaves :attr:`frame` at ``frame`` (``None``: not known; the next step fills it)."""
+        self.frame_held = frame
 
     def reload(
         self,
@@ -96,6 +133,7 @@ class StaticBuffers:
         them at their addresses); the others stay (they depend on their key alone)."""
         self.pads.copy_(torch.tensor(pads, dtype=self.pads.dtype))
         self.filled = None
+        self.frame_held = None
         self.plan = None
         if table is not None:
             self.table.copy_(table)

@@ -171,3 +171,68 @@ def test_captured_step_builds_no_mask_of_the_reserved_length(arch):
     unpatch_model(model)
     assert cache.static.max_length == 61 and rec.shapes
     assert not [s for s in rec.shapes if s and s[-1] == 61], "a tensor of the reserved length was built"
+
+
+class _HostOps(TorchDispatchMode):
+    """The ops a :class:`DecodeGraphs` step dispatches outside its ``_forward`` (the part a captured graph holds):
+    what the host launches before (and after) the replay, views excluded."""
+
+    def __init__(self, runner):
+        super().__init__()
+        self.inside = False
+        self.ops: list[str] = []
+        inner = runner._forward
+
+        def forward():
+            self.inside = True
+            try:
+                return inner()
+            finally:
+                self.inside = False
+
+        runner._forward = forward
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside and not func.is_view:
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["positions-default", "positions-given"])
+def test_the_host_part_of_a_step_at_the_next_frame_fills_no_length(given):
+    """A step at the frame the previous one left launches on the host only the position ids (copied, or made from
+    the frame) and the token's copy before the forward, and the logits' copy after it: the frame is moved on by the
+    step itself and the lengths derived from it inside the step (launches the GPU would wait for, tens of µs each on
+    a loaded host). The steps stay the eager ones, and the frame buffer holds the next frame after each step."""
+    model = tiny_model("llama")
+    ids, mask = _left_padded([60, 41, 53], 60)
+    patch_model(model, policy=Quest(budget=0.25, sink=4, window=8), mode="block", block_size=8, dense_layers=(0,))
+    cache, runner, token = _runner(model, ids, mask, 8)
+    eager = PagedKVCache(model.config, block_size=8)
+    kw = {cache_kwarg(model): eager}
+    rec = _HostOps(runner)
+    first, later = [], []
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(ids, attention_mask=mask, position_ids=pos, **kw)
+        ref_mask = mask
+        for i in range(6):
+            ref_mask = torch.cat([ref_mask, torch.ones_like(mask[:, :1])], 1)
+            step_pos = ref_mask.sum(-1, keepdim=True) - 1
+            ref = model(token, attention_mask=ref_mask, position_ids=step_pos, **kw).logits
+            filled = cache.static.filled
+            with rec:
+                got = runner.step(token, step_pos if given else None)
+            # a plan's per-sequence counts change every few blocks: each changed one is filled (kernel argument)
+            changed = sum(a != b for a, b in zip(filled, cache.static.filled)) if filled else 0
+            (first if i == 0 else later).append(
+                [op for op in rec.ops if op != "aten.fill_"] + ["fill"] * (rec.ops.count("aten.fill_") - changed)
+            )
+            rec.ops = []
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+            assert int(cache.static.frame) == cache.get_seq_length(), "the step moved the frame on"
+            token = ref.argmax(-1)
+    unpatch_model(model)
+    assert "fill" in first[0], "the first step fills the frame"
+    expected = ["aten.copy_" if given else "aten.sub", "aten.copy_", "aten.clone"]
+    assert all(ops == expected for ops in later), later
