@@ -2,7 +2,9 @@
 
 Two runs of ``bench_e2e.py`` on one machine differ by a few percent from run to run (clocks, placement); a change
 that must stay within +-3% needs both versions timed in one process, on one model, interleaved. Put the other
-version's package in a folder (``git archive REV hf_sparse_kv | tar -x -C /tmp/old``) and run::
+version's package in a folder (``git archive REV hf_sparse_kv | tar -x -C /tmp/old``; a version before 2026-12-06
+registers its ops under a literal namespace: set ``NAMESPACE = __name__.split(".")[0]`` in its ``ops/library.py``,
+as this one does, so that its ops do not take this version's names) and run::
 
     python benchmarks/bench_ab.py --old /tmp/old --shapes 1x131072,8x32768 \
         --rows "graph: patched Dense,graph: Quest 1/16 block" --rounds 2 --out benchmarks/results/bench_ab.csv
@@ -10,6 +12,9 @@ version's package in a folder (``git archive REV hf_sparse_kv | tar -x -C /tmp/o
 The old package is imported under the name ``hf_sparse_kv_old`` (its imports are relative), each version fills its
 own cache with the same random K/V (``bench_e2e.fill_caches``), and every round times each row on both versions, in
 alternating order. The table gives each version's median ms/token over the rounds' medians and new / old.
+
+Compiled rows (``bench_e2e.COMPILED_ROWS``' ``graph+compile[+merged]: ...``) compile each version's captured step
+anew in every round (dynamo reset after each).
 
 Without ``--old``, ``--old-env NAME=VALUE`` makes "old" this package with that environment variable set while its
 rows are patched, captured and timed: for a switch read at launch (and so at capture), such as the
@@ -36,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_e2e import ROWS, build_model, fill_caches, time_decode
+from bench_e2e import COMPILED_ROWS, ROWS, build_model, fill_caches, step_options, time_decode
 from common import env_info, print_table, write_csv
 
 import hf_sparse_kv
@@ -53,6 +58,13 @@ def load_old(folder: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules["hf_sparse_kv_old"] = module
     spec.loader.exec_module(module)
+    library = importlib.import_module("hf_sparse_kv_old.ops.library")
+    if getattr(library, "NAMESPACE", None) != "hf_sparse_kv_old":
+        raise SystemExit(
+            f"--old {folder}: its ops register under the namespace {getattr(library, 'NAMESPACE', None)!r}, as this "
+            "version's do (one registry, the same op names: the second version's calls fail). Set NAMESPACE = "
+            '__name__.split(".")[0] in its hf_sparse_kv/ops/library.py (versions before 2026-12-06 name it literally).'
+        )
     return module
 
 
@@ -95,7 +107,16 @@ def main() -> None:
     env = dict([args.old_env.split("=", 1)]) if args.old_env else {}
     print(env_info(), flush=True)
     model = build_model(args.layers, args.device)
-    rows = [r for r in ROWS if r[0] in args.rows.split(",")]
+    # (name, policy, mode, cuda_graph, how): a compiled row (COMPILED_ROWS' "graph", "graph+merged") is captured
+    names = args.rows.split(",")
+    rows = [(*r, None) for r in ROWS if r[0] in names]
+    rows += [
+        (name, pol, mode, True, how)
+        for name, pol, mode, how in COMPILED_ROWS
+        if name in names and how.startswith("graph")
+    ]
+    if len(rows) != len(names):
+        raise SystemExit(f"--rows: unknown or unsupported rows {sorted(set(names) - {r[0] for r in rows})}")
     results, summary = [], []
     for shape in args.shapes.split(","):
         batch, length = map(int, shape.split("x"))
@@ -106,16 +127,21 @@ def main() -> None:
         times = {(name, row[0]): [] for name in versions for row in rows}
         for rnd in range(args.rounds):
             order = list(versions) if rnd % 2 == 0 else list(reversed(versions))
-            for row, policy, mode, graph in rows:
+            for row, policy, mode, graph, how in rows:
                 for name in order:
                     v = versions[name]
                     pol = getattr(_policies(v), type(policy).__name__)(
                         **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
                     )
                     with environment(env if name == "old" else {}):
-                        v.patch_model(model, policy=pol, mode=mode, block_size=args.block_size, cuda_graph=graph)
+                        opts = step_options(args.device, how)
+                        v.patch_model(
+                            model, policy=pol, mode=mode, block_size=args.block_size, cuda_graph=graph, **opts
+                        )
                         t = time_decode(model, caches[name], batch, length, args.steps, args.warmup)
                         v.unpatch_model(model)
+                        if how:
+                            torch._dynamo.reset()
                     ms = 1000 * statistics.median(t)
                     times[(name, row)].append(ms)
                     results.append({"batch": batch, "context": length, "row": row, "version": name, "round": rnd,

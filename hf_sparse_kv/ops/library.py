@@ -1,7 +1,7 @@
 """The decode ops as PyTorch custom ops (``torch.library``), so that a static decode step traces under
 ``torch.compile(fullgraph=True)``.
 
-Each op of :data:`REGISTERED` is registered once, at import, as ``hf_sparse_kv::<name>`` with a fake (meta)
+Each op of :data:`REGISTERED` is registered once, at import, as ``hf_sparse_kv::<name>`` (:data:`NAMESPACE`) with a fake (meta)
 implementation that gives its output's shape: the registration is an entry in PyTorch's op registry, not state of
 this package. The real implementation dispatches on its ``backend`` argument to :mod:`.reference` or to the Triton
 launcher of the same name (whose host-side checks, split choice and launch dynamo therefore never sees).
@@ -29,7 +29,9 @@ import torch
 
 from . import reference
 
-NAMESPACE = "hf_sparse_kv"
+# the package's own name: "hf_sparse_kv", or the name another copy of it was imported under (benchmarks/bench_ab.py
+# imports an older version as "hf_sparse_kv_old" beside this one: one registry, two sets of ops)
+NAMESPACE = __name__.split(".")[0]
 
 
 def _impl(backend: str, name: str):
