@@ -1,4 +1,5 @@
 """End-to-end decode speed of a Llama-3.1-8B-shaped model (random weights, bf16): does generate() get faster?
+(``--shape smollm2`` or ``qwen2.5``: the suite's full-attention models' shapes instead, ``benchmarks/shapes.py``.)
 
 One command on the GPU, a table printed last, a CSV written::
 
@@ -91,6 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import env_info, hbm_bandwidth, print_table, write_csv
+from shapes import shape_config
 from transformers import StaticCache
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
@@ -121,11 +123,41 @@ def tiny_config() -> LlamaConfig:
     return cfg
 
 
-def build_model(layers: int, device: str, config: LlamaConfig | None = None) -> LlamaForCausalLM:
+# the shapes --shape builds besides the 8B one: full-attention models only (the floors count every layer's K/V, and
+# two dense layers besides the sparse ones; Gemma-3's sliding-window layers hold a window, not the context)
+OTHER_SHAPES = ("smollm2", "qwen2.5")
+
+
+def head_dim(cfg) -> int:
+    """A config's head dimension (Qwen2's config leaves it to ``hidden_size / num_attention_heads``)."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def model_config(shape: str, layers: int | None):
+    """The config ``--shape`` names (``"llama8b"`` or one of :data:`OTHER_SHAPES`), with ``layers`` layers when
+    given (default: the shape's own; 32 for the 8B shape)."""
+    if shape == "llama8b":
+        return llama8b_config(layers or 32)
+    if shape not in OTHER_SHAPES:
+        raise SystemExit(f"--shape: {shape!r} is not one of llama8b, {', '.join(OTHER_SHAPES)}")
+    cfg = shape_config(shape)
+    if layers:
+        cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:layers]
+    return cfg
+
+
+def build_model(layers: int, device: str, config=None):
     """The model of ``config`` (default: the 8B shape with ``layers`` layers), random bf16 weights, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    config = config or llama8b_config(layers)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
-        model = LlamaForCausalLM(config or llama8b_config(layers))
+        model = (
+            LlamaForCausalLM(config) if isinstance(config, LlamaConfig) else AutoModelForCausalLM.from_config(config)
+        )
     torch.set_default_dtype(torch.float32)
     model.config._attn_implementation = "sdpa"
     model.set_attn_implementation("sdpa")
@@ -146,7 +178,7 @@ def fill_caches(
     paged = cache_cls(cfg, block_size=block_size, max_length=length + DECODE_ROOM)
     g = torch.Generator(device=device).manual_seed(0)
     for i in range(cfg.num_hidden_layers):
-        shape = (batch, kv_heads or cfg.num_key_value_heads, length, cfg.head_dim)
+        shape = (batch, kv_heads or cfg.num_key_value_heads, length, head_dim(cfg))
         k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         dense.update(k, v, i)
@@ -214,7 +246,7 @@ def static_cache(model, batch: int, length: int, max_length: int, device: str) -
     cache = StaticCache(config=cfg, max_cache_len=max_length)
     g = torch.Generator(device=device).manual_seed(0)
     for i in range(cfg.num_hidden_layers):
-        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+        shape = (batch, cfg.num_key_value_heads, length, head_dim(cfg))
         k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         cache.update(k, v, i)
@@ -242,13 +274,13 @@ def metadata_bytes(model, policy, blocks: int, sparse_layers: float) -> int:
         return metadata_bytes(model, policy.then, int(blocks * share), sparse_layers) if policy.then else 0
     per = 2 if isinstance(policy, Quest) else 1 if isinstance(policy, BlockTopK) else 0
     cfg = model.config
-    return int(per * sparse_layers * blocks * cfg.num_key_value_heads * cfg.head_dim * 2)
+    return int(per * sparse_layers * blocks * cfg.num_key_value_heads * head_dim(cfg) * 2)
 
 
 def kv_token_bytes(model) -> int:
     """K and V bytes of one token in every layer (bf16)."""
     cfg = model.config
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * 2
 
 
 def dense_kv_bytes(model, batch: int, length: int) -> int:
@@ -618,8 +650,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="1x8192,1x32768,1x65536,1x131072,8x8192,8x32768", help="BxL,...")
     p.add_argument("--ttft", default="1x8192,1x32768,1x131072", help="BxL shapes whose prefill is timed")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--tiny", action="store_true", help="a tiny model of the same ratios (a dry run, e.g. on the CPU)")
+    p.add_argument("--layers", type=int, default=None, help="layers (default: the shape's own; 32 for llama8b)")
+    p.add_argument("--shape", default="llama8b", help=f"llama8b (default) or one of {', '.join(OTHER_SHAPES)}")
+    p.add_argument(
+        "--tiny", action="store_true", help="a tiny model of the 8B shape's ratios (a dry run, e.g. on the CPU)"
+    )
     p.add_argument("--generate", default="1x32768,8x32768", help="BxL shapes of the timed generate() calls ('' none)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens each timed generate() makes")
     p.add_argument("--no-static", action="store_true", help="skip the StaticCache + torch.compile rows")
@@ -632,6 +667,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--crossover", default=None, help="crossover table for the auto rows (default: the shipped one)")
     args = p.parse_args()
+    if args.shape != "llama8b" and (args.shape not in OTHER_SHAPES or args.tiny):
+        raise SystemExit(f"--shape: {args.shape!r} is not one of llama8b, {', '.join(OTHER_SHAPES)} (nor with --tiny)")
     wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
     known = {r[0] for r in ROWS + COMPILED_ROWS + GENERATE_ROWS} | {"floor: dense", "unpatched sdpa", STATIC_ROW}
     known |= {"generate: floor: dense"} | {r[0] for r in TTFT_ROWS}
@@ -644,7 +681,9 @@ def main() -> None:
 
     report = Report(args.out)
     report.say(str(env_info()))
-    model = build_model(args.layers, args.device, tiny_config() if args.tiny else None)
+    model = build_model(
+        args.layers or 32, args.device, tiny_config() if args.tiny else model_config(args.shape, args.layers)
+    )
     report.say(f"model built: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
     bandwidth = hbm_bandwidth(args.device, 2**31 if args.device == "cuda" else 2**24)
     report.say(f"HBM bandwidth (device copy): {bandwidth:.0f} GB/s")
@@ -679,8 +718,12 @@ def main() -> None:
             "speedup", "floor_ms", "of_floor", "vs_unpadded", "captured_steps", "graphs", "capture_s", "mean_step_ms",
             "generate_s", "ttft_s",
             "ttft_patched_s", "ttft_ratio"]  # fmt: skip
+    cfg = model.config
     shape = (
-        "tiny Llama (4 layers, 8/2 heads, head dim 32)" if args.tiny else f"Llama-3.1-8B shape, {args.layers} layers"
+        "tiny Llama (4 layers, 8/2 heads, head dim 32)"
+        if args.tiny
+        else f"{'Llama-3.1-8B' if args.shape == 'llama8b' else args.shape} shape, {cfg.num_hidden_layers} layers, "
+        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, head dim {head_dim(cfg)}"
     )
     print_table(report.rows, cols, title=f"{shape}, bf16, block_size {args.block_size}, HBM {bandwidth:.0f} GB/s")
 

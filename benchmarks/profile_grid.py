@@ -31,26 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import env_info, print_table, write_csv
+from shapes import SHAPES, random_model
 
 from evaluation.needle import PhaseClock, greedy_batch
 from evaluation.simulate import SimulateSession
 from evaluation.slots import DecodeSlots
 from evaluation.suite import cells_of, load_suite
 from evaluation.sweep import budget_label
-
-# the shapes of the suite models (their GGUF configs), and a tiny one for the CPU
-SHAPES = {
-    "qwen2.5": {
-        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-        "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-        "rope_theta": 1e6, "tie_word_embeddings": True, "suite": "qwen2.5",
-    },
-    "tiny": {
-        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 4096,
-        "rope_theta": 1e4, "tie_word_embeddings": True, "suite": "qwen2.5",
-    },
-}  # fmt: skip
 
 ISSUE12 = [
     {"name": "dense"},
@@ -65,18 +52,6 @@ ISSUE12 = [
         "then": {"name": "quest", "sink": 4, "window": 32},
     },
 ]  # fmt: skip
-
-
-def random_model(shape: str, dtype: torch.dtype, device: str):
-    """A model of ``SHAPES[shape]`` with random weights (seed 0), SDPA attention as the suite loads it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = {k: v for k, v in SHAPES[shape].items() if k != "suite"}
-    config = AutoConfig.for_model(**spec)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised where it runs (1.5B random weights take minutes on a CPU)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
 def _sync(device: str) -> None:
