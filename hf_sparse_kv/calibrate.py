@@ -1,7 +1,7 @@
 """Measure a crossover table on this machine: ``python -m hf_sparse_kv.calibrate`` (or ``hf-sparse-kv calibrate``).
 
 For each batch, budget and context it times one layer's decode attention call as the patched model makes it:
-dense (every block, block kernel) against the policy (selection + block kernel, or token kernel for a token policy),
+dense (every block, block kernel; captured: over a selection made once, as a static step keeps it) against the policy (selection + block kernel, or token kernel for a token policy),
 on random bf16 pages, with the state the policy keeps in the cache (low-bit or product-quantized codes, compressed
 keys) computed from them as the cache's writes would (``--policy``, ``--policy-args``: any policy of
 :data:`hf_sparse_kv.policies.POLICIES` with a budget that does not free blocks; default ``Quest``). With
@@ -150,6 +150,25 @@ def cycle_calls(policy: Policy, states: list) -> None:
         decode_call(policy, state, v_pool)
 
 
+def cycle_selected(selections: list, states: list) -> None:
+    """The block kernel over each state's given selection in turn: a dense layer of a static step, whose every-block
+    selection is made once and kept with the reservation (``StaticBuffers.keep``), so that its graph holds the
+    attention alone."""
+    for selection, (state, v_pool) in zip(selections, states):
+        execute(selection, "block", state, v_pool)
+
+
+def dense_timed(states: list, timing: str):
+    """What a dense layer's step runs, to time: under ``"graph"`` (captured static steps) the block kernel over a
+    selection made once here (:func:`cycle_selected`), under ``"eager"`` the selection made at every call too (an
+    eager step makes it: :func:`cycle_calls`). Timing the graph's dense layers with their selection at every call
+    counted a few small kernels a layer that a captured dense layer does not run, and put every crossover at the
+    shortest measured context (the whole model disagreed: benchmarks/RESULTS.md, 2026-12-06)."""
+    if timing == "graph":
+        return partial(cycle_selected, [Dense().select(state) for state, _ in states], states)
+    return partial(cycle_calls, Dense(), states)
+
+
 def random_state(batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, backend, seed=0):
     """A decode state over random pages (a random block table), and its value pool; ``seed`` is also its layer."""
     g = torch.Generator(device=device).manual_seed(context + batch + 1000003 * seed)
@@ -215,7 +234,7 @@ def calibrate(
         for context in contexts:
             args = (batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, dev, backend)
             states = layer_states(args, working_set_bytes(dev))
-            dense_s = timer(partial(cycle_calls, Dense(), states)) / len(states)
+            dense_s = timer(dense_timed(states, timing)) / len(states)
             for budget in budgets:
                 prepared = prepare(policies[budget], states)
                 sparse_s = timer(partial(cycle_calls, policies[budget], prepared)) / len(states)

@@ -3,8 +3,10 @@
 A table holds measured entries ``{budget, batch, num_kv_heads, head_dim, crossover}``: at a context below
 ``crossover`` tokens a decode step runs dense (the block kernel over every block), at or above it runs the policy
 (``crossover`` may be ``None``: sparse never won up to the longest context measured). ``hf-sparse-kv calibrate``
-measures one on the current GPU (:mod:`hf_sparse_kv.calibrate`) for any policy; a table measured on an H200 with
-``Quest`` ships with the package.
+measures one on the current GPU (:mod:`hf_sparse_kv.calibrate`) for any policy; tables ship with the package: for
+eager steps one measured on an H200 with ``Quest``, for captured steps (``cuda_graph=True``) ones measured on an H100
+with ``Quest``, the product-quantized two stages and ``QuantBlockTopK(bits=4)`` for the head shapes of Llama-3-8B,
+Qwen2.5-1.5B, SmolLM2-135M and Gemma-3-270M's global layers (a head shape not in a table runs dense: measure yours).
 
 A table says what it was measured with: the policy (:func:`policy_key`: its class and the settings that change a
 selection's cost), the block size and the timing (eager or captured steps). A crossover holds only for what it was
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-DEFAULT_TABLES = {"eager": "crossover_h200.json", "graph": "crossover_h200_graph.json"}
+DEFAULT_TABLES = {"eager": "crossover_h200.json", "graph": "crossover_h100_graph.json"}
 # a policy's settings that change what it forces or where its calibration comes from, not what a selection costs
 COST_FREE_FIELDS = frozenset({"budget", "sink", "window", "calibration"})
 # what `hf-sparse-kv calibrate` measured before tables recorded their policy: Quest (the only policy it timed)
@@ -173,7 +175,8 @@ class CrossoverTable:
     @classmethod
     def load(cls, path: str | Path | None = None, timing: str = "eager", policy=None) -> CrossoverTable:
         """A table from ``path``, or when ``None`` one shipped with the package for ``timing`` (``"eager"`` or
-        ``"graph"``, measured on an H200): :meth:`shipped`'s for ``policy`` where one timed it, else Quest's."""
+        ``"graph"``; the module's docstring says where they were measured): :meth:`shipped`'s for ``policy`` where one timed
+        it, else Quest's."""
         if path is None:
             return cls.shipped(timing, policy)
         return cls.from_json(json.loads(Path(path).read_text()))

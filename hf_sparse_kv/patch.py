@@ -377,8 +377,8 @@ def patch_model(
         block_size: tokens per page, a power of two in [8, 256].
         backend: ``"auto"`` (Triton on CUDA, PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
         crossover: with ``mode="auto"``, the table (or a JSON path) saying from which context each decode step runs
-            sparse; default: an H200 table shipped with the package for eager or, with ``cuda_graph=True``, for
-            captured steps, the one timed with this policy where there is one, else ``Quest``'s (16-token blocks;
+            sparse; default: a table shipped with the package for eager steps (H200) or, with ``cuda_graph=True``, for
+            captured steps (H100), the one timed with this policy where there is one, else ``Quest``'s (16-token blocks;
             ``hf-sparse-kv calibrate [--policy NAME --policy-args JSON] [--timing graph]`` measures yours). A table
             that says it timed another policy (its class or cost settings,
             :func:`hf_sparse_kv.crossover.policy_key`), block size or timing warns here.

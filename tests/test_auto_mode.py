@@ -1,9 +1,11 @@
 """mode="auto": each decode step runs dense below the table's crossover and the policy from it on."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from tiny_models import greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
@@ -52,7 +54,18 @@ def test_table_round_trip_and_shipped_default(tmp_path):
     shipped = CrossoverTable.load()
     assert shipped.entries and "H200" in shipped.device and shipped.timing == "eager"
     graph = CrossoverTable.load(timing="graph")  # for cuda_graph=True: captured steps
-    assert graph.entries and "H200" in graph.device and graph.timing == "graph"
+    assert graph.entries and "H100" in graph.device and graph.timing == "graph"
+    # the suite models' head shapes are measured (a shape not in the table runs dense): Llama-3-8B, Qwen2.5-1.5B,
+    # SmolLM2-135M, Gemma-3-270M's global layers, for the shipped Quest table and the two quality selectors' tables
+    shapes = {(8, 128), (2, 128), (3, 64), (1, 256)}
+    for policy in (
+        None,
+        QuantBlockTopK(budget=0.0625, bits=4),
+        TopPBlockTopK(0.0625, candidates=4, p=1.0, coarse="pq", calibration="prefill"),
+    ):
+        table = CrossoverTable.load(timing="graph", policy=policy)
+        assert table.policy == (policy_key(policy) if policy else {"name": "Quest"})
+        assert {(e["num_kv_heads"], e["head_dim"]) for e in table.entries} == shapes
     with pytest.raises(ValueError, match="budget"):
         CrossoverTable([{"budget": 2.0, "batch": 1, "num_kv_heads": 1, "head_dim": 1, "crossover": 1}])
 
@@ -113,6 +126,48 @@ def test_calibrate_graph_timing_needs_cuda():
         calibrate(4, 2, 16, device="cpu", timing="wall")
     with pytest.raises(ValueError, match="needs device='cuda'"):
         calibrate(4, 2, 16, device="cpu", timing="graph")
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_calibrate_times_a_captured_dense_layer_as_a_static_step_runs_it():
+    """Under graph timing a dense layer is the block kernel over a selection made once (a static step keeps a dense
+    layer's every-block selection with its reservation): its timed call runs the attention op and nothing else, with
+    the output of the eager dense call, which makes its selection at every call (eager timing times that)."""
+    from hf_sparse_kv.calibrate import cycle_calls, decode_call, dense_timed, random_state
+    from hf_sparse_kv.ops.library import registered_ops
+
+    ops = registered_ops("reference")  # a static step's ops: each one op of PyTorch's registry
+    states = [random_state(2, 200, 4, 2, 16, 16, torch.float32, torch.device("cpu"), "reference", seed=i)
+              for i in range(2)]  # fmt: skip
+    states = [(dataclasses.replace(state, ops=ops), v_pool) for state, v_pool in states]
+    graph, eager = dense_timed(states, "graph"), dense_timed(states, "eager")
+    with _Ops() as rec:
+        graph()
+    assert rec.ops == ["hf_sparse_kv.decode_blocks"] * len(states)
+    with _Ops() as rec:
+        eager()
+    assert len(rec.ops) > len(states) and rec.ops.count("hf_sparse_kv.decode_blocks") == len(states)
+    assert eager.func is cycle_calls
+    for selection, (state, v_pool) in zip(graph.args[0], states):
+        torch.testing.assert_close(
+            calibrate_execute(selection, state, v_pool), decode_call(Dense(), state, v_pool), rtol=0, atol=0
+        )
+
+
+def calibrate_execute(selection, state, v_pool):
+    from hf_sparse_kv.attention import execute
+
+    return execute(selection, "block", state, v_pool)
 
 
 def _crossover_warnings(record) -> list[str]:
@@ -236,7 +291,7 @@ def test_calibrate_refuses_a_policy_it_cannot_time(tmp_path, capsys, argv, messa
 def test_the_shipped_table_of_the_policy_is_taken_where_there_is_one(tmp_path):
     """``load()`` without a path takes the shipped table timed with the patch's policy and timing, else Quest's;
     a folder of tables stands in for the package's data here."""
-    for timing, name in (("eager", "crossover_h200.json"), ("graph", "crossover_h200_graph.json")):
+    for timing, name in (("eager", "crossover_h200.json"), ("graph", "crossover_h100_graph.json")):
         (tmp_path / name).write_text(json.dumps(CrossoverTable.load(timing=timing).to_json()))
     quant = QuantBlockTopK(budget=0.0625, bits=4)
     mine = CrossoverTable(_table(40).entries, timing="graph", policy=policy_key(quant), block_size=16)
