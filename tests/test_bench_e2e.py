@@ -154,21 +154,22 @@ def test_step_compile_names_each_rows_compile():
 
 @pytest.mark.parametrize("shape", ["smollm2", "qwen2.5"])
 def test_bench_e2e_builds_the_suite_models_shapes(monkeypatch, tmp_path, capsys, shape):
-    """``--shape``: a suite model's shape (``benchmarks/shapes.py``: its config, random weights; here 2 of its
-    layers) instead of the 8B one; its floor counts its own K/V (head dim and KV heads of that config), and the
-    table names the shape."""
-    argv = ["bench_e2e.py", "--device", "cpu", "--shape", shape, "--layers", "2", "--ttft", "", "--shapes", "1x64",
+    """``--shape``: a suite model's shape (``benchmarks/shapes.py``: its config, random weights; here 3 of its
+    layers) instead of the 8B one; its floor counts its own K/V (head dim and KV heads of that config), its one
+    sparse layer (the first two stay dense) reads less, and the table names the shape."""
+    argv = ["bench_e2e.py", "--device", "cpu", "--shape", shape, "--layers", "3", "--ttft", "", "--shapes", "1x512",
             "--generate", "", "--steps", "2", "--warmup", "1", "--rows", "floor: dense,graph: Quest 1/16 block",
             "--out", str(tmp_path / "e2e.csv")]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     bench_e2e.main()
     with open(tmp_path / "e2e.csv") as f:
         rows = {r["row"]: r for r in csv.DictReader(f)}
-    cfg = bench_e2e.model_config(shape, 2)
-    kv = 2 * 2 * cfg.num_key_value_heads * bench_e2e.head_dim(cfg) * 2 * 64  # K and V, 2 layers, bf16, 64 tokens
+    cfg = bench_e2e.model_config(shape, 3)
+    kv = 2 * 3 * cfg.num_key_value_heads * bench_e2e.head_dim(cfg) * 2 * 512  # K and V, 3 layers, bf16, 512 tokens
     assert float(rows["floor: dense"]["kv_mb_per_step"]) == pytest.approx(kv / 1e6)
     assert float(rows["graph: Quest 1/16 block"]["ms_per_token"]) > 0
-    assert f"{shape} shape, 2 layers" in capsys.readouterr().out
+    assert float(rows["graph: Quest 1/16 block"]["kv_mb_per_step"]) < kv / 1e6  # its third layer reads a selection
+    assert f"{shape} shape, 3 layers" in capsys.readouterr().out
 
 
 def test_bench_e2e_refuses_a_shape_it_cannot_floor(monkeypatch, tmp_path):
