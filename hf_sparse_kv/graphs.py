@@ -18,7 +18,8 @@ or change host state:
   ``block_size / budget`` tokens; the plan's width is rounded up, :func:`~hf_sparse_kv.policies.base.static_width`,
   so that a long generation makes a handful of graphs, a left-padded batch no more);
 - the ops are PyTorch custom ops (:mod:`hf_sparse_kv.ops.library`), opaque to dynamo, free of host syncs;
-- the host bookkeeping of the step (layer lengths, counters) is done by :func:`begin_static_step`, not by the step.
+- the host bookkeeping of the step (layer lengths, counters) is done by :func:`end_static_step` (from
+  :func:`begin_static_step`, or after a replay), not by the step.
 
 Every mode (mask, token, block, auto), left-padded batches and sliding-window layers run statically; a policy that
 frees blocks at every step does not (its table changes), one that frees them once (SnapKV, at its first decode step)
@@ -78,7 +79,12 @@ def _inductor_freezing() -> bool:
 
 
 def begin_static_step(
-    config, cache: PagedKVCache, positions: torch.Tensor | None = None, compiled: bool = True, derive: bool = True
+    config,
+    cache: PagedKVCache,
+    positions: torch.Tensor | None = None,
+    compiled: bool = True,
+    derive: bool = True,
+    finish: bool = True,
 ) -> StaticPlan:
     """The host part of a static decode step on a reserved ``cache``, before the step runs: plan it at its lengths,
     fill the device buffers (``positions`` ``[B, 1]``: the step's position ids, default ``generate()``'s), move the
@@ -87,7 +93,8 @@ def begin_static_step(
     without ``compile``); such a step refuses to run (``RuntimeError``, before anything changes) while inductor's
     global ``freezing`` flag is on: a frozen compile of the step would read the cache as constants. ``derive=False``:
     the step derives its lengths from the frame on the device (:meth:`StaticBuffers.derive`, as
-    :class:`DecodeGraphs`' steps do), two launches fewer on the host."""
+    :class:`DecodeGraphs`' steps do), two launches fewer on the host. ``finish=False``: leave the lengths and the
+    counters to :func:`end_static_step` (a replay reads no host state: :class:`DecodeGraphs` does them after it)."""
     if compiled and _inductor_freezing():
         raise RuntimeError(FREEZING_ERROR)
     static = cache.static
@@ -100,9 +107,20 @@ def begin_static_step(
     lens = tuple(frame + 1 - p for p in cache.pads)
     plan = static_plan(config, cache, lens)
     static.begin_step(frame, plan, plan.counts, positions, derive=derive)
-    cache.advance(1)
-    cache.session.add_counters(static_counters(config, cache, plan, lens))
+    if finish:
+        end_static_step(config, cache, plan, frame)
     return plan
+
+
+def end_static_step(config, cache: PagedKVCache, plan: StaticPlan, frame: int) -> None:
+    """The host bookkeeping of the static step at ``frame`` (transformers' frame, the tokens before it): every layer's
+    length moved on by the token and the step counted as the eager step would count it. Before a step that runs the
+    model's Python (an uncaptured step, a capture's warm-up forward, a compile: they may read the lengths), after a
+    replay, which reads none: the host does it while the GPU runs the step instead of before launching it (~7 µs a
+    step of Python on a 2-core CPU, ~3× that on a cold host; benchmarks/RESULTS.md, 2026-12-06)."""
+    cache.advance(1)
+    lens = tuple(frame + 1 - p for p in cache.pads)
+    cache.session.add_counters(static_counters(config, cache, plan, lens))
 
 
 class DecodeGraphs:
@@ -263,17 +281,20 @@ class DecodeGraphs:
                 "the model was patched again (or unpatched) after this cache's static steps were set up: they would "
                 "replay its old settings and weights. Call cache.reset() and prefill again."
             )
-        static = self.static
+        static, cache = self.static, self.cache
         plan = begin_static_step(
-            self.config, self.cache, self._positions(position_ids), compiled=self.compiled, derive=False
+            self.config, cache, self._positions(position_ids), compiled=self.compiled, derive=False, finish=False
         )
         frame = static.frame_held  # the step's frame, in static.frame now
         self.ids.copy_(input_ids)
         static.moved(None)  # until the step has run: an error in it leaves the frame unknown
+        replay = self.capture and plan.key in self.graphs
+        if not replay:  # the model's Python runs (eagerly, or a capture's warm-up): the lengths moved on first
+            end_static_step(self.config, cache, plan, frame)
         if not self.capture:
             logits = self._forward().clone()
         else:
-            if plan.key not in self.graphs:  # a new width (or mode="auto"'s decision), not a new per-sequence count
+            if not replay:  # a new width (or mode="auto"'s decision), not a new per-sequence count
                 t0 = time.perf_counter()
                 self.graphs[plan.key] = self._capture()  # its warm-up ran the step: the frame moved on
                 static.set_frame(frame)
@@ -284,6 +305,8 @@ class DecodeGraphs:
             graph.replay()
             self.replays += 1
             logits = logits.clone()
+        if replay:  # the host's bookkeeping while the GPU runs the step
+            end_static_step(self.config, cache, plan, frame)
         static.moved(frame + 1)
         return logits
 

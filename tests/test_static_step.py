@@ -236,3 +236,40 @@ def test_the_host_part_of_a_step_at_the_next_frame_fills_no_length(given):
     assert "fill" in first[0], "the first step fills the frame"
     expected = ["aten.copy_" if given else "aten.sub", "aten.copy_", "aten.clone"]
     assert all(ops == expected for ops in later), later
+
+
+class _Replay:
+    """A captured graph's stand-in on the CPU: its replay records what the host holds when the GPU would start the
+    step (the cache's length and the steps counted)."""
+
+    def __init__(self, cache):
+        self.cache, self.seen = cache, []
+
+    def replay(self):
+        self.seen.append((self.cache.get_seq_length(), self.cache.session.counters.decode_steps))
+
+
+def test_a_replayed_step_does_its_host_bookkeeping_after_launching(monkeypatch):
+    """A replay reads no host state, so :class:`DecodeGraphs` moves the layers' lengths on and counts the step after
+    launching it (the host's bookkeeping overlaps the GPU's step); a step that captures (or runs uncaptured) does it
+    first, as the model's Python may read the lengths. Either way, once a step returns its lengths and counters are
+    the eager step's."""
+    model = tiny_model("llama")
+    ids, mask = _left_padded([60, 41, 53], 60)
+    patch_model(model, policy=Quest(budget=0.25, sink=4, window=8), mode="block", block_size=8, dense_layers=(0,))
+    ref = _eager_counters(model, ids, mask, 6)
+    cache, runner, token = _runner(model, ids, mask, 6)
+    graph = _Replay(cache)
+    monkeypatch.setattr(runner, "_capture", lambda: (graph, torch.zeros(3, 1, model.config.vocab_size)))
+    runner.capture = True  # the captured path, with the stand-in graph
+    before = []
+    with torch.no_grad():
+        for _ in range(6):
+            before.append((cache.get_seq_length(), cache.session.counters.decode_steps))
+            runner.step(token)
+    unpatch_model(model)
+    first_key_steps = 1  # the first step captures: its bookkeeping runs before its (first) replay
+    assert graph.seen[0] == (before[0][0] + 1, before[0][1] + 1)
+    assert graph.seen[first_key_steps:] == before[first_key_steps:], "a replay launched before the bookkeeping"
+    assert runner.replays == 6 and cache.get_seq_length() == before[0][0] + 6
+    assert cache.session.counters == ref
