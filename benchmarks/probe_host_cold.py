@@ -32,7 +32,6 @@ from bench_e2e import build_model, fill_caches, llama8b_config
 from probe_host_step import Clock
 
 from hf_sparse_kv import cache_kwarg, graphs, patch_model, unpatch_model
-from hf_sparse_kv.cache import PagedKVCache
 from hf_sparse_kv.policies import Dense, Quest
 
 
@@ -41,20 +40,6 @@ class _NoGraph:
 
     def replay(self) -> None:
         pass
-
-
-def _applies(cache, ids, kwargs) -> bool:
-    """``graphs.step_applies`` without its CUDA check (the ids live on the CPU here)."""
-    return (
-        isinstance(cache, PagedKVCache)
-        and ids.dim() == 2
-        and ids.shape[1] == 1
-        and cache.get_seq_length() > 0
-        and cache.max_length is not None
-        and cache.session.graphs is not False
-        and kwargs.get("inputs_embeds") is None
-        and graphs.pads_match(cache, kwargs.get("attention_mask"), cache.get_seq_length() + 1)
-    )
 
 
 def _init(inner):
@@ -82,7 +67,7 @@ def probe(layers: int, length: int, steps: int, waits: list[str], wait_ms: float
     logits = torch.zeros(1, 1, cfg.vocab_size)
     rows = []
     patches = [
-        mock.patch.object(graphs, "step_applies", _applies),
+        mock.patch.object(graphs, "step_applies", graphs.static_step_applies),  # CPU ids
         mock.patch.object(graphs.DecodeGraphs, "__init__", _init(graphs.DecodeGraphs.__init__)),
         mock.patch.object(graphs.DecodeGraphs, "_capture", lambda self: (_NoGraph(), logits)),
         mock.patch.object(torch.cuda, "CUDAGraph", _NoGraph),  # the Clock wraps CUDAGraph.replay

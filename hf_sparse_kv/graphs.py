@@ -288,27 +288,30 @@ class DecodeGraphs:
         frame = static.frame_held  # the step's frame, in static.frame now
         self.ids.copy_(input_ids)
         static.moved(None)  # until the step has run: an error in it leaves the frame unknown
-        replay = self.capture and plan.key in self.graphs
-        if not replay:  # the model's Python runs (eagerly, or a capture's warm-up): the lengths moved on first
+        if self.capture and plan.key in self.graphs:
+            logits = self._replay(plan.key)
+            end_static_step(self.config, cache, plan, frame)  # the host's bookkeeping while the GPU runs the step
+        else:  # the model's Python runs (eagerly, or a capture's warm-up): the lengths moved on first
             end_static_step(self.config, cache, plan, frame)
-        if not self.capture:
-            logits = self._forward().clone()
-        else:
-            if not replay:  # a new width (or mode="auto"'s decision), not a new per-sequence count
+            if self.capture:  # a new width (or mode="auto"'s decision), not a new per-sequence count
                 t0 = time.perf_counter()
                 self.graphs[plan.key] = self._capture()  # its warm-up ran the step: the frame moved on
                 static.set_frame(frame)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 self.capture_seconds += time.perf_counter() - t0
-            graph, logits = self.graphs[plan.key]
-            graph.replay()
-            self.replays += 1
-            logits = logits.clone()
-        if replay:  # the host's bookkeeping while the GPU runs the step
-            end_static_step(self.config, cache, plan, frame)
+                logits = self._replay(plan.key)
+            else:
+                logits = self._forward().clone()
         static.moved(frame + 1)
         return logits
+
+    def _replay(self, key) -> torch.Tensor:
+        """Launch the graph captured under ``key``; a copy of its logits (the next replay overwrites them)."""
+        graph, logits = self.graphs[key]
+        graph.replay()
+        self.replays += 1
+        return logits.clone()
 
 
 def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:
@@ -349,13 +352,17 @@ def pads_match(cache: PagedKVCache, mask: torch.Tensor | None, length: int) -> b
 
 
 def step_applies(cache, ids, kwargs: dict) -> bool:
-    """Whether a forward may replay a captured decode step: one new token per sequence of a CUDA batch, on a
-    filled :class:`PagedKVCache` reserved up to a maximum length, a mask that pads as the prompt did (left padding
-    only), and asking for nothing a captured step does not return (hidden states, embeddings as input)."""
+    """Whether a forward may replay a captured decode step: a CUDA batch whose step is static
+    (:func:`static_step_applies`)."""
+    return isinstance(ids, torch.Tensor) and ids.is_cuda and static_step_applies(cache, ids, kwargs)
+
+
+def static_step_applies(cache, ids: torch.Tensor, kwargs: dict) -> bool:
+    """Whether a forward is a static decode step, whatever the device: one new token per sequence, on a filled
+    :class:`PagedKVCache` reserved up to a maximum length, a mask that pads as the prompt did (left padding only),
+    and asking for nothing a captured step does not return (hidden states, embeddings as input)."""
     return (
         isinstance(cache, PagedKVCache)
-        and isinstance(ids, torch.Tensor)
-        and ids.is_cuda
         and ids.dim() == 2
         and ids.shape[1] == 1
         and cache.get_seq_length() > 0

@@ -72,22 +72,12 @@ def prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=g).to(DEVICE)
 
 
-class _CudaLooking(torch.Tensor):
-    """Token ids that say they are on a GPU, so that ``cuda_graph=True`` takes its static steps on the CPU (where
-    :class:`~hf_sparse_kv.graphs.DecodeGraphs` runs them without capturing)."""
-
-    is_cuda = True
-
-
 def static_steps_anywhere(monkeypatch) -> None:
     """Let ``cuda_graph=True``'s decode steps go through :class:`~hf_sparse_kv.graphs.DecodeGraphs` on any device (on
-    the CPU, uncaptured): ``graphs.step_applies`` sees the token ids as CUDA ones."""
+    the CPU, uncaptured): ``graphs.step_applies`` without its CUDA check (``graphs.static_step_applies``)."""
     from hf_sparse_kv import graphs
 
-    applies = graphs.step_applies
-    monkeypatch.setattr(
-        graphs, "step_applies", lambda cache, ids, kwargs: applies(cache, ids.as_subclass(_CudaLooking), kwargs)
-    )
+    monkeypatch.setattr(graphs, "step_applies", graphs.static_step_applies)
 
 
 def greedy(model, input_ids, new_tokens: int = 32, **kw):
