@@ -134,12 +134,10 @@ def head_dim(cfg) -> int:
 
 
 def model_config(shape: str, layers: int | None):
-    """The config ``--shape`` names (``"llama8b"`` or one of :data:`OTHER_SHAPES`), with ``layers`` layers when
-    given (default: the shape's own; 32 for the 8B shape)."""
+    """The config ``--shape`` names (``"llama8b"`` or one of :data:`OTHER_SHAPES`, which ``main`` checks), with
+    ``layers`` layers when given (default: the shape's own; 32 for the 8B shape)."""
     if shape == "llama8b":
         return llama8b_config(layers or 32)
-    if shape not in OTHER_SHAPES:
-        raise SystemExit(f"--shape: {shape!r} is not one of llama8b, {', '.join(OTHER_SHAPES)}")
     cfg = shape_config(shape)
     if layers:
         cfg.num_hidden_layers = layers
