@@ -1,21 +1,21 @@
 """Measure a crossover table on this machine: ``python -m hf_sparse_kv.calibrate`` (or ``hf-sparse-kv calibrate``).
 
-For each batch, budget and context it times one layer's decode attention call as the patched model makes it:
-dense (every block, block kernel; captured: over a selection made once, as a static step keeps it) against the policy (selection + block kernel, or token kernel for a token policy),
-on random bf16 pages, with the state the policy keeps in the cache (low-bit or product-quantized codes, compressed
-keys) computed from them as the cache's writes would (``--policy``, ``--policy-args``: any policy of
-:data:`hf_sparse_kv.policies.POLICIES` with a budget that does not free blocks; default ``Quest``). With
-``--timing eager`` (what an eager decode step pays) each call runs from Python with the device synchronised around
-it, median of ``reps``; with ``--timing graph`` (what a ``cuda_graph=True`` step pays) ``reps`` calls are captured in
-one CUDA graph and the graph's replay time, divided by ``reps``, is taken (median of 5 replays). Each timed call
-runs over several copies of the pages in turn (the layers of a step; together four times the L2 cache on CUDA),
-so that a call does not find its metadata and pages in the L2 where the previous call left them: a model's layers
-do not either, and a hot L2 flatters the selection (the first graph table put the batch-1 crossover at 32K, where
-the whole model was 4.6% slower sparse). The crossover of a (batch, budget) is the shortest measured
-context from which the policy is faster (by more than a 2% margin) at every longer measured context (``None``
-if it never is). Write the
-table with ``--out`` and pass it as ``patch_model(..., mode="auto", crossover=path)``; the table records the policy
-(:func:`hf_sparse_kv.crossover.policy_key`), block size and timing it measured, and a patch that differs warns.
+For each batch, budget and context it times one layer's decode attention call as the patched model makes it: dense
+(every block, block kernel; captured: over a selection made once, as a static step keeps it) against the policy
+(selection + block kernel, or token kernel for a token policy), on random bf16 pages, with the state the policy keeps
+in the cache (low-bit or product-quantized codes, compressed keys) computed from them as the cache's writes would
+(``--policy``, ``--policy-args``: any policy of :data:`hf_sparse_kv.policies.POLICIES` with a budget that does not
+free blocks; default ``Quest``). With ``--timing eager`` (what an eager decode step pays) each call runs from Python
+with the device synchronised around it, median of ``reps``; with ``--timing graph`` (what a ``cuda_graph=True`` step
+pays) ``reps`` calls are captured in one CUDA graph and the graph's replay time, divided by ``reps``, is taken (median
+of 5 replays). Each timed call runs over several copies of the pages in turn (the layers of a step; together four
+times the L2 cache on CUDA), so that a call does not find its metadata and pages in the L2 where the previous call
+left them: a model's layers do not either, and a hot L2 flatters the selection (the first graph table put the batch-1
+crossover at 32K, where the whole model was 4.6% slower sparse). The crossover of a (batch, budget) is the shortest
+measured context from which the policy is faster (by more than a 2% margin) at every longer measured context (``None``
+if it never is). Write the table with ``--out`` and pass it as ``patch_model(..., mode="auto", crossover=path)``; the
+table records the policy (:func:`hf_sparse_kv.crossover.policy_key`), block size and timing it measured, and a patch
+that differs warns.
 """
 
 from __future__ import annotations

@@ -175,8 +175,8 @@ class CrossoverTable:
     @classmethod
     def load(cls, path: str | Path | None = None, timing: str = "eager", policy=None) -> CrossoverTable:
         """A table from ``path``, or when ``None`` one shipped with the package for ``timing`` (``"eager"`` or
-        ``"graph"``; the module's docstring says where they were measured): :meth:`shipped`'s for ``policy`` where one timed
-        it, else Quest's."""
+        ``"graph"``; the module's docstring says where they were measured): :meth:`shipped`'s for ``policy`` where
+        one timed it, else Quest's."""
         if path is None:
             return cls.shipped(timing, policy)
         return cls.from_json(json.loads(Path(path).read_text()))

@@ -1,10 +1,10 @@
 """The decode ops as PyTorch custom ops (``torch.library``), so that a static decode step traces under
 ``torch.compile(fullgraph=True)``.
 
-Each op of :data:`REGISTERED` is registered once, at import, as ``hf_sparse_kv::<name>`` (:data:`NAMESPACE`) with a fake (meta)
-implementation that gives its output's shape: the registration is an entry in PyTorch's op registry, not state of
-this package. The real implementation dispatches on its ``backend`` argument to :mod:`.reference` or to the Triton
-launcher of the same name (whose host-side checks, split choice and launch dynamo therefore never sees).
+Each op of :data:`REGISTERED` is registered once, at import, as ``hf_sparse_kv::<name>`` (:data:`NAMESPACE`) with a
+fake (meta) implementation that gives its output's shape: the registration is an entry in PyTorch's op registry, not
+state of this package. The real implementation dispatches on its ``backend`` argument to :mod:`.reference` or to the
+Triton launcher of the same name (whose host-side checks, split choice and launch dynamo therefore never sees).
 
 Why ``torch.library.custom_op`` and not ``triton_op`` / ``wrap_triton``: a custom op is opaque to dynamo and to
 inductor, which is what the launchers need (asserts on strides, a split count read from the device's properties,
