@@ -53,10 +53,10 @@ def policy_key(policy) -> dict:
     return key
 
 
-def calibrate_command(policy, block_size: int, timing: str) -> str:
+def calibrate_command(policy, block_size: int, timing: str, shape: tuple[int, int, int] | None = None) -> str:
     """The ``hf-sparse-kv calibrate`` command that measures a table for ``policy`` (its :func:`policy_key`'s settings
     as ``--policy-args``, and a calibration named by a string: a file or ``"prefill"``), ``block_size`` and
-    ``timing``."""
+    ``timing``; with ``shape`` (query heads, KV heads, head dim) for that head shape (``--shapes``)."""
     args = {k: v for k, v in policy_key(policy).items() if k != "name"}
     calibration = getattr(policy, "calibration", None)
     if isinstance(calibration, str):
@@ -67,6 +67,8 @@ def calibrate_command(policy, block_size: int, timing: str) -> str:
     parts.append(f"--block-size {block_size}")
     if timing == "graph":
         parts.append("--timing graph")
+    if shape is not None:
+        parts.append(f"--shapes {','.join(map(str, shape))}")
     return " ".join([*parts, "--out mine.json"])
 
 
@@ -123,6 +125,13 @@ class CrossoverTable:
         rows = [e for e in same if e["batch"] == b]
         best = min(rows, key=lambda e: abs(math.log(float(e["budget"])) - math.log(budget)))
         return best["crossover"]
+
+    def holds(self, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether the table decides for this head shape: it has entries for it, or a ``fallback`` (else
+        :meth:`crossover` is ``None`` at every batch and budget: ``mode="auto"`` never runs sparse)."""
+        return self.fallback is not None or any(
+            e["num_kv_heads"] == num_kv_heads and e["head_dim"] == head_dim for e in self.entries
+        )
 
     def mismatch(self, policy, block_size: int, timing: str) -> list[str]:
         """What differs between how this table was measured and how it would be used (empty: nothing recorded

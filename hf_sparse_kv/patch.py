@@ -65,6 +65,20 @@ def _num_layers(model: torch.nn.Module) -> int:
     return int(config.num_hidden_layers)
 
 
+def _head_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(query heads, KV heads, head dim) of ``model``'s attention from its text config (``head_dim`` where the config
+    sets one, else hidden size / heads), as a crossover table keys its entries; ``None`` where the config does not say
+    (the check that uses it is then skipped)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None)
+    if dim is None and isinstance(heads, int) and isinstance(getattr(config, "hidden_size", None), int) and heads:
+        dim = config.hidden_size // heads
+    shape = (heads, kv, dim)
+    return shape if all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape) else None
+
+
 def _head_model_name(model: torch.nn.Module) -> str:
     """``LlamaModel`` -> ``LlamaForCausalLM``, ``Gemma3TextModel`` -> ``Gemma3ForCausalLM``: what a user most likely
     meant to patch (for the message only)."""
@@ -442,6 +456,15 @@ def patch_model(
                 "so its crossovers may not hold: a step may run sparse where dense is faster, or the reverse. Measure "
                 f"one for this patch: `{calibrate_command(policy, block_size, timing)}`, then pass "
                 "crossover='mine.json'.",
+                stacklevel=2,
+            )
+        shape = _head_shape(model) if budgeted else None
+        if shape is not None and not table.holds(*shape[1:]):
+            warnings.warn(
+                f"mode='auto' will run every decode step of {type(model).__name__} dense: its crossover table "
+                f"({table.device}, {table.timing} steps) holds no entry for {shape[1]} KV heads of {shape[2]} "
+                "channels and no fallback, so no step is ever decided sparse. Measure one for these heads: "
+                f"`{calibrate_command(policy, block_size, timing, shape)}`, then pass crossover='mine.json'.",
                 stacklevel=2,
             )
     elif crossover is not None:

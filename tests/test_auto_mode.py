@@ -8,7 +8,7 @@ import torch
 import torch.utils._python_dispatch
 from tiny_models import greedy, prompt, tiny_model
 
-from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, is_patched, patch_model, unpatch_model
 from hf_sparse_kv.crossover import CrossoverTable, budget_fraction, policy_key
 from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, SinkWindow, SnapKV, TokenTopK, TopPBlockTopK
 
@@ -330,3 +330,48 @@ def test_the_calibrate_command_a_warning_gives_measures_that_policy(tmp_path):
     table = CrossoverTable.load(tmp_path / "mine.json")
     assert table.mismatch(pq, 8, "eager") == [] and table.policy["coarse"] == "pq"
     assert "--timing graph" in calibrate_command(Quest(budget=0.1), 16, "graph")
+
+
+def _dense_forever_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "will run every decode step" in str(w.message)]
+
+
+def test_a_table_without_the_models_heads_warns_that_auto_stays_dense(recwarn):
+    """A table with no entry for the model's head shape (and no fallback) decides no step sparse: patch_model says so,
+    with the calibrate command for those heads (which calibrate's parser takes), and patches the model anyway."""
+    other = CrossoverTable(
+        [{"budget": 0.25, "batch": 1, "num_kv_heads": 8, "head_dim": 128, "crossover": 2048}], device="hand-made"
+    )
+    assert other.holds(8, 128) and not other.holds(2, 16) and not other.holds(8, 16)
+    assert dataclasses.replace(other, fallback=4096).holds(2, 16)
+    model = tiny_model("llama")  # 4 query heads, 2 KV heads of 16 channels
+    ids = prompt(48)
+    unpatched = greedy(model, ids, 4)[0]
+    patch_model(model, policy=Quest(budget=0.25), mode="auto", crossover=_table(40))  # holds (2, 16)
+    patch_model(model, policy=Quest(budget=0.25), mode="auto", crossover=dataclasses.replace(other, fallback=40))
+    patch_model(model, policy=Dense(), mode="auto", crossover=other)  # no budget: never sparse anyway
+    patch_model(model, policy=Quest(budget=0.25), mode="block")  # no table
+    assert _dense_forever_warnings(recwarn) == []
+    patch_model(model, policy=Quest(budget=0.25), mode="auto", crossover=other)
+    (message,) = _dense_forever_warnings(recwarn)
+    assert "LlamaForCausalLM" in message and "hand-made, eager steps" in message
+    assert "no entry for 2 KV heads of 16 channels" in message
+    command = message.split("`")[1]
+    assert command == "hf-sparse-kv calibrate --policy Quest --block-size 16 --shapes 4,2,16 --out mine.json"
+    assert is_patched(model)
+    assert torch.equal(greedy(model, ids, 4)[0], unpatched)  # every step dense: the unpatched model's tokens
+    unpatch_model(model)
+
+    from hf_sparse_kv.calibrate import main
+
+    seen = {}
+
+    def fake_calibrate(hq, hkv, d, **kwargs):  # what calibrate's parser hands on, without timing anything
+        seen["shape"] = (hq, hkv, d)
+        raise SystemExit(0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("hf_sparse_kv.calibrate.calibrate", fake_calibrate)
+        with pytest.raises(SystemExit):
+            main(command.removeprefix("hf-sparse-kv calibrate ").split() + ["--device", "cpu"])
+    assert seen["shape"] == (4, 2, 16)
