@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hf_sparse_kv import PagedKVCache
-from hf_sparse_kv.graphs import DecodeGraphs
+from hf_sparse_kv.graphs import DecodeGraphs, graph_pool
 from hf_sparse_kv.policies import Policy
 
 
@@ -59,7 +59,7 @@ class DecodeSlots:
 
     Attributes: ``slots_made`` (slots built so far), ``loads`` (refills), ``cache`` and ``runners`` (the slot used
     last and its policy key -> ``DecodeGraphs``; ``None`` and ``{}`` before any), ``kept`` (batch size -> slot, least
-    recently used first), ``pool`` (on a GPU, the one CUDA-graph memory pool every runner captures into: the policies
+    recently used first), ``pool`` (on a GPU, the one CUDA-graph memory pool, a ``graphs.graph_pool()``, every runner captures into: the policies
     decode one after the other, so each needs room for one step's temporaries, not a pool of its own: graph pools held
     7.75 GiB of a process that ran out of memory at 16 x 32K on Qwen2.5 on an H100, 2026-12-05).
     """
@@ -138,7 +138,7 @@ class DecodeSlots:
                 runner = None
         if runner is None:
             if self.pool is None and torch.cuda.is_available():
-                self.pool = torch.cuda.graph_pool_handle()
+                self.pool = graph_pool()
             runner = DecodeGraphs(model, slot.cache, slot.cache.static.max_length, pool=self.pool)
             slot.runners[key] = runner
         return slot.cache, runner

@@ -123,6 +123,15 @@ def end_static_step(config, cache: PagedKVCache, plan: StaticPlan, frame: int) -
     cache.session.add_counters(static_counters(config, cache, plan, lens))
 
 
+def graph_pool() -> torch.cuda.MemPool:
+    """A CUDA-graph memory pool for :class:`DecodeGraphs` (``pool=``) that stays usable while the returned object
+    lives: a ``torch.cuda.MemPool`` holds a reference on its pool, so every graph captured into it may be freed and
+    new ones captured into it again. A bare ``torch.cuda.graph_pool_handle()`` is only the pool's id: once its last
+    graph is freed (a runner dropped with its slot, graphs cleared), a new capture into it fails inside the caching
+    allocator (``INTERNAL ASSERT FAILED ... use_count > 0``) until the pool's memory happens to be released."""
+    return torch.cuda.MemPool()
+
+
 class DecodeGraphs:
     """Static decode steps of one ``model`` on one ``cache`` (batch fixed by the cache), captured per plan key.
 
@@ -136,10 +145,10 @@ class DecodeGraphs:
         forward: the model's forward to call (default: the class's forward, without the patch's model hook).
         compile: ``None``, a ``torch.compile`` backend name, or a dict of ``torch.compile`` keyword arguments:
             compile the step with ``fullgraph=True`` (then capture the compiled step).
-        pool: a ``torch.cuda.graph_pool_handle()`` to capture into, shared with other runners (default: one of
-            its own). Runners sharing a pool must never replay at the same time: a step's temporaries may lie where
-            another runner's were; each step returns a copy of its logits, so nothing of one replay is read after
-            the next.
+        pool: a :func:`graph_pool` to capture into, shared with other runners (default: one of its own); the runner
+            keeps a reference to it. Runners sharing a pool must never replay at the same time: a step's temporaries
+            may lie where another runner's were; each step returns a copy of its logits, so nothing of one replay is
+            read after the next.
 
     Attributes (what the steps cost, for benchmarks): ``graphs`` (``StaticPlan.key`` -> captured graph and its
     logits), ``replays`` (steps replayed from a graph), ``capture_seconds`` (wall time of the captures: each a
@@ -172,6 +181,11 @@ class DecodeGraphs:
         self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
         # the reference ops sync with the host (data-dependent masks): their steps run uncaptured
         self.capture = capture and torch.cuda.is_available() and cache.backend != "reference"
+        if self.capture and pool is not None and not isinstance(pool, torch.cuda.MemPool):
+            raise TypeError(
+                f"pool must be a hf_sparse_kv.graphs.graph_pool() (a torch.cuda.MemPool), got {type(pool).__name__}: "
+                "a bare torch.cuda.graph_pool_handle() cannot be captured into again once its graphs were freed"
+            )
         self.static = cache.reserve_static(max_length)
         cache.session.set_graphs(self)  # the patch's model hook leaves this cache's steps to this runner
         fn = forward or type(model).forward.__get__(model)
@@ -190,7 +204,7 @@ class DecodeGraphs:
         self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device) if ignored else None
         self.given = None  # position ids of the model's own shape (see _positions); None: the reservation's [B, 1]
         self.graphs: dict = {}  # StaticPlan.key -> (graph, logits)
-        self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if self.capture else None
+        self.pool = (pool if pool is not None else graph_pool()) if self.capture else None
         self.replays = 0
         self.capture_seconds = 0.0  # wall time of the captures (each warm-up forward and capture), synchronised
 
@@ -267,7 +281,7 @@ class DecodeGraphs:
         self._forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool.id):
             logits = self._forward()
         return graph, logits
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from evaluation.needle import PhaseClock, first_step_frees, greedy_batch, pad_left
 from evaluation.slots import DecodeSlots
-from hf_sparse_kv import PagedKVCache, cache_kwarg, is_patched, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, graphs, is_patched, patch_model, unpatch_model
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, SnapKV, TokenTopK
 
@@ -79,10 +79,38 @@ def test_a_longer_batch_or_another_size_makes_a_new_slot():
         DecodeSlots(margin=-1)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA model (HF_SPARSE_KV_TEST_DEVICE=cuda)")
+def test_a_slot_made_after_the_last_graphs_of_the_pool_were_freed_captures_into_it(monkeypatch):
+    """A new slot replaces the only one (a longer batch) and the garbage collector frees the old runners' graphs
+    before the new runner captures into the shared pool: the capture works and the answers equal the eager ones.
+    With the pool a bare ``graph_pool_handle()`` the test above failed once in two GPU runs (2026-12-06) inside the
+    caching allocator (``use_count > 0``): a capture into a pool whose graphs were all freed while memory they
+    allocated lived on."""
+    import gc
+
+    make = DecodeSlots._slot
+
+    def slot_then_collect(self, *args):
+        slot = make(self, *args)
+        gc.collect()
+        return slot
+
+    monkeypatch.setattr(DecodeSlots, "_slot", slot_then_collect)
+    model = tiny_model("llama")
+    policies = {"quest": Quest(budget=0.25, sink=4, window=16)}
+    args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
+    slots = DecodeSlots(margin=0, keep=1)
+    for lengths, made in [((150, 133), 1), ((160, 133), 2), ((120, 133, 99), 3)]:
+        batch = _prompts(len(lengths) + lengths[0], lengths)
+        eager = greedy_batch(model, batch, policies, 5, **args)
+        assert greedy_batch(model, batch, policies, 5, static=True, slots=slots, **args) == eager
+        assert slots.slots_made == made and len(slots.kept) == 1
+
+
 def test_every_runner_of_every_slot_captures_into_one_graph_pool(monkeypatch):
     """On a GPU every policy's ``DecodeGraphs`` on every slot (here two batch sizes) captures into the one pool of
-    the ``DecodeSlots``, asked for once; ``drop`` lets go of it. The GPU is stood in for: the handle is a counter,
-    the runners record the pool they are given."""
+    the ``DecodeSlots`` (a ``graphs.graph_pool()``), asked for once; ``drop`` lets go of it. The GPU is stood in for:
+    the pool is a counter, the runners record the pool they are given."""
     from evaluation import slots as slots_module
 
     handles = iter(range(100))
@@ -95,7 +123,8 @@ def test_every_runner_of_every_slot_captures_into_one_graph_pool(monkeypatch):
 
     monkeypatch.setattr(slots_module, "DecodeGraphs", Recorder)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    monkeypatch.setattr(slots_module, "graph_pool", lambda: next(handles))
+    monkeypatch.setattr(graphs, "graph_pool", lambda: None)  # the runners' own pools (never used here)
     model = tiny_model("llama")
     slots = DecodeSlots(margin=16)
     for prompts in (_prompts(3, (150, 133)), _prompts(4, (150, 133, 140))):

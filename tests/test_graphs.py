@@ -11,7 +11,7 @@ from tiny_models import DEVICE, greedy, prompt, static_steps_anywhere, tiny_mode
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.attention import StaticPlan, static_plan
 from hf_sparse_kv.crossover import CrossoverTable
-from hf_sparse_kv.graphs import DecodeGraphs
+from hf_sparse_kv.graphs import DecodeGraphs, graph_pool
 from hf_sparse_kv.patched import patch_state
 from hf_sparse_kv.policies import (
     Dense,
@@ -553,5 +553,56 @@ def test_the_reference_backend_decodes_its_static_steps_uncaptured_on_a_gpu():
         assert torch.equal(out.sequences, want)
         runner = out.past_key_values.session.graphs
         assert isinstance(runner, DecodeGraphs) and runner.replays == 0 and not runner.graphs
+    finally:
+        unpatch_model(model)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA model (HF_SPARSE_KV_TEST_DEVICE=cuda)")
+def test_a_runner_captures_again_into_its_pool_after_every_graph_was_freed():
+    """A runner whose graphs were all freed (cleared, as a new position-ids shape clears them) while a tensor their
+    capture allocated in the pool lives on (here their logits) captures into its pool again and replays right. With
+    a bare ``graph_pool_handle()`` the last graph took the pool's only reference with it, the live tensor kept the
+    allocator from releasing the pool, and the next capture failed inside the caching allocator
+    (``use_count > 0``; a repro without the library in benchmarks/RESULTS.md, 2026-12-06)."""
+    import gc
+
+    model = tiny_model("llama")
+    ids = prompt(60)
+    patch_model(model, policy=Quest(budget=24, sink=4, window=8), block_size=8, dense_layers=(0,))
+    try:
+        ref = _eager_steps(model, ids, 8)
+        cache = PagedKVCache(model.config, block_size=8)
+        out = []
+        with torch.no_grad():
+            logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+            runner = DecodeGraphs(model, cache, max_length=ids.shape[1] + 8)
+            for i in range(8):
+                if i == 4:
+                    alive = [captured for _, captured in runner.graphs.values()]  # allocated in the pool
+                    assert alive
+                    runner.graphs.clear()
+                    gc.collect()
+                logits = runner.step(logits.argmax(-1))
+                out.append(logits)
+        assert runner.graphs and runner.replays >= 4 and alive
+        torch.testing.assert_close(torch.cat(out, 1), ref, rtol=0, atol=1e-4)
+    finally:
+        unpatch_model(model)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA model (HF_SPARSE_KV_TEST_DEVICE=cuda)")
+def test_a_bare_pool_handle_is_refused_before_the_cache_is_reserved():
+    model = tiny_model("llama")
+    ids = prompt(60)
+    patch_model(model, policy=Quest(budget=24, sink=4, window=8), block_size=8, dense_layers=(0,))
+    try:
+        cache = PagedKVCache(model.config, block_size=8)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): cache})
+        with pytest.raises(TypeError, match="graph_pool"):
+            DecodeGraphs(model, cache, ids.shape[1] + 8, pool=torch.cuda.graph_pool_handle())
+        assert cache.static is None and cache.session.graphs is None
+        runner = DecodeGraphs(model, cache, ids.shape[1] + 8, pool=graph_pool())
+        assert isinstance(runner.pool, torch.cuda.MemPool)
     finally:
         unpatch_model(model)
