@@ -138,7 +138,7 @@ class DecodeSlots:
                 runner = None
         if runner is None:
             if self.pool is None and torch.cuda.is_available():
-                self.pool = graph_pool()
+                self.pool = graph_pool(slot.cache.static.pads.device)
             runner = DecodeGraphs(model, slot.cache, slot.cache.static.max_length, pool=self.pool)
             slot.runners[key] = runner
         return slot.cache, runner

@@ -123,13 +123,15 @@ def end_static_step(config, cache: PagedKVCache, plan: StaticPlan, frame: int) -
     cache.session.add_counters(static_counters(config, cache, plan, lens))
 
 
-def graph_pool() -> torch.cuda.MemPool:
-    """A CUDA-graph memory pool for :class:`DecodeGraphs` (``pool=``) that stays usable while the returned object
-    lives: a ``torch.cuda.MemPool`` holds a reference on its pool, so every graph captured into it may be freed and
-    new ones captured into it again. A bare ``torch.cuda.graph_pool_handle()`` is only the pool's id: once its last
-    graph is freed (a runner dropped with its slot, graphs cleared), a new capture into it fails inside the caching
-    allocator (``INTERNAL ASSERT FAILED ... use_count > 0``) until the pool's memory happens to be released."""
-    return torch.cuda.MemPool()
+def graph_pool(device: torch.device | int | None = None) -> torch.cuda.MemPool:
+    """A CUDA-graph memory pool on ``device`` (default: the current one) for :class:`DecodeGraphs` (``pool=``; the
+    runners' device) that stays usable while the returned object lives: a ``torch.cuda.MemPool`` holds a reference on
+    its pool, so every graph captured into it may be freed and new ones captured into it again. A bare
+    ``torch.cuda.graph_pool_handle()`` is only the pool's id: once its last graph is freed (a runner dropped with its
+    slot, graphs cleared) while memory it handed out lives on, a new capture into it fails inside the caching
+    allocator (``INTERNAL ASSERT FAILED ... use_count > 0``)."""
+    with torch.cuda.device(device):
+        return torch.cuda.MemPool()
 
 
 class DecodeGraphs:
@@ -204,7 +206,11 @@ class DecodeGraphs:
         self.mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device) if ignored else None
         self.given = None  # position ids of the model's own shape (see _positions); None: the reservation's [B, 1]
         self.graphs: dict = {}  # StaticPlan.key -> (graph, logits)
-        self.pool = (pool if pool is not None else graph_pool()) if self.capture else None
+        # a capture runs on the reservation's device (a model on cuda:1 while cuda:0 is current included), on a
+        # stream of the runner's own (made at the first capture): torch.cuda.graph's default capture stream is made
+        # once, on the device current at its first use
+        self.pool = (pool if pool is not None else graph_pool(device)) if self.capture else None
+        self.stream = None
         self.replays = 0
         self.capture_seconds = 0.0  # wall time of the captures (each warm-up forward and capture), synchronised
 
@@ -277,12 +283,15 @@ class DecodeGraphs:
 
     def _capture(self) -> tuple:
         # warm-up (compiles the kernels of this plan, allocates workspaces): it writes this step's token, which the
-        # replay writes again, to the same place
-        self._forward()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool.id):
-            logits = self._forward()
+        # replay writes again, to the same place; both on the reservation's device (a replay sets it itself)
+        with torch.cuda.device(self.ids.device):
+            self._forward()
+            torch.cuda.synchronize()
+            if self.stream is None:
+                self.stream = torch.cuda.Stream()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool.id, stream=self.stream):
+                logits = self._forward()
         return graph, logits
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -311,8 +320,8 @@ class DecodeGraphs:
                 t0 = time.perf_counter()
                 self.graphs[plan.key] = self._capture()  # its warm-up ran the step: the frame moved on
                 static.set_frame(frame)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                if self.ids.device.type == "cuda":
+                    torch.cuda.synchronize(self.ids.device)
                 self.capture_seconds += time.perf_counter() - t0
                 logits = self._replay(plan.key)
             else:

@@ -123,8 +123,8 @@ def test_every_runner_of_every_slot_captures_into_one_graph_pool(monkeypatch):
 
     monkeypatch.setattr(slots_module, "DecodeGraphs", Recorder)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(slots_module, "graph_pool", lambda: next(handles))
-    monkeypatch.setattr(graphs, "graph_pool", lambda: None)  # the runners' own pools (never used here)
+    monkeypatch.setattr(slots_module, "graph_pool", lambda device: next(handles))
+    monkeypatch.setattr(graphs, "graph_pool", lambda device: None)  # the runners' own pools (never used here)
     model = tiny_model("llama")
     slots = DecodeSlots(margin=16)
     for prompts in (_prompts(3, (150, 133)), _prompts(4, (150, 133, 140))):

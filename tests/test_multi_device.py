@@ -62,3 +62,40 @@ def test_device_map_keeps_pages_on_each_layers_device_and_matches_one_device(tmp
     assert torch.equal(seqs.cpu(), ref_seqs.cpu())
     finite = ref_scores.isfinite()
     torch.testing.assert_close(scores.cpu()[finite.cpu()], ref_scores.cpu()[finite.cpu()], rtol=0, atol=1e-4)
+
+
+def test_a_model_on_the_second_gpu_runs_its_kernels_there_and_captures_its_steps():
+    """The whole model on ``cuda:1`` while ``cuda:0`` is the current device: every kernel of a decode step runs on
+    ``cuda:1`` (Triton launches on the current device: the ops set their tensors' device first) and ``cuda_graph=True``
+    captures the steps there (the runner's capture stream and pool on the model's device) and decodes the eager
+    tokens."""
+    two_gpus()
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.set_device(0)
+    model = tiny_model("llama").to("cuda:1")
+    ids = prompt(60).to("cuda:1")
+    policy = Quest(budget=24, sink=4, window=8)
+    patch_model(model, policy=policy, block_size=8, dense_layers=(0,))
+    try:
+        want, want_scores = greedy(model, ids, new_tokens=12)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            greedy(model, ids, new_tokens=3)
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        ours = [e for e in kernels if "kernel" in e.name and not e.name.startswith(("void", "at::"))]
+        assert ours, "the profile saw no Triton kernel"
+        assert {e.device_index for e in kernels} == {1}, sorted({(e.name, e.device_index) for e in kernels})
+        patch_model(model, policy=policy, block_size=8, dense_layers=(0,), cuda_graph=True)
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, return_dict_in_generate=True,
+                output_scores=True,
+            )  # fmt: skip
+        runner = out.past_key_values.session.graphs
+        assert runner.replays > 0 and torch.cuda.current_device() == 0
+        assert torch.equal(out.sequences, want)
+        torch.testing.assert_close(torch.stack(out.scores), want_scores, rtol=0, atol=1e-4)
+    finally:
+        unpatch_model(model)
+        torch.cuda.set_device(0)
