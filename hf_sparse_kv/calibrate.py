@@ -21,6 +21,7 @@ that differs warns.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -229,43 +230,45 @@ def calibrate(
     backend = resolve_backend(backend, dev)
     policies = {b: make_policy(policy_cls, policy_args, b) for b in budgets}  # every refusal before any timing
     rows, entries = [], []
-    for batch in batches:
-        timings: dict[float, list[tuple[int, float, float]]] = {b: [] for b in budgets}
-        for context in contexts:
-            args = (batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, dev, backend)
-            states = layer_states(args, working_set_bytes(dev))
-            dense_s = timer(dense_timed(states, timing)) / len(states)
-            for budget in budgets:
-                prepared = prepare(policies[budget], states)
-                sparse_s = timer(partial(cycle_calls, policies[budget], prepared)) / len(states)
-                del prepared
-                timings[budget].append((context, dense_s, sparse_s))
-                rows.append(
+    # on the device asked for, also when it is not the current one (captures, syncs and events use the current)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        for batch in batches:
+            timings: dict[float, list[tuple[int, float, float]]] = {b: [] for b in budgets}
+            for context in contexts:
+                args = (batch, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, dev, backend)
+                states = layer_states(args, working_set_bytes(dev))
+                dense_s = timer(dense_timed(states, timing)) / len(states)
+                for budget in budgets:
+                    prepared = prepare(policies[budget], states)
+                    sparse_s = timer(partial(cycle_calls, policies[budget], prepared)) / len(states)
+                    del prepared
+                    timings[budget].append((context, dense_s, sparse_s))
+                    rows.append(
+                        {
+                            "batch": batch,
+                            "budget": budget,
+                            "context": context,
+                            "dense_us": 1e6 * dense_s,
+                            "sparse_us": 1e6 * sparse_s,
+                            "speedup": dense_s / sparse_s,
+                        }
+                    )
+                del states
+            for budget, points in timings.items():
+                cross = None
+                for context, dense_s, sparse_s in reversed(points):  # longest first
+                    if sparse_s >= (1 - margin) * dense_s:
+                        break
+                    cross = context
+                entries.append(
                     {
-                        "batch": batch,
                         "budget": budget,
-                        "context": context,
-                        "dense_us": 1e6 * dense_s,
-                        "sparse_us": 1e6 * sparse_s,
-                        "speedup": dense_s / sparse_s,
+                        "batch": batch,
+                        "num_kv_heads": num_kv_heads,
+                        "head_dim": head_dim,
+                        "crossover": cross,
                     }
                 )
-            del states
-        for budget, points in timings.items():
-            cross = None
-            for context, dense_s, sparse_s in reversed(points):  # longest first
-                if sparse_s >= (1 - margin) * dense_s:
-                    break
-                cross = context
-            entries.append(
-                {
-                    "budget": budget,
-                    "batch": batch,
-                    "num_kv_heads": num_kv_heads,
-                    "head_dim": head_dim,
-                    "crossover": cross,
-                }
-            )
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     key = policy_key(policies[budgets[0]])
     source = (
