@@ -59,9 +59,10 @@ class DecodeSlots:
 
     Attributes: ``slots_made`` (slots built so far), ``loads`` (refills), ``cache`` and ``runners`` (the slot used
     last and its policy key -> ``DecodeGraphs``; ``None`` and ``{}`` before any), ``kept`` (batch size -> slot, least
-    recently used first), ``pool`` (on a GPU, the one CUDA-graph memory pool, a ``graphs.graph_pool()``, every runner captures into: the policies
-    decode one after the other, so each needs room for one step's temporaries, not a pool of its own: graph pools held
-    7.75 GiB of a process that ran out of memory at 16 x 32K on Qwen2.5 on an H100, 2026-12-05).
+    recently used first), ``pool`` (on a GPU, the one CUDA-graph memory pool, a ``graphs.graph_pool()``, every
+    runner captures into: the policies decode one after the other, so each needs room for one step's temporaries, not
+    a pool of its own: graph pools held 7.75 GiB of a process that ran out of memory at 16 x 32K on Qwen2.5 on an
+    H100, 2026-12-05).
     """
 
     def __init__(self, margin: int = 256, keep: int = 3, whole_refills: bool = False):
