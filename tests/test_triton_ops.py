@@ -364,3 +364,40 @@ def test_cuda_paged_write(dtype, BS, T):
     for name, a, b in zip(("k_pool", "v_pool", "kmin", "kmax", "kmean"), mine, ref):
         # pools: the same bytes; metadata: float32 sums in another order, then rounded to the metadata dtype
         assert torch.equal(a, b) if name.endswith("pool") else rel_err(a, b) < TOL[dtype], name
+
+
+def test_each_triton_op_runs_with_its_tensors_device_current(monkeypatch):
+    """Triton launches on the current CUDA device: every op of the Triton namespace (``get_ops`` and the custom ops
+    take them from it) makes its tensors' device current first, unless it already is, and leaves CPU tensors (the
+    interpreter) alone. On the CPU: a tensor that says it lives on ``cuda:1``, ``cuda:0`` current, the device switch
+    recorded."""
+    import contextlib
+
+    from hf_sparse_kv.ops import _OP_NAMES, REFERENCE_ONLY
+    from hf_sparse_kv.ops import triton as triton_ops
+
+    class OnCuda(torch.Tensor):
+        index = 1
+
+        @property
+        def device(self):
+            return torch.device("cuda", self.index)
+
+    switched, seen = [], []
+
+    @contextlib.contextmanager
+    def device(d):
+        switched.append(torch.device(d))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    launcher = triton_ops.on_its_device(lambda *a, **k: seen.append(list(switched)) or "done")
+    on1 = torch.zeros(2).as_subclass(OnCuda)
+    assert launcher(on1, 3, block=4) == "done" and seen[-1] == [torch.device("cuda", 1)]
+    assert launcher(k=on1) == "done" and len(switched) == 2  # a tensor given by name decides as well
+    OnCuda.index = 0
+    assert launcher(on1) == "done" and len(switched) == 2  # already current: no switch
+    assert launcher(torch.zeros(2), torch.zeros(1)) == "done" and len(switched) == 2  # the interpreter's CPU tensors
+    wrapped = [name for name in _OP_NAMES if name not in REFERENCE_ONLY]
+    assert wrapped and all(hasattr(getattr(triton_ops, name), "__wrapped__") for name in wrapped)
