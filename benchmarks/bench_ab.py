@@ -121,7 +121,9 @@ def main() -> None:
     for shape in args.shapes.split(","):
         batch, length = map(int, shape.split("x"))
         caches = {
-            name: fill_caches(model, batch, length, args.block_size, args.device, cache_cls=v.PagedKVCache)[1]
+            name: fill_caches(
+                model, batch, length, args.block_size, args.device, cache_cls=v.PagedKVCache, dense=False
+            )[1]
             for name, v in versions.items()
         }
         times = {(name, row[0]): [] for name in versions for row in rows}

@@ -166,20 +166,29 @@ DECODE_ROOM = 256  # tokens a filled cache can still take: the decode steps a ro
 
 
 def fill_caches(
-    model, batch: int, length: int, block_size: int, device: str, kv_heads: int | None = None, cache_cls=PagedKVCache
+    model,
+    batch: int,
+    length: int,
+    block_size: int,
+    device: str,
+    kv_heads: int | None = None,
+    cache_cls=PagedKVCache,
+    dense: bool = True,
 ):
     """A DynamicCache and a ``cache_cls`` (a PagedKVCache) holding the same random ``length`` tokens per sequence,
     for ``kv_heads`` KV heads per layer (default the config's; under tensor parallelism, a rank's share), the paged
-    one with room for :data:`DECODE_ROOM` more."""
+    one with room for :data:`DECODE_ROOM` more. ``dense=False``: no DynamicCache (``None`` in its place; the paged
+    one's contents are the same), for runs without the unpatched row: the 8B shape's 8 × 32K then fits an H100."""
     cfg = model.config
-    dense = DynamicCache(config=cfg)
+    dense = DynamicCache(config=cfg) if dense else None
     paged = cache_cls(cfg, block_size=block_size, max_length=length + DECODE_ROOM)
     g = torch.Generator(device=device).manual_seed(0)
     for i in range(cfg.num_hidden_layers):
         shape = (batch, kv_heads or cfg.num_key_value_heads, length, head_dim(cfg))
         k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
-        dense.update(k, v, i)
+        if dense is not None:
+            dense.update(k, v, i)
         paged.layers[i].update(k, v)
         del k, v
     return dense, paged
@@ -472,7 +481,7 @@ def decode_phase(model, batch, length, args, report, bandwidth, keep) -> float |
     if not keep("unpatched sdpa") and not rows:
         return None
     report.say(f"{batch}x{length}: filling the caches")
-    dense_cache, paged = fill_caches(model, batch, length, args.block_size, args.device)
+    dense_cache, paged = fill_caches(model, batch, length, args.block_size, args.device, dense=keep("unpatched sdpa"))
     base_ms = None
     if keep("unpatched sdpa"):
         held = sum(t.numel() * t.element_size() for k, v, *_ in dense_cache for t in (k, v))

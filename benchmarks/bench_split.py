@@ -311,7 +311,7 @@ def main() -> None:
 
     for shape in args.shapes.split(","):
         batch, length = map(int, shape.split("x"))
-        dense_cache, paged = fill_caches(model, batch, length, args.block_size, device)
+        dense_cache, paged = fill_caches(model, batch, length, args.block_size, device, dense=UNPATCHED in rows)
         if UNPATCHED in rows:
             add(measure(model, dense_cache, (batch, length), UNPATCHED, args, graph=False))
         del dense_cache

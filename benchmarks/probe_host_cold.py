@@ -79,7 +79,7 @@ def probe(layers: int, length: int, steps: int, waits: list[str], wait_ms: float
             for name, policy in (("Dense", Dense()), ("Quest 1/16", Quest(budget=0.0625))):
                 with torch.no_grad():
                     patch_model(model, policy=policy, cuda_graph=True)
-                    _, cache = fill_caches(model, 1, length, 16, "cpu")
+                    _, cache = fill_caches(model, 1, length, 16, "cpu", dense=False)
                     clock = Clock(stamps=True)
                     ids = torch.zeros(1, 1, dtype=torch.long)
                     kw = {cache_kwarg(model): cache, "use_cache": True}

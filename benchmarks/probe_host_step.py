@@ -266,7 +266,7 @@ def main() -> None:
         rows_to_run += [(f"{name} (sig)", policy, True) for name, policy, _ in rows_to_run]
     fast = patched.forward_parameters
     for name, policy, signature in rows_to_run:
-        _, paged = fill_caches(model, args.batch, args.length, 16, args.device)
+        _, paged = fill_caches(model, args.batch, args.length, 16, args.device, dense=False)
         patch_model(model, policy=policy, mode="block", block_size=16, cuda_graph=True)
         if signature:  # cache_kwarg as it was: a Signature built at every call
             patched.forward_parameters = lambda fn: frozenset(inspect.signature(fn).parameters)

@@ -176,3 +176,23 @@ def test_bench_e2e_refuses_a_shape_it_cannot_floor(monkeypatch, tmp_path):
     """Gemma-3's sliding-window layers hold a window, not the context: the floors would be wrong, so it is refused."""
     with pytest.raises(SystemExit, match="--shape"):
         _run(monkeypatch, tmp_path, "--shape", "gemma3")
+
+
+def test_fill_caches_without_the_dense_cache_fills_the_same_pages(monkeypatch, tmp_path):
+    """``dense=False`` builds no DynamicCache (the 8B shape's 8 × 32K then fits an H100: two 34 GB caches did not)
+    and fills the paged cache with the same tokens; the decode phase asks for the dense one only with the unpatched
+    row."""
+    import torch
+
+    model = bench_e2e.build_model(2, "cpu", bench_e2e.tiny_config())
+    dense, paged = bench_e2e.fill_caches(model, 2, 40, 8, "cpu")
+    none, alone = bench_e2e.fill_caches(model, 2, 40, 8, "cpu", dense=False)
+    assert dense is not None and none is None
+    for a, b in zip(paged.layers, alone.layers):
+        assert torch.equal(a.k_pool, b.k_pool) and torch.equal(a.v_pool, b.v_pool)
+    asked = []
+    fill = bench_e2e.fill_caches
+    monkeypatch.setattr(bench_e2e, "fill_caches", lambda *a, **k: asked.append(k.get("dense", True)) or fill(*a, **k))
+    _run(monkeypatch, tmp_path, "--rows", "graph: Quest 1/16 block", "--generate", "")
+    _run(monkeypatch, tmp_path, "--rows", "unpatched sdpa", "--generate", "")
+    assert asked == [False, True]
