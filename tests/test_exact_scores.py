@@ -51,7 +51,9 @@ def test_bf16_scores_within_bf16_tolerance_and_the_namespace_serves_them():
     args = (c["q"], c["k_pool"], c["block_table"], c["seq_lens"], c["start"])
     ops = get_ops("triton", DEVICE)
     assert "token_scores" not in REFERENCE_ONLY and "oracle_block_scores" not in REFERENCE_ONLY
-    assert ops.token_scores is exact.token_scores and ops.oracle_block_scores is exact.oracle_block_scores
+    # the namespace serves them, run on their tensors' device (ops.triton.on_its_device)
+    assert ops.token_scores.__wrapped__ is exact.token_scores
+    assert ops.oracle_block_scores.__wrapped__ is exact.oracle_block_scores
     for name, extra in (("token_scores", ()), ("oracle_block_scores", (0.25,))):
         want, got = getattr(R, name)(*args, *extra), getattr(ops, name)(*args, *extra)
         fin = want.isfinite()
