@@ -181,8 +181,12 @@ class DecodeGraphs:
         self.model, self.config, self.state = model, config, patch_state(model)
         self.weights = weight_addresses(model)  # what the graphs read besides the cache (see rebind)
         self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
-        # the reference ops sync with the host (data-dependent masks): their steps run uncaptured
-        self.capture = capture and torch.cuda.is_available() and cache.backend != "reference"
+        # the reference ops sync with the host (data-dependent masks): their steps run uncaptured; so does a cache on
+        # the CPU on a machine with a GPU (a graph would capture none of its ops and its replays would do nothing)
+        layers = cache.paged_layers or cache.layers
+        where = getattr(layers[0], "device", None) if layers else None
+        on_cuda = where is not None and torch.device(where).type == "cuda"
+        self.capture = capture and on_cuda and torch.cuda.is_available() and cache.backend != "reference"
         if self.capture and pool is not None and not isinstance(pool, torch.cuda.MemPool):
             raise TypeError(
                 f"pool must be a hf_sparse_kv.graphs.graph_pool() (a torch.cuda.MemPool), got {type(pool).__name__}: "

@@ -606,3 +606,25 @@ def test_a_bare_pool_handle_is_refused_before_the_cache_is_reserved():
         assert isinstance(runner.pool, torch.cuda.MemPool)
     finally:
         unpatch_model(model)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a cache on the CPU")
+def test_a_cpu_cache_is_not_captured_on_a_machine_with_a_gpu(monkeypatch):
+    """A cache on the CPU whose ops would capture (the Triton backend: here its interpreter) decodes its static steps
+    uncaptured even where a GPU is present (stood in for here): a CUDA graph would hold none of its ops and its
+    replays would do nothing (the GPU test suite's dry runs warned "The CUDA Graph is empty", 2026-12-06)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = tiny_model("llama")
+    ids = prompt(40)
+    patch_model(model, policy=Quest(budget=24, sink=4, window=8), block_size=8, dense_layers=(0,), backend="triton")
+    try:
+        cache = PagedKVCache(model.config, block_size=8, backend="triton")
+        with torch.no_grad():
+            logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+            runner = DecodeGraphs(model, cache, ids.shape[1] + 4)
+            assert not runner.capture and runner.pool is None
+            for _ in range(4):
+                logits = runner.step(logits.argmax(-1))
+        assert runner.replays == 0 and not runner.graphs and logits.isfinite().all()
+    finally:
+        unpatch_model(model)
