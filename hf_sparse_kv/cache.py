@@ -514,6 +514,14 @@ class PagedKVCache(DynamicCache):
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
 
     @property
+    def static_device(self) -> torch.device | None:
+        """Where a static reservation's buffers live (:meth:`reserve_static`) and its captured steps run: the first
+        paged layer's device, else the first layer's (``None`` before the first write)."""
+        layers = self.paged_layers or self.layers
+        device = getattr(layers[0], "device", None) if layers else None
+        return None if device is None else torch.device(device)
+
+    @property
     def blocks_in_use(self) -> int:
         return self.table.blocks_in_use
 
@@ -701,7 +709,7 @@ class PagedKVCache(DynamicCache):
         length = self.get_seq_length()
         if max_length <= length:
             raise ValueError(f"reserve_static: max_length={max_length} leaves no room after {length} tokens")
-        device = self.paged_layers[0].device if self.paged_layers else self.layers[0].device
+        device = self.static_device
         B = len(self.table.rows) or self.layers[0].keys.shape[0]
         pads = self.pads if len(self.pads) == B else [0] * B
         if self.table.rows:

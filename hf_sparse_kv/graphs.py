@@ -183,9 +183,8 @@ class DecodeGraphs:
         self._cache = weakref.ref(cache)  # the cache holds this runner: no reference cycle between them
         # the reference ops sync with the host (data-dependent masks): their steps run uncaptured; so does a cache on
         # the CPU on a machine with a GPU (a graph would capture none of its ops and its replays would do nothing)
-        layers = cache.paged_layers or cache.layers
-        where = getattr(layers[0], "device", None) if layers else None
-        on_cuda = where is not None and torch.device(where).type == "cuda"
+        where = cache.static_device
+        on_cuda = where is not None and where.type == "cuda"
         self.capture = capture and on_cuda and torch.cuda.is_available() and cache.backend != "reference"
         if self.capture and pool is not None and not isinstance(pool, torch.cuda.MemPool):
             raise TypeError(
@@ -211,10 +210,10 @@ class DecodeGraphs:
         self.given = None  # position ids of the model's own shape (see _positions); None: the reservation's [B, 1]
         self.graphs: dict = {}  # StaticPlan.key -> (graph, logits)
         # a capture runs on the reservation's device (a model on cuda:1 while cuda:0 is current included), on a
-        # stream of the runner's own (made at the first capture): torch.cuda.graph's default capture stream is made
-        # once, on the device current at its first use
+        # stream of the runner's own: torch.cuda.graph's default capture stream is made once, on the device current
+        # at its first use
         self.pool = (pool if pool is not None else graph_pool(device)) if self.capture else None
-        self.stream = None
+        self.stream = torch.cuda.Stream(device) if self.capture else None
         self.replays = 0
         self.capture_seconds = 0.0  # wall time of the captures (each warm-up forward and capture), synchronised
 
@@ -291,8 +290,6 @@ class DecodeGraphs:
         with torch.cuda.device(self.ids.device):
             self._forward()
             torch.cuda.synchronize()
-            if self.stream is None:
-                self.stream = torch.cuda.Stream()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool.id, stream=self.stream):
                 logits = self._forward()

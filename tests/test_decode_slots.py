@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from evaluation.needle import PhaseClock, first_step_frees, greedy_batch, pad_left
 from evaluation.slots import DecodeSlots
-from hf_sparse_kv import PagedKVCache, cache_kwarg, graphs, is_patched, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache, cache_kwarg, is_patched, patch_model, unpatch_model
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.policies import Dense, QuantBlockTopK, Quest, SnapKV, TokenTopK
 
@@ -124,7 +124,6 @@ def test_every_runner_of_every_slot_captures_into_one_graph_pool(monkeypatch):
     monkeypatch.setattr(slots_module, "DecodeGraphs", Recorder)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(slots_module, "graph_pool", lambda device: next(handles))
-    monkeypatch.setattr(graphs, "graph_pool", lambda device: None)  # the runners' own pools (never used here)
     model = tiny_model("llama")
     slots = DecodeSlots(margin=16)
     for prompts in (_prompts(3, (150, 133)), _prompts(4, (150, 133, 140))):
