@@ -60,8 +60,9 @@ class SparseConfig:
 
 
 def decode_row(mask: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` keys a decode query may attend, ``[B, length]`` bool, from a 2-D mask ``[B, L]`` (1 / 0, as
-    a tokenizer gives) or the last query row of a 4-D one ``[B, 1, q, L]`` (bool, or additive float), ``L >= length``."""
+    """The first ``length`` keys a decode query may attend, ``[B, length]`` bool, from a 2-D mask ``[B, L]`` (1 / 0,
+    as a tokenizer gives) or the last query row of a 4-D one ``[B, 1, q, L]`` (bool, or additive float),
+    ``L >= length``."""
     return mask[:, :length] != 0 if mask.dim() == 2 else mask_allows(mask[:, 0, -1, :length])
 
 
@@ -407,7 +408,8 @@ def sparse_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The registered attention: query ``[B, Hq, Tq, D]``, key/value ``[B, Hkv, Tk, D]`` -> ``([B, Tq, Hq, D], None)``."""
+    """The registered attention: query ``[B, Hq, Tq, D]``, key/value ``[B, Hkv, Tk, D]`` -> ``([B, Tq, Hq, D],
+    None)``."""
     config: SparseConfig | None = kwargs.pop(CONFIG_KWARG, None)
     cache = kwargs.pop(CACHE_KWARG, None)
     layer_idx = getattr(module, "layer_idx", None)

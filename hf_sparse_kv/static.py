@@ -188,7 +188,8 @@ class WindowRing(CacheLayerMixin):
         self.device, self.dtype = keys.device, keys.dtype
 
     def fits(self, layer) -> bool:
-        """Whether transformers' sliding-window ``layer`` (of a cache not reserved) can be loaded here (:meth:`load`)."""
+        """Whether transformers' sliding-window ``layer`` (of a cache not reserved) can be loaded here
+        (:meth:`load`)."""
         keys = getattr(layer, "keys", None)
         return (
             keys is not None

@@ -437,9 +437,9 @@ class Policy:
 
     @staticmethod
     def forced_positions(state: DecodeState, sink: int, window) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence, the end of the sink and the start of the window (the rule of :mod:`hf_sparse_kv.ops.layout`): two ``[B]``
-        long tensors computed on the device from ``state.seq_lens`` (so a captured decode step stays right as the
-        lengths move). ``window`` is an int or a ``[B]`` tensor."""
+        """Per sequence, the end of the sink and the start of the window (the rule of
+        :mod:`hf_sparse_kv.ops.layout`): two ``[B]`` long tensors computed on the device from ``state.seq_lens`` (so
+        a captured decode step stays right as the lengths move). ``window`` is an int or a ``[B]`` tensor."""
         return window_positions(state.seq_lens, state.start, sink, window)
 
     @staticmethod

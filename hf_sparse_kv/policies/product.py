@@ -278,7 +278,8 @@ class ProductCodes:
                 )
             if c.shape[0] != heads or c.shape[1] * c.shape[3] != dim:
                 raise ValueError(
-                    f"the pq calibration of layer {layer} is for {c.shape[0]} KV heads of dim {c.shape[1] * c.shape[3]}, "
+                    f"the pq calibration of layer {layer} is for {c.shape[0]} KV heads of dim "
+                    f"{c.shape[1] * c.shape[3]}, "
                     f"the model has {heads} of dim {dim}: calibrate this model with `hf-sparse-kv calibrate-selector "
                     "--method pq`"
                 )

@@ -211,9 +211,11 @@ def candidate_scores(
     TPP = max(1, min(tiles_per_program, n_tiles))
     candidate_scores_kernel[(triton.cdiv(n_tiles, TPP), B * H)](
         q.contiguous(), k_pool, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(),
-        blocks.contiguous(), out, k_pool.stride(0), (scale or 0.0) * math.log2(math.e), C, block_table.shape[1], sink, window if window is not None else 0,
+        blocks.contiguous(), out, k_pool.stride(0), (scale or 0.0) * math.log2(math.e), C, block_table.shape[1], sink,
+        window if window is not None else 0,
         TPP, H=H, G=HQ // H, D=D, BS=BS, BG=max(16, triton.next_power_of_2(HQ // H)),
         BD=max(16, triton.next_power_of_2(D)), BC=BC, F32=q.dtype == torch.float32 or q.dtype != k_pool.dtype,
-        TOKENS=tokens, MASS=reduce == "mass", HEADS=reduce == "head_mass", FORCE=window is not None, num_warps=num_warps, num_stages=num_stages,
+        TOKENS=tokens, MASS=reduce == "mass", HEADS=reduce == "head_mass", FORCE=window is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

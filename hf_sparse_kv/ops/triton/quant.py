@@ -636,9 +636,9 @@ def quant_block_lse(
 
     2026-12-03 sweep on an H200 (benchmarks/RESULTS.md): at 1 x 128K, 2 / 4 bits, diag_kq 4 / 4 104.9 / 102.1 us,
     diag 4 / 4 110.5 / 104.0, wide 4 / 4 127.9 / 132.0, tile 4 / 4 215.3 / 152.9; the fp16 probe diag 4 / 4 94.1 /
-    86.2 (not a default: it can overflow); 8 x 32K at 4 bits: diag_kq 196.3, wide 257.1. A pipelined multi-tile loop layout
-    (a few programs a row, each walking a range of tiles, partials merged by the tail) was timed slower than wide at
-    every point of its sweep and removed.
+    86.2 (not a default: it can overflow); 8 x 32K at 4 bits: diag_kq 196.3, wide 257.1. A pipelined multi-tile loop
+    layout (a few programs a row, each walking a range of tiles, partials merged by the tail) was timed slower than
+    wide at every point of its sweep and removed.
     """
     reference.quant_levels(bits)  # raises for a width other than 2 or 4
     knobs = LSE_DEFAULTS[bits]
