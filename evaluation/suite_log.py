@@ -75,12 +75,17 @@ def job_name(line: str) -> str | None:
     return " ".join(x for x in (m.group(1), v.group(1) if v else "", m.group(2)) if x)
 
 
+def _lines(path: str | Path) -> list[str]:
+    """A log's lines (carriage returns of progress bars taken as line ends)."""
+    return Path(path).read_text(errors="replace").replace("\r", "\n").splitlines()
+
+
 def read_logs(paths: list[str | Path]) -> list[JobTime]:
     """The jobs of the suite logs ``paths`` (in order), each once, in the order they first appear."""
     jobs: dict[str, JobTime] = {}
     for path in paths:
         job, open_at = None, None  # the job in the log, and its start stamp while its end is not seen
-        for line in Path(path).read_text(errors="replace").replace("\r", "\n").splitlines():
+        for line in _lines(path):
             name = job_name(line)
             ended = ENDED.search(line)
             if (name is not None or ended) and job is not None and open_at is not None:
@@ -117,7 +122,7 @@ def loaded_at(paths: list[str | Path]) -> list[float]:
     """When each log's run had its model loaded (seconds since it started), for the logs that say so."""
     out = []
     for path in paths:
-        for line in Path(path).read_text(errors="replace").replace("\r", "\n").splitlines():
+        for line in _lines(path):
             m = LOADED.search(line)
             if m:
                 out.append(float(m.group(1)))
