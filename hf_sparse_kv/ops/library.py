@@ -14,9 +14,9 @@ still fuses everything around the ops (norms, rotary, MLP); the ops hold no host
 them.
 
 The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form, ``candidate_mass``,
-``block_shares``, ``quant_write``, ``quant_block_scores``, ``pq_encode``, ``pq_write``, ``pq_block_scores``: the compressed-key,
-two-stage, top-p, low-bit-key and product-quantized-key policies) are registered the same way; ``projected_write``,
-``quant_write`` and ``pq_write`` run inside a static step's write (the
+``block_shares``, ``quant_write``, ``quant_block_scores``, ``pq_encode``, ``pq_write``, ``pq_block_scores``: the
+compressed-key, two-stage, top-p, low-bit-key and product-quantized-key policies) are registered the same way;
+``projected_write``, ``quant_write`` and ``pq_write`` run inside a static step's write (the
 :class:`~hf_sparse_kv.policies.StateSpec` refreshes) and mutate their state.
 
 The ops whose reference is plain tensor code with static shapes (``blocks_to_tokens``, ``selection_to_mask``,

@@ -792,8 +792,9 @@ def quant_block_scores(
     with every key replaced by its ``bits``-bit copy, dequantized on the grid of the block's ``kmin`` / ``kmax``.
 
     Args:
-        q: ``[B, Hq, D]`` decode queries (unscaled); codes: ``[NB, Hkv, BS, D * bits // 8]`` uint8 (:func:`quant_write`);
-            kmin, kmax: ``[NB, Hkv, D]``; block_table: ``[B, MB]``; seq_lens, start: ``[B]``; scale: softmax scale.
+        q: ``[B, Hq, D]`` decode queries (unscaled); codes: ``[NB, Hkv, BS, D * bits // 8]`` uint8
+            (:func:`quant_write`); kmin, kmax: ``[NB, Hkv, D]``; block_table: ``[B, MB]``; seq_lens, start: ``[B]``;
+            scale: softmax scale.
         sink, window: with ``window`` given, the blocks of :func:`forced_block_mask` still held score ``+inf``.
 
     Returns:
