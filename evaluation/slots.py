@@ -139,7 +139,7 @@ class DecodeSlots:
                 runner = None
         if runner is None:
             if self.pool is None and torch.cuda.is_available():
-                device = slot.cache.static.pads.device  # a CPU cache's runners capture nothing: any device's pool
+                device = slot.cache.static_device  # a CPU cache's runners capture nothing: any device's pool
                 self.pool = graph_pool(device if device.type == "cuda" else None)
             runner = DecodeGraphs(model, slot.cache, slot.cache.static.max_length, pool=self.pool)
             slot.runners[key] = runner
