@@ -180,18 +180,18 @@ def fill_caches(
     one with room for :data:`DECODE_ROOM` more. ``dense=False``: no DynamicCache (``None`` in its place; the paged
     one's contents are the same), for runs without the unpatched row: the 8B shape's 8 × 32K then fits an H100."""
     cfg = model.config
-    dense = DynamicCache(config=cfg) if dense else None
+    dense_cache = DynamicCache(config=cfg) if dense else None
     paged = cache_cls(cfg, block_size=block_size, max_length=length + DECODE_ROOM)
     g = torch.Generator(device=device).manual_seed(0)
     for i in range(cfg.num_hidden_layers):
         shape = (batch, kv_heads or cfg.num_key_value_heads, length, head_dim(cfg))
         k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
-        if dense is not None:
-            dense.update(k, v, i)
+        if dense_cache is not None:
+            dense_cache.update(k, v, i)
         paged.layers[i].update(k, v)
         del k, v
-    return dense, paged
+    return dense_cache, paged
 
 
 def sync(device: torch.device) -> None:
