@@ -22,7 +22,9 @@ Rows named ``graph+compile: ...`` patch with ``cuda_graph=True, compile="inducto
 compiled (``fullgraph=True``; inductor fuses the model's own norms, rotary, SiLU) and the compiled step captured.
 Rows named ``graph+compile+merged: ...`` (and ``generate: graph+compile+merged: ...``) do the same with
 ``merge_projections=True`` (q/k/v and gate/up as one matmul each); ``graph+compile+merged+autotune: ...`` also
-compiles with inductor's ``mode="max-autotune-no-cudagraphs"`` (each matmul's kernel chosen by timing; minutes).
+compiles with inductor's ``mode="max-autotune-no-cudagraphs"`` (each matmul's kernel chosen by timing; minutes);
+``graph+compile+merged+linear: ...`` runs the decode-sized products through the package's Triton matmul
+(``decode_linear=True``) instead of cuBLAS.
 Rows named ``reduce-overhead: ...`` are the user's way: the patched model's cache reserved (``reserve_static``) and
 ``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``.
 The row ``unpatched StaticCache + compile`` is what the transformers docs recommend for fast decoding: the unpatched
@@ -321,6 +323,9 @@ COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compi
     # inductor's max-autotune picks each matmul's kernel by timing cuBLAS against its Triton templates (minutes of
     # compile): whether o_proj (60 % of the bandwidth under cuBLAS at batch 1) and the rest get faster kernels
     ("graph+compile+merged+autotune: patched Dense", Dense(), "block", "graph+merged+autotune"),
+    # the decode-sized products through the package's Triton matmul (decode_linear=True) instead of cuBLAS
+    ("graph+compile+merged+linear: patched Dense", Dense(), "block", "graph+merged+linear"),
+    ("graph+compile+merged+linear: Quest 1/16 block", Quest(budget=0.0625), "block", "graph+merged+linear"),
     ("graph+compile+merged+autotune: Quest 1/16 block", Quest(budget=0.0625), "block", "graph+merged+autotune"),
     ("reduce-overhead: patched Dense", Dense(), "block", "reduce-overhead"),
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),
@@ -396,7 +401,7 @@ def compile_backend(device: str) -> str:
 def step_compile(device: str, how: str | None) -> str | dict | None:
     """``patch_model``'s ``compile`` for a row's ``how``: ``None`` (not compiled), the backend name (``"graph"``,
     ``"graph+merged"``) or, for ``"graph+merged+autotune"`` on CUDA, inductor with ``max-autotune-no-cudagraphs``."""
-    if how not in ("graph", "graph+merged", "graph+merged+autotune"):
+    if how not in ("graph", "graph+merged", "graph+merged+autotune", "graph+merged+linear"):
         return None
     if how.endswith("autotune") and device == "cuda":
         return {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}
@@ -406,7 +411,11 @@ def step_compile(device: str, how: str | None) -> str | dict | None:
 def step_options(device: str, how: str | None) -> dict:
     """``patch_model``'s ``compile`` and ``merge_projections`` for a row's ``how`` (``COMPILED_ROWS``,
     ``GENERATE_ROWS``)."""
-    return {"compile": step_compile(device, how), "merge_projections": how in ("graph+merged", "graph+merged+autotune")}
+    merged = how in ("graph+merged", "graph+merged+autotune", "graph+merged+linear")
+    opts = {"compile": step_compile(device, how), "merge_projections": merged}
+    if how == "graph+merged+linear":  # (only then: bench_ab.py's older package may not take the argument)
+        opts["decode_linear"] = True
+    return opts
 
 
 def patch_row(model, policy, mode: str, args, graph: bool, compiled: str | None = None) -> None:

@@ -33,7 +33,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from .ops.library import decode_linear_op
+
+DECODE_ROWS = 16  # ops/triton/linear.py's MAX_TOKENS (Triton is not imported for it)
+
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+SINGLES = (("o_proj",), ("down_proj",))  # the layers that merge nowhere: groups of one with ``kernel=True``
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class MergedGroup:
@@ -41,8 +47,9 @@ class MergedGroup:
     columns of the merged output, and the product of the last input (``[..., sum(out)]``) until every layer took
     its part."""
 
-    def __init__(self, layers: list[torch.nn.Linear]):
+    def __init__(self, layers: list[torch.nn.Linear], kernel: bool = False):
         self.layers = layers
+        self.kernel = kernel  # a decode-sized input on CUDA runs hf_sparse_kv's matmul kernel instead of F.linear
         self.sizes = [m.weight.shape[0] for m in layers]  # a layer's own rows (a shard's, not out_features)
         self.last: tuple[torch.Tensor, list[torch.Tensor], list[bool]] | None = None
         self.active = True
@@ -53,6 +60,11 @@ class MergedGroup:
     def remerge(self) -> None:
         """The layers' current weights (and biases) into one tensor each, every layer's data a view of its rows."""
         layers = self.layers
+        if len(layers) == 1:  # a group of one keeps its layer's own storage
+            self.weight, bias = layers[0].weight.detach(), layers[0].bias
+            self.bias = None if bias is None else bias.detach()
+            self.params, self.ptrs, self.last = [(layers[0].weight, bias)], [_data_ptrs(layers[0])], None
+            return
         with torch.no_grad():
             self.weight = torch.cat([m.weight.detach() for m in layers])
             self.bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
@@ -91,11 +103,7 @@ class MergedGroup:
         if not self._holds(index) or (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
             return F.linear(x, layer.weight, layer.bias)  # autograd reaches the parameters through their own views
         if self.last is None or self.last[0] is not x or self.last[2][index]:
-            self.last = (
-                x,
-                list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)),
-                [False] * len(self.sizes),
-            )
+            self.last = (x, list(self.product(x).split(self.sizes, dim=-1)), [False] * len(self.sizes))
         _, outs, taken = self.last
         taken[index] = True
         out = outs[index]
@@ -103,11 +111,23 @@ class MergedGroup:
             self.last = None  # every layer had its part: keep nothing between forwards
         return out
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` times the merged weight: ``[..., sum(out)]``. With ``kernel``, a decode-sized input (at
+        most :data:`DECODE_ROWS` rows) goes through the ``decode_linear`` custom op (compiled steps trace it): the
+        Triton matmul of :mod:`hf_sparse_kv.ops.triton.linear` on CUDA in bf16 / fp16, ``F.linear`` (the reference)
+        elsewhere."""
+        if not self.kernel or x.numel() > DECODE_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        fast = x.is_cuda and x.dtype in KERNEL_DTYPES and x.dtype == self.weight.dtype
+        return decode_linear_op(x, self.weight, self.bias, "triton" if fast else "reference")
+
     def unmerge(self) -> None:
         """Each layer its own storage again (a copy of its rows) and its class's ``forward``."""
         self.active, self.last = False, None
         for m in self.layers:
             m.__dict__.pop("forward", None)
+            if len(self.layers) == 1:
+                continue  # a group of one never left its own storage
             with torch.no_grad():
                 m.weight.data = m.weight.data.clone()
                 if m.bias is not None:
@@ -143,16 +163,18 @@ def _mergeable(layers: list) -> bool:
     return True
 
 
-def merge(model: torch.nn.Module) -> list[MergedGroup]:
+def merge(model: torch.nn.Module, kernel: bool = False) -> list[MergedGroup]:
     """Merge every group of :data:`GROUPS` that ``model``'s modules hold and that is safe to merge (module
-    docstring); returns the groups, for :func:`unmerge`. On an error, what was merged is unmerged again."""
+    docstring); returns the groups, for :func:`unmerge`. With ``kernel``, every group (and each of :data:`SINGLES`,
+    as a group of one) computes decode-sized products with the matmul kernel (:meth:`MergedGroup.product`). On an
+    error, what was merged is unmerged again."""
     groups: list[MergedGroup] = []
     try:
         for module in model.modules():
-            for names in GROUPS:
+            for names in GROUPS + (SINGLES if kernel else ()):
                 layers = [getattr(module, n, None) for n in names]
                 if all(isinstance(m, torch.nn.Module) for m in layers) and _mergeable(layers):
-                    groups.append(MergedGroup(layers))
+                    groups.append(MergedGroup(layers, kernel))
     except BaseException:
         unmerge(groups)
         raise

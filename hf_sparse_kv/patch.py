@@ -375,6 +375,7 @@ def patch_model(
     cuda_graph: bool = False,
     compile: str | dict | None = None,
     merge_projections: bool | None = None,
+    decode_linear: bool = False,
 ):
     """Make ``model``'s decode steps physically sparse; ``generate()`` keeps working as before.
 
@@ -416,6 +417,10 @@ def patch_model(
             ``cuda_graph=True``, where the step is bound by the weights' bytes (measured on an H200: logits bit for
             bit equal to the unmerged step's in bf16 on Qwen2.5-1.5B at 32K; 2-8 % off its step, 0.4-0.6 ms off an
             8B model's), off otherwise.
+        decode_linear: with ``merge_projections``, run every decode-sized product of the merged projections and of
+            each ``o_proj`` / ``down_proj`` (at most 16 tokens, bf16 / fp16, on CUDA) through the package's Triton
+            matmul (:mod:`hf_sparse_kv.ops.triton.linear`) instead of cuBLAS; longer inputs (a prefill) and the CPU
+            keep ``F.linear``. Off by default.
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
@@ -444,6 +449,10 @@ def patch_model(
             f"merge_projections must be True, False or None (on with cuda_graph), got {merge_projections!r}"
         )
     merge_projections = bool(cuda_graph) if merge_projections is None else merge_projections
+    if not isinstance(decode_linear, bool):
+        raise TypeError(f"decode_linear must be True or False, got {decode_linear!r}")
+    if decode_linear and not merge_projections:
+        raise ValueError("decode_linear runs the merged projections' products: it needs merge_projections=True")
     table = None
     if mode == "auto":
         timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's
@@ -481,7 +490,8 @@ def patch_model(
     saved = _Settings(model)
     handles = []
     old = previous.merged if previous else []
-    keep = merge_projections and bool(old) and all(g.intact() for g in old)  # stale groups are merged afresh
+    # stale groups, or groups of the other decode_linear setting, are merged afresh
+    keep = merge_projections and bool(old) and all(g.intact() and g.kernel == decode_linear for g in old)
     merged, undone = [], []
     try:  # a previous patch stays in force until this one is complete
         # the model hook plans a static step on the host: never traced (generate() compiles model.__call__)
@@ -498,7 +508,7 @@ def patch_model(
         if merge_projections and not keep:
             unmerge(old)  # none, or stale: each layer its own (current) weights, then merged anew
             undone, old = old, []
-            merged = merge(model)
+            merged = merge(model, decode_linear)
     except BaseException:
         for h in handles:
             h.remove()
@@ -506,7 +516,7 @@ def patch_model(
         saved.restore(model)
         if undone:  # the previous patch's (stale) groups were unmerged above: merged again for it, as a new state
             try:  # (the weights moved: static steps set up before must refuse, as after any re-patch)
-                regrouped = merge(model)
+                regrouped = merge(model, any(g.kernel for g in undone))
             except RuntimeError:  # (out of memory, most likely) it then runs unmerged: the same outputs, slower
                 regrouped = []
             setattr(model, STATE_ATTR, PatchState(previous.config, previous.handles, regrouped))

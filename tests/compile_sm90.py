@@ -51,6 +51,7 @@ from hf_sparse_kv.ops.triton import (
     token_scores,
     topk_indices,
 )
+from hf_sparse_kv.ops.triton.linear import decode_linear
 from hf_sparse_kv.ops.triton.product import pq_block_lse
 from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
@@ -218,6 +219,11 @@ def cases():
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
+    for dtype, bias, config in ((torch.bfloat16, False, None), (torch.float16, True, (64, 128, 4, 3))):
+        x, w = torch.randn(3, 4096, generator=g).to(dtype), torch.randn(1000, 4096, generator=g).to(dtype)
+        b = torch.randn(1000, generator=g).to(dtype) if bias else None
+        out.append((f"decode_linear {dtype} bias={bias} {config}", partial(decode_linear, x, w, b, config)))
+    out.append(("decode_linear sum", partial(decode_linear, x[:1], w, b, (8, 512, 4, 2, "sum"))))
     for n in (100, 2048, 8200, 20000):  # one tile; one tile; 8192 + 16 lanes; 16384 + 4096 lanes
         scores = torch.randn(2, n, generator=g)
         out.append((f"topk_indices N={n}", partial(topk_indices, scores, n // 16, method="row")))

@@ -32,7 +32,7 @@ ALLOWED = {
         "hf_sparse_kv.runtime", "hf_sparse_kv.ops",
     ),
     "hf_sparse_kv.patched": (),
-    "hf_sparse_kv.merge": (),
+    "hf_sparse_kv.merge": ("hf_sparse_kv.ops",),
     "hf_sparse_kv.graphs": ("hf_sparse_kv.attention", "hf_sparse_kv.cache", "hf_sparse_kv.patched", "hf_sparse_kv.runtime"),
     "hf_sparse_kv.calibrate": ("hf_sparse_kv.attention", "hf_sparse_kv.crossover", "hf_sparse_kv.ops", "hf_sparse_kv.policies"),
     "hf_sparse_kv.calibrate_selector": ("hf_sparse_kv.policies",),

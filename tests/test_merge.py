@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import ARCHS, greedy, prompt, tiny_model
+from tiny_models import ARCHS, DEVICE, greedy, prompt, tiny_model
 
 import hf_sparse_kv.patch as patch_module
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
@@ -208,8 +208,8 @@ def test_a_patch_failing_after_merging_unmerges(monkeypatch):
     model = tiny_model("llama")
     n_proj = len(_projections(model))
 
-    def boom(model):
-        groups = merge(model)
+    def boom(model, kernel=False):
+        groups = merge(model, kernel)
         unmerge(groups)  # what merge() itself does when it fails half-way
         raise RuntimeError("boom")
 
@@ -301,11 +301,11 @@ def test_a_refused_repatch_leaves_the_previous_patch_merged(monkeypatch):
         up.weight.data = torch.randn_like(up.weight)  # a stale group: re-patching merges every group afresh
     real_merge, calls = patch_module.merge, []
 
-    def fail_once(model):
+    def fail_once(model, kernel=False):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return real_merge(model)
+        return real_merge(model, kernel)
 
     monkeypatch.setattr(patch_module, "merge", fail_once)
     with pytest.raises(RuntimeError, match="boom"):
@@ -318,4 +318,92 @@ def test_a_refused_repatch_leaves_the_previous_patch_merged(monkeypatch):
     reference.load_state_dict(model.state_dict())  # the current (replaced) weights, unmerged
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    unpatch_model(model)
+
+
+def _decode_linears(seen: list):
+    """A compile backend counting the ``decode_linear`` custom op's calls (and ``linear``'s) in each traced step."""
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        ours = sum("decode_linear" in t for t in names)
+        seen.append((ours, sum("linear" in t for t in names) - ours))
+        return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+def test_decode_linear_runs_every_projection_of_a_step_through_the_op():
+    """With ``decode_linear=True`` a compiled static step traces the ``decode_linear`` op for the 4 products of each
+    layer (qkv, o, gate_up, down: the reference backend off CUDA) and F.linear only for the LM head, and gives the
+    merged model's logits; the prefill (more than 16 rows) keeps F.linear; unpatching restores every layer."""
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids, steps = prompt(37, batch=2), 4
+    policy = Quest(budget=24, sink=4, window=8)
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    out = {}
+    for kernel in (False, True):
+        patch_model(model, policy=policy, block_size=8, dense_layers=(0,), merge_projections=True, decode_linear=kernel)
+        groups = getattr(model, STATE_ATTR).merged
+        assert all(g.kernel is kernel for g in groups)
+        assert len(groups) == (4 if kernel else 2) * model.config.num_hidden_layers
+        cache, logits_seen, seen = PagedKVCache(model.config, block_size=8), [], []
+        with torch.no_grad():
+            logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+            runner = DecodeGraphs(model, cache, 37 + steps, capture=False, compile={"backend": _decode_linears(seen)})
+            for _ in range(steps):
+                logits = runner.step(logits.argmax(-1))
+                logits_seen.append(logits)
+        out[kernel] = torch.cat(logits_seen, 1)
+        layers = model.config.num_hidden_layers
+        assert seen and set(seen) == ({(4 * layers, 1)} if kernel else {(0, 4 * layers + 1)}), seen
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=0)
+    unpatch_model(model)
+    for k, p in model.named_parameters():
+        assert torch.equal(p, params[k]), k
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_decode_linear_needs_merged_projections_and_a_bool():
+    model = tiny_model("llama")
+    patch_model(model, merge_projections=True)
+    groups = getattr(model, STATE_ATTR).merged
+    with pytest.raises(ValueError, match="merge_projections=True"):
+        patch_model(model, merge_projections=False, decode_linear=True)
+    with pytest.raises(TypeError, match="decode_linear"):
+        patch_model(model, merge_projections=True, decode_linear="yes")
+    assert getattr(model, STATE_ATTR).merged is groups, "a refused patch keeps the previous one"
+    patch_model(model, merge_projections=True, decode_linear=True)
+    assert all(g.kernel for g in getattr(model, STATE_ATTR).merged), "re-patched with the kernel: merged afresh"
+    patch_model(model, merge_projections=True)
+    assert not any(g.kernel for g in getattr(model, STATE_ATTR).merged)
+    assert len(getattr(model, STATE_ATTR).merged) == 2 * model.config.num_hidden_layers
+    unpatch_model(model)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the Triton matmul on a CUDA model (HF_SPARSE_KV_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_linear_on_cuda_generates_the_cublas_tokens(batch):
+    """bf16 on CUDA, captured and compiled: the Triton matmul's greedy tokens are cuBLAS's and its logits within
+    bf16 rounding of them."""
+    torch._dynamo.reset()
+    model = tiny_model("llama").to(DEVICE, torch.bfloat16)
+    ids = prompt(40, batch=batch)
+    runs = {}
+    for kernel in (False, True):
+        patch_model(
+            model,
+            policy=Quest(budget=24, sink=4, window=8),
+            block_size=8,
+            dense_layers=(0,),
+            cuda_graph=True,
+            compile="inductor",
+            merge_projections=True,
+            decode_linear=kernel,
+        )
+        runs[kernel] = greedy(model, ids, new_tokens=8)
+    assert torch.equal(runs[True][0], runs[False][0])
+    torch.testing.assert_close(runs[True][1].float(), runs[False][1].float(), rtol=2e-2, atol=2e-2)
     unpatch_model(model)

@@ -430,6 +430,18 @@ def _(q, codes, centres, block_table, seq_lens, start, scale, sink, window, tabl
     return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::decode_linear", mutates_args=())
+def decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """``reference.decode_linear``: a decode step's weight matmul, ``x [..., K]`` (at most 16 rows for Triton) times
+    ``weight [N, K]``, -> ``[..., N]`` (:mod:`hf_sparse_kv.merge` calls it with ``kernel=True``)."""
+    return _impl(backend, "decode_linear")(x, weight, bias)
+
+
+@decode_linear_op.register_fake
+def _(x, weight, bias, backend):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 REGISTERED = (
     "paged_write",
     "block_scores",
@@ -449,6 +461,7 @@ REGISTERED = (
     "pq_encode",
     "pq_write",
     "pq_block_scores",
+    "decode_linear",
 )
 
 

@@ -1157,3 +1157,9 @@ def check_candidate_mass(lse: torch.Tensor, blocks: torch.Tensor) -> None:
             f"candidate_mass: lse {tuple(lse.shape)} must be [B, G * Hkv, C] for blocks {tuple(blocks.shape)} "
             "= [B, Hkv, C] (one row per query head, or per KV head)"
         )
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step's weight matmul: ``F.linear(x, weight, bias)``, ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``
+    (the reference of ``triton.linear.decode_linear``)."""
+    return F.linear(x, weight, bias)

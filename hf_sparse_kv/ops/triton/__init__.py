@@ -14,6 +14,7 @@ from .block_scores import block_scores
 from .candidate_mass import candidate_mass
 from .candidates import candidate_scores
 from .exact import oracle_block_scores, token_scores
+from .linear import decode_linear
 from .masked_decode import decode_masked
 from .merge import merge_partials
 from .paged_write import paged_write
@@ -44,6 +45,7 @@ block_scores = on_its_device(block_scores)
 candidate_mass = on_its_device(candidate_mass)
 candidate_scores = on_its_device(candidate_scores)
 decode_blocks = on_its_device(decode_blocks)
+decode_linear = on_its_device(decode_linear)
 decode_masked = on_its_device(decode_masked)
 decode_tokens = on_its_device(decode_tokens)
 merge_partials = on_its_device(merge_partials)
@@ -64,6 +66,7 @@ __all__ = [
     "candidate_mass",
     "candidate_scores",
     "decode_blocks",
+    "decode_linear",
     "decode_masked",
     "decode_tokens",
     "merge_partials",

@@ -1,0 +1,129 @@
+"""A decode step's weight matmul, ``y = x @ W.T (+ bias)`` for a few tokens: the Triton twin of
+``reference.decode_linear`` (``F.linear``).
+
+At decode a linear layer multiplies ``B <= 16`` rows by a weight ``W [N, K]`` and is bound by reading ``W``. cuBLAS
+reaches 88-92 % of the HBM bandwidth on an 8B model's large projections but 60-77 % on its smaller ones (``o``,
+the merged ``qkv``: benchmarks/RESULTS.md, "Merged projections"). This kernel reads ``W`` in tiles of ``BN`` rows
+× ``BK`` columns, one program per ``BN`` rows walking all of ``K``, and multiplies each tile by the tokens on tensor
+cores with the roles swapped (``W``'s rows as the product's rows, the tokens padded to 16 as its columns): no
+split of ``K``, so no second pass and no workspace. Float32 accumulation; the output in ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 16  # rows of x a call takes: the tokens are the tensor-core product's 16 columns
+
+# (BN, BK, num_warps, num_stages[, "sum"]) by default; benchmarks/bench_linear.py sweeps the others. "sum": for one
+# token, products summed along the weight's rows instead of a tensor-core product
+DEFAULT_CONFIG = (16, 512, 4, 4)
+
+
+def choose(N: int, K: int, B: int) -> tuple | None:
+    """The configuration for a ``[B, K] x [N, K]^T`` product, or ``None`` where cuBLAS is the faster (``F.linear``)."""
+    return DEFAULT_CONFIG
+
+
+@triton.jit
+def decode_linear_kernel(
+    x,  # [B, K]
+    w,  # [N, K], rows contiguous
+    bias,  # [N] (unused without HAS_BIAS)
+    y,  # [B, N]
+    B,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BB: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_b = tl.arange(0, BB)
+    o_k = tl.arange(0, BK)
+    m_n = o_n < N
+    m_b = o_b < B
+    # [BN, BB]
+    b_acc = tl.zeros([BN, BB], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        m_k = k0 + o_k < K
+        # [BN, BK]
+        b_w = tl.load(
+            w + o_n.to(tl.int64)[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0
+        )
+        if DOT:
+            # [BK, BB]: the tokens as columns
+            b_x = tl.load(
+                x + o_b[None, :] * stride_x + (k0 + o_k)[:, None], mask=m_b[None, :] & m_k[:, None], other=0.0
+            )
+            b_acc = tl.dot(b_w, b_x.to(b_w.dtype), b_acc)
+        else:  # one token (BB == 1): products summed along the row, no tensor cores
+            b_x = tl.load(x + (k0 + o_k), mask=m_k, other=0.0).to(tl.float32)
+            b_acc += tl.sum(b_w.to(tl.float32) * b_x[None, :], 1)[:, None]
+    if HAS_BIAS:
+        b_acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
+    tl.store(y + o_b[None, :] * stride_y + o_n[:, None], b_acc.to(y.dtype.element_ty), mask=m_b[None, :] & m_n[:, None])
+
+
+def decode_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: tuple | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [..., K]`` holding at most :data:`MAX_TOKENS` rows, ``weight [N, K]``
+    (rows contiguous), ``bias [N]``; returns ``[..., N]`` in ``x``'s dtype. ``config``: ``(BN, BK, num_warps,
+    num_stages)`` and optionally ``"sum"`` (one row: no tensor cores); when ``None``, :func:`choose`'s (which may
+    say ``F.linear``)."""
+    *lead, K = x.shape
+    N = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"decode_linear: weight {tuple(weight.shape)} does not take inputs of width {K}")
+    if weight.stride(1) != 1:
+        raise ValueError("decode_linear: the weight's rows must be contiguous")
+    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype:
+        raise ValueError(
+            f"decode_linear: bfloat16 or float16 x and weight of one dtype, not {x.dtype} and {weight.dtype}"
+        )
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"decode_linear: bias {tuple(bias.shape)} for {N} outputs")
+    x2 = x.reshape(-1, K)
+    B = x2.shape[0]
+    if B > MAX_TOKENS:
+        raise ValueError(f"decode_linear: {B} rows, at most {MAX_TOKENS}")
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    config = config or choose(N, K, B)
+    if config is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = torch.empty(B, N, dtype=x.dtype, device=x.device)
+    BN, BK, num_warps, num_stages, *variant = config
+    dot = not (variant and variant[0] == "sum")
+    if not dot and B != 1:
+        raise ValueError(f"decode_linear: the 'sum' variant takes one row, not {B}")
+    if B:
+        decode_linear_kernel[(triton.cdiv(N, BN),)](
+            x2,
+            weight,
+            weight if bias is None else bias,
+            y,
+            B,
+            N,
+            K,
+            x2.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            BN=BN,
+            BK=BK,
+            BB=MAX_TOKENS if dot else 1,
+            DOT=dot,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return y.reshape(*lead, N)
