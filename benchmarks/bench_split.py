@@ -100,6 +100,7 @@ CATEGORIES = ("selection", "attention", "write", "matmul", "fused", "rest")
 SHORT = {"selection": "sel", "attention": "attn", "write": "write", "matmul": "mm", "fused": "fused", "rest": "rest"}
 OURS = (  # (substring, category): our Triton kernels (ops/triton/*.py), and for the CPU dry run our ops and the
     # reference functions (ops/reference.py) they run; first match wins
+    ("decode_linear", "matmul"),  # decode_linear=True: the weights' products through our Triton matmul
     ("paged_write", "write"),
     ("projected_write", "write"),
     ("quant_write", "write"),

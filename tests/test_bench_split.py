@@ -21,17 +21,19 @@ ATTENTION_KERNELS = {"sparse_decode_fwd_kernel", "merge_partials_kernel"}
 WRITE_KERNELS = {
     "paged_write_kernel", "projected_write_kernel", "quant_write_kernel", "pq_write_kernel", "pq_encode_kernel"
 }  # fmt: skip
+MATMUL_KERNELS = {"decode_linear_kernel"}
 
 
 def test_every_triton_kernel_of_ours_has_its_category():
-    """The decode and merge kernels are attention, the writes (and their state's refresh) write, every other kernel
-    (scoring, top-k) selection: a new kernel that is none of these fails here until bench_split knows it."""
+    """The decode and merge kernels are attention, the writes (and their state's refresh) write, the weights' decode
+    matmul matmul, every other kernel (scoring, top-k) selection: a new kernel that is none of these fails here until
+    bench_split knows it."""
     kernels = set()
     for path in (ROOT / "hf_sparse_kv" / "ops" / "triton").glob("*.py"):
         kernels |= set(re.findall(r"^def (\w+_kernel)\(", path.read_text(), re.MULTILINE))
     assert ATTENTION_KERNELS | WRITE_KERNELS | {"block_scores_kernel", "topk_indices_kernel"} <= kernels
-    expected = {k: "attention" if k in ATTENTION_KERNELS else "write" if k in WRITE_KERNELS else "selection"
-                for k in kernels}  # fmt: skip
+    expected = {k: "attention" if k in ATTENTION_KERNELS else "write" if k in WRITE_KERNELS
+                else "matmul" if k in MATMUL_KERNELS else "selection" for k in kernels}  # fmt: skip
     assert {k: bench_split.category(k) for k in kernels} == expected
 
 
