@@ -41,8 +41,10 @@ def main() -> None:
     table = tiles(sys.argv[1])
     print("table", table, flush=True)
 
+    shipped = linear.choose
+
     def choose(N, K, B):
-        return table.get((N, K, B), linear.DEFAULT_CONFIG)
+        return table[(N, K, B)] if (N, K, B) in table else shipped(N, K, B)
 
     linear.choose = choose  # the probe's tiles in place of the shipped rule
     sys.argv = ["bench_e2e.py", *sys.argv[2:]]

@@ -223,7 +223,7 @@ def cases():
         x, w = torch.randn(3, 4096, generator=g).to(dtype), torch.randn(1000, 4096, generator=g).to(dtype)
         b = torch.randn(1000, generator=g).to(dtype) if bias else None
         out.append((f"decode_linear {dtype} bias={bias} {config}", partial(decode_linear, x, w, b, config)))
-    out.append(("decode_linear sum", partial(decode_linear, x[:1], w, b, (8, 512, 4, 2, "sum"))))
+    out.append(("decode_linear one token (choose: the sum variant)", partial(decode_linear, x[:1], w, b)))
     for n in (100, 2048, 8200, 20000):  # one tile; one tile; 8192 + 16 lanes; 16384 + 4096 lanes
         scores = torch.randn(2, n, generator=g)
         out.append((f"topk_indices N={n}", partial(topk_indices, scores, n // 16, method="row")))

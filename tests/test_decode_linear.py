@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from hf_sparse_kv.ops.triton import linear
 from hf_sparse_kv.ops.triton.linear import MAX_TOKENS, decode_linear
 
 CUDA = torch.cuda.is_available()
@@ -37,7 +38,8 @@ def make(B, N, K, dtype, bias, seed=0):
         (1, 64, 128, False, (16, 64, 4, 2)),
         (3, 40, 200, True, (16, 64, 4, 2)),  # N and K not multiples of the tile: masked edges
         (16, 33, 96, True, (32, 32, 2, 3)),  # every row a call takes
-        (8, 100, 300, False, None),  # the default tile (BK 512 > K)
+        (8, 100, 300, False, None),  # choose(): the default tile (BK 256, K 300: a masked second step)
+        (1, 50, 700, True, None),  # choose(): the one-token tile
         (1, 40, 200, True, (16, 64, 4, 2, "sum")),  # one token without tensor cores
     ],
 )
@@ -78,10 +80,25 @@ def test_decode_linear_of_no_rows_is_empty():
     assert decode_linear(x[:0], w).shape == (0, 32)
 
 
+def test_choose_follows_the_sweep_rule():
+    assert linear.choose(28672, 4096, 1) is None and linear.choose(28672, 4096, 8) is None  # cuBLAS at the bandwidth
+    assert linear.choose(6144, 4096, 1) == linear.ONE_TOKEN_CONFIG
+    assert linear.choose(4096, 14336, 1) == linear.DEFAULT_CONFIG  # K past 8192: tensor cores even for one token
+    assert linear.choose(6144, 4096, 2) == linear.DEFAULT_CONFIG
+    assert linear.ONE_TOKEN_CONFIG[4:] == ("sum",) and len(linear.DEFAULT_CONFIG) == 4
+
+
+def test_where_choose_says_cublas_the_call_is_f_linear(monkeypatch):
+    monkeypatch.setattr(linear, "choose", lambda N, K, B: None)
+    x, w, b = make(3, 40, 64, torch.bfloat16, True)
+    assert torch.equal(decode_linear(x, w, b), F.linear(x, w, b))
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (an 8B projection's shape)")
+@pytest.mark.parametrize("N, K", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("B", [1, 8])
-def test_cuda_decode_linear_on_an_8b_projection(B):
-    x, w, _ = make(B, 6144, 4096, torch.bfloat16, False)
+def test_cuda_decode_linear_on_an_8b_projection(B, N, K):
+    x, w, _ = make(B, N, K, torch.bfloat16, False)
     ref = F.linear(x.float(), w.float())
     assert rel_err(decode_linear(x, w), ref) < 1e-2
 

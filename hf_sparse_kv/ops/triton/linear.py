@@ -17,13 +17,25 @@ import triton.language as tl
 
 MAX_TOKENS = 16  # rows of x a call takes: the tokens are the tensor-core product's 16 columns
 
-# (BN, BK, num_warps, num_stages[, "sum"]) by default; benchmarks/bench_linear.py sweeps the others. "sum": for one
-# token, products summed along the weight's rows instead of a tensor-core product
-DEFAULT_CONFIG = (16, 512, 4, 4)
+# (BN, BK, num_warps, num_stages[, "sum"]); "sum": for one token, products summed along the weight's rows instead of
+# a tensor-core product. benchmarks/bench_linear.py sweeps them against cuBLAS (benchmarks/RESULTS.md, 2026-12-06)
+ONE_TOKEN_CONFIG = (4, 512, 4, 2, "sum")
+DEFAULT_CONFIG = (32, 256, 4, 4)
+CUBLAS_ELEMENTS = 1 << 26  # weights of at least this many elements: cuBLAS already reads them at the bandwidth
 
 
 def choose(N: int, K: int, B: int) -> tuple | None:
-    """The configuration for a ``[B, K] x [N, K]^T`` product, or ``None`` where cuBLAS is the faster (``F.linear``)."""
+    """The configuration for a ``[B, K] x [N, K]^T`` product, or ``None`` where cuBLAS is as fast (``F.linear``).
+
+    The rule of the H100 sweep on Llama-3.1-8B's projections at B = 1 and 8 (benchmarks/RESULTS.md, 2026-12-06):
+    cuBLAS for weights of :data:`CUBLAS_ELEMENTS` or more (the merged ``gate_up``, 28672 × 4096: every tile within
+    ±3 % of it), :data:`ONE_TOKEN_CONFIG` for one token with ``K <= 8192`` (``qkv`` 18.8 µs against cuBLAS's 20.2,
+    ``o`` 13.6 against 15.4), :data:`DEFAULT_CONFIG` otherwise (``down`` 40.6 / 41.1 against 42.9 / 43.1 at B = 1 / 8,
+    ``o`` 14.0 against 16.1 and ``qkv`` 20.2 against 20.4 at B = 8). Not swept on other GPUs."""
+    if N * K >= CUBLAS_ELEMENTS:
+        return None
+    if B == 1 and K <= 8192:
+        return ONE_TOKEN_CONFIG
     return DEFAULT_CONFIG
 
 
@@ -98,7 +110,8 @@ def decode_linear(
         raise ValueError(f"decode_linear: {B} rows, at most {MAX_TOKENS}")
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    config = config or choose(N, K, B)
+    if config is None:
+        config = choose(N, K, B)
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
     y = torch.empty(B, N, dtype=x.dtype, device=x.device)
