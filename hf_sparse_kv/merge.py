@@ -34,12 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from .ops.library import decode_linear_op
-
-DECODE_ROWS = 16  # ops/triton/linear.py's MAX_TOKENS (Triton is not imported for it)
+from .ops.reference import DECODE_LINEAR_DTYPES, DECODE_LINEAR_ROWS
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 SINGLES = (("o_proj",), ("down_proj",))  # the layers that merge nowhere: groups of one with ``kernel=True``
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class MergedGroup:
@@ -113,12 +111,12 @@ class MergedGroup:
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` times the merged weight: ``[..., sum(out)]``. With ``kernel``, a decode-sized input (at
-        most :data:`DECODE_ROWS` rows) goes through the ``decode_linear`` custom op (compiled steps trace it): the
-        Triton matmul of :mod:`hf_sparse_kv.ops.triton.linear` on CUDA in bf16 / fp16, ``F.linear`` (the reference)
-        elsewhere."""
-        if not self.kernel or x.numel() > DECODE_ROWS * x.shape[-1]:
+        most ``reference.DECODE_LINEAR_ROWS`` rows) goes through the ``decode_linear`` custom op (compiled steps trace
+        it): the Triton matmul of :mod:`hf_sparse_kv.ops.triton.linear` on CUDA in ``DECODE_LINEAR_DTYPES`` (bf16 /
+        fp16), ``F.linear`` (the reference) elsewhere."""
+        if not self.kernel or x.numel() > DECODE_LINEAR_ROWS * x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
-        fast = x.is_cuda and x.dtype in KERNEL_DTYPES and x.dtype == self.weight.dtype
+        fast = x.is_cuda and x.dtype in DECODE_LINEAR_DTYPES and x.dtype == self.weight.dtype
         return decode_linear_op(x, self.weight, self.bias, "triton" if fast else "reference")
 
     def unmerge(self) -> None:

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from hf_sparse_kv.ops.reference import DECODE_LINEAR_ROWS
 from hf_sparse_kv.ops.triton import linear
-from hf_sparse_kv.ops.triton.linear import MAX_TOKENS, decode_linear
+from hf_sparse_kv.ops.triton.linear import decode_linear
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -64,7 +65,7 @@ def test_decode_linear_keeps_leading_dims_and_reads_strided_rows():
 def test_decode_linear_refuses_what_it_cannot_compute():
     x, w, _ = make(2, 32, 64, torch.bfloat16, False)
     with pytest.raises(ValueError, match="at most"):
-        decode_linear(torch.zeros(MAX_TOKENS + 1, 64, dtype=x.dtype, device=DEVICE), w)
+        decode_linear(torch.zeros(DECODE_LINEAR_ROWS + 1, 64, dtype=x.dtype, device=DEVICE), w)
     with pytest.raises(ValueError, match="width"):
         decode_linear(x, w[:, :32])
     with pytest.raises(ValueError, match="contiguous"):

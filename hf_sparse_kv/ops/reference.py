@@ -1159,6 +1159,10 @@ def check_candidate_mass(lse: torch.Tensor, blocks: torch.Tensor) -> None:
         )
 
 
+DECODE_LINEAR_ROWS = 16  # rows of x the Triton twin takes: the tokens are its tensor-core product's 16 columns
+DECODE_LINEAR_DTYPES = (torch.bfloat16, torch.float16)  # the dtypes the Triton twin computes in
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's weight matmul: ``F.linear(x, weight, bias)``, ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``
     (the reference of ``triton.linear.decode_linear``)."""

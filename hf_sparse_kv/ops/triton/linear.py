@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TOKENS = 16  # rows of x a call takes: the tokens are the tensor-core product's 16 columns
+from ..reference import DECODE_LINEAR_DTYPES, DECODE_LINEAR_ROWS
 
 # (BN, BK, num_warps, num_stages[, "sum"]); "sum": for one token, products summed along the weight's rows instead of
 # a tensor-core product. benchmarks/bench_linear.py sweeps them against cuBLAS (benchmarks/RESULTS.md, 2026-12-06)
@@ -88,17 +88,17 @@ def decode_linear_kernel(
 def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: tuple | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [..., K]`` holding at most :data:`MAX_TOKENS` rows, ``weight [N, K]``
-    (rows contiguous), ``bias [N]``; returns ``[..., N]`` in ``x``'s dtype. ``config``: ``(BN, BK, num_warps,
-    num_stages)`` and optionally ``"sum"`` (one row: no tensor cores); when ``None``, :func:`choose`'s (which may
-    say ``F.linear``)."""
+    """``F.linear(x, weight, bias)`` for ``x [..., K]`` holding at most ``reference.DECODE_LINEAR_ROWS`` rows,
+    ``weight [N, K]`` (rows contiguous), ``bias [N]``, in one of ``DECODE_LINEAR_DTYPES``; returns ``[..., N]`` in
+    ``x``'s dtype. ``config``: ``(BN, BK, num_warps, num_stages)`` and optionally ``"sum"`` (one row: no tensor
+    cores); when ``None``, :func:`choose`'s (which may say ``F.linear``)."""
     *lead, K = x.shape
     N = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"decode_linear: weight {tuple(weight.shape)} does not take inputs of width {K}")
     if weight.stride(1) != 1:
         raise ValueError("decode_linear: the weight's rows must be contiguous")
-    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype:
+    if weight.dtype not in DECODE_LINEAR_DTYPES or x.dtype != weight.dtype:
         raise ValueError(
             f"decode_linear: bfloat16 or float16 x and weight of one dtype, not {x.dtype} and {weight.dtype}"
         )
@@ -106,8 +106,8 @@ def decode_linear(
         raise ValueError(f"decode_linear: bias {tuple(bias.shape)} for {N} outputs")
     x2 = x.reshape(-1, K)
     B = x2.shape[0]
-    if B > MAX_TOKENS:
-        raise ValueError(f"decode_linear: {B} rows, at most {MAX_TOKENS}")
+    if B > DECODE_LINEAR_ROWS:
+        raise ValueError(f"decode_linear: {B} rows, at most {DECODE_LINEAR_ROWS}")
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if config is None:
@@ -134,7 +134,7 @@ def decode_linear(
             HAS_BIAS=bias is not None,
             BN=BN,
             BK=BK,
-            BB=MAX_TOKENS if dot else 1,
+            BB=DECODE_LINEAR_ROWS if dot else 1,
             DOT=dot,
             num_warps=num_warps,
             num_stages=num_stages,
