@@ -398,10 +398,15 @@ def compile_backend(device: str) -> str:
     return "inductor" if device == "cuda" else "aot_eager"
 
 
+def merges_projections(how: str | None) -> bool:
+    """Whether a row's ``how`` patches with ``merge_projections=True`` (``"graph+merged"`` and its variants)."""
+    return how is not None and how.startswith("graph+merged")
+
+
 def step_compile(device: str, how: str | None) -> str | dict | None:
     """``patch_model``'s ``compile`` for a row's ``how``: ``None`` (not compiled), the backend name (``"graph"``,
     ``"graph+merged"``) or, for ``"graph+merged+autotune"`` on CUDA, inductor with ``max-autotune-no-cudagraphs``."""
-    if how not in ("graph", "graph+merged", "graph+merged+autotune", "graph+merged+linear"):
+    if how != "graph" and not merges_projections(how):
         return None
     if how.endswith("autotune") and device == "cuda":
         return {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}
@@ -411,8 +416,7 @@ def step_compile(device: str, how: str | None) -> str | dict | None:
 def step_options(device: str, how: str | None) -> dict:
     """``patch_model``'s ``compile`` and ``merge_projections`` for a row's ``how`` (``COMPILED_ROWS``,
     ``GENERATE_ROWS``)."""
-    merged = how in ("graph+merged", "graph+merged+autotune", "graph+merged+linear")
-    opts = {"compile": step_compile(device, how), "merge_projections": merged}
+    opts = {"compile": step_compile(device, how), "merge_projections": merges_projections(how)}
     if how == "graph+merged+linear":  # (only then: bench_ab.py's older package may not take the argument)
         opts["decode_linear"] = True
     return opts

@@ -38,10 +38,15 @@ STEP_LAYERS = 32
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def configs(spec: str | None) -> list[tuple[int, int, int, int]]:
-    """The sweep's ``(BN, BK, warps, stages)``, or those ``spec`` lists (``BN,BK,W,S;...``)."""
+def parse_config(text: str) -> tuple:
+    """``"BN,BK,W,S[,sum]"`` (a CSV's ``config`` cell, one of ``--configs``) -> ``decode_linear``'s ``config``."""
+    return tuple(v if v == "sum" else int(v) for v in text.split(","))
+
+
+def configs(spec: str | None) -> list[tuple]:
+    """The sweep's ``(BN, BK, warps, stages[, "sum"])``, or those ``spec`` lists (``BN,BK,W,S;...``)."""
     if spec:
-        return [tuple(v if v == "sum" else int(v) for v in c.split(",")) for c in spec.split(";")]
+        return [parse_config(c) for c in spec.split(";")]
     dot = list(itertools.product((16, 32), (256, 512), (4, 8), (3, 4)))
     dot += list(itertools.product((64,), (128, 256), (4,), (3,)))
     return dot + [(*c, "sum") for c in itertools.product((4, 8, 16), (512, 1024), (4,), (2, 3))]

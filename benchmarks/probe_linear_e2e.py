@@ -10,10 +10,11 @@
 
 import csv
 import sys
+from pathlib import Path
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+from bench_linear import PROJECTIONS, parse_config
 
 
 def tiles(path: str) -> dict[tuple[int, int, int], tuple | None]:
@@ -28,8 +29,8 @@ def tiles(path: str) -> dict[tuple[int, int, int], tuple | None]:
         best = min(tri, key=lambda r: float(r["us_per_layer"])) if tri else None
         cfg = None
         if best and float(best["us_per_layer"]) < 0.97 * cub:
-            cfg = tuple(v if v == "sum" else int(v) for v in best["config"].split(","))
-        table[(*SHAPES[proj], int(B))] = cfg
+            cfg = parse_config(best["config"])
+        table[(*PROJECTIONS[proj], int(B))] = cfg
     return table
 
 

@@ -150,6 +150,11 @@ def test_step_compile_names_each_rows_compile():
     assert {bench_e2e.step_compile("cpu", h) for h in ("graph", "graph+merged", "graph+merged+autotune")} == {
         "aot_eager"
     }
+    opts = {h: bench_e2e.step_options("cpu", h) for h in (None, "graph", "graph+merged", "graph+merged+linear")}
+    assert opts[None] == {"compile": None, "merge_projections": False}
+    assert opts["graph"] == {"compile": "aot_eager", "merge_projections": False}
+    assert opts["graph+merged"] == {"compile": "aot_eager", "merge_projections": True}
+    assert opts["graph+merged+linear"] == {"compile": "aot_eager", "merge_projections": True, "decode_linear": True}
 
 
 @pytest.mark.parametrize("shape", ["smollm2", "qwen2.5"])
