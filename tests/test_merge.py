@@ -57,13 +57,30 @@ def test_merged_patch_generates_the_unmerged_tokens_and_unpatch_restores_every_w
 
 
 def _linears(seen: list):
+    """A compile backend recording, for each traced step, its calls of the ``decode_linear`` custom op and of the
+    other linear ops (``F.linear``)."""
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
     def backend(gm, example_inputs):
-        seen.append(sum(n.op == "call_function" and "linear" in str(n.target) for n in gm.graph.nodes))
+        names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        ours = sum("decode_linear" in t for t in names)
+        seen.append((ours, sum("linear" in t for t in names) - ours))
         return aot_eager(gm, example_inputs)
 
     return backend
+
+
+def _compiled_static_steps(model, ids, steps: int, seen: list) -> torch.Tensor:
+    """Greedy logits ``[B, steps, V]`` of ``steps`` compiled static steps (:func:`_linears` recording into ``seen``)
+    after a prefill of ``ids`` into a fresh cache."""
+    cache, out = PagedKVCache(model.config, block_size=8), []
+    with torch.no_grad():
+        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
+        runner = DecodeGraphs(model, cache, ids.shape[1] + steps, capture=False, compile={"backend": _linears(seen)})
+        for _ in range(steps):
+            logits = runner.step(logits.argmax(-1))
+            out.append(logits)
+    return torch.cat(out, 1)
 
 
 @pytest.mark.parametrize("merged", [False, True])
@@ -84,16 +101,11 @@ def test_compiled_static_step_traces_one_matmul_per_group(merged):
     patch_model(
         model, policy=Quest(budget=24, sink=4, window=8), block_size=8, dense_layers=(0,), merge_projections=merged
     )
-    cache, out, seen = PagedKVCache(model.config, block_size=8), [], []
-    with torch.no_grad():
-        logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
-        runner = DecodeGraphs(model, cache, 37 + steps, capture=False, compile={"backend": _linears(seen)})
-        for _ in range(steps):
-            logits = runner.step(logits.argmax(-1))
-            out.append(logits)
-    torch.testing.assert_close(torch.cat(out, 1), torch.cat(ref, 1), rtol=0, atol=1e-5)
+    seen = []
+    out = _compiled_static_steps(model, ids, steps, seen)
+    torch.testing.assert_close(out, torch.cat(ref, 1), rtol=0, atol=1e-5)
     layers = model.config.num_hidden_layers
-    assert seen and set(seen) == {layers * (4 if merged else 7) + 1}, seen  # + the LM head
+    assert seen and set(seen) == {(0, layers * (4 if merged else 7) + 1)}, seen  # + the LM head
     assert all(group.last is None for group in getattr(model, STATE_ATTR).merged), "nothing kept between steps"
     unpatch_model(model)
 
@@ -321,19 +333,6 @@ def test_a_refused_repatch_leaves_the_previous_patch_merged(monkeypatch):
     unpatch_model(model)
 
 
-def _decode_linears(seen: list):
-    """A compile backend counting the ``decode_linear`` custom op's calls (and ``linear``'s) in each traced step."""
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):
-        names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-        ours = sum("decode_linear" in t for t in names)
-        seen.append((ours, sum("linear" in t for t in names) - ours))
-        return aot_eager(gm, example_inputs)
-
-    return backend
-
-
 def test_decode_linear_runs_every_projection_of_a_step_through_the_op():
     """With ``decode_linear=True`` a compiled static step traces the ``decode_linear`` op for the 4 products of each
     layer (qkv, o, gate_up, down: the reference backend off CUDA) and F.linear only for the LM head, and gives the
@@ -349,14 +348,8 @@ def test_decode_linear_runs_every_projection_of_a_step_through_the_op():
         groups = getattr(model, STATE_ATTR).merged
         assert all(g.kernel is kernel for g in groups)
         assert len(groups) == (4 if kernel else 2) * model.config.num_hidden_layers
-        cache, logits_seen, seen = PagedKVCache(model.config, block_size=8), [], []
-        with torch.no_grad():
-            logits = model(ids, **{cache_kwarg(model): cache}).logits[:, -1:]
-            runner = DecodeGraphs(model, cache, 37 + steps, capture=False, compile={"backend": _decode_linears(seen)})
-            for _ in range(steps):
-                logits = runner.step(logits.argmax(-1))
-                logits_seen.append(logits)
-        out[kernel] = torch.cat(logits_seen, 1)
+        seen = []
+        out[kernel] = _compiled_static_steps(model, ids, steps, seen)
         layers = model.config.num_hidden_layers
         assert seen and set(seen) == ({(4 * layers, 1)} if kernel else {(0, 4 * layers + 1)}), seen
     torch.testing.assert_close(out[True], out[False], rtol=0, atol=0)
