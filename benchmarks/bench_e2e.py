@@ -522,7 +522,7 @@ def compiled_phase(model, batch, length, args, report, bandwidth, keep, base_ms)
     rows = [r for r in COMPILED_ROWS if keep(r[0])]
     if rows:  # the patched compiled rows first: a time limit stops the StaticCache row, not them
         report.say(f"{batch}x{length}: filling the paged cache")
-        _, paged = fill_caches(model, batch, length, args.block_size, args.device)
+        _, paged = fill_caches(model, batch, length, args.block_size, args.device, dense=False)
         shape = (batch, length, base_ms, paged.memory_bytes())
         for name, policy, mode, how in rows:
             report.say(f"{batch}x{length}: {name} (compile, steps)")

@@ -99,7 +99,7 @@ def filled_steps(model, args, activities) -> list:
     random K/V (``bench_e2e.fill_caches``), run by ``bench_e2e.time_decode`` as its filled-cache rows run them (a
     forward, the argmax, a sync): beside a ``generate()`` trace, what differs is the prompt's keys and
     ``generate()``'s own work."""
-    _, paged = fill_caches(model, 1, args.length, 16, args.device)
+    _, paged = fill_caches(model, 1, args.length, 16, args.device, dense=False)
     warm = args.wait + 1
     time_decode(model, paged, 1, args.length, 0, warm, crop=False)  # the captures, outside the trace
     with torch.profiler.profile(activities=activities) as prof:

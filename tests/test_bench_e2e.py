@@ -186,7 +186,7 @@ def test_bench_e2e_refuses_a_shape_it_cannot_floor(monkeypatch, tmp_path):
 def test_fill_caches_without_the_dense_cache_fills_the_same_pages(monkeypatch, tmp_path):
     """``dense=False`` builds no DynamicCache (the 8B shape's 8 × 32K then fits an H100: two 34 GB caches did not)
     and fills the paged cache with the same tokens; the decode phase asks for the dense one only with the unpatched
-    row."""
+    row, the compiled phase never (its patched rows read the paged cache alone)."""
     import torch
 
     model = bench_e2e.build_model(2, "cpu", bench_e2e.tiny_config())
@@ -200,4 +200,6 @@ def test_fill_caches_without_the_dense_cache_fills_the_same_pages(monkeypatch, t
     monkeypatch.setattr(bench_e2e, "fill_caches", lambda *a, **k: asked.append(k.get("dense", True)) or fill(*a, **k))
     _run(monkeypatch, tmp_path, "--rows", "graph: Quest 1/16 block", "--generate", "")
     _run(monkeypatch, tmp_path, "--rows", "unpatched sdpa", "--generate", "")
-    assert asked == [False, True]
+    _run(monkeypatch, tmp_path, "--rows", "graph+compile: Quest 1/16 block", "--generate", "", "--phases", "compiled",
+         "--no-static")  # fmt: skip
+    assert asked == [False, True, False]
