@@ -54,6 +54,7 @@ from hf_sparse_kv.ops.triton import (
 from hf_sparse_kv.ops.triton.linear import decode_linear
 from hf_sparse_kv.ops.triton.product import pq_block_lse
 from hf_sparse_kv.ops.triton.quant import quant_block_lse
+from hf_sparse_kv.ops.triton.token_quant import token_quant_block_lse
 
 
 @contextlib.contextmanager
@@ -217,6 +218,11 @@ def cases():
             ):
                 lse = partial(quant_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout, **knobs)
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))
+            steps = torch.rand(*codes.shape[:3], generator=g)
+            for kw in ({}, {"block_m": 32, "tiles_per_program": 4, "num_stages": 1, "num_warps": 8}):
+                t_args = (q, codes, steps, kmin, table, lens, zero, 0.088, bits)
+                tq = partial(token_quant_block_lse, *t_args, **kw)
+                out.append((f"token_quant_block_lse bits={bits} G={G} {kw}", tq))
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
     for dtype, bias, config in ((torch.bfloat16, False, None), (torch.float16, True, (64, 128, 4, 3))):

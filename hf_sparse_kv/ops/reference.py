@@ -712,29 +712,92 @@ def quantize_keys(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: 
     (code 0 where ``hi == lo``), packed planar into ``[..., BS, D * bits // 8]`` uint8: byte ``i`` holds the codes of
     channels ``i, i + W, i + 2W, ...`` (``W = D * bits // 8``) from its low bits up."""
     L = quant_levels(bits)
-    D = keys.shape[-1]
-    per = 8 // bits
-    if D % per:
-        raise ValueError(f"{bits}-bit keys pack {per} channels per byte: the head dim {D} is not a multiple of {per}")
     lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
     delta = (hi - lo) / L
     code = torch.where(delta > 0, torch.floor((keys.float() - lo) / delta + 0.5), torch.zeros_like(delta))
-    code = code.clamp(0, L).to(torch.int32)
+    return _pack_codes(code.clamp(0, L).to(torch.int32), bits)
+
+
+def _pack_codes(code: torch.Tensor, bits: int) -> torch.Tensor:
+    """``code [..., D]`` int32 in ``[0, 2 ** bits)`` packed planar into ``[..., D * bits // 8]`` uint8 (byte ``i``:
+    channels ``i, i + W, ...`` from its low bits up)."""
+    D = code.shape[-1]
+    per = 8 // bits
+    if D % per:
+        raise ValueError(f"{bits}-bit keys pack {per} channels per byte: the head dim {D} is not a multiple of {per}")
     W = D // per
-    packed = torch.zeros(*code.shape[:-1], W, dtype=torch.int32, device=keys.device)
+    packed = torch.zeros(*code.shape[:-1], W, dtype=torch.int32, device=code.device)
     for j in range(per):
         packed |= code[..., j * W : (j + 1) * W] << (j * bits)
     return packed.to(torch.uint8)
+
+
+def _unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`_pack_codes`: ``[..., W]`` uint8 -> ``[..., W * 8 // bits]`` float32 codes."""
+    L = quant_levels(bits)
+    c = codes.to(torch.int32)
+    return torch.cat([(c >> (j * bits)) & L for j in range(8 // bits)], dim=-1).float()
 
 
 def dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
     """The keys ``lo + code * (hi - lo) / levels`` of :func:`quantize_keys`' codes: ``[..., BS, W] -> [..., BS, D]``
     float32."""
     L = quant_levels(bits)
-    c = codes.to(torch.int32)
-    code = torch.cat([(c >> (j * bits)) & L for j in range(8 // bits)], dim=-1).float()
     lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
-    return lo + code * ((hi - lo) / L)
+    return lo + _unpack_codes(codes, bits) * ((hi - lo) / L)
+
+
+def token_quantize_keys(
+    keys: torch.Tensor, lo: torch.Tensor, bits: int, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low-bit keys with one step per token: ``keys [..., BS, D]`` on the grid ``lo + code * step_t`` with ``lo
+    [..., D]`` the block's per-channel minimum (the cache's ``kmin``) and ``step_t = max_c (k_tc - lo_c) / levels``
+    (a token's largest offset from the block's minimum is the top level), ``code = round((k - lo) / step_t)``
+    clamped to the levels (0 where ``step_t == 0``). Unlike :func:`quantize_keys`' per-channel steps, the scaled
+    query is the same for every token: ``q . k_hat = q . lo + step_t (q . code_t)``, one plain product of a query
+    with any number of tokens' codes.
+
+    Returns ``(codes [..., BS, D * bits // 8] uint8 packed as quantize_keys', steps [..., BS] float32)``; with
+    ``valid [..., BS]`` bool, invalid slots get code 0 and step 0."""
+    L = quant_levels(bits)
+    off = keys.float() - lo.float().unsqueeze(-2)  # [..., BS, D], >= 0 on the slots lo was taken over
+    step = off.amax(-1) / L  # [..., BS]
+    if valid is not None:
+        step = step.masked_fill(~valid, 0.0)
+    pos = step > 0
+    code = torch.where(pos[..., None], torch.floor(off / torch.where(pos, step, 1.0)[..., None] + 0.5), 0.0)
+    return _pack_codes(code.clamp(0, L).to(torch.int32), bits), step
+
+
+def token_dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, steps: torch.Tensor, bits: int) -> torch.Tensor:
+    """The keys ``lo + code * step_t`` of :func:`token_quantize_keys`: ``codes [..., BS, W]``, ``lo [..., D]``,
+    ``steps [..., BS]`` -> ``[..., BS, D]`` float32."""
+    return lo.float().unsqueeze(-2) + _unpack_codes(codes, bits) * steps.float().unsqueeze(-1)
+
+
+def token_quant_block_lse(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    steps: torch.Tensor,
+    kmin: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+) -> torch.Tensor:
+    """:func:`quant_block_lse` over :func:`token_quantize_keys`' keys: ``[B, Hq, MB]`` float32, per query head and
+    logical block the log-sum-exp of ``scale * q . k_hat`` over the block's valid positions, ``-inf`` where none is.
+
+    Args: ``q [B, Hq, D]``; ``codes [NB, Hkv, BS, D * bits // 8]`` uint8; ``steps [NB, Hkv, BS]``; ``kmin [NB, Hkv,
+    D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; ``scale`` the softmax scale; ``bits`` 2 or 4."""
+    B, MB = block_table.shape
+    H, BS = codes.shape[1], codes.shape[2]
+    phys = block_table.long().clamp(min=0)
+    keys = token_dequantize_keys(codes[phys], kmin[phys], steps[phys], bits)  # [B, MB, Hkv, BS, D]
+    s = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, H), keys) * scale  # [B, Hkv, G, MB, BS]
+    ok = held_positions(block_table, seq_lens, start, BS)
+    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
 
 
 def quant_write(

@@ -1,0 +1,90 @@
+"""Low-bit keys with one step per token (issue 13's probe): the reference's grid and the Triton scoring kernel
+against it (``ops/triton/token_quant.py``, through Triton's interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_sparse_kv.ops import reference as R
+
+triton_tq = pytest.importorskip("hf_sparse_kv.ops.triton.token_quant")
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_token_codes_round_trip_within_half_a_step(bits):
+    """Every channel of a valid token comes back within half its token's step; the top level is the token's largest
+    offset from the block's minimum; invalid slots get code 0 and step 0."""
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(3, 2, 16, 64, generator=g) * torch.linspace(0.1, 8, 64)  # channels of very different ranges
+    valid = torch.ones(3, 2, 16, dtype=torch.bool)
+    valid[1, :, 9:] = False
+    lo = keys.masked_fill(~valid[..., None], float("inf")).amin(2)
+    codes, steps = R.token_quantize_keys(keys, lo, bits, valid)
+    assert codes.dtype == torch.uint8 and codes.shape == (3, 2, 16, 64 * bits // 8) and steps.shape == (3, 2, 16)
+    back = R.token_dequantize_keys(codes, lo, steps, bits)
+    err = (back - keys).abs()[valid]
+    assert (err <= steps[valid][:, None] / 2 * (1 + 1e-5) + 1e-6).all()
+    off = keys - lo[:, :, None, :]
+    top = R._unpack_codes(codes, bits).amax(-1)
+    assert torch.equal(top[valid], torch.full_like(top[valid], 2**bits - 1))  # each token reaches the top level
+    assert torch.allclose(steps[valid], off.amax(-1)[valid] / (2**bits - 1))
+    assert (codes[~valid] == 0).all() and (steps[~valid] == 0).all()
+
+
+def test_token_codes_of_a_constant_token_are_zero():
+    """A token equal to the block's minimum in every channel has step 0 and codes 0 (no division by zero)."""
+    keys = torch.zeros(1, 1, 16, 32)
+    keys[0, 0, 3] = torch.arange(32.0)
+    codes, steps = R.token_quantize_keys(keys, keys.amin(2), 4)
+    assert steps[0, 0, 0] == 0 and (codes[0, 0, 0] == 0).all() and steps[0, 0, 3] == 31 / 15
+    assert not R.token_dequantize_keys(codes, keys.amin(2), steps, 4).isnan().any()
+
+
+def _inputs(dtype, bits, B, H, G, D, lens, start, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    BS = 16
+    MB = max((n + BS - 1) // BS for n in lens) + 2
+    NB = B * MB + 3
+    k = torch.randn(NB, H, BS, D, generator=g).to(dtype)
+    kmin = k.float().amin(2).to(dtype)
+    codes, steps = R.token_quantize_keys(k, kmin, bits)
+    table = torch.randperm(NB, generator=g)[: B * MB].view(B, MB).int()
+    table[0, 1] = -1  # an evicted block: not read, -inf
+    q = torch.randn(B, H * G, D, generator=g).to(dtype)
+    lens_t, start_t = torch.tensor(lens, dtype=torch.int32), torch.tensor(start, dtype=torch.int32)
+    return q, codes, steps, kmin, table, lens_t, start_t, D**-0.5, bits
+
+
+@pytest.mark.parametrize(
+    "dtype,bits,B,H,G,D,lens,start",
+    [
+        (torch.float32, 4, 2, 2, 3, 64, [300, 77], [3, 0]),
+        (torch.bfloat16, 4, 1, 2, 4, 128, [530], [0]),
+        (torch.float32, 2, 2, 1, 2, 64, [40, 260], [0, 17]),
+        (torch.float16, 4, 1, 1, 1, 128, [33], [0]),
+    ],
+)
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"block_m": 32, "tiles_per_program": 1, "num_stages": 1}, {"tiles_per_program": 4, "num_stages": 3}],
+)
+def test_token_quant_lse_kernel_matches_the_reference(dtype, bits, B, H, G, D, lens, start, knobs):
+    """The kernel's log-sum-exps equal the float32 reference's (the codes meet bf16 / fp16 queries in their own
+    dtype: exact products), with the same ``-inf`` blocks (evicted, before ``start``, past the length), no NaN."""
+    args = _inputs(dtype, bits, B, H, G, D, lens, start)
+    ref = R.token_quant_block_lse(*args)
+    out = triton_tq.token_quant_block_lse(*args, **knobs)
+    assert out.shape == ref.shape and not out.isnan().any()
+    assert torch.equal(out.isfinite(), ref.isfinite())
+    fin = ref.isfinite()
+    assert fin.any()
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_token_quant_lse_refuses_bad_shapes():
+    q, codes, steps, kmin, table, lens, start, scale, bits = _inputs(torch.float32, 4, 1, 1, 1, 64, [40], [0])
+    with pytest.raises(AssertionError, match="steps"):
+        triton_tq.token_quant_block_lse(q, codes, steps[:, :, :8], kmin, table, lens, start, scale, bits)
+    with pytest.raises(ValueError, match="bits"):
+        triton_tq.token_quant_block_lse(q, codes, steps, kmin, table, lens, start, scale, 3)
