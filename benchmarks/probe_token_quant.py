@@ -10,7 +10,7 @@ Llama-3-8B layer's shape (8 KV heads, 4 query heads each, head dim 128, block si
    same ``-inf`` pattern, the top-1/16 blocks of the mass shared, no NaN), at every knob point;
 2. times (``common.bench``: CUDA graph, L2 flushed, median) each knob point of the scoring kernel, then at the best
    point the whole scoring (kernel + ``quant_lse_mass``'s two-launch tail, forced blocks) and the selection (+ the
-   top-k of 1/16), beside ``QuantBlockTopK``'s default kernel, scoring and selection and Quest's selection, each
+   top-k of 1/16) and the kernel on codes and steps kept in one 68-byte row per token (a single cache state), beside ``QuantBlockTopK``'s default kernel, scoring and selection and Quest's selection, each
    with its bytes' floor at the copy bandwidth measured in the same run.
 
     python benchmarks/probe_token_quant.py --out $OUT/probe_token_quant.csv
@@ -45,6 +45,16 @@ SMOKE_KNOBS = {"block_m": (16,), "tiles_per_program": (1, 2), "num_stages": (1,)
 def knob_points(smoke: bool) -> list[dict]:
     grid = SMOKE_KNOBS if smoke else KNOBS
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def joined(codes: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same codes and float32 steps in one ``[NB, Hkv, BS, W + 4]`` uint8 tensor (a token's codes, then its step's
+    four bytes: what one cache state would hold), returned as the two strided views the kernel takes."""
+    W = codes.shape[-1]
+    both = torch.empty(*codes.shape[:-1], W + 4, dtype=torch.uint8, device=codes.device)
+    both[..., :W] = codes
+    both.view(torch.float32)[..., W // 4] = steps
+    return both[..., :W], both.view(torch.float32)[..., W // 4]
 
 
 def probe(dev: str, bits: int, smoke: bool) -> list[dict]:
@@ -100,6 +110,15 @@ def probe_shape(dev: str, hbm: float | None, bits: int, B: int, MB: int, smoke: 
         print(f"{shape} {bits} bits: no knob point right; nothing more timed", flush=True)
         return rows
     kw = best[0]
+
+    joined_codes, joined_steps = joined(codes_t, steps)
+    j_args = (q, joined_codes, joined_steps, *t_args[3:])
+    lse = token_quant_block_lse(*j_args, **kw)
+    rel, _, inf_ok = compare(lse, ref_lse, k)
+    us, mode = bench(functools.partial(token_quant_block_lse, *j_args, **kw), rep=20)
+    rows.append({**base, "what": "joined: token lse on codes + step in one 68-byte row (best knobs)", **kw, "us": us,
+                 "timing": mode, "floor": floor(us, t_bytes), "rel_err": rel, "inf_ok": inf_ok})  # fmt: skip
+    print(f"{shape} {bits} bits joined rows: {us:.1f} us, rel {rel:.1e}, inf pattern {inf_ok}", flush=True)
 
     def t_scores(kw=kw):
         lse = token_quant_block_lse(*t_args, **kw)

@@ -82,6 +82,27 @@ def test_token_quant_lse_kernel_matches_the_reference(dtype, bits, B, H, G, D, l
     torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
 
 
+def test_token_quant_lse_kernel_reads_codes_and_steps_from_one_row():
+    """Codes and steps kept in one ``[NB, Hkv, BS, W + 4]`` byte tensor (the probe's single-state layout) give the
+    same log-sum-exps as separate tensors: the kernel follows the views' strides."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_token_quant.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("probe_token_quant", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    q, codes, steps, *rest = _inputs(torch.bfloat16, 4, 2, 2, 4, 64, [200, 90], [0, 5])
+    codes_j, steps_j = probe.joined(codes, steps)
+    assert codes_j.stride(2) == codes.shape[-1] + 4 and torch.equal(codes_j, codes) and torch.equal(steps_j, steps)
+    want = triton_tq.token_quant_block_lse(q, codes, steps, *rest)
+    got = triton_tq.token_quant_block_lse(q, codes_j, steps_j, *rest)
+    assert torch.equal(want.isfinite(), got.isfinite())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_token_quant_lse_refuses_bad_shapes():
     q, codes, steps, kmin, table, lens, start, scale, bits = _inputs(torch.float32, 4, 1, 1, 1, 64, [40], [0])
     with pytest.raises(AssertionError, match="steps"):

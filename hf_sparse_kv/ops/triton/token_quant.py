@@ -31,8 +31,12 @@ def token_quant_lse_kernel(
     seq_lens,  # [B]
     start,  # [B]
     out,  # [B, HQ, MB] float32
-    s_cn,  # codes stride between blocks
-    s_sn,  # steps stride between blocks
+    s_cn,  # codes strides: between blocks, heads, tokens (bytes within a token contiguous)
+    s_ch,
+    s_ct,
+    s_sn,  # steps strides: between blocks, heads, tokens
+    s_sh,
+    s_st,
     s_mn,  # kmin stride between blocks
     scale,
     MB,
@@ -69,9 +73,10 @@ def token_quant_lse_kernel(
         pos = o_m[:, None] * BS + o_t[None, :]  # [BM, BS]
         ok = (pos < n) & (pos >= s0) & m_live[:, None]
         b_phys = tl.maximum(b_phys, 0)
-        p_c = codes + (b_phys * s_cn + i_h * BS * W)[:, None, None] + o_t[None, :, None] * W + o_w[None, None, :]
+        p_c = codes + (b_phys * s_cn + i_h * s_ch)[:, None, None] + o_t[None, :, None] * s_ct + o_w[None, None, :]
         b_c = tl.reshape(tl.load(p_c, mask=m_live[:, None, None], other=0), (BM * BS, W)).to(tl.int32)
-        b_st = tl.load(steps + (b_phys * s_sn + i_h * BS)[:, None] + o_t[None, :], mask=m_live[:, None], other=0.0)
+        p_s = steps + (b_phys * s_sn + i_h * s_sh)[:, None] + o_t[None, :] * s_st
+        b_st = tl.load(p_s, mask=m_live[:, None], other=0.0)
         b_lo = tl.load(kmin + (b_phys * s_mn + i_h * D)[:, None] + o_d[None, :], mask=m_live[:, None], other=0.0)
         s = tl.zeros([GP, BM * BS], dtype=tl.float32)
         for j in tl.static_range(PER):
@@ -113,7 +118,8 @@ def token_quant_block_lse(
     log-sum-exp of ``scale * q . k_hat`` over the block's valid positions, ``-inf`` where none is.
 
     Args: ``q [B, Hq, D]`` (bf16 / fp16: the codes meet it in its own dtype, float32 accumulation, exact products;
-    float32: IEEE products); ``codes [NB, Hkv, BS, D * bits // 8]`` uint8; ``steps [NB, Hkv, BS]``; ``kmin [NB, Hkv,
+    float32: IEEE products); ``codes [NB, Hkv, BS, D * bits // 8]`` uint8 (a token's bytes contiguous, any other
+    strides: e.g. a slice of a wider row that holds the token's step too); ``steps [NB, Hkv, BS]`` (any strides); ``kmin [NB, Hkv,
     D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; knobs: ``block_m`` blocks a tile (a power of two ``>= 16``: the ``q . lo``
     product's smallest tile), ``tiles_per_program``, ``num_stages``, ``num_warps``.
     """
@@ -122,7 +128,7 @@ def token_quant_block_lse(
     NB, H, BS, W = codes.shape
     assert W == D * bits // 8 and codes.dtype == torch.uint8, "codes must be [NB, Hkv, BS, D * bits // 8] uint8"
     assert steps.shape == (NB, H, BS) and kmin.shape == (NB, H, D), "steps [NB, Hkv, BS], kmin [NB, Hkv, D]"
-    assert codes.stride()[1:] == (BS * W, W, 1) and steps.stride()[1:] == (BS, 1) and kmin.stride()[1:] == (D, 1)
+    assert codes.stride(3) == 1 and kmin.stride()[1:] == (D, 1), "a token's codes and a block's minima contiguous"
     assert HQ % H == 0 and triton.next_power_of_2(D) == D and W >= 16 and triton.next_power_of_2(W) == W
     assert triton.next_power_of_2(BS) == BS and block_m >= 16 and triton.next_power_of_2(block_m) == block_m
     MB = block_table.shape[1]
@@ -134,7 +140,7 @@ def token_quant_block_lse(
     grid = (triton.cdiv(MB, block_m * tpp), B * H)
     token_quant_lse_kernel[grid](
         q.contiguous(), codes, steps, kmin, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
-        codes.stride(0), steps.stride(0), kmin.stride(0), float(scale), MB,
+        *codes.stride()[:3], *steps.stride(), kmin.stride(0), float(scale), MB,
         HQ=HQ, H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, W=W, BS=BS, BM=block_m, BITS=bits, TPP=tpp,
         STAGES=num_stages, F32=q.dtype == torch.float32, num_warps=num_warps,
     )  # fmt: skip
