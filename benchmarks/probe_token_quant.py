@@ -47,16 +47,6 @@ def knob_points(smoke: bool) -> list[dict]:
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
-def joined(codes: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same codes and float32 steps in one ``[NB, Hkv, BS, W + 4]`` uint8 tensor (a token's codes, then its step's
-    four bytes: what one cache state would hold), returned as the two strided views the kernel takes."""
-    W = codes.shape[-1]
-    both = torch.empty(*codes.shape[:-1], W + 4, dtype=torch.uint8, device=codes.device)
-    both[..., :W] = codes
-    both.view(torch.float32)[..., W // 4] = steps
-    return both[..., :W], both.view(torch.float32)[..., W // 4]
-
-
 def probe(dev: str, bits: int, smoke: bool) -> list[dict]:
     """The rows of the module docstring for one code width."""
     hbm = hbm_bandwidth(dev) if torch.device(dev).type == "cuda" else None
@@ -111,7 +101,7 @@ def probe_shape(dev: str, hbm: float | None, bits: int, B: int, MB: int, smoke: 
         return rows
     kw = best[0]
 
-    joined_codes, joined_steps = joined(codes_t, steps)
+    joined_codes, joined_steps = R.split_token_rows(R.token_rows(codes_t, steps))
     j_args = (q, joined_codes, joined_steps, *t_args[3:])
     lse = token_quant_block_lse(*j_args, **kw)
     rel, _, inf_ok = compare(lse, ref_lse, k)

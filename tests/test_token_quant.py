@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import DEVICE
 
 from hf_sparse_kv.ops import reference as R
 
@@ -53,7 +54,8 @@ def _inputs(dtype, bits, B, H, G, D, lens, start, seed=0):
     table[0, 1] = -1  # an evicted block: not read, -inf
     q = torch.randn(B, H * G, D, generator=g).to(dtype)
     lens_t, start_t = torch.tensor(lens, dtype=torch.int32), torch.tensor(start, dtype=torch.int32)
-    return q, codes, steps, kmin, table, lens_t, start_t, D**-0.5, bits
+    moved = (t.to(DEVICE) for t in (q, codes, steps, kmin, table, lens_t, start_t))
+    return (*moved, D**-0.5, bits)
 
 
 @pytest.mark.parametrize(
@@ -83,19 +85,10 @@ def test_token_quant_lse_kernel_matches_the_reference(dtype, bits, B, H, G, D, l
 
 
 def test_token_quant_lse_kernel_reads_codes_and_steps_from_one_row():
-    """Codes and steps kept in one ``[NB, Hkv, BS, W + 4]`` byte tensor (the probe's single-state layout) give the
+    """Codes and steps kept in one ``[NB, Hkv, BS, W + 4]`` byte tensor (``reference.token_rows``) give the
     same log-sum-exps as separate tensors: the kernel follows the views' strides."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_token_quant.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("probe_token_quant", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
     q, codes, steps, *rest = _inputs(torch.bfloat16, 4, 2, 2, 4, 64, [200, 90], [0, 5])
-    codes_j, steps_j = probe.joined(codes, steps)
+    codes_j, steps_j = R.split_token_rows(R.token_rows(codes, steps))
     assert codes_j.stride(2) == codes.shape[-1] + 4 and torch.equal(codes_j, codes) and torch.equal(steps_j, steps)
     want = triton_tq.token_quant_block_lse(q, codes, steps, *rest)
     got = triton_tq.token_quant_block_lse(q, codes_j, steps_j, *rest)
@@ -109,3 +102,45 @@ def test_token_quant_lse_refuses_bad_shapes():
         triton_tq.token_quant_block_lse(q, codes, steps[:, :, :8], kmin, table, lens, start, scale, bits)
     with pytest.raises(ValueError, match="bits"):
         triton_tq.token_quant_block_lse(q, codes, steps, kmin, table, lens, start, scale, 3)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_token_quant_write_kernel_matches_the_reference(bits, dtype):
+    """The write re-codes the blocks a write touches (a partly filled block's earlier tokens too: its minima move)
+    and nothing else, with the reference's codes and steps, into the two views of one row-per-token state."""
+    g = torch.Generator().manual_seed(3)
+    NB, H, BS, D = 10, 2, 16, 64
+    W = D * bits // 8
+    k_pool = torch.randn(NB, H, BS, D, generator=g).to(dtype)
+    table = torch.tensor([[3, 7, -1, 1], [0, 9, 4, 2]], dtype=torch.int32)
+    lo, hi = torch.tensor([17, 40]), torch.tensor([33, 41])  # across a block edge; one token into a part-filled block
+    fill = torch.randint(0, 256, (NB, H, BS, W), dtype=torch.uint8, generator=g)
+    k_pool, table, lo, hi, fill = (t.to(DEVICE) for t in (k_pool, table, lo, hi, fill))
+    want_c, want_s = fill.clone(), torch.full((NB, H, BS), 7.0, device=DEVICE)
+    got_c, got_s = R.split_token_rows(R.token_rows(fill.clone(), want_s.clone()))
+    R.token_quant_write(want_c, want_s, k_pool, table, lo, hi, 16, bits)
+    triton_tq.token_quant_write(got_c, got_s, k_pool, table, lo, hi, 16, bits)
+    assert torch.equal(got_c, want_c) and torch.equal(got_s, want_s)
+    touched = {7, 4}  # sequence 0: logical blocks 1 and 2 (evicted: skipped); sequence 1: logical block 2
+    for blk in range(NB):
+        assert torch.equal(want_c[blk], fill[blk]) == (blk not in touched)
+    # the touched blocks hold the reference grid of their filled prefix: block 4 holds 41 - 32 = 9 tokens
+    valid = torch.arange(BS, device=DEVICE) < 9
+    kmin = k_pool[4].float().masked_fill(~valid[None, :, None], float("inf")).amin(1).to(dtype)
+    c, st = R.token_quantize_keys(k_pool[4].float().masked_fill(~valid[None, :, None], 0.0), kmin, bits,
+                                  valid.expand(H, BS))  # fmt: skip
+    assert torch.equal(want_c[4], c) and torch.equal(want_s[4], st)
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_token_quant_block_scores_match_the_reference(window):
+    """The whole scoring (kernel + the low-bit keys' mass tail) against the reference's mass: the same ``-inf`` /
+    ``+inf`` blocks (forced ones with ``window``), the finite masses within float32 rounding."""
+    args = _inputs(torch.bfloat16, 4, 2, 2, 4, 128, [300, 77], [0, 5])
+    ref = R.token_quant_block_scores(*args, 4, window)
+    out = triton_tq.token_quant_block_scores(*args, 4, window)
+    assert torch.equal(out.isposinf(), ref.isposinf()) and torch.equal(out.isneginf(), ref.isneginf())
+    assert out.isposinf().any() == (window is not None)
+    fin = ref.isfinite()
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-6)

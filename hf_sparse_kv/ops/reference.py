@@ -769,6 +769,27 @@ def token_quantize_keys(
     return _pack_codes(code.clamp(0, L).to(torch.int32), bits), step
 
 
+TOKEN_STEP_BYTES = 4  # a token's float32 step, after its codes in one row of the cache's state
+
+
+def token_rows(codes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Codes ``[..., BS, W]`` uint8 and steps ``[..., BS]`` in one ``[..., BS, W + 4]`` uint8 tensor: a token's codes,
+    then its step's four float32 bytes (one cache state holds both; :func:`split_token_rows` gives them back)."""
+    W = codes.shape[-1]
+    if W % TOKEN_STEP_BYTES:
+        raise ValueError(f"a token's codes must fill whole float32 words: {W} bytes")
+    rows = torch.empty(*codes.shape[:-1], W + TOKEN_STEP_BYTES, dtype=torch.uint8, device=codes.device)
+    rows[..., :W] = codes
+    rows.view(torch.float32)[..., W // TOKEN_STEP_BYTES] = steps
+    return rows
+
+
+def split_token_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The views ``(codes [..., BS, W] uint8, steps [..., BS] float32)`` of :func:`token_rows`' ``[..., BS, W + 4]``."""
+    W = rows.shape[-1] - TOKEN_STEP_BYTES
+    return rows[..., :W], rows.view(torch.float32)[..., W // TOKEN_STEP_BYTES]
+
+
 def token_dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, steps: torch.Tensor, bits: int) -> torch.Tensor:
     """The keys ``lo + code * step_t`` of :func:`token_quantize_keys`: ``codes [..., BS, W]``, ``lo [..., D]``,
     ``steps [..., BS]`` -> ``[..., BS, D]`` float32."""
@@ -836,6 +857,66 @@ def quant_write(
         keys, ok, lo_, hi_ = _prefix_range(k_pool[blk], (h - lbs * BS).clamp(max=BS))
         lo_, hi_ = lo_.to(k_pool.dtype), hi_.to(k_pool.dtype)  # the grid refresh_metadata stores
         codes[blk] = quantize_keys(keys.masked_fill(~ok, 0.0), lo_, hi_, bits).masked_fill(~ok, 0)
+
+
+def token_quant_write(
+    codes: torch.Tensor,
+    steps: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    bits: int,
+) -> None:
+    """:func:`quant_write` for :func:`token_quantize_keys`' grid: re-code, in place, every token of the blocks
+    holding the stored positions ``lo[b] <= p < hi[b]`` on the block's channel minima over its filled prefix (the
+    cache's ``kmin``: a token written into a partly filled block can lower them, so the tokens before it are re-coded)
+    and one step per token; slots past the prefix get code 0 and step 0.
+
+    Args: ``codes [NB, Hkv, BS, D * bits // 8]`` uint8, ``steps [NB, Hkv, BS]`` float32 (any strides: the views of
+    one cache state); ``k_pool [NB, Hkv, BS, D]``; ``block_table [B, MB]``; ``lo``, ``hi`` ``[B]``; ``span`` (unused
+    here); ``bits`` 2 or 4. Reads ``lo``/``hi`` on the host, one sequence at a time (as :func:`quant_write`).
+    """
+    BS = k_pool.shape[2]
+    quant_levels(bits)
+    for b in range(block_table.shape[0]):
+        l, h = int(lo[b]), int(hi[b])
+        if h <= l:
+            continue
+        lbs = torch.arange(l // BS, (h - 1) // BS + 1, device=k_pool.device)
+        lbs = lbs[lbs < block_table.shape[1]]
+        lbs = lbs[block_table[b, lbs] >= 0]
+        blk = block_table[b, lbs].long()
+        keys, ok, lo_, _ = _prefix_range(k_pool[blk], (h - lbs * BS).clamp(max=BS))
+        lo_ = lo_.to(k_pool.dtype)  # the grid's zero points: the kmin refresh_metadata stores
+        c, st = token_quantize_keys(keys.masked_fill(~ok, 0.0), lo_, bits, ok[..., 0].expand(-1, keys.shape[1], -1))
+        codes[blk] = c
+        steps[blk] = st.to(steps.dtype)
+
+
+def token_quant_block_scores(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    steps: torch.Tensor,
+    kmin: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+    sink: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """:func:`quant_block_scores` over :func:`token_quantize_keys`' keys (``lo + code * step_t``, ``lo`` the block's
+    ``kmin``): each block's softmax mass summed over each GQA group, ``[B, Hkv, MB]`` float32, ``-inf`` past each
+    sequence's last block and for evicted blocks, the forced blocks still held ``+inf`` when ``window`` is given.
+
+    Args: ``q [B, Hq, D]``; ``codes [NB, Hkv, BS, D * bits // 8]`` uint8; ``steps [NB, Hkv, BS]``; ``kmin [NB, Hkv,
+    D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; ``scale``; ``bits``; ``sink``, ``window``."""
+    phys = block_table.long().clamp(min=0)
+    keys = token_dequantize_keys(codes[phys], kmin[phys], steps[phys], bits)  # [B, MB, Hkv, BS, D]
+    return decoded_block_mass(q, keys, block_table, seq_lens, start, scale, sink, window)
 
 
 def quant_block_scores(

@@ -19,6 +19,109 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from .quant import quant_lse_mass
+from .written import written_block
+
+
+@triton.jit
+def _offsets(b_k, m_t):
+    """``b_k [BS, W]`` keys (``m_t [BS]`` the filled slots) less their channels' minima over the filled slots, the
+    minima rounded to the keys' dtype as the cache's ``kmin`` stores them (exact: a minimum is one of the keys):
+    ``[BS, W]`` float32."""
+    b_f = b_k.to(tl.float32)
+    b_min = tl.min(tl.where(m_t[:, None], b_f, float("inf")), 0).to(b_k.dtype).to(tl.float32)
+    return b_f - b_min[None, :]
+
+
+@triton.jit
+def token_quant_write_kernel(
+    codes,  # [NB, H, BS, W] uint8 (strided)
+    steps,  # [NB, H, BS] float32 (strided)
+    k_pool,  # [NB, H, BS, D]
+    block_table,  # [B, MB]
+    lo,  # [B]
+    hi,  # [B]
+    s_pn,  # key pool stride between blocks
+    s_cn,  # codes strides: blocks, heads, tokens
+    s_ch,
+    s_ct,
+    s_sn,  # steps strides: blocks, heads, tokens
+    s_sh,
+    s_st,
+    MB,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """One program per (logical block the write touches, sequence, KV head): the block's filled prefix, its channel
+    minima, each token's step (its largest offset from them over ``levels``) and codes, two passes over the ``8 //
+    BITS`` channel slices (the minima and steps, then the codes)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    _, b_hi, lb, b_phys, ok = written_block(lo, hi, block_table, i_b, i_n, MB, BS)
+    if not ok:
+        return
+    fill = tl.minimum(b_hi - lb * BS, BS)
+    L: tl.constexpr = (1 << BITS) - 1
+    PER: tl.constexpr = 8 // BITS
+    o_t = tl.arange(0, BS)
+    o_w = tl.arange(0, W)
+    m_t = o_t < fill
+    base = b_phys * s_pn + i_h * BS * D
+    top = tl.zeros([BS], dtype=tl.float32)
+    for j in tl.static_range(PER):  # each token's largest offset from the block's minima
+        b_k = tl.load(k_pool + base + o_t[:, None] * D + j * W + o_w[None, :], mask=m_t[:, None], other=0.0)
+        off = _offsets(b_k, m_t)
+        top = tl.maximum(top, tl.max(tl.where(m_t[:, None], off, 0.0), 1))
+    step = tl.where(m_t, tl.math.div_rn(top, tl.full([BS], L, tl.float32)), 0.0)  # [BS]
+    safe = tl.where(step > 0, step, 1.0)
+    packed = tl.zeros([BS, W], dtype=tl.int32)
+    for j in tl.static_range(PER):
+        b_k = tl.load(k_pool + base + o_t[:, None] * D + j * W + o_w[None, :], mask=m_t[:, None], other=0.0)
+        off = _offsets(b_k, m_t)
+        c = tl.math.floor(tl.math.div_rn(off, safe[:, None]) + 0.5)
+        c = tl.minimum(tl.maximum(c, 0.0), L * 1.0)
+        c = tl.where((step > 0)[:, None], c, 0.0).to(tl.int32)
+        packed = packed | (c << (j * BITS))
+    p_c = codes + b_phys * s_cn + i_h * s_ch + o_t[:, None] * s_ct + o_w[None, :]
+    tl.store(p_c, packed.to(tl.uint8))
+    tl.store(steps + b_phys * s_sn + i_h * s_sh + o_t * s_st, step)
+
+
+def token_quant_write(
+    codes: torch.Tensor,
+    steps: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    bits: int,
+) -> None:
+    """Re-code, in place, every token of the blocks holding the stored positions ``lo[b] <= p < hi[b]`` (the contract
+    of ``reference.token_quant_write``).
+
+    Args: ``codes [NB, Hkv, BS, D * bits // 8]`` uint8 (a token's bytes contiguous), ``steps [NB, Hkv, BS]``
+    float32 (any strides: e.g. the two views of one cache state); ``k_pool [NB, Hkv, BS, D]`` (inner dims
+    contiguous); ``block_table [B, MB]``; ``lo``, ``hi`` ``[B]``; ``span`` a host int ``>= max(hi - lo)``; ``bits``.
+    """
+    NB, H, BS, D = k_pool.shape
+    reference.quant_levels(bits)
+    W = D * bits // 8
+    assert codes.shape == (NB, H, BS, W) and codes.dtype == torch.uint8 and codes.stride(3) == 1, "codes"
+    assert steps.shape == (NB, H, BS) and steps.dtype == torch.float32, "steps must be [NB, Hkv, BS] float32"
+    assert k_pool.stride()[1:] == (BS * D, D, 1)
+    assert triton.next_power_of_2(W) == W and triton.next_power_of_2(BS) == BS, "power-of-two tiles"
+    B = block_table.shape[0]
+    assert lo.shape == (B,) and hi.shape == (B,)
+    if span <= 0 or B == 0:
+        return
+    token_quant_write_kernel[(triton.cdiv(span, BS) + 1, B * H)](
+        codes, steps, k_pool, block_table.contiguous(), lo.contiguous(), hi.contiguous(), k_pool.stride(0),
+        *codes.stride()[:3], *steps.stride(), block_table.shape[1], H=H, D=D, W=W, BS=BS, BITS=bits, num_warps=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -145,3 +248,24 @@ def token_quant_block_lse(
         STAGES=num_stages, F32=q.dtype == torch.float32, num_warps=num_warps,
     )  # fmt: skip
     return out
+
+
+def token_quant_block_scores(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    steps: torch.Tensor,
+    kmin: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    bits: int,
+    sink: int = 0,
+    window: int | None = None,
+    **knobs,
+) -> torch.Tensor:
+    """``reference.token_quant_block_scores``: :func:`token_quant_block_lse` (``knobs`` go to it), then
+    ``quant.quant_lse_mass``'s two-launch tail (each head's softmax shares summed over the group, the forced blocks
+    ``+inf`` when ``window`` is given). ``[B, Hkv, MB]`` float32."""
+    lse = token_quant_block_lse(q, codes, steps, kmin, block_table, seq_lens, start, scale, bits, **knobs)
+    return quant_lse_mass(lse, block_table, seq_lens, start, codes.shape[2], codes.shape[1], sink, window)
