@@ -117,11 +117,12 @@ def test_token_quant_write_kernel_matches_the_reference(bits, dtype):
     lo, hi = torch.tensor([17, 40]), torch.tensor([33, 41])  # across a block edge; one token into a part-filled block
     fill = torch.randint(0, 256, (NB, H, BS, W), dtype=torch.uint8, generator=g)
     k_pool, table, lo, hi, fill = (t.to(DEVICE) for t in (k_pool, table, lo, hi, fill))
-    want_c, want_s = fill.clone(), torch.full((NB, H, BS), 7.0, device=DEVICE)
-    got_c, got_s = R.split_token_rows(R.token_rows(fill.clone(), want_s.clone()))
-    R.token_quant_write(want_c, want_s, k_pool, table, lo, hi, 16, bits)
-    triton_tq.token_quant_write(got_c, got_s, k_pool, table, lo, hi, 16, bits)
-    assert torch.equal(got_c, want_c) and torch.equal(got_s, want_s)
+    want = R.token_rows(fill, torch.full((NB, H, BS), 7.0, device=DEVICE))
+    got = want.clone()
+    R.token_quant_write(want, k_pool, table, lo, hi, 16, bits)
+    triton_tq.token_quant_write(got, k_pool, table, lo, hi, 16, bits)
+    assert torch.equal(got, want)
+    want_c, want_s = R.split_token_rows(want)
     touched = {7, 4}  # sequence 0: logical blocks 1 and 2 (evicted: skipped); sequence 1: logical block 2
     for blk in range(NB):
         assert torch.equal(want_c[blk], fill[blk]) == (blk not in touched)
@@ -137,9 +138,10 @@ def test_token_quant_write_kernel_matches_the_reference(bits, dtype):
 def test_token_quant_block_scores_match_the_reference(window):
     """The whole scoring (kernel + the low-bit keys' mass tail) against the reference's mass: the same ``-inf`` /
     ``+inf`` blocks (forced ones with ``window``), the finite masses within float32 rounding."""
-    args = _inputs(torch.bfloat16, 4, 2, 2, 4, 128, [300, 77], [0, 5])
-    ref = R.token_quant_block_scores(*args, 4, window)
-    out = triton_tq.token_quant_block_scores(*args, 4, window)
+    q, codes, steps, *rest = _inputs(torch.bfloat16, 4, 2, 2, 4, 128, [300, 77], [0, 5])
+    rows = R.token_rows(codes, steps)
+    ref = R.token_quant_block_scores(q, rows, *rest, 4, window)
+    out = triton_tq.token_quant_block_scores(q, rows, *rest, 4, window)
     assert torch.equal(out.isposinf(), ref.isposinf()) and torch.equal(out.isneginf(), ref.isneginf())
     assert out.isposinf().any() == (window is not None)
     fin = ref.isfinite()

@@ -860,8 +860,7 @@ def quant_write(
 
 
 def token_quant_write(
-    codes: torch.Tensor,
-    steps: torch.Tensor,
+    rows: torch.Tensor,
     k_pool: torch.Tensor,
     block_table: torch.Tensor,
     lo: torch.Tensor,
@@ -874,10 +873,11 @@ def token_quant_write(
     cache's ``kmin``: a token written into a partly filled block can lower them, so the tokens before it are re-coded)
     and one step per token; slots past the prefix get code 0 and step 0.
 
-    Args: ``codes [NB, Hkv, BS, D * bits // 8]`` uint8, ``steps [NB, Hkv, BS]`` float32 (any strides: the views of
-    one cache state); ``k_pool [NB, Hkv, BS, D]``; ``block_table [B, MB]``; ``lo``, ``hi`` ``[B]``; ``span`` (unused
-    here); ``bits`` 2 or 4. Reads ``lo``/``hi`` on the host, one sequence at a time (as :func:`quant_write`).
+    Args: ``rows [NB, Hkv, BS, D * bits // 8 + 4]`` uint8 (:func:`token_rows`: a token's codes, then its float32
+    step); ``k_pool [NB, Hkv, BS, D]``; ``block_table [B, MB]``; ``lo``, ``hi`` ``[B]``; ``span`` (unused here);
+    ``bits`` 2 or 4. Reads ``lo``/``hi`` on the host, one sequence at a time (as :func:`quant_write`).
     """
+    codes, steps = split_token_rows(rows)
     BS = k_pool.shape[2]
     quant_levels(bits)
     for b in range(block_table.shape[0]):
@@ -897,8 +897,7 @@ def token_quant_write(
 
 def token_quant_block_scores(
     q: torch.Tensor,
-    codes: torch.Tensor,
-    steps: torch.Tensor,
+    rows: torch.Tensor,
     kmin: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -912,8 +911,9 @@ def token_quant_block_scores(
     ``kmin``): each block's softmax mass summed over each GQA group, ``[B, Hkv, MB]`` float32, ``-inf`` past each
     sequence's last block and for evicted blocks, the forced blocks still held ``+inf`` when ``window`` is given.
 
-    Args: ``q [B, Hq, D]``; ``codes [NB, Hkv, BS, D * bits // 8]`` uint8; ``steps [NB, Hkv, BS]``; ``kmin [NB, Hkv,
-    D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; ``scale``; ``bits``; ``sink``, ``window``."""
+    Args: ``q [B, Hq, D]``; ``rows [NB, Hkv, BS, D * bits // 8 + 4]`` uint8 (:func:`token_rows`); ``kmin [NB,
+    Hkv, D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; ``scale``; ``bits``; ``sink``, ``window``."""
+    codes, steps = split_token_rows(rows)
     phys = block_table.long().clamp(min=0)
     keys = token_dequantize_keys(codes[phys], kmin[phys], steps[phys], bits)  # [B, MB, Hkv, BS, D]
     return decoded_block_mass(q, keys, block_table, seq_lens, start, scale, sink, window)

@@ -91,8 +91,7 @@ def token_quant_write_kernel(
 
 
 def token_quant_write(
-    codes: torch.Tensor,
-    steps: torch.Tensor,
+    rows: torch.Tensor,
     k_pool: torch.Tensor,
     block_table: torch.Tensor,
     lo: torch.Tensor,
@@ -103,10 +102,11 @@ def token_quant_write(
     """Re-code, in place, every token of the blocks holding the stored positions ``lo[b] <= p < hi[b]`` (the contract
     of ``reference.token_quant_write``).
 
-    Args: ``codes [NB, Hkv, BS, D * bits // 8]`` uint8 (a token's bytes contiguous), ``steps [NB, Hkv, BS]``
-    float32 (any strides: e.g. the two views of one cache state); ``k_pool [NB, Hkv, BS, D]`` (inner dims
-    contiguous); ``block_table [B, MB]``; ``lo``, ``hi`` ``[B]``; ``span`` a host int ``>= max(hi - lo)``; ``bits``.
+    Args: ``rows [NB, Hkv, BS, D * bits // 8 + 4]`` uint8 (``reference.token_rows``: a token's codes, then its
+    float32 step; inner dims contiguous); ``k_pool [NB, Hkv, BS, D]`` (inner dims contiguous); ``block_table [B,
+    MB]``; ``lo``, ``hi`` ``[B]``; ``span`` a host int ``>= max(hi - lo)``; ``bits``.
     """
+    codes, steps = reference.split_token_rows(rows)
     NB, H, BS, D = k_pool.shape
     reference.quant_levels(bits)
     W = D * bits // 8
@@ -252,8 +252,7 @@ def token_quant_block_lse(
 
 def token_quant_block_scores(
     q: torch.Tensor,
-    codes: torch.Tensor,
-    steps: torch.Tensor,
+    rows: torch.Tensor,
     kmin: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -264,8 +263,10 @@ def token_quant_block_scores(
     window: int | None = None,
     **knobs,
 ) -> torch.Tensor:
-    """``reference.token_quant_block_scores``: :func:`token_quant_block_lse` (``knobs`` go to it), then
-    ``quant.quant_lse_mass``'s two-launch tail (each head's softmax shares summed over the group, the forced blocks
-    ``+inf`` when ``window`` is given). ``[B, Hkv, MB]`` float32."""
+    """``reference.token_quant_block_scores`` on ``rows [NB, Hkv, BS, W + 4]`` (``reference.token_rows``):
+    :func:`token_quant_block_lse` of its codes and steps (``knobs`` go to it), then ``quant.quant_lse_mass``'s
+    two-launch tail (each head's softmax shares summed over the group, the forced blocks ``+inf`` when ``window`` is
+    given). ``[B, Hkv, MB]`` float32."""
+    codes, steps = reference.split_token_rows(rows)
     lse = token_quant_block_lse(q, codes, steps, kmin, block_table, seq_lens, start, scale, bits, **knobs)
     return quant_lse_mass(lse, block_table, seq_lens, start, codes.shape[2], codes.shape[1], sink, window)
