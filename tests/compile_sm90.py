@@ -54,7 +54,6 @@ from hf_sparse_kv.ops.triton import (
 from hf_sparse_kv.ops.triton.linear import decode_linear
 from hf_sparse_kv.ops.triton.product import pq_block_lse
 from hf_sparse_kv.ops.triton.quant import quant_block_lse
-from hf_sparse_kv.ops.triton.token_quant import token_quant_block_lse, token_quant_block_scores, token_quant_write
 
 
 @contextlib.contextmanager
@@ -194,9 +193,6 @@ def cases():
         lens, zero = torch.tensor([90, 40], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
         span_lo, span_hi = torch.tensor([88, 39]), torch.tensor([90, 40])
         out.append((f"quant_write bits={bits}", partial(quant_write, codes, k_pool, table, span_lo, span_hi, 2, bits)))
-        rows = torch.zeros(NB, H, BS, D * bits // 8 + 4, dtype=torch.uint8)  # the token-step state: codes + step
-        t_write = partial(token_quant_write, rows, k_pool, table, span_lo, span_hi, 2, bits)
-        out.append((f"token_quant_write bits={bits} (one row a token)", t_write))
         kmin, kmax = k_pool.amin(2), k_pool.amax(2)
         for G in (1, 4, 8):
             q = torch.randn(2, H * G, D, generator=g).to(torch.bfloat16)
@@ -221,15 +217,6 @@ def cases():
             ):
                 lse = partial(quant_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout, **knobs)
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))
-            steps = torch.rand(*codes.shape[:3], generator=g)
-            for kw in ({}, {"block_m": 32, "tiles_per_program": 4, "num_stages": 1, "num_warps": 8}):
-                t_args = (q, codes, steps, kmin, table, lens, zero, 0.088, bits)
-                tq = partial(token_quant_block_lse, *t_args, **kw)
-                out.append((f"token_quant_block_lse bits={bits} G={G} {kw}", tq))
-            t_args = (q, rows, kmin, table, lens, zero, 0.088, bits, 4, 32)
-            out.append(
-                (f"token_quant_block_scores bits={bits} G={G} sink+window", partial(token_quant_block_scores, *t_args))
-            )
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
     for dtype, bias, config in ((torch.bfloat16, False, None), (torch.float16, True, (64, 128, 4, 3))):

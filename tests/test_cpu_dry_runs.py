@@ -78,23 +78,3 @@ def test_pq_check_dry_run_finds_every_point_right(tmp_path):
     assert len(fits) == 2 and all(float(r["us"]) > 0 for r in fits)
     encodes = [r for r in rows if r["what"].startswith("pq_encode")]
     assert len(encodes) == 2 and all(float(r["shared"]) >= 0.99 for r in encodes)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="probe_token_quant.py times the GPU when there is one")
-def test_token_quant_probe_dry_run_checks_every_point(tmp_path):
-    """``probe_token_quant.py --smoke`` on the CPU: each knob point of the token-step scoring kernel is checked
-    against the float32 reference (no NaN, the same ``-inf`` blocks, the top blocks of the mass shared) and the
-    comparison rows (the kernel's best point + tail + top-k, the same kernel on codes and steps in one row,
-    ``QuantBlockTopK``'s and Quest's selections) run."""
-    path = tmp_path / "probe.csv"
-    out = _run(["benchmarks/probe_token_quant.py", "--device", "cpu", "--smoke", "--out", str(path)], interpret=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = list(csv.DictReader(path.open()))
-    points = [r for r in rows if r["what"].startswith("token lse")]
-    assert len(points) == 4 and all(r["ok"] == "True" and r["nan"] == "0" for r in points)
-    assert all(float(r["rel_err"]) < 1e-5 for r in points)
-    for shape in ("1x640", "2x320"):
-        whats = {r["what"] for r in rows if r["shape"] == shape}
-        assert {"token selection (scores + top-k)", "quant4 selection", "quest selection"} <= whats
-    joined = [r for r in rows if r["what"].startswith("joined")]
-    assert len(joined) == 2 and all(float(r["rel_err"]) < 1e-5 and r["inf_ok"] == "True" for r in joined)

@@ -14,10 +14,9 @@ still fuses everything around the ops (norms, rotary, MLP); the ops hold no host
 them.
 
 The selectors' ops (``projected_write``, ``projected_scores``, ``candidate_scores`` in each form, ``candidate_mass``,
-``block_shares``, ``quant_write``, ``quant_block_scores``, ``token_quant_write``, ``token_quant_block_scores``,
-``pq_encode``, ``pq_write``, ``pq_block_scores``: the
+``block_shares``, ``quant_write``, ``quant_block_scores``, ``pq_encode``, ``pq_write``, ``pq_block_scores``: the
 compressed-key, two-stage, top-p, low-bit-key and product-quantized-key policies) are registered the same way;
-``projected_write``, ``quant_write``, ``token_quant_write`` and ``pq_write`` run inside a static step's write (the
+``projected_write``, ``quant_write`` and ``pq_write`` run inside a static step's write (the
 :class:`~hf_sparse_kv.policies.StateSpec` refreshes) and mutate their state.
 
 The ops whose reference is plain tensor code with static shapes (``blocks_to_tokens``, ``selection_to_mask``,
@@ -373,53 +372,6 @@ def _(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, win
     return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::token_quant_write", mutates_args=("rows",))
-def token_quant_write_op(
-    rows: torch.Tensor,
-    k_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    span: int,
-    bits: int,
-    backend: str,
-) -> None:
-    """``reference.token_quant_write`` into ``rows [NB, Hkv, BS, D * bits // 8 + 4]`` uint8 (a token's codes, then
-    its float32 step: ``reference.split_token_rows``), in place."""
-    _impl(backend, "token_quant_write")(rows, k_pool, block_table, lo, hi, span, bits)
-
-
-@token_quant_write_op.register_fake
-def _(rows, k_pool, block_table, lo, hi, span, bits, backend):
-    return None
-
-
-@torch.library.custom_op(f"{NAMESPACE}::token_quant_block_scores", mutates_args=())
-def token_quant_block_scores_op(
-    q: torch.Tensor,
-    rows: torch.Tensor,
-    kmin: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    start: torch.Tensor,
-    scale: float,
-    bits: int,
-    sink: int,
-    window: int | None,
-    backend: str,
-) -> torch.Tensor:
-    """``reference.token_quant_block_scores`` on ``rows`` (:func:`token_quant_write_op`'s): each block's mass under
-    the token-step keys, ``[B, Hkv, MB]`` float32 (``+inf`` at the forced blocks still held when ``window`` is
-    given)."""
-    fn = _impl(backend, "token_quant_block_scores")
-    return fn(q, rows, kmin, block_table, seq_lens, start, scale, bits, sink, window)
-
-
-@token_quant_block_scores_op.register_fake
-def _(q, rows, kmin, block_table, seq_lens, start, scale, bits, sink, window, backend):
-    return q.new_empty(q.shape[0], rows.shape[1], block_table.shape[1], dtype=torch.float32)
-
-
 @torch.library.custom_op(f"{NAMESPACE}::pq_encode", mutates_args=())
 def pq_encode_op(keys: torch.Tensor, centres: torch.Tensor, backend: str) -> torch.Tensor:
     """``reference.pq_encode``: the codes ``[..., Hkv, m]`` uint8 of ``keys [..., Hkv, D]``, each piece's nearest of
@@ -506,8 +458,6 @@ REGISTERED = (
     "candidate_mass",
     "quant_write",
     "quant_block_scores",
-    "token_quant_write",
-    "token_quant_block_scores",
     "pq_encode",
     "pq_write",
     "pq_block_scores",
@@ -581,14 +531,6 @@ def registered_ops(backend: str) -> SimpleNamespace:
             q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window, backend
         )
 
-    def token_quant_write(rows, k_pool, block_table, lo, hi, span, bits):
-        token_quant_write_op(rows, k_pool, block_table, lo, hi, span, bits, backend)
-
-    def token_quant_block_scores(q, rows, kmin, block_table, seq_lens, start, scale, bits, sink=0, window=None):
-        return token_quant_block_scores_op(
-            q, rows, kmin, block_table, seq_lens, start, scale, bits, sink, window, backend
-        )
-
     def pq_encode(keys, centres):
         return pq_encode_op(keys, centres, backend)
 
@@ -623,8 +565,6 @@ def registered_ops(backend: str) -> SimpleNamespace:
         candidate_mass=candidate_mass,
         quant_write=quant_write,
         quant_block_scores=quant_block_scores,
-        token_quant_write=token_quant_write,
-        token_quant_block_scores=token_quant_block_scores,
         pq_encode=pq_encode,
         pq_write=pq_write,
         pq_block_scores=pq_block_scores,

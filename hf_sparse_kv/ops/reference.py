@@ -712,113 +712,29 @@ def quantize_keys(keys: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: 
     (code 0 where ``hi == lo``), packed planar into ``[..., BS, D * bits // 8]`` uint8: byte ``i`` holds the codes of
     channels ``i, i + W, i + 2W, ...`` (``W = D * bits // 8``) from its low bits up."""
     L = quant_levels(bits)
-    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
-    delta = (hi - lo) / L
-    code = torch.where(delta > 0, torch.floor((keys.float() - lo) / delta + 0.5), torch.zeros_like(delta))
-    return _pack_codes(code.clamp(0, L).to(torch.int32), bits)
-
-
-def _pack_codes(code: torch.Tensor, bits: int) -> torch.Tensor:
-    """``code [..., D]`` int32 in ``[0, 2 ** bits)`` packed planar into ``[..., D * bits // 8]`` uint8 (byte ``i``:
-    channels ``i, i + W, ...`` from its low bits up)."""
-    D = code.shape[-1]
+    D = keys.shape[-1]
     per = 8 // bits
     if D % per:
         raise ValueError(f"{bits}-bit keys pack {per} channels per byte: the head dim {D} is not a multiple of {per}")
+    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
+    delta = (hi - lo) / L
+    code = torch.where(delta > 0, torch.floor((keys.float() - lo) / delta + 0.5), torch.zeros_like(delta))
+    code = code.clamp(0, L).to(torch.int32)
     W = D // per
-    packed = torch.zeros(*code.shape[:-1], W, dtype=torch.int32, device=code.device)
+    packed = torch.zeros(*code.shape[:-1], W, dtype=torch.int32, device=keys.device)
     for j in range(per):
         packed |= code[..., j * W : (j + 1) * W] << (j * bits)
     return packed.to(torch.uint8)
-
-
-def _unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of :func:`_pack_codes`: ``[..., W]`` uint8 -> ``[..., W * 8 // bits]`` float32 codes."""
-    L = quant_levels(bits)
-    c = codes.to(torch.int32)
-    return torch.cat([(c >> (j * bits)) & L for j in range(8 // bits)], dim=-1).float()
 
 
 def dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
     """The keys ``lo + code * (hi - lo) / levels`` of :func:`quantize_keys`' codes: ``[..., BS, W] -> [..., BS, D]``
     float32."""
     L = quant_levels(bits)
+    c = codes.to(torch.int32)
+    code = torch.cat([(c >> (j * bits)) & L for j in range(8 // bits)], dim=-1).float()
     lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
-    return lo + _unpack_codes(codes, bits) * ((hi - lo) / L)
-
-
-def token_quantize_keys(
-    keys: torch.Tensor, lo: torch.Tensor, bits: int, valid: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-bit keys with one step per token: ``keys [..., BS, D]`` on the grid ``lo + code * step_t`` with ``lo
-    [..., D]`` the block's per-channel minimum (the cache's ``kmin``) and ``step_t = max_c (k_tc - lo_c) / levels``
-    (a token's largest offset from the block's minimum is the top level), ``code = round((k - lo) / step_t)``
-    clamped to the levels (0 where ``step_t == 0``). Unlike :func:`quantize_keys`' per-channel steps, the scaled
-    query is the same for every token: ``q . k_hat = q . lo + step_t (q . code_t)``, one plain product of a query
-    with any number of tokens' codes.
-
-    Returns ``(codes [..., BS, D * bits // 8] uint8 packed as quantize_keys', steps [..., BS] float32)``; with
-    ``valid [..., BS]`` bool, invalid slots get code 0 and step 0."""
-    L = quant_levels(bits)
-    off = keys.float() - lo.float().unsqueeze(-2)  # [..., BS, D], >= 0 on the slots lo was taken over
-    step = off.amax(-1) / L  # [..., BS]
-    if valid is not None:
-        step = step.masked_fill(~valid, 0.0)
-    pos = step > 0
-    code = torch.where(pos[..., None], torch.floor(off / torch.where(pos, step, 1.0)[..., None] + 0.5), 0.0)
-    return _pack_codes(code.clamp(0, L).to(torch.int32), bits), step
-
-
-TOKEN_STEP_BYTES = 4  # a token's float32 step, after its codes in one row of the cache's state
-
-
-def token_rows(codes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Codes ``[..., BS, W]`` uint8 and steps ``[..., BS]`` in one ``[..., BS, W + 4]`` uint8 tensor: a token's codes,
-    then its step's four float32 bytes (one cache state holds both; :func:`split_token_rows` gives them back)."""
-    W = codes.shape[-1]
-    if W % TOKEN_STEP_BYTES:
-        raise ValueError(f"a token's codes must fill whole float32 words: {W} bytes")
-    rows = torch.empty(*codes.shape[:-1], W + TOKEN_STEP_BYTES, dtype=torch.uint8, device=codes.device)
-    rows[..., :W] = codes
-    rows.view(torch.float32)[..., W // TOKEN_STEP_BYTES] = steps
-    return rows
-
-
-def split_token_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The views ``(codes [..., BS, W] uint8, steps [..., BS] float32)`` of :func:`token_rows`' ``[..., BS, W + 4]``."""
-    W = rows.shape[-1] - TOKEN_STEP_BYTES
-    return rows[..., :W], rows.view(torch.float32)[..., W // TOKEN_STEP_BYTES]
-
-
-def token_dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, steps: torch.Tensor, bits: int) -> torch.Tensor:
-    """The keys ``lo + code * step_t`` of :func:`token_quantize_keys`: ``codes [..., BS, W]``, ``lo [..., D]``,
-    ``steps [..., BS]`` -> ``[..., BS, D]`` float32."""
-    return lo.float().unsqueeze(-2) + _unpack_codes(codes, bits) * steps.float().unsqueeze(-1)
-
-
-def token_quant_block_lse(
-    q: torch.Tensor,
-    codes: torch.Tensor,
-    steps: torch.Tensor,
-    kmin: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    start: torch.Tensor,
-    scale: float,
-    bits: int,
-) -> torch.Tensor:
-    """:func:`quant_block_lse` over :func:`token_quantize_keys`' keys: ``[B, Hq, MB]`` float32, per query head and
-    logical block the log-sum-exp of ``scale * q . k_hat`` over the block's valid positions, ``-inf`` where none is.
-
-    Args: ``q [B, Hq, D]``; ``codes [NB, Hkv, BS, D * bits // 8]`` uint8; ``steps [NB, Hkv, BS]``; ``kmin [NB, Hkv,
-    D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; ``scale`` the softmax scale; ``bits`` 2 or 4."""
-    B, MB = block_table.shape
-    H, BS = codes.shape[1], codes.shape[2]
-    phys = block_table.long().clamp(min=0)
-    keys = token_dequantize_keys(codes[phys], kmin[phys], steps[phys], bits)  # [B, MB, Hkv, BS, D]
-    s = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, H), keys) * scale  # [B, Hkv, G, MB, BS]
-    ok = held_positions(block_table, seq_lens, start, BS)
-    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
+    return lo + code * ((hi - lo) / L)
 
 
 def quant_write(
@@ -857,66 +773,6 @@ def quant_write(
         keys, ok, lo_, hi_ = _prefix_range(k_pool[blk], (h - lbs * BS).clamp(max=BS))
         lo_, hi_ = lo_.to(k_pool.dtype), hi_.to(k_pool.dtype)  # the grid refresh_metadata stores
         codes[blk] = quantize_keys(keys.masked_fill(~ok, 0.0), lo_, hi_, bits).masked_fill(~ok, 0)
-
-
-def token_quant_write(
-    rows: torch.Tensor,
-    k_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    span: int,
-    bits: int,
-) -> None:
-    """:func:`quant_write` for :func:`token_quantize_keys`' grid: re-code, in place, every token of the blocks
-    holding the stored positions ``lo[b] <= p < hi[b]`` on the block's channel minima over its filled prefix (the
-    cache's ``kmin``: a token written into a partly filled block can lower them, so the tokens before it are re-coded)
-    and one step per token; slots past the prefix get code 0 and step 0.
-
-    Args: ``rows [NB, Hkv, BS, D * bits // 8 + 4]`` uint8 (:func:`token_rows`: a token's codes, then its float32
-    step); ``k_pool [NB, Hkv, BS, D]``; ``block_table [B, MB]``; ``lo``, ``hi`` ``[B]``; ``span`` (unused here);
-    ``bits`` 2 or 4. Reads ``lo``/``hi`` on the host, one sequence at a time (as :func:`quant_write`).
-    """
-    codes, steps = split_token_rows(rows)
-    BS = k_pool.shape[2]
-    quant_levels(bits)
-    for b in range(block_table.shape[0]):
-        l, h = int(lo[b]), int(hi[b])
-        if h <= l:
-            continue
-        lbs = torch.arange(l // BS, (h - 1) // BS + 1, device=k_pool.device)
-        lbs = lbs[lbs < block_table.shape[1]]
-        lbs = lbs[block_table[b, lbs] >= 0]
-        blk = block_table[b, lbs].long()
-        keys, ok, lo_, _ = _prefix_range(k_pool[blk], (h - lbs * BS).clamp(max=BS))
-        lo_ = lo_.to(k_pool.dtype)  # the grid's zero points: the kmin refresh_metadata stores
-        c, st = token_quantize_keys(keys.masked_fill(~ok, 0.0), lo_, bits, ok[..., 0].expand(-1, keys.shape[1], -1))
-        codes[blk] = c
-        steps[blk] = st.to(steps.dtype)
-
-
-def token_quant_block_scores(
-    q: torch.Tensor,
-    rows: torch.Tensor,
-    kmin: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    start: torch.Tensor,
-    scale: float,
-    bits: int,
-    sink: int = 0,
-    window: int | None = None,
-) -> torch.Tensor:
-    """:func:`quant_block_scores` over :func:`token_quantize_keys`' keys (``lo + code * step_t``, ``lo`` the block's
-    ``kmin``): each block's softmax mass summed over each GQA group, ``[B, Hkv, MB]`` float32, ``-inf`` past each
-    sequence's last block and for evicted blocks, the forced blocks still held ``+inf`` when ``window`` is given.
-
-    Args: ``q [B, Hq, D]``; ``rows [NB, Hkv, BS, D * bits // 8 + 4]`` uint8 (:func:`token_rows`); ``kmin [NB,
-    Hkv, D]``; ``block_table [B, MB]``; ``seq_lens``, ``start`` ``[B]``; ``scale``; ``bits``; ``sink``, ``window``."""
-    codes, steps = split_token_rows(rows)
-    phys = block_table.long().clamp(min=0)
-    keys = token_dequantize_keys(codes[phys], kmin[phys], steps[phys], bits)  # [B, MB, Hkv, BS, D]
-    return decoded_block_mass(q, keys, block_table, seq_lens, start, scale, sink, window)
 
 
 def quant_block_scores(

@@ -22,7 +22,6 @@ from .product import pq_block_scores, pq_encode, pq_write
 from .projected import projected_scores, projected_write
 from .quant import quant_block_scores, quant_write
 from .token_decode import decode_tokens
-from .token_quant import token_quant_block_scores, token_quant_write
 from .topk import topk_indices
 
 
@@ -59,8 +58,6 @@ projected_scores = on_its_device(projected_scores)
 projected_write = on_its_device(projected_write)
 quant_block_scores = on_its_device(quant_block_scores)
 quant_write = on_its_device(quant_write)
-token_quant_block_scores = on_its_device(token_quant_block_scores)
-token_quant_write = on_its_device(token_quant_write)
 token_scores = on_its_device(token_scores)
 topk_indices = on_its_device(topk_indices)
 
@@ -82,8 +79,6 @@ __all__ = [
     "projected_write",
     "quant_block_scores",
     "quant_write",
-    "token_quant_block_scores",
-    "token_quant_write",
     "token_scores",
     "topk_indices",
 ]

@@ -1,0 +1,65 @@
+"""evaluation/group_quant.py (an issue-13 experiment): low-bit keys on grids shared by several blocks or with one step
+per token. Over one block the channel grid is ``QuantBlockTopK``'s; wider grids and per-token steps keep every valid
+key within half a step; invalid positions never move a grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evaluation.group_quant import GroupQuantBlockTopK, extra_cells, group_quant_keys
+from hf_sparse_kv.ops import reference as R
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+B, MB, H, BS, D = 2, 5, 2, 8, 16
+
+
+def _keys(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, MB, H, BS, D, generator=g) * torch.linspace(0.2, 5, D)
+    table = torch.tensor([[3, 7, 1, 9, 2], [4, -1, 5, 0, 6]], dtype=torch.int32)
+    ok = R.held_positions(table, torch.tensor([37, 33]), torch.tensor([0, 5]), BS)  # [B, MB, BS]
+    return keys, ok
+
+
+def test_one_block_grid_is_quant_block_topks():
+    """``scheme="channel"``, one block: each block's min / max grid, as ``quantize_keys`` / ``dequantize_keys``."""
+    keys, ok = _keys()
+    got = group_quant_keys(keys, ok, 4, "channel", 1)
+    m = ok[:, :, None, :, None]
+    lo = keys.masked_fill(~m, float("inf")).amin(3)
+    hi = keys.masked_fill(~m, float("-inf")).amax(3)
+    full = ok.all(-1)  # blocks with every position valid: the library's grid over the whole block
+    want = R.dequantize_keys(R.quantize_keys(keys, lo, hi, 4), lo, hi, 4)
+    torch.testing.assert_close(got[full], want[full], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme,g", [("channel", 1), ("channel", 2), ("channel", 16), ("token", 1)])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_valid_keys_within_half_a_step_and_invalid_ones_untouched(scheme, g, bits):
+    keys, ok = _keys(1)
+    got = group_quant_keys(keys, ok, bits, scheme, g)
+    m = ok[:, :, None, :].expand(B, MB, H, BS)
+    assert torch.equal(got[~m], keys[~m])
+    err = (got - keys).abs()[m]  # [n, D]
+    L = 2**bits - 1
+    if scheme == "token":  # each token's step: its largest offset from the block's channel minima over L
+        lo = keys.masked_fill(~ok[:, :, None, :, None], float("inf")).amin(3, keepdim=True)
+        step = ((keys - lo).amax(-1) / L)[m]
+        assert (err <= step[:, None] / 2 + 1e-5).all()
+    else:  # the widest range of any channel over its group bounds the step
+        assert (err <= (keys[m].amax(0) - keys[m].amin(0)).max() / L / 2 + 1e-5).all()
+    # a wrong value at an invalid position moves no grid
+    spoiled = keys.masked_fill(~ok[:, :, None, :, None], 1e6)
+    assert torch.equal(group_quant_keys(spoiled, ok, bits, scheme, g)[m], got[m])
+
+
+def test_policy_checks_its_arguments_and_the_screen_has_its_cells():
+    with pytest.raises(ValueError, match="scheme"):
+        GroupQuantBlockTopK(budget=0.25, scheme="rows")
+    with pytest.raises(ValueError, match="group_blocks"):
+        GroupQuantBlockTopK(budget=0.25, group_blocks=0)
+    cells = extra_cells(1 / 16, 4, 32)
+    assert set(cells) == {"gq4_1", "gq4_4", "gq4_16", "tq4", "gq2_1", "gq2_4", "gq2_16", "tq2"}
+    assert cells["tq4"].scheme == "token" and cells["gq2_16"].group_blocks == 16 and cells["gq2_16"].bits == 2
