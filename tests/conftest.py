@@ -1,6 +1,6 @@
 # --- Triton kernels on CPU (hf_sparse_kv.ops.triton tests) -------------------------------------------------------
 # Without CUDA the Triton kernels run through Triton's interpreter; TRITON_INTERPRET must be set before triton is
-# imported. Two fixes to Triton 3.6's interpreter (NumPy >= 2.4 loop bounds, bf16 tl.dot) live in
+# imported. Three fixes to Triton 3.6's interpreter (NumPy >= 2.4 loop bounds, bf16 tl.dot, bf16 casts) live in
 # tests/interpreter_shims.py, which the benchmarks' CPU dry runs apply too.
 import os
 

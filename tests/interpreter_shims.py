@@ -1,11 +1,15 @@
-"""Two fixes to Triton 3.6's interpreter (the kernels run as Python on a CPU under ``TRITON_INTERPRET=1``), applied by
+"""Three fixes to Triton 3.6's interpreter (the kernels run as Python on a CPU under ``TRITON_INTERPRET=1``), applied by
 ``tests/conftest.py`` and by the benchmarks' CPU dry runs (``benchmarks/common.py: cpu_dry_run``):
 
 - loop bounds are converted with ``int(<1-element array>)``, which NumPy >= 2.4 refuses: take the element instead;
 - ``tl.dot`` multiplies bf16 operands as the uint16 words it stores them in (a product of ~1e10): widen them to
-  float32 first (exact).
+  float32 first (exact);
+- casts into bf16 truncate float32's mantissa (259.0 became 258, the GPU's round-to-nearest-even gives 260), and
+  casts between bf16 and any type but float32 (integers, fp16, float64) convert the value into or out of those
+  uint16 words as if they were integers (``.to(tl.bfloat16)`` of the int32 3 gave the bf16 whose bits are 3): go
+  through float32 (bf16 to float32 is exact), then round to nearest even, NaN kept NaN.
 
-Both patch the interpreter's classes, once per process; without Triton (or with another layout of its interpreter)
+All three patch the interpreter's classes, once per process; without Triton (or with another layout of its interpreter)
 :func:`apply` does nothing.
 """
 
@@ -23,6 +27,7 @@ def apply() -> None:
             return
         patch_lang_tensor = interp._patch_lang_tensor
         create_dot = interp.InterpreterBuilder.create_dot
+        cast_impl = interp.InterpreterBuilder.cast_impl
     except (ImportError, AttributeError):
         return
 
@@ -38,6 +43,20 @@ def apply() -> None:
     def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, _widen_bf16(a), _widen_bf16(b), d, input_precision, max_num_imprecise_acc)
 
+    def _cast_via_float32(self, src, dst_type):
+        kinds = (src.dtype.scalar, dst_type.scalar)
+        if tl.bfloat16 not in kinds or kinds[0] == kinds[1]:
+            return cast_impl(self, src, dst_type)
+        f32 = src if kinds[0] == tl.float32 else cast_impl(self, src, tl.float32)  # exact from bf16, by value else
+        if kinds[1] != tl.bfloat16:
+            return cast_impl(self, f32, dst_type)
+        x = np.ascontiguousarray(f32.data, dtype=np.float32)
+        bits = x.view(np.uint32).astype(np.uint64)
+        words = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest, ties to even
+        words = np.where(np.isnan(x), np.uint16(0x7FC0), words)
+        return interp.TensorHandle(words, tl.bfloat16)
+
     interp._patch_lang_tensor = _patch_lang_tensor_index
     interp.InterpreterBuilder.create_dot = _create_dot_bf16
+    interp.InterpreterBuilder.cast_impl = _cast_via_float32
     interp._hf_sparse_kv_shims = True
