@@ -57,7 +57,9 @@ the eager and captured patched rows), ``generate``, then ``compiled``: every row
 has measured the rest. Every row prints as it is measured, after a ``[HH:MM:SS +elapsed s]`` stamp, and the CSV is
 rewritten after each row. ``--rows`` keeps the named rows (names as in the tables, without `` (left-padded)``;
 ``TTFT`` for the prefill rows of Quest, ``TTFT: pq prefill-fit`` for those of the product-quantized selector, whose
-prefill fits its centres); an unknown name is an error.
+prefill fits its centres); an unknown name is an error. The filled-cache rows of a phase run in the tables' order;
+``--reverse`` runs them the other way round (a pair of rows timed both ways shows whether a row's place in the process
+moves its time).
 
 The target rows of issue 14 at the 8B shape (the StaticCache row compiles once per shape, which takes minutes: leave
 it out of ``--rows`` for a quick run; ``timeout`` keeps what was measured before it)::
@@ -490,7 +492,7 @@ def decode_phase(model, batch, length, args, report, bandwidth, keep) -> float |
     if keep("floor: dense"):
         report.add({"batch": batch, "context": length, "row": "floor: dense", "kv_mb_per_step": dense_kv / 1e6,
                     **floor_fields(0.0, weights + dense_kv, bandwidth), "hbm_gb_s": bandwidth})  # fmt: skip
-    rows = [r for r in ROWS if keep(r[0])]
+    rows = [r for r in ROWS if keep(r[0])][:: -1 if args.reverse else 1]
     if not keep("unpatched sdpa") and not rows:
         return None
     report.say(f"{batch}x{length}: filling the caches")
@@ -519,7 +521,7 @@ def compiled_phase(model, batch, length, args, report, bandwidth, keep, base_ms)
     """The rows that compile (minutes each on the 8B shape): transformers' ``StaticCache`` with
     ``torch.compile(mode="reduce-overhead")``, the compiled captured step and the user's compiled forward."""
     weights, dense_kv = weight_bytes(model, batch), dense_kv_bytes(model, batch, length)
-    rows = [r for r in COMPILED_ROWS if keep(r[0])]
+    rows = [r for r in COMPILED_ROWS if keep(r[0])][:: -1 if args.reverse else 1]
     if rows:  # the patched compiled rows first: a time limit stops the StaticCache row, not them
         report.say(f"{batch}x{length}: filling the paged cache")
         _, paged = fill_caches(model, batch, length, args.block_size, args.device, dense=False)
@@ -678,6 +680,12 @@ def main() -> None:
     p.add_argument("--generate", default="1x32768,8x32768", help="BxL shapes of the timed generate() calls ('' none)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens each timed generate() makes")
     p.add_argument("--no-static", action="store_true", help="skip the StaticCache + torch.compile rows")
+    p.add_argument(
+        "--reverse",
+        action="store_true",
+        help="time each phase's filled-cache rows in the reverse of the table's order (does a row's place in the "
+        "process move its time?)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)

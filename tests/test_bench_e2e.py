@@ -203,3 +203,29 @@ def test_fill_caches_without_the_dense_cache_fills_the_same_pages(monkeypatch, t
     _run(monkeypatch, tmp_path, "--rows", "graph+compile: Quest 1/16 block", "--generate", "", "--phases", "compiled",
          "--no-static")  # fmt: skip
     assert asked == [False, True, False]
+
+
+def test_bench_e2e_reverse_runs_each_phases_rows_the_other_way_round(monkeypatch, tmp_path):
+    """``--reverse``: the filled-cache rows of the decode and the compiled phase are timed in the reverse of the
+    tables' order (the CSV is written as they are measured), the floor row first either way."""
+    rows = "floor: dense,graph: patched Dense,graph: Quest 1/16 block,graph+compile: patched Dense,graph+compile: Quest 1/16 block"
+    order = {}
+    for reverse in (False, True):
+        extra = ("--reverse",) if reverse else ()
+        _run(
+            monkeypatch,
+            tmp_path,
+            "--rows",
+            rows,
+            "--generate",
+            "",
+            "--phases",
+            "decode,compiled",
+            "--no-static",
+            *extra,
+        )
+        with open(tmp_path / "e2e.csv") as f:
+            order[reverse] = [r["row"] for r in csv.DictReader(f)]
+    assert order[False] == rows.split(",")
+    assert order[True] == ["floor: dense", "graph: Quest 1/16 block", "graph: patched Dense",
+                           "graph+compile: Quest 1/16 block", "graph+compile: patched Dense"]  # fmt: skip
