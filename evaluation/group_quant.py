@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_sparse_kv.ops.reference import decoded_block_mass, held_positions, quant_levels
+from hf_sparse_kv.ops.reference import (
+    decoded_block_mass,
+    dequantize_keys,
+    held_positions,
+    quant_levels,
+    quantize_keys,
+)
 from hf_sparse_kv.policies import QuantBlockTopK
 from hf_sparse_kv.policies.base import DecodeState
 
@@ -49,16 +55,15 @@ def group_quant_keys(keys: torch.Tensor, ok: torch.Tensor, bits: int, scheme: st
             keys = torch.cat([keys, keys.new_zeros(B, pad, H, BS, D)], 1)
             m = torch.cat([m, m.new_zeros(B, pad, 1, BS, 1)], 1)
         n = keys.shape[1] // g
-        # [B, n, g, H, BS, D] -> per (group, head, channel) over its g * BS tokens
-        kg = keys.view(B, n, g, H, BS, D)
-        mg = m.view(B, n, g, 1, BS, 1)
-        lo = kg.masked_fill(~mg, float("inf")).amin((2, 4), keepdim=True)
-        hi = kg.masked_fill(~mg, float("-inf")).amax((2, 4), keepdim=True)
+        # [B, n, H, g * BS, D]: a group's tokens side by side, one grid per (group, head, channel) over them
+        kg = keys.view(B, n, g, H, BS, D).transpose(2, 3).reshape(B, n, H, g * BS, D)
+        mg = m.view(B, n, g, 1, BS, 1).transpose(2, 3).reshape(B, n, 1, g * BS, 1)
+        lo = kg.masked_fill(~mg, float("inf")).amin(3)  # [B, n, H, D]
+        hi = kg.masked_fill(~mg, float("-inf")).amax(3)
         lo = torch.where(lo.isfinite(), lo, 0.0)
         hi = torch.where(hi.isfinite(), hi, 0.0)
-        delta = (hi - lo) / L
-        code = torch.where(delta > 0, torch.floor((kg - lo) / delta.clamp(min=1e-30) + 0.5).clamp(0, L), 0.0)
-        out = torch.where(mg, lo + code * delta, kg).view(B, n * g, H, BS, D)
+        approx = dequantize_keys(quantize_keys(kg, lo, hi, bits), lo, hi, bits)  # QuantBlockTopK's grid arithmetic
+        out = torch.where(mg, approx, kg).view(B, n, H, g, BS, D).transpose(2, 3).reshape(B, n * g, H, BS, D)
         return out[:, :MB]
     lo = keys.masked_fill(~m, float("inf")).amin(3, keepdim=True)  # [B, MB, H, 1, D] the block's channel minima
     lo = torch.where(lo.isfinite(), lo, 0.0)
