@@ -421,8 +421,9 @@ def patch_model(
             each ``o_proj`` / ``down_proj`` (at most 16 tokens, bf16 / fp16, on CUDA) through the package's Triton
             matmul (:mod:`hf_sparse_kv.ops.triton.linear`) instead of cuBLAS; longer inputs (a prefill) and the CPU
             keep ``F.linear``, and so do weights where the kernel's sweep found cuBLAS as fast (``linear.choose``).
-            Measured on one H100 only (the 8B shape: 0.1-0.4 ms off a compiled dense step at 1 x 128K, ~1 % off
-            Quest's, nothing at 8 x 32K; benchmarks/RESULTS.md, 2026-12-06). Off by default.
+            Measured on the 8B shape (benchmarks/RESULTS.md, 2026-12-06): on an H200, timed in both orders, 0.36 /
+            0.19 ms off a compiled dense step at 1 x 128K / 8 x 32K and 0.19 / 0.10 off Quest's; on H100s 0-0.3 ms
+            (nothing when timed in both orders on one of them). Off by default.
 
     Returns:
         ``model`` itself. Patching a patched model replaces its settings; :func:`unpatch_model` restores it.
