@@ -52,3 +52,24 @@ def test_float32_to_bf16_rounds_to_nearest_even():
     want = x.to(torch.bfloat16)
     assert out[0] == 260 and out[1] == 256 and out[2].isinf() and out[5].isnan()
     assert torch.equal(out[:5], want[:5]) and torch.equal(out[6:], want[6:])
+
+
+@triton.jit
+def _to_e4m3(x, out, N: tl.constexpr):
+    o = tl.arange(0, N)
+    v = tl.load(x + o).to(tl.float8e4nv, fp_downcast_rounding="rtne")  # float32 -> float8 e4m3
+    tl.store(out + o, v.to(tl.uint8, bitcast=True))
+
+
+def test_float32_to_float8_e4m3_rounds_to_nearest_even_across_binades_and_subnormals():
+    """As the GPU's ``cvt.rn.satfinite`` and torch's: a mantissa that rounds up carries into the exponent (7.89 -> 8),
+    subnormals round to nearest (3e-3 -> 2 steps of 2^-9); the unpatched interpreter gave 4.0 and 1 step."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=g) * torch.logspace(-3, 2.5, 1024)
+    x[:6] = torch.tensor([7.89, -7.89, 3e-3, 447.0, -0.0, 0.0])
+    x = x.clamp(-448, 448).to(DEVICE)
+    out = torch.empty(1024, dtype=torch.uint8, device=DEVICE)
+    _to_e4m3[(1,)](x, out, 1024)
+    got = out.view(torch.float8_e4m3fn).float()
+    assert got[0] == 8 and got[1] == -8 and got[2] == 2 * 2.0**-9 and got[3] == 448
+    assert torch.equal(out, x.to(torch.float8_e4m3fn).view(torch.uint8))
