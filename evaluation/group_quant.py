@@ -9,6 +9,11 @@ let one query operand serve hundreds of tokens:
 
 - ``scheme="channel"``, ``group_blocks = g``: each channel's ``[min, max]`` over ``g`` consecutive blocks (``g * BS``
   tokens share one scaled query ``q * delta``); ``g = 1`` is ``QuantBlockTopK``'s grid.
+- ``scheme="fp8"``: no grid at all: every key in float8 e4m3 (3 mantissa bits) after dividing each channel by one
+  scale per (sequence, KV head, channel), ``max |k| / 448`` over the valid keys (``bits`` is not used). Twice the
+  bytes of 4-bit codes, but ``q . k_hat = (q * scale) . k8``: one query operand for every token, and codes that an
+  fp8 tensor-core product takes as they are (no unpacking), where the 4-bit scorer is bound by the instructions that
+  unpack its codes (benchmarks/RESULTS.md, Nsight Compute, 2026-12-06).
 - ``scheme="token"``: the block's per-channel ``min`` as the zero point (the cache's ``kmin``, which Quest keeps
   anyway) and one step per token, ``s_t = max_c (k_tc - min_c) / levels``: ``q . k_hat = q . min + s_t (q . code_t)``,
   one plain product of the query with every token's codes, the per-token step applied to its result.
@@ -36,7 +41,8 @@ from hf_sparse_kv.ops.reference import (
 from hf_sparse_kv.policies import QuantBlockTopK
 from hf_sparse_kv.policies.base import DecodeState
 
-SCHEMES = ("channel", "token")
+SCHEMES = ("channel", "token", "fp8")
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def group_quant_keys(keys: torch.Tensor, ok: torch.Tensor, bits: int, scheme: str, group_blocks: int = 1):
@@ -48,6 +54,11 @@ def group_quant_keys(keys: torch.Tensor, ok: torch.Tensor, bits: int, scheme: st
     L = quant_levels(bits)
     B, MB, H, BS, D = keys.shape
     m = ok[:, :, None, :, None]  # [B, MB, 1, BS, 1]
+    if scheme == "fp8":
+        amax = keys.abs().masked_fill(~m, 0.0).amax(dim=(1, 3), keepdim=True)  # [B, 1, H, 1, D]
+        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+        approx = (keys / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+        return torch.where(m, approx, keys)
     if scheme == "channel":
         g = group_blocks
         pad = (-MB) % g
@@ -100,7 +111,8 @@ class GroupQuantBlockTopK(QuantBlockTopK):
 
 
 def extra_cells(budget: float, sink: int, window: int) -> dict:
-    """The screen's cells: ``gq<bits>_<g>`` (channel grids over ``g`` blocks) and ``tq<bits>`` (per-token steps)."""
+    """The screen's cells: ``gq<bits>_<g>`` (channel grids over ``g`` blocks), ``tq<bits>`` (per-token steps) and
+    ``fp8`` (float8 keys, one scale a channel)."""
     out = {}
     for bits in (4, 2):
         for g in (1, 4, 16):
@@ -108,6 +120,7 @@ def extra_cells(budget: float, sink: int, window: int) -> dict:
                 budget=budget, sink=sink, window=window, bits=bits, scheme="channel", group_blocks=g
             )
         out[f"tq{bits}"] = GroupQuantBlockTopK(budget=budget, sink=sink, window=window, bits=bits, scheme="token")
+    out["fp8"] = GroupQuantBlockTopK(budget=budget, sink=sink, window=window, scheme="fp8")
     return out
 
 

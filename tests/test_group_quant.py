@@ -61,5 +61,26 @@ def test_policy_checks_its_arguments_and_the_screen_has_its_cells():
     with pytest.raises(ValueError, match="group_blocks"):
         GroupQuantBlockTopK(budget=0.25, group_blocks=0)
     cells = extra_cells(1 / 16, 4, 32)
-    assert set(cells) == {"gq4_1", "gq4_4", "gq4_16", "tq4", "gq2_1", "gq2_4", "gq2_16", "tq2"}
+    assert set(cells) == {"gq4_1", "gq4_4", "gq4_16", "tq4", "gq2_1", "gq2_4", "gq2_16", "tq2", "fp8"}
+    assert cells["fp8"].scheme == "fp8"
     assert cells["tq4"].scheme == "token" and cells["gq2_16"].group_blocks == 16 and cells["gq2_16"].bits == 2
+
+
+def test_fp8_keys_within_e4m3_rounding_of_their_channel_scale_and_invalid_ones_untouched():
+    """``scheme="fp8"``: each valid key is its e4m3 rounding after dividing by its channel's scale (``max |k| /
+    448`` over the valid keys of its sequence and head): within 2^-4 of itself relatively, or one subnormal step
+    (2^-9 of the scale) near zero; the channel's largest key is exact; invalid positions move no scale."""
+    keys, ok = _keys(2)
+    got = group_quant_keys(keys, ok, 4, "fp8")
+    m5 = ok[:, :, None, :, None].expand_as(keys)
+    assert torch.equal(got[~m5], keys[~m5])
+    amax = keys.abs().masked_fill(~m5, 0.0).amax(dim=(1, 3), keepdim=True)
+    scale = (amax / 448).expand_as(keys)
+    err = (got - keys).abs()
+    bound = torch.maximum(keys.abs() * 2.0**-4, scale * 2.0**-9)
+    assert (err[m5] <= bound[m5] * (1 + 1e-6)).all()
+    assert (err[m5] > 0).any()  # it did round something
+    top = keys.abs().masked_fill(~m5, -1.0) == amax  # each channel's largest valid |key|: 448 exactly
+    assert torch.allclose(got[top], keys[top])
+    spoiled = keys.masked_fill(~ok[:, :, None, :, None], 1e6)
+    assert torch.equal(group_quant_keys(spoiled, ok, 4, "fp8")[m5], got[m5])
