@@ -78,3 +78,20 @@ def test_pq_check_dry_run_finds_every_point_right(tmp_path):
     assert len(fits) == 2 and all(float(r["us"]) > 0 for r in fits)
     encodes = [r for r in rows if r["what"].startswith("pq_encode")]
     assert len(encodes) == 2 and all(float(r["shared"]) >= 0.99 for r in encodes)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="probe_fp8_keys.py times the GPU when there is one")
+def test_fp8_keys_probe_dry_run_checks_every_configuration(tmp_path):
+    """``probe_fp8_keys.py`` on the CPU: the fp8 scoring kernel at each dry-run configuration equals the float32
+    reference on the same fp8 keys (the script exits otherwise): within 2e-3 with the two-part query, within its
+    3-bit rounding with one part, the same ``-inf`` pattern and no NaN; one row per configuration and shape."""
+    path = tmp_path / "fp8.csv"
+    out = _run(["benchmarks/probe_fp8_keys.py", "--device", "cpu", "--out", str(path)], interpret=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = list(csv.DictReader(path.open()))
+    assert {(r["shape"], r["BM"], r["two"]) for r in rows} == {
+        (s, bm, two) for s in ("1x24", "2x9") for bm, two in (("4", "True"), ("8", "True"), ("8", "False"))
+    }
+    assert all(r["inf_ok"] == "True" and r["nan"] == "0" for r in rows)
+    assert all(float(r["rel_err"]) < 2e-3 for r in rows if r["two"] == "True")
+    assert all(float(r["shared"]) == 1.0 for r in rows if r["two"] == "True")
