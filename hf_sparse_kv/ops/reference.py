@@ -640,7 +640,8 @@ def store_written(state, k_pool, block_table, lo, hi, span: int, code) -> None:
     pos = torch.where(wrote, torch.minimum(pos, hi - 1), lo)
     phys, off = physical_slots(block_table, pos, BS)
     new = code(k_pool[phys, :, off].float())
-    state[phys, :, off] = torch.where(wrote.view(B, 1, 1, 1), new.to(state.dtype), state[phys, :, off])
+    wrote = wrote.view(B, 1, *[1] * (new.dim() - 2))  # over [B, span, Hkv, ...], whatever the state's inner dims
+    state[phys, :, off] = torch.where(wrote, new.to(state.dtype), state[phys, :, off])
 
 
 def projected_scores(
@@ -873,6 +874,100 @@ def lse_block_mass(
     return _forced_and_live(
         s, live_blocks(block_table, seq_lens, block_size), seq_lens, start, sink, window, block_size
     )
+
+
+# ------------------------------------------------------------------------------------------------ float8 keys
+
+
+FP8_MAX = 448.0  # the largest finite float8 e4m3 (``torch.float8_e4m3fn``)
+FP8_PARTS = ("codes", "scales")  # what one ``fp8_write`` stores: the keys' e4m3 bytes, or their scales
+
+
+def fp8_code(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys [..., D]`` -> (``codes [..., D]`` uint8: the bytes of ``keys / scale`` in float8 e4m3, rounded to
+    nearest even; ``scale [...]`` float32: ``max |k| / 448`` over the key's channels, 1 for an all-zero key). The
+    largest channel of each key is exact up to e4m3's 3-bit mantissa, the others keep it down to ``2^-6`` of
+    the scale (e4m3's subnormals below)."""
+    k = keys.float()
+    amax = k.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    codes = (k / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8), scale
+
+
+def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 keys ``[..., D]`` that ``codes [..., D]`` uint8 and ``scale [...]`` stand for."""
+    return codes.view(torch.float8_e4m3fn).float() * scale[..., None]
+
+
+def fp8_write(
+    state: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    part: str,
+) -> None:
+    """Store one ``part`` of :func:`fp8_code` of the keys at the stored positions ``lo[b] <= p < hi[b]``, in place:
+    ``"codes"`` into ``state [NB, Hkv, BS, D]`` uint8, ``"scales"`` into ``state [NB, Hkv, BS]`` float32. Each key is
+    coded on its own (no grid shared with other tokens), so a write touches only its own positions.
+
+    Args: k_pool ``[NB, Hkv, BS, D]``; block_table ``[B, MB]``; lo, hi ``[B]``; span a host int ``>= max(hi - lo)``.
+    Vectorized (:func:`store_written`): no host read of ``lo``/``hi``.
+    """
+    if part not in FP8_PARTS:
+        raise ValueError(f"part must be one of {FP8_PARTS}, got {part!r}")
+    which = 0 if part == "codes" else 1
+    store_written(state, k_pool, block_table, lo, hi, span, lambda k: fp8_code(k)[which])
+
+
+def fp8_block_scores(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kscale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    sink: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Each block's softmax mass under the float8 keys, summed over each GQA group: :func:`oracle_block_scores`
+    with every key replaced by :func:`fp8_decode` of its codes.
+
+    Args:
+        q: ``[B, Hq, D]`` decode queries (unscaled); codes: ``[NB, Hkv, BS, D]`` uint8 and kscale ``[NB, Hkv, BS]``
+            float32 (:func:`fp8_write`); block_table ``[B, MB]``; seq_lens, start ``[B]``; scale: softmax scale.
+        sink, window: with ``window`` given, the blocks of :func:`forced_block_mask` still held score ``+inf``.
+
+    Returns:
+        ``[B, Hkv, MB]`` float32; ``-inf`` past each sequence's last block and for evicted blocks.
+    """
+    phys = block_table.long().clamp(min=0)
+    keys = fp8_decode(codes[phys], kscale[phys])  # [B, MB, Hkv, BS, D]
+    return decoded_block_mass(q, keys, block_table, seq_lens, start, scale, sink, window)
+
+
+def fp8_block_lse(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kscale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
+    block's valid positions (``k_hat`` the float8 keys decoded), ``-inf`` where none is: the Triton scoring kernel's
+    output; :func:`lse_block_mass` of it is :func:`fp8_block_scores`."""
+    B, MB = block_table.shape
+    H, BS = codes.shape[1], codes.shape[2]
+    phys = block_table.long().clamp(min=0)
+    keys = fp8_decode(codes[phys], kscale[phys])  # [B, MB, Hkv, BS, D]
+    s = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, H), keys) * scale  # [B, Hkv, G, MB, BS]
+    ok = held_positions(block_table, seq_lens, start, BS)
+    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
 
 
 # ---------------------------------------------------------------------------------- product-quantized keys
