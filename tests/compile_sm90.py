@@ -38,6 +38,8 @@ from hf_sparse_kv.ops.triton import (
     candidate_scores,
     decode_blocks,
     decode_tokens,
+    fp8_block_scores,
+    fp8_write,
     merge_partials,
     oracle_block_scores,
     paged_write,
@@ -51,6 +53,7 @@ from hf_sparse_kv.ops.triton import (
     token_scores,
     topk_indices,
 )
+from hf_sparse_kv.ops.triton.fp8 import fp8_block_lse
 from hf_sparse_kv.ops.triton.linear import decode_linear
 from hf_sparse_kv.ops.triton.product import pq_block_lse
 from hf_sparse_kv.ops.triton.quant import quant_block_lse
@@ -217,6 +220,23 @@ def cases():
             ):
                 lse = partial(quant_block_lse, *args, tpp=tpp, num_warps=warps, layout=layout, **knobs)
                 out.append((f"quant_block_lse {layout} bits={bits} G={G} tpp={tpp} warps={warps} {knobs}", lse))
+    for dtype, D in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 32)):  # the float8 keys
+        NB, H, BS = 12, 2, 16
+        k_pool = torch.randn(NB, H, BS, D, generator=g).to(dtype)
+        codes, kscale = torch.zeros(NB, H, BS, D, dtype=torch.uint8), torch.ones(NB, H, BS)
+        table = torch.arange(NB, dtype=torch.int32).view(2, 6)
+        lens, zero = torch.tensor([90, 40], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        span = (torch.tensor([0, 30]), torch.tensor([90, 40]), 90)
+        tag = f"{str(dtype).split('.')[-1]} D={D}"
+        out.append((f"fp8_write codes {tag}", partial(fp8_write, codes, k_pool, table, *span, "codes")))
+        out.append((f"fp8_write scales {tag}", partial(fp8_write, kscale, k_pool, table, *span, "scales")))
+        for G in (1, 4, 8):
+            q = torch.randn(2, H * G, D, generator=g).to(dtype)
+            args = (q, codes, kscale, table, lens, zero, 0.088)
+            out.append((f"fp8_block_scores {tag} G={G} sink+window", partial(fp8_block_scores, *args, 4, 32)))
+            for bm, warps in ((4, 4), (16, 8)):
+                lse = partial(fp8_block_lse, *args, block_m=bm, num_warps=warps)
+                out.append((f"fp8_block_lse {tag} G={G} block_m={bm} warps={warps}", lse))
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
     for dtype, bias, config in ((torch.bfloat16, False, None), (torch.float16, True, (64, 128, 4, 3))):

@@ -4,8 +4,8 @@ Each backend is a namespace exposing the same functions with the signatures of :
 ``paged_write``, ``gather_dense``, ``block_scores``, ``block_shares``, ``token_scores``, ``oracle_block_scores``,
 ``topk_indices``, ``blocks_to_tokens``, ``selection_to_mask``, ``decode_blocks``, ``decode_tokens``,
 ``decode_masked``, ``merge_partials``, and the selectors' ``projected_write``, ``projected_scores``,
-``candidate_scores``, ``candidate_mass``, ``quant_write``, ``quant_block_scores``, ``pq_encode``, ``pq_write``,
-``pq_block_scores``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
+``candidate_scores``, ``candidate_mass``, ``quant_write``, ``quant_block_scores``, ``fp8_write``,
+``fp8_block_scores``, ``pq_encode``, ``pq_write``, ``pq_block_scores``. The reference backend (plain PyTorch, float32 inside) runs anywhere; the Triton backend runs
 on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``) and falls back to the reference for the ops it does not
 implement: :data:`REFERENCE_ONLY` lists them (plain PyTorch on the tensors' device: right, not fast).
 """
@@ -40,6 +40,8 @@ _OP_NAMES = (
     "candidate_mass",
     "quant_write",
     "quant_block_scores",
+    "fp8_write",
+    "fp8_block_scores",
     "pq_encode",
     "pq_write",
     "pq_block_scores",

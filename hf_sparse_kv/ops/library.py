@@ -372,6 +372,51 @@ def _(q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, win
     return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::fp8_write", mutates_args=("state",))
+def fp8_write_op(
+    state: torch.Tensor,
+    k_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    span: int,
+    part: str,
+    backend: str,
+) -> None:
+    """``reference.fp8_write``: one part (``"codes"`` / ``"scales"``) of the float8 code of the keys at the stored
+    positions ``lo[b] <= p < hi[b]``, in place."""
+    _impl(backend, "fp8_write")(state, k_pool, block_table, lo, hi, span, part)
+
+
+@fp8_write_op.register_fake
+def _(state, k_pool, block_table, lo, hi, span, part, backend):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fp8_block_scores", mutates_args=())
+def fp8_block_scores_op(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kscale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    sink: int,
+    window: int | None,
+    backend: str,
+) -> torch.Tensor:
+    """``reference.fp8_block_scores``: each block's mass under the float8 keys, ``[B, Hkv, MB]`` float32 (``+inf``
+    at the forced blocks still held when ``window`` is given)."""
+    fn = _impl(backend, "fp8_block_scores")
+    return fn(q, codes, kscale, block_table, seq_lens, start, scale, sink, window)
+
+
+@fp8_block_scores_op.register_fake
+def _(q, codes, kscale, block_table, seq_lens, start, scale, sink, window, backend):
+    return q.new_empty(q.shape[0], codes.shape[1], block_table.shape[1], dtype=torch.float32)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::pq_encode", mutates_args=())
 def pq_encode_op(keys: torch.Tensor, centres: torch.Tensor, backend: str) -> torch.Tensor:
     """``reference.pq_encode``: the codes ``[..., Hkv, m]`` uint8 of ``keys [..., Hkv, D]``, each piece's nearest of
@@ -531,6 +576,12 @@ def registered_ops(backend: str) -> SimpleNamespace:
             q, codes, kmin, kmax, block_table, seq_lens, start, scale, bits, sink, window, backend
         )
 
+    def fp8_write(state, k_pool, block_table, lo, hi, span, part):
+        fp8_write_op(state, k_pool, block_table, lo, hi, span, part, backend)
+
+    def fp8_block_scores(q, codes, kscale, block_table, seq_lens, start, scale, sink=0, window=None):
+        return fp8_block_scores_op(q, codes, kscale, block_table, seq_lens, start, scale, sink, window, backend)
+
     def pq_encode(keys, centres):
         return pq_encode_op(keys, centres, backend)
 
@@ -565,6 +616,8 @@ def registered_ops(backend: str) -> SimpleNamespace:
         candidate_mass=candidate_mass,
         quant_write=quant_write,
         quant_block_scores=quant_block_scores,
+        fp8_write=fp8_write,
+        fp8_block_scores=fp8_block_scores,
         pq_encode=pq_encode,
         pq_write=pq_write,
         pq_block_scores=pq_block_scores,

@@ -14,6 +14,7 @@ from .block_scores import block_scores
 from .candidate_mass import candidate_mass
 from .candidates import candidate_scores
 from .exact import oracle_block_scores, token_scores
+from .fp8 import fp8_block_scores, fp8_write
 from .linear import decode_linear
 from .masked_decode import decode_masked
 from .merge import merge_partials
@@ -48,6 +49,8 @@ decode_blocks = on_its_device(decode_blocks)
 decode_linear = on_its_device(decode_linear)
 decode_masked = on_its_device(decode_masked)
 decode_tokens = on_its_device(decode_tokens)
+fp8_block_scores = on_its_device(fp8_block_scores)
+fp8_write = on_its_device(fp8_write)
 merge_partials = on_its_device(merge_partials)
 oracle_block_scores = on_its_device(oracle_block_scores)
 paged_write = on_its_device(paged_write)
@@ -69,6 +72,8 @@ __all__ = [
     "decode_linear",
     "decode_masked",
     "decode_tokens",
+    "fp8_block_scores",
+    "fp8_write",
     "merge_partials",
     "oracle_block_scores",
     "paged_write",
