@@ -20,6 +20,7 @@ from hf_sparse_kv.policies import (
     BlockTopK,
     Counts,
     Dense,
+    Fp8BlockTopK,
     OracleBlockTopK,
     ProjectedBlockTopK,
     ProjectedTokenTopK,
@@ -161,6 +162,10 @@ SELECTORS = {
     "QuantBlockTopK": (
         lambda m: QuantBlockTopK(24, 2, 4, bits=2),
         {"quant_write", "quant_block_scores", "topk_indices"},
+    ),
+    "Fp8BlockTopK": (
+        lambda m: Fp8BlockTopK(24, 2, 4),
+        {"fp8_write", "fp8_block_scores", "topk_indices"},
     ),
 }
 SELECTOR_CASES = [

@@ -15,6 +15,7 @@ from hf_sparse_kv.graphs import DecodeGraphs, graph_pool
 from hf_sparse_kv.patched import patch_state
 from hf_sparse_kv.policies import (
     Dense,
+    Fp8BlockTopK,
     QuantBlockTopK,
     Quest,
     SinkWindow,
@@ -505,10 +506,11 @@ def test_a_left_padded_batch_captures_a_graph_per_width_not_per_count(monkeypatc
         (TokenTopK(budget=0.5, sink=4, window=8), "token"),
         (SinkWindow(sink=4, budget=0.5), "block"),
         (QuantBlockTopK(budget=0.5, sink=4, window=8, bits=4), "block"),
+        (Fp8BlockTopK(budget=0.5, sink=4, window=8), "block"),
         (TwoStageBlockTopK(budget=0.25, sink=4, window=8, candidates=2.5), "block"),
         (TopPBlockTopK(budget=0.25, sink=4, window=8, candidates=2, p=0.9), "block"),
     ],
-    ids=["quest-block", "quest-mask", "token_topk", "sink_window", "quant4", "two_stage", "top_p"],
+    ids=["quest-block", "quest-mask", "token_topk", "sink_window", "quant4", "fp8", "two_stage", "top_p"],
 )
 def test_a_wide_selection_is_rounded_up_and_replays_fewer_graphs(monkeypatch, policy, mode):
     """Past 64 entries a static step's width is its plan's largest count rounded up (``static_width``): the slots

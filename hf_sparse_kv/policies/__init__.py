@@ -3,6 +3,7 @@
 from .base import Counts, DecodeState, Policy, Selection, StateSpec
 from .blocks import BlockTopK, OracleBlockTopK, Quest
 from .compress import SnapKV
+from .fp8 import Fp8BlockTopK
 from .projected import ProjectedBlockTopK, ProjectedTokenTopK
 from .quant import QuantBlockTopK
 from .simple import Dense, SinkWindow
@@ -24,6 +25,7 @@ POLICIES: dict[str, type[Policy]] = {
     "two_stage_token_topk": TwoStageTokenTopK,
     "top_p_block_topk": TopPBlockTopK,
     "quant_block_topk": QuantBlockTopK,
+    "fp8_block_topk": Fp8BlockTopK,
 }
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "Counts",
     "DecodeState",
     "Dense",
+    "Fp8BlockTopK",
     "OracleBlockTopK",
     "Policy",
     "ProjectedBlockTopK",
