@@ -14,6 +14,8 @@ let one query operand serve hundreds of tokens:
   bytes of 4-bit codes, but ``q . k_hat = (q * scale) . k8``: one query operand for every token, and codes that an
   fp8 tensor-core product takes as they are (no unpacking), where the 4-bit scorer is bound by the instructions that
   unpack its codes (benchmarks/RESULTS.md, Nsight Compute, 2026-12-06).
+- ``scheme="fp8_token"``: the same float8 keys, each key over its own scale ``max_c |k_c| / 448`` (the layout of
+  :class:`~hf_sparse_kv.policies.Fp8BlockTopK`: ``reference.fp8_code``).
 - ``scheme="token"``: the block's per-channel ``min`` as the zero point (the cache's ``kmin``, which Quest keeps
   anyway) and one step per token, ``s_t = max_c (k_tc - min_c) / levels``: ``q . k_hat = q . min + s_t (q . code_t)``,
   one plain product of the query with every token's codes, the per-token step applied to its result.
@@ -34,6 +36,8 @@ import torch
 from hf_sparse_kv.ops.reference import (
     decoded_block_mass,
     dequantize_keys,
+    fp8_code,
+    fp8_decode,
     held_positions,
     quant_levels,
     quantize_keys,
@@ -41,7 +45,7 @@ from hf_sparse_kv.ops.reference import (
 from hf_sparse_kv.policies import QuantBlockTopK
 from hf_sparse_kv.policies.base import DecodeState
 
-SCHEMES = ("channel", "token", "fp8")
+SCHEMES = ("channel", "token", "fp8", "fp8_token")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
@@ -54,6 +58,8 @@ def group_quant_keys(keys: torch.Tensor, ok: torch.Tensor, bits: int, scheme: st
     L = quant_levels(bits)
     B, MB, H, BS, D = keys.shape
     m = ok[:, :, None, :, None]  # [B, MB, 1, BS, 1]
+    if scheme == "fp8_token":
+        return torch.where(m, fp8_decode(*fp8_code(keys)), keys)
     if scheme == "fp8":
         amax = keys.abs().masked_fill(~m, 0.0).amax(dim=(1, 3), keepdim=True)  # [B, 1, H, 1, D]
         scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
@@ -112,7 +118,7 @@ class GroupQuantBlockTopK(QuantBlockTopK):
 
 def extra_cells(budget: float, sink: int, window: int) -> dict:
     """The screen's cells: ``gq<bits>_<g>`` (channel grids over ``g`` blocks), ``tq<bits>`` (per-token steps) and
-    ``fp8`` (float8 keys, one scale a channel)."""
+    ``fp8`` / ``fp8t`` (float8 keys, one scale a channel / a key)."""
     out = {}
     for bits in (4, 2):
         for g in (1, 4, 16):
@@ -121,6 +127,7 @@ def extra_cells(budget: float, sink: int, window: int) -> dict:
             )
         out[f"tq{bits}"] = GroupQuantBlockTopK(budget=budget, sink=sink, window=window, bits=bits, scheme="token")
     out["fp8"] = GroupQuantBlockTopK(budget=budget, sink=sink, window=window, scheme="fp8")
+    out["fp8t"] = GroupQuantBlockTopK(budget=budget, sink=sink, window=window, scheme="fp8_token")
     return out
 
 

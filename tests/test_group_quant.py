@@ -61,8 +61,8 @@ def test_policy_checks_its_arguments_and_the_screen_has_its_cells():
     with pytest.raises(ValueError, match="group_blocks"):
         GroupQuantBlockTopK(budget=0.25, group_blocks=0)
     cells = extra_cells(1 / 16, 4, 32)
-    assert set(cells) == {"gq4_1", "gq4_4", "gq4_16", "tq4", "gq2_1", "gq2_4", "gq2_16", "tq2", "fp8"}
-    assert cells["fp8"].scheme == "fp8"
+    assert set(cells) == {"gq4_1", "gq4_4", "gq4_16", "tq4", "gq2_1", "gq2_4", "gq2_16", "tq2", "fp8", "fp8t"}
+    assert cells["fp8"].scheme == "fp8" and cells["fp8t"].scheme == "fp8_token"
     assert cells["tq4"].scheme == "token" and cells["gq2_16"].group_blocks == 16 and cells["gq2_16"].bits == 2
 
 
@@ -84,3 +84,14 @@ def test_fp8_keys_within_e4m3_rounding_of_their_channel_scale_and_invalid_ones_u
     assert torch.allclose(got[top], keys[top])
     spoiled = keys.masked_fill(~ok[:, :, None, :, None], 1e6)
     assert torch.equal(group_quant_keys(spoiled, ok, 4, "fp8")[m5], got[m5])
+
+
+def test_fp8_token_keys_are_the_librarys_codes():
+    """``scheme="fp8_token"``: each valid key decoded from ``reference.fp8_code`` (its own scale), as the cache of
+    ``Fp8BlockTopK`` holds it; invalid positions untouched."""
+    keys, ok = _keys(3)
+    got = group_quant_keys(keys, ok, 4, "fp8_token")
+    m5 = ok[:, :, None, :, None].expand_as(keys)
+    assert torch.equal(got[~m5], keys[~m5])
+    assert torch.equal(got[m5], R.fp8_decode(*R.fp8_code(keys))[m5])
+    assert ((got - keys).abs()[m5] <= keys.abs()[m5] * 2.0**-4 + keys.abs().amax() * 2.0**-18).all()
