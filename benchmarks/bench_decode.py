@@ -19,7 +19,8 @@ Providers, timed in the same run:
   (TopPBlockTopK, c = 4, p = 0.9: its bytes are the budget's cap), ``mass_c8`` (TopPBlockTopK, c = 8, p = 1: the
   candidates ranked by their softmax mass, ``candidate_scores(reduce="mass")``), ``massh_c8`` (the same ranked by
   each query head's mass, ``pool="heads"``: ``candidate_scores(reduce="head_mass")``), ``quant2`` / ``quant4``
-  (QuantBlockTopK: every block's mass under 2- / 4-bit keys, ``quant_block_scores``), ``pq_c4`` (TopPBlockTopK,
+  (QuantBlockTopK: every block's mass under 2- / 4-bit keys, ``quant_block_scores``), ``fp8`` (Fp8BlockTopK:
+  under float8 keys, ``fp8_block_scores``), ``pq_c4`` (TopPBlockTopK,
   c = 4, p = 1, ``coarse="pq"``: the candidates by their mass under product-quantized keys, one byte per 8 channels,
   random centres, ``pq_block_scores``), ``pq_c4_f32`` (the same, its scoring table in float32 rather than the default bfloat16); each also as ``<name>:sel`` (the selection alone), and ``proj:write`` /
   ``quant2:write`` / ``pq:write`` (the compressed keys' / the 2-bit codes' / the pq codes' refresh of one decode
@@ -62,6 +63,7 @@ from hf_sparse_kv.ops.triton.block_decode import decode_blocks_fwd
 from hf_sparse_kv.policies import (
     Counts,
     DecodeState,
+    Fp8BlockTopK,
     ProjectedBlockTopK,
     ProjectedTokenTopK,
     QuantBlockTopK,
@@ -90,7 +92,7 @@ TUNE_AT = [("llama3-8b", 8, 32 * KI, 8), ("llama3-8b", 1, 128 * KI, 16)]
 SELECTOR_TARGETS = [("llama3-8b", 1, 128 * KI, [16], [16]), ("llama3-8b", 8, 32 * KI, [16], [16])]
 SELECTORS = (
     "quest", "proj_blk", "proj_tok", "2st_c2", "2st_c4", "2st_c8", "2st_tok", "topp_c4", "mass_c8", "massh_c8",
-    "quant2", "quant4", "pq_c4", "pq_c4_f32", "pq16_c4",
+    "quant2", "quant4", "fp8", "pq_c4", "pq_c4_f32", "pq16_c4",
 )  # fmt: skip
 
 
@@ -215,14 +217,16 @@ def compressed_keys(caches, H: int, D: int) -> tuple[dict, list[torch.Tensor], t
     return cal, ckeys, P.to(DEV)
 
 
-def layer_states(layer, caches, bt, BS, ops, ckeys, kcodes=None, pqcodes=None) -> list[DecodeState]:
+def layer_states(layer, caches, bt, BS, ops, ckeys, kcodes=None, pqcodes=None, fp8=None) -> list[DecodeState]:
     """One :class:`DecodeState` per layer (its own pool, metadata, compressed keys and, given ``kcodes`` /
-    ``pqcodes``, low-bit / product-quantization codes; the shared query and table)."""
+    ``pqcodes`` / ``fp8``, low-bit / product-quantization codes / float8 keys and scales; the shared query and
+    table)."""
     B, L = layer.B, layer.L
 
     def state(i, c):
         extra = {} if kcodes is None else {"kcodes": kcodes[i]}
         extra |= {} if pqcodes is None else {"pqcodes": pqcodes[i]}
+        extra |= {} if fp8 is None else {"k8": fp8[i][0], "k8scale": fp8[i][1]}
         return DecodeState(
             q=layer.q, k_pool=c[0], kmin=c[2], kmax=c[3], kmean=c[4], block_table=bt, seq_lens=layer.seq_lens,
             start=layer.zero, lens=(L,) * B, length=L, block_size=BS, scale=layer.scale, ops=ops,
@@ -259,6 +263,7 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
         "massh_c8": TopPBlockTopK(budget=f, candidates=8, p=1.0, pool="heads"),
         "quant2": QuantBlockTopK(budget=f, bits=2),
         "quant4": QuantBlockTopK(budget=f, bits=4),
+        "fp8": Fp8BlockTopK(budget=f),
     }
     # product quantization: 256 random centres a piece (the timing does not depend on where they lie), as
     # name: (channels a piece, calibration settings beyond the centres; the scoring table bfloat16 by default);
@@ -278,6 +283,8 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     pq_states = {d: layer_states(layer, caches, bt, BS, ops, ckeys, pqcodes=codes) for d, codes in pq_codes.items()}
     codes = {b: [R.quantize_keys(c[0], c[2], c[3], b) for c in caches] for b in (2, 4)}  # as the writes leave them
     quant_states = {b: layer_states(layer, caches, bt, BS, ops, ckeys, codes[b]) for b in (2, 4)}
+    fp8 = [R.fp8_code(c[0]) for c in caches]  # as the writes leave them
+    fp8_states = layer_states(layer, caches, bt, BS, ops, ckeys, fp8=fp8)
 
     def attend(i, sel):
         if sel.kind == "block":
@@ -289,6 +296,8 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     for name, policy in policies.items():
         if name.startswith("quant"):
             st = quant_states[policy.bits]
+        elif name == "fp8":
+            st = fp8_states
         else:
             st = pq_states[pq_sub[name]] if name in pq_sub else states
         fns[name] = [lambda i=i, p=policy, st=st: attend(i, p.select(st[i])) for i in range(n_layers)]
@@ -302,6 +311,8 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
             score = B * H * L * (D // pq_sub[name])
         if name.startswith("quant"):  # the codes of every token and the min / max of every block
             score = meta_bytes(B, H, L // BS, D) + B * H * L * D * policy.bits // 8
+        if name == "fp8":  # every token's e4m3 bytes and its scale
+            score = B * H * L * (D + 4)
         if two_stage:
             blocks = [sel.counts[0] if sel.kind == "block" else cdiv(sel.counts[0], BS)] * B
             cand = policy._coarse.counts(states[0], Counts.of(blocks), policy.sink, policy.window)[0]  # its width

@@ -101,7 +101,7 @@ from transformers import StaticCache
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.ops.layout import cdiv
-from hf_sparse_kv.policies import BlockTopK, Dense, Quest, SinkWindow, SnapKV, TopPBlockTopK
+from hf_sparse_kv.policies import BlockTopK, Dense, Fp8BlockTopK, Quest, SinkWindow, SnapKV, TopPBlockTopK
 
 
 def llama8b_config(layers: int) -> LlamaConfig:
@@ -328,6 +328,8 @@ COMPILED_ROWS = [  # (name, policy, mode, how): "graph" = cuda_graph=True, compi
     # the decode-sized products through the package's Triton matmul (decode_linear=True) instead of cuBLAS
     ("graph+compile+merged+linear: patched Dense", Dense(), "block", "graph+merged+linear"),
     ("graph+compile+merged+linear: Quest 1/16 block", Quest(budget=0.0625), "block", "graph+merged+linear"),
+    # the float8-key selector (the oracle's ranking on e4m3 copies of the keys)
+    ("graph+compile+merged+linear: Fp8 1/16 block", Fp8BlockTopK(budget=0.0625), "block", "graph+merged+linear"),
     ("graph+compile+merged+autotune: Quest 1/16 block", Quest(budget=0.0625), "block", "graph+merged+autotune"),
     ("reduce-overhead: patched Dense", Dense(), "block", "reduce-overhead"),
     ("reduce-overhead: Quest 1/16 block", Quest(budget=0.0625), "block", "reduce-overhead"),

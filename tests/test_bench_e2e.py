@@ -229,3 +229,13 @@ def test_bench_e2e_reverse_runs_each_phases_rows_the_other_way_round(monkeypatch
     assert order[False] == rows.split(",")
     assert order[True] == ["floor: dense", "graph: Quest 1/16 block", "graph: patched Dense",
                            "graph+compile: Quest 1/16 block", "graph+compile: patched Dense"]  # fmt: skip
+
+
+def test_bench_e2e_times_the_fp8_selector_row(monkeypatch, tmp_path):
+    """The float8-key selector's compiled row patches ``Fp8BlockTopK`` (its state refreshed inside the compiled
+    step) and writes a time."""
+    row = "graph+compile+merged+linear: Fp8 1/16 block"
+    _run(monkeypatch, tmp_path, "--rows", row, "--phases", "compiled", "--no-static")
+    with open(tmp_path / "e2e.csv") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    assert list(rows) == [row] and float(rows[row]["ms_per_token"]) > 0
