@@ -106,6 +106,7 @@ OURS = (  # (substring, category): our Triton kernels (ops/triton/*.py), and for
     ("quant_write", "write"),
     ("pq_write", "write"),
     ("pq_encode", "write"),  # a prefill fit's k-means rounds (the write that starts a cache)
+    ("fp8_write", "write"),
     ("sparse_decode_fwd", "attention"),
     ("merge_partials", "attention"),
     ("decode_blocks", "attention"),
@@ -120,6 +121,7 @@ OURS = (  # (substring, category): our Triton kernels (ops/triton/*.py), and for
     ("quant_block_lse", "selection"),
     ("quant_lse_stats", "selection"),
     ("quant_mass", "selection"),
+    ("fp8_block", "selection"),  # fp8_block_lse_kernel, and fp8_block_scores (CPU)
     ("pq_group", "selection"),  # pq_group_table_kernel, pq_group_lse_kernel
     ("lse_block_mass", "selection"),
     ("topk_indices", "selection"),

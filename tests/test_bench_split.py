@@ -19,7 +19,8 @@ import bench_split
 
 ATTENTION_KERNELS = {"sparse_decode_fwd_kernel", "merge_partials_kernel"}
 WRITE_KERNELS = {
-    "paged_write_kernel", "projected_write_kernel", "quant_write_kernel", "pq_write_kernel", "pq_encode_kernel"
+    "paged_write_kernel", "projected_write_kernel", "quant_write_kernel", "pq_write_kernel", "pq_encode_kernel",
+    "fp8_write_kernel",
 }  # fmt: skip
 MATMUL_KERNELS = {"decode_linear_kernel"}
 
