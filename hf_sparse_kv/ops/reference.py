@@ -845,11 +845,33 @@ def quant_block_lse(
 
     Args: as :func:`quant_block_scores` (no sink / window: nothing is forced here).
     """
-    B, MB = block_table.shape
-    H, BS = codes.shape[1], codes.shape[2]
     phys = block_table.long().clamp(min=0)
     keys = dequantize_keys(codes[phys], kmin[phys], kmax[phys], bits)  # [B, MB, Hkv, BS, D]
-    s = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, H), keys) * scale  # [B, Hkv, G, MB, BS]
+    return decoded_block_lse(q, keys, block_table, seq_lens, start, scale)
+
+
+def decoded_block_lse(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k`` over the
+    block's valid positions, for approximate keys ``keys [B, MB, Hkv, BS, D]`` (the table's blocks decoded in its
+    order: the scoring kernels' output of :func:`quant_block_lse` and :func:`fp8_block_lse`), ``-inf`` where none
+    is."""
+    s = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, keys.shape[2]), keys) * scale  # [B, Hkv, G, MB, BS]
+    return held_block_lse(s, block_table, seq_lens, start)
+
+
+def held_block_lse(
+    s: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor
+) -> torch.Tensor:
+    """Per-token scores ``s [B, Hkv, G, MB, BS]`` -> ``[B, Hkv * G, MB]`` float32: each block's log-sum-exp over its
+    valid positions (``start <= p < seq_len``, block held), ``-inf`` where none is."""
+    B, _, _, MB, BS = s.shape
     ok = held_positions(block_table, seq_lens, start, BS)
     return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
 
@@ -961,13 +983,9 @@ def fp8_block_lse(
     """``[B, Hq, MB]`` float32: per query head and logical block, the log-sum-exp of ``scale * q . k_hat`` over the
     block's valid positions (``k_hat`` the float8 keys decoded), ``-inf`` where none is: the Triton scoring kernel's
     output; :func:`lse_block_mass` of it is :func:`fp8_block_scores`."""
-    B, MB = block_table.shape
-    H, BS = codes.shape[1], codes.shape[2]
     phys = block_table.long().clamp(min=0)
     keys = fp8_decode(codes[phys], kscale[phys])  # [B, MB, Hkv, BS, D]
-    s = torch.einsum("bhgd,bmhtd->bhgmt", _group_q(q, H), keys) * scale  # [B, Hkv, G, MB, BS]
-    ok = held_positions(block_table, seq_lens, start, BS)
-    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
+    return decoded_block_lse(q, keys, block_table, seq_lens, start, scale)
 
 
 # ---------------------------------------------------------------------------------- product-quantized keys
@@ -1118,8 +1136,7 @@ def pq_table_lse(
     c = codes[block_table.long().clamp(min=0)].long()  # [B, MB, Hkv, BS, m]
     idx = c.permute(0, 2, 4, 1, 3).reshape(B, Hkv, 1, m, MB * BS).expand(B, Hkv, G, m, MB * BS)
     s = table.gather(4, idx).sum(3).view(B, Hkv, G, MB, BS)  # [B, Hkv, G, MB, BS]
-    ok = held_positions(block_table, seq_lens, start, BS)
-    return s.masked_fill(~ok.view(B, 1, 1, MB, BS), NEG_INF).logsumexp(-1).flatten(1, 2)
+    return held_block_lse(s, block_table, seq_lens, start)
 
 
 def candidate_scores(
