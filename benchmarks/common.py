@@ -23,8 +23,8 @@ _FLUSH: dict[torch.device, torch.Tensor] = {}
 
 def cpu_dry_run() -> None:
     """Prepare a benchmark's CPU dry run of Triton kernels: they run through Triton's interpreter, which needs
-    ``TRITON_INTERPRET=1`` set before ``triton`` is imported (a clear exit here when it is not) and the tests' three fixes
-    to it (``tests/interpreter_shims.py``: NumPy >= 2.4 loop bounds, bf16 ``tl.dot``, bf16 casts)."""
+    ``TRITON_INTERPRET=1`` set before ``triton`` is imported (a clear exit here when it is not) and the tests' four
+    fixes to it (``tests/interpreter_shims.py``: NumPy >= 2.4 loop bounds, bf16 ``tl.dot``, bf16 and float8 casts)."""
     if not os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("a CPU run of the Triton kernels needs TRITON_INTERPRET=1 in the environment")
     tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")

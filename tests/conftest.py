@@ -1,7 +1,7 @@
 # --- Triton kernels on CPU (hf_sparse_kv.ops.triton tests) -------------------------------------------------------
 # Without CUDA the Triton kernels run through Triton's interpreter; TRITON_INTERPRET must be set before triton is
-# imported. Three fixes to Triton 3.6's interpreter (NumPy >= 2.4 loop bounds, bf16 tl.dot, bf16 casts) live in
-# tests/interpreter_shims.py, which the benchmarks' CPU dry runs apply too.
+# imported. Four fixes to Triton 3.6's interpreter (NumPy >= 2.4 loop bounds, bf16 tl.dot, bf16 and float8 casts)
+# live in tests/interpreter_shims.py, which the benchmarks' CPU dry runs apply too.
 import os
 
 import pytest
