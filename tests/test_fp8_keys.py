@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_patch_sparse import _left_pad
-from tiny_models import DEVICE, greedy, prompt, tiny_model
+from test_quant_keys import one_selection_every_mode, walk_cache
+from tiny_models import DEVICE
 
-from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
+from hf_sparse_kv import PagedKVCache
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
 from hf_sparse_kv.policies import POLICIES, Fp8BlockTopK
@@ -71,46 +71,12 @@ def _check_codes(cache: PagedKVCache) -> None:
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_codes_follow_prefill_padding_decode_beams_and_crop(backend):
-    model = tiny_model("llama")
-    patch_model(model, policy=Fp8BlockTopK(budget=40), block_size=BS, backend=backend)
-    cache = PagedKVCache(model.config, block_size=BS, backend=backend)
-    ids, mask = _left_pad([prompt(n, seed=n)[0] for n in (29, 21)])
-    kw = {cache_kwarg(model): cache}
-    with torch.no_grad():
-        model(ids, attention_mask=mask, use_cache=True, **kw)  # a prefill with left padding (negative pos0)
-        _check_codes(cache)
-        for i in range(3):
-            mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
-            model(prompt(1, batch=2, seed=10 + i), attention_mask=mask, use_cache=True, **kw)
-        _check_codes(cache)
-        cache.reorder_cache(torch.tensor([1, 1], device=DEVICE))  # beams share every block, then copy on write
-        mask = torch.cat([mask[[1, 1]], mask.new_ones(2, 1)], 1)
-        model(prompt(1, batch=2, seed=20), attention_mask=mask, use_cache=True, **kw)
-        _check_codes(cache)
-        cache.crop(27)
-        mask = torch.cat([mask[:, :27], mask.new_ones(2, 1)], 1)
-        model(prompt(1, batch=2, seed=21), attention_mask=mask, use_cache=True, **kw)
-        _check_codes(cache)
-    unpatch_model(model)
+    walk_cache(Fp8BlockTopK(budget=40), backend, _check_codes)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_one_selection_every_mode(arch):
-    model = tiny_model(arch)
-    policy = Fp8BlockTopK(budget=24, sink=2, window=4)
-    ids = prompt(61)
-    runs = {}
-    for mode in ("mask", "token", "block"):
-        patch_model(model, policy=policy, mode=mode, dense_layers=(0,), block_size=BS)
-        runs[mode] = greedy(model, ids, new_tokens=12)
-    unpatch_model(model)
-    ref_seqs, ref_scores = runs["mask"]
-    for mode in ("token", "block"):
-        seqs, scores = runs[mode]
-        assert torch.equal(seqs, ref_seqs), mode
-        torch.testing.assert_close(scores, ref_scores, rtol=0, atol=1e-5)
-    _, dense_scores = greedy(model, ids, new_tokens=12)
-    assert not torch.allclose(ref_scores, dense_scores, atol=1e-4), "the policy should really be sparse here"
+    one_selection_every_mode(arch, Fp8BlockTopK(budget=24, sink=2, window=4))
 
 
 def test_selects_what_the_oracle_selects_on_random_keys():

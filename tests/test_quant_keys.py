@@ -76,36 +76,42 @@ def _check_codes(cache: PagedKVCache, bits: int) -> None:
                 assert torch.equal(layer.state["kcodes"][blk, :, off], want), (b, p)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_codes_follow_prefill_padding_decode_beams_and_crop(backend):
+def walk_cache(policy, backend: str, check) -> None:
+    """A tiny Llama patched with ``policy`` on ``backend``: a prefill with left padding, three single-token writes, a
+    beam reorder (copy on write), a crop back into a partial block and one more write, ``check(cache)`` after each
+    (the per-token state of a selector: tests/test_quant_keys.py, tests/test_fp8_keys.py)."""
     model = tiny_model("llama")
-    patch_model(model, policy=QuantBlockTopK(budget=40, bits=2), block_size=BS, backend=backend)
+    patch_model(model, policy=policy, block_size=BS, backend=backend)
     cache = PagedKVCache(model.config, block_size=BS, backend=backend)
     ids, mask = _left_pad([prompt(n, seed=n)[0] for n in (29, 21)])
     kw = {cache_kwarg(model): cache}
     with torch.no_grad():
         model(ids, attention_mask=mask, use_cache=True, **kw)  # a prefill with left padding (negative pos0)
-        _check_codes(cache, 2)
-        for i in range(3):  # single-token writes into partly filled blocks: their grids grow
+        check(cache)
+        for i in range(3):  # single-token writes into partly filled blocks (a 4-bit block's grid grows)
             mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
             model(prompt(1, batch=2, seed=10 + i), attention_mask=mask, use_cache=True, **kw)
-        _check_codes(cache, 2)
+        check(cache)
         cache.reorder_cache(torch.tensor([1, 1], device=DEVICE))  # beams share every block, then copy on write
         mask = torch.cat([mask[[1, 1]], mask.new_ones(2, 1)], 1)
         model(prompt(1, batch=2, seed=20), attention_mask=mask, use_cache=True, **kw)
-        _check_codes(cache, 2)
+        check(cache)
         cache.crop(27)  # back into a partial block, then continue
         mask = torch.cat([mask[:, :27], mask.new_ones(2, 1)], 1)
         model(prompt(1, batch=2, seed=21), attention_mask=mask, use_cache=True, **kw)
-        _check_codes(cache, 2)
+        check(cache)
     unpatch_model(model)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("bits", [2, 4])
-def test_one_selection_every_mode(arch, bits):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_codes_follow_prefill_padding_decode_beams_and_crop(backend):
+    walk_cache(QuantBlockTopK(budget=40, bits=2), backend, lambda cache: _check_codes(cache, 2))
+
+
+def one_selection_every_mode(arch: str, policy) -> None:
+    """``policy`` on a tiny ``arch`` model decodes the same greedy tokens (scores within 1e-5) in the mask, token and
+    block modes, and not what dense decodes (it really is sparse there)."""
     model = tiny_model(arch)
-    policy = QuantBlockTopK(budget=24, sink=2, window=4, bits=bits)
     ids = prompt(61)
     runs = {}
     for mode in ("mask", "token", "block"):
@@ -119,6 +125,12 @@ def test_one_selection_every_mode(arch, bits):
         torch.testing.assert_close(scores, ref_scores, rtol=0, atol=1e-5)
     _, dense_scores = greedy(model, ids, new_tokens=12)
     assert not torch.allclose(ref_scores, dense_scores, atol=1e-4), "the policy should really be sparse here"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_one_selection_every_mode(arch, bits):
+    one_selection_every_mode(arch, QuantBlockTopK(budget=24, sink=2, window=4, bits=bits))
 
 
 def test_selects_mostly_what_the_oracle_selects():
