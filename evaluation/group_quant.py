@@ -34,10 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from hf_sparse_kv.ops.reference import (
+    FP8_MAX,
     decoded_block_mass,
     dequantize_keys,
     fp8_code,
     fp8_decode,
+    fp8_encode,
     held_positions,
     quant_levels,
     quantize_keys,
@@ -46,7 +48,6 @@ from hf_sparse_kv.policies import QuantBlockTopK
 from hf_sparse_kv.policies.base import DecodeState
 
 SCHEMES = ("channel", "token", "fp8", "fp8_token")
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def group_quant_keys(keys: torch.Tensor, ok: torch.Tensor, bits: int, scheme: str, group_blocks: int = 1):
@@ -63,7 +64,7 @@ def group_quant_keys(keys: torch.Tensor, ok: torch.Tensor, bits: int, scheme: st
     if scheme == "fp8":
         amax = keys.abs().masked_fill(~m, 0.0).amax(dim=(1, 3), keepdim=True)  # [B, 1, H, 1, D]
         scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-        approx = (keys / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+        approx = fp8_encode(keys, scale).view(torch.float8_e4m3fn).float() * scale
         return torch.where(m, approx, keys)
     if scheme == "channel":
         g = group_blocks

@@ -910,11 +910,16 @@ def fp8_code(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nearest even; ``scale [...]`` float32: ``max |k| / 448`` over the key's channels, 1 for an all-zero key). The
     largest channel of each key is exact up to e4m3's 3-bit mantissa, the others keep it down to ``2^-6`` of
     the scale (e4m3's subnormals below)."""
-    k = keys.float()
-    amax = k.abs().amax(-1)
+    amax = keys.float().abs().amax(-1)
     scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-    codes = (k / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes.view(torch.uint8), scale
+    return fp8_encode(keys, scale[..., None]), scale
+
+
+def fp8_encode(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bytes (uint8, ``x``'s shape) of ``x / scale`` in float8 e4m3, clamped to ``[-448, 448]`` and rounded to
+    nearest even; ``scale`` broadcasts against ``x`` (one per key in :func:`fp8_code`; one per channel in
+    evaluation's screen)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
