@@ -37,6 +37,17 @@ def test_codes_keep_three_mantissa_bits_of_every_channel():
         )
 
 
+def test_scale_is_the_correctly_rounded_quotient_on_every_device():
+    """``fp8_code``'s scale is ``max |k| / 448`` rounded once (as the Triton write's IEEE division), on the test
+    device: PyTorch divides a CUDA tensor by a Python number as a product with its reciprocal, an ulp off at times,
+    and the write's codes and scales then differed from the reference's on an H100 (2026-12-06)."""
+    g = torch.Generator().manual_seed(1)
+    k = (torch.randn(4096, 64, generator=g) * torch.logspace(-3, 3, 4096)[:, None]).to(DEVICE)
+    _, scale = R.fp8_code(k)
+    want = (k.double().abs().amax(-1) / R.FP8_MAX).float()  # float64 then one rounding: the float32 quotient
+    assert torch.equal(scale, want)
+
+
 def test_block_mass_is_the_oracle_on_the_decoded_keys():
     """``fp8_block_scores`` equals ``oracle_block_scores`` run on the keys the codes stand for, with ragged lengths,
     left padding and an evicted block; with a window the forced blocks still held are ``+inf``; ``fp8_block_lse``'s

@@ -911,7 +911,9 @@ def fp8_code(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     largest channel of each key is exact up to e4m3's 3-bit mantissa, the others keep it down to ``2^-6`` of
     the scale (e4m3's subnormals below)."""
     amax = keys.float().abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    # a tensor divisor: PyTorch divides a CUDA tensor by a Python scalar as a product with its reciprocal (an ulp off
+    # the quotient at times), by a tensor as an IEEE division, as the CPU and the Triton write do
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), 1.0)
     return fp8_encode(keys, scale[..., None]), scale
 
 
