@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import traceback
 from functools import partial
@@ -316,8 +317,37 @@ def width_invariant_ptx() -> dict[str, bool]:
     return {name: len(set(ptx)) == 1 and len(ptx) == 4 for name, ptx in built.items()}
 
 
+def byte_loads() -> dict[str, int]:
+    """Kernel name -> how many of its global loads read one byte each, over every case of :func:`cases`. A tile's
+    codes loaded through a pointer the compiler cannot prove aligned come a byte at a time: the float8 scorer's
+    keys, addressed as ``[BM, BS]`` and reshaped, were 128 one-byte loads a thread instead of 16-byte vectors, and
+    its kernel ran 1.8-2.1x slower on an H200 (benchmarks/RESULTS.md, 2026-12-06)."""
+    counts: dict[str, int] = {}
+    inner = JITFunction.run
+
+    def record(self, *args, **kwargs):
+        kernel = inner(self, *args, **kwargs)
+        n = len(re.findall(r"ld\.global(?:\.\w+)*\.[bsu]8\b", kernel.asm["ptx"]))
+        counts[self.__name__] = counts.get(self.__name__, 0) + n
+        return kernel
+
+    JITFunction.run = record
+    try:
+        for _, thunk in cases():
+            thunk()
+    finally:
+        JITFunction.run = inner
+    return counts
+
+
 def main() -> int:
     print(f"triton {triton.__version__}, target sm_90")
+    if "--loads" in sys.argv:
+        with compile_only():
+            counts = byte_loads()
+        for name, n in sorted(counts.items()):
+            print(f"{n:5d} one-byte global loads: {name}")
+        return 0 if counts and not any(counts.values()) else 1
     if "--widths" in sys.argv:
         with compile_only():
             same = width_invariant_ptx()

@@ -34,3 +34,14 @@ def test_quant_tail_builds_the_same_code_at_every_table_width():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count("same PTX at every table width") == 2, proc.stdout
+
+
+def test_no_kernel_loads_global_memory_a_byte_at_a_time():
+    """Codes (uint8 / float8) must come in as wide vectors: ``compile_sm90.py --loads`` counts each kernel's one-byte
+    global loads in its sm_90 PTX over every compiled case (the float8 scorer once had 128 a thread)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--loads"], check=False, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "fp8_block_lse_kernel" in proc.stdout and "quant_block_lse_kernel" in proc.stdout, proc.stdout

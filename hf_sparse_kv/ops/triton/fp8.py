@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .product import block_tile, tile_lse
+from .product import tile_lse
 from .quant import quant_lse_mass
 
 FP8_MAX: tl.constexpr = tl.constexpr(reference.FP8_MAX)
@@ -142,15 +142,24 @@ def fp8_block_lse_kernel(
     b_q = b_q * f[:, None]
     q_hi = b_q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     q_lo = (b_q - q_hi.to(tl.float32)).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    o_m, m_m, phys, ok = block_tile(block_table, seq_lens, start, i_b, i_m, MB, BM, BS)  # ok [BM, BS]
-    o_t = tl.arange(0, BS)
-    rows = (phys[:, None] * s_cn + (i_h * BS + o_t[None, :]) * D).reshape(BM * BS)
-    okr = ok.reshape(BM * BS)
-    b_k = tl.load(codes + rows[:, None] + o_d[None, :], mask=okr[:, None], other=0)  # [BM * BS, D] uint8
-    b_k = b_k.to(tl.float8e4nv, bitcast=True)
+    # the tile's BM * BS rows addressed one by one (the probe's way): a pointer built as [BM, BS] and reshaped lost
+    # the alignment the compiler needs to load each row's D bytes as 16-byte vectors (one-byte loads instead: 121 ->
+    # 66 us at 1 x 128K on an H200, benchmarks/RESULTS.md, 2026-12-06; tests/compile_sm90.py --loads checks it)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < MB
+    o_r = tl.arange(0, BM * BS)
+    blk = i_m * BM + o_r // BS  # [BM * BS] each row's logical block
+    phys = tl.load(block_table + i_b * MB + blk, mask=blk < MB, other=-1)
+    pos = blk * BS + o_r % BS
+    okr = (blk < MB) & (phys >= 0) & (pos >= tl.load(start + i_b)) & (pos < tl.load(seq_lens + i_b))
+    phys = tl.maximum(phys, 0).to(tl.int64)
+    row = i_h * BS + o_r % BS
+    b_k = tl.load(codes + phys[:, None] * s_cn + (row * D)[:, None] + o_d[None, :], mask=okr[:, None], other=0)
+    b_k = b_k.to(tl.float8e4nv, bitcast=True)  # [BM * BS, D], straight into the product
     s = tl.dot(b_k, tl.trans(q_hi)) + tl.dot(b_k, tl.trans(q_lo))  # [BM * BS, GP] float32
-    b_s = tl.load(kscale + (phys[:, None] * s_sn + i_h * BS + o_t[None, :]).reshape(BM * BS), mask=okr, other=0.0)
+    b_s = tl.load(kscale + phys * s_sn + row, mask=okr, other=0.0)
     s = s * b_s[:, None] * (1.0 / f)[None, :]
+    ok = tl.reshape(okr, (BM, BS))
     lse = tile_lse(tl.reshape(s, (BM, BS, GP)), ok)  # [BM, GP]
     tl.store(out + qrow[None, :] * MB + o_m[:, None], lse, mask=m_m[:, None] & m_g[None, :])
 
