@@ -120,6 +120,9 @@ case $PART in
     PG='name: "evaluation.compact_grid:ProgressiveGridBlockTopK", sink: 4, window: 32, bits: 2, group: 32, meta: fp8'
     PGS="{$PG, label: pg2_g32_fp8_c4, candidates: 4}, {$PG, label: pg2_g32_fp8_c2, candidates: 2}"
     run_targets "${PART#progressive_}" "$PGS" "pg2_g32_fp8_c4, pg2_g32_fp8_c2" "$@" ;;
+  fp8_*)  # issue 13: the library's Fp8BlockTopK (float8 e4m3 keys over a scale a key, the oracle's mass on them) at
+    # 1/16 on issue 13's target cells, beside dense, the oracle, Quest and quant4 on the same windows and trials
+    run_targets "${PART#fp8_}" "{name: fp8_block_topk, label: fp8, sink: 4, window: 32}" "fp8" "$@" ;;
   pq_exact_*)  # the pq_* part's cells of pq8_c2_exact alone (its quant4 twin matched it where both ran, 2026-12-04)
     PQ='name: "evaluation.product_quant:ProductQuantBlockTopK", sink: 4, window: 32, fine: exact'
     run_targets "${PART#pq_exact_}" "{$PQ, label: pq8_c2_exact, sub_dim: 8, candidates: 2}" "pq8_c2_exact" "$@" ;;
