@@ -191,6 +191,9 @@ class DecodeGraphs:
                 f"pool must be a hf_sparse_kv.graphs.graph_pool() (a torch.cuda.MemPool), got {type(pool).__name__}: "
                 "a bare torch.cuda.graph_pool_handle() cannot be captured into again once its graphs were freed"
             )
+        # the state this policy reads, computed from the stored keys where the cache lacks it (a cache filled under
+        # another policy), before the reservation: a static step never declares it, and a reserved cache refuses it
+        cache.declare_state(config.policy.cache_state())
         self.static = cache.reserve_static(max_length)
         cache.session.set_graphs(self)  # the patch's model hook leaves this cache's steps to this runner
         fn = forward or type(model).forward.__get__(model)

@@ -12,6 +12,7 @@ from tiny_models import DEVICE, greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.cache import BlockTable
+from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.ops import reference
 from hf_sparse_kv.policies import DecodeState, Quest, Selection, StateSpec
 from hf_sparse_kv.policies.blocks import _BlockTopK
@@ -297,6 +298,50 @@ def test_a_filled_cache_adopts_a_declared_state_from_its_keys():
     with torch.no_grad():
         model(prompt(1, batch=2), attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
     assert set(cache.specs) == {NORMS, BLOCK_MAX}
+    unpatch_model(model)
+
+
+@pytest.mark.parametrize("how", ["runner", "static cache"])
+def test_static_steps_of_a_cache_filled_under_another_policy_keep_the_new_state(how):
+    """A cache prefilled under a policy without state, decoded statically under one with state (a ``DecodeGraphs``
+    built by hand, or a cache built for static decoding, reserved by the model hook at its first decode step): the
+    runner / the hook adopts the state from the stored keys before the reservation, and the static steps keep it up
+    to date. Before, no static step declared it and the policy ran without it (``Fp8BlockTopK`` re-coded the whole
+    pool every step, 2026-12-06)."""
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
+    kw = {"static": True, "max_length": 48} if how == "static cache" else {}
+    cache = _filled_cache(model, 37, batch=2, **kw)
+    assert cache.specs == () and cache.static is None
+    patch_model(model, policy=_NormTopK(budget=48, calls=[]), block_size=BS)
+    ids = prompt(1, batch=2)
+    with torch.no_grad():
+        if how == "runner":
+            runner = DecodeGraphs(model, cache, 48, capture=False)
+            for _ in range(3):
+                ids = runner.step(ids).argmax(-1)
+        else:
+            for _ in range(3):
+                ids = model(ids, use_cache=True, **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
+            assert cache.static is not None, "the steps ran statically"
+    assert set(cache.specs) == {NORMS, BLOCK_MAX}
+    _check_state(cache)
+    unpatch_model(model)
+
+
+def test_a_cache_reserved_for_static_steps_refuses_a_state_it_lacks():
+    """Reserved (its steps captured with the state it had), a cache cannot take a new state: the next step under a
+    policy that needs one says so, and a runner built on it too, instead of running without it."""
+    model = tiny_model("llama")
+    patch_model(model, policy=Quest(budget=48), block_size=BS)
+    cache = _filled_cache(model, 37)
+    cache.reserve_static(48)
+    patch_model(model, policy=_NormTopK(budget=48, calls=[]), block_size=BS)
+    with pytest.raises(ValueError, match="reserved for static steps"), torch.no_grad():
+        model(prompt(1), use_cache=True, **{cache_kwarg(model): cache})
+    with pytest.raises(ValueError, match="reserved for static steps"):
+        DecodeGraphs(model, cache, 48, capture=False)
+    assert cache.specs == () and all(not layer.state for layer in cache.paged_layers)  # nothing half-changed
     unpatch_model(model)
 
 
