@@ -111,7 +111,7 @@ def fp8_write(
 @triton.jit
 def fp8_block_lse_kernel(
     q,  # [B, HQ, D]
-    codes,  # [NB, H, BS, D] uint8: float8 e4m3 bytes
+    codes,  # [NB, H, BS, D] float8 e4m3 (the uint8 codes viewed as float8_e4m3fn)
     kscale,  # [NB, H, BS] float32
     block_table,  # [B, MB]
     seq_lens,  # [B]
@@ -154,8 +154,9 @@ def fp8_block_lse_kernel(
     okr = (blk < MB) & (phys >= 0) & (pos >= tl.load(start + i_b)) & (pos < tl.load(seq_lens + i_b))
     phys = tl.maximum(phys, 0).to(tl.int64)
     row = i_h * BS + o_r % BS
-    b_k = tl.load(codes + phys[:, None] * s_cn + (row * D)[:, None] + o_d[None, :], mask=okr[:, None], other=0)
-    b_k = b_k.to(tl.float8e4nv, bitcast=True)  # [BM * BS, D], straight into the product
+    # [BM * BS, D] float8 (the codes passed as a float8 view), straight into the product: loaded as uint8 and
+    # bitcast, the tile took 93 registers a thread instead of 65 (ptxas, sm_90a), fewer programs a multiprocessor
+    b_k = tl.load(codes + phys[:, None] * s_cn + (row * D)[:, None] + o_d[None, :], mask=okr[:, None], other=0.0)
     s = tl.dot(b_k, tl.trans(q_hi)) + tl.dot(b_k, tl.trans(q_lo))  # [BM * BS, GP] float32
     b_s = tl.load(kscale + phys * s_sn + row, mask=okr, other=0.0)
     s = s * b_s[:, None] * (1.0 / f)[None, :]
@@ -193,8 +194,8 @@ def fp8_block_lse(
         return out
     G = HQ // H
     fp8_block_lse_kernel[(triton.cdiv(MB, block_m), B * H)](
-        q.contiguous(), codes, kscale, block_table.contiguous(), seq_lens.contiguous(), start.contiguous(), out,
-        codes.stride(0), kscale.stride(0), scale, MB,
+        q.contiguous(), codes.view(torch.float8_e4m3fn), kscale, block_table.contiguous(), seq_lens.contiguous(),
+        start.contiguous(), out, codes.stride(0), kscale.stride(0), scale, MB,
         HQ=HQ, H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=BS, BM=block_m, num_warps=num_warps,
     )  # fmt: skip
     return out
