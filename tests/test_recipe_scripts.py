@@ -32,6 +32,7 @@ WILDCARD_MODEL = {
     "pq_bf16_*": "pq_bf16_gemma3",
     "pq16_*": "pq16_qwen2.5",
     "pq_*": "pq_smollm2",
+    "fp8_*": "fp8_qwen2.5",
 }
 
 
