@@ -26,6 +26,7 @@ import triton.language as tl
 from .. import reference
 from .product import tile_lse
 from .quant import quant_lse_mass
+from .written import written_positions
 
 FP8_MAX: tl.constexpr = tl.constexpr(reference.FP8_MAX)
 
@@ -49,14 +50,8 @@ def fp8_write_kernel(
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    b_lo = tl.load(lo + i_b).to(tl.int64)
-    b_hi = tl.load(hi + i_b).to(tl.int64)
-    o_p = b_lo + i_t * BT + tl.arange(0, BT)  # [BT] positions
-    lb = o_p // BS
-    b_phys = tl.load(block_table + i_b * MB + tl.minimum(lb, MB - 1), mask=(o_p < b_hi) & (lb < MB), other=-1)
-    m_p = (o_p < b_hi) & (lb < MB) & (b_phys >= 0)
-    b_phys = tl.maximum(b_phys, 0).to(tl.int64)
-    o_row = (i_h * BS + o_p % BS).to(tl.int64)
+    b_phys, off, m_p = written_positions(lo, hi, block_table, i_b, i_t, MB, BS, BT)  # [BT] each
+    o_row = (i_h * BS + off).to(tl.int64)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     p_k = k_pool + (b_phys * s_pn + o_row * D)[:, None] + o_d[None, :]

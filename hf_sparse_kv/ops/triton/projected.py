@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .forced import forced_block, forced_bounds
+from .written import written_positions
 
 
 @triton.jit
@@ -49,13 +50,8 @@ def projected_write_kernel(
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    b_lo = tl.load(lo + i_b).to(tl.int64)
-    b_hi = tl.load(hi + i_b).to(tl.int64)
-    o_p = b_lo + i_t * BT + tl.arange(0, BT)  # [BT] positions
-    m_p = o_p < b_hi
-    b_phys = tl.load(block_table + i_b * MB + tl.minimum(o_p // BS, MB - 1), mask=m_p, other=0)
-    b_phys = tl.maximum(b_phys, 0).to(tl.int64)
-    o_row = (i_h * BS + o_p % BS).to(tl.int64)
+    b_phys, off, m_p = written_positions(lo, hi, block_table, i_b, i_t, MB, BS, BT)  # [BT] each
+    o_row = (i_h * BS + off).to(tl.int64)
     o_d = tl.arange(0, BD)
     o_r = tl.arange(0, BR)
     m_d, m_r = o_d < D, o_r < R
