@@ -288,14 +288,10 @@ def cases():
     return out
 
 
-def width_invariant_ptx() -> dict[str, bool]:
-    """Kernel name -> whether ``quant_lse_mass`` builds the same PTX for tables of 2047, 2049, 2048 and 2064 blocks
-    (G = 6). A static step's table is reserved wider than the eager step's; where Triton specialised a kernel on
-    its width's divisibility by 16, the two compiled differently, reduced in another order and ranked near-tied
-    blocks the other way on the H200 (tests/test_quant_keys.py::test_triton_tail_is_the_same_on_a_wider_table,
-    2026-12-02): same PTX, same order, the same scores."""
-    from hf_sparse_kv.ops.triton.quant import quant_lse_mass
-
+@contextlib.contextmanager
+def built_ptx():
+    """Within (inside :func:`compile_only`): every kernel built is recorded; yields ``{kernel name: [its PTX, one per
+    build]}``, filled as they build."""
     built: dict[str, list[str]] = {}
     inner = JITFunction.run
 
@@ -306,14 +302,26 @@ def width_invariant_ptx() -> dict[str, bool]:
 
     JITFunction.run = record
     try:
+        yield built
+    finally:
+        JITFunction.run = inner
+
+
+def width_invariant_ptx() -> dict[str, bool]:
+    """Kernel name -> whether ``quant_lse_mass`` builds the same PTX for tables of 2047, 2049, 2048 and 2064 blocks
+    (G = 6). A static step's table is reserved wider than the eager step's; where Triton specialised a kernel on
+    its width's divisibility by 16, the two compiled differently, reduced in another order and ranked near-tied
+    blocks the other way on the H200 (tests/test_quant_keys.py::test_triton_tail_is_the_same_on_a_wider_table,
+    2026-12-02): same PTX, same order, the same scores."""
+    from hf_sparse_kv.ops.triton.quant import quant_lse_mass
+
+    with built_ptx() as built:
         for MB in (2047, 2049, 2048, 2064):
             B, H, G = 2, 2, 6
             lse = torch.randn(B, H * G, MB)
             table = torch.arange(B * MB, dtype=torch.int32).view(B, MB)
             lens = torch.tensor([MB * 16 - 5, MB * 16 - 300], dtype=torch.int32)
             quant_lse_mass(lse, table, lens, torch.zeros(B, dtype=torch.int32), 16, H, 4, 40)
-    finally:
-        JITFunction.run = inner
     return {name: len(set(ptx)) == 1 and len(ptx) == 4 for name, ptx in built.items()}
 
 
@@ -322,22 +330,11 @@ def byte_loads() -> dict[str, int]:
     codes loaded through a pointer the compiler cannot prove aligned come a byte at a time: the float8 scorer's
     keys, addressed as ``[BM, BS]`` and reshaped, were 128 one-byte loads a thread instead of 16-byte vectors, and
     its kernel ran 1.8-2.1x slower on an H200 (benchmarks/RESULTS.md, 2026-12-06)."""
-    counts: dict[str, int] = {}
-    inner = JITFunction.run
-
-    def record(self, *args, **kwargs):
-        kernel = inner(self, *args, **kwargs)
-        n = len(re.findall(r"ld\.global(?:\.\w+)*\.[bsu]8\b", kernel.asm["ptx"]))
-        counts[self.__name__] = counts.get(self.__name__, 0) + n
-        return kernel
-
-    JITFunction.run = record
-    try:
+    with built_ptx() as built:
         for _, thunk in cases():
             thunk()
-    finally:
-        JITFunction.run = inner
-    return counts
+    one_byte = re.compile(r"ld\.global(?:\.\w+)*\.[bsu]8\b")
+    return {name: sum(len(one_byte.findall(p)) for p in ptx) for name, ptx in built.items()}
 
 
 def main() -> int:
