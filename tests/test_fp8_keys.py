@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_quant_keys import one_selection_every_mode, walk_cache
+from test_quant_keys import one_selection_every_mode, paged_case, walk_cache
 from tiny_models import DEVICE
 
 from hf_sparse_kv import PagedKVCache
@@ -106,24 +106,12 @@ def test_selects_what_the_oracle_selects_on_random_keys():
         assert len(a & b) >= 7, (h, a, b)
 
 
-def _case(seed, B=3, H=2, G=3, D=16, MB=6, dtype=torch.float32, bs=BS):
-    g = torch.Generator().manual_seed(seed)
-    NB = B * MB + 2
-    k_pool = (torch.randn(NB, H, bs, D, generator=g) * torch.logspace(-1, 1, D)).to(dtype)
-    table = torch.randperm(NB, generator=g)[: B * MB].view(B, MB).int()
-    table[1, 2] = -1  # an evicted block
-    seq_lens = torch.tensor([MB * bs, 29, 3], dtype=torch.int32)[:B]
-    start = torch.tensor([0, 6, 1], dtype=torch.int32)[:B]
-    q = torch.randn(B, H * G, D, generator=g).to(dtype)
-    return [t.to(DEVICE) for t in (k_pool, table, seq_lens, start, q)]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("span", [1, 5, 13])
 def test_triton_write_matches_reference(dtype, span):
     """Writes of ``span`` tokens at ragged offsets (one sequence writes nothing) store the same bytes and scales as
     the reference, and nothing outside ``[lo, hi)``."""
-    k_pool, table, _, _, _ = _case(span, dtype=dtype)
+    k_pool, table, _, _, _ = paged_case(span, dtype=dtype, spread=True)
     NB, H, _, D = k_pool.shape
     lo = torch.tensor([3, 25, 9], dtype=torch.int64, device=DEVICE)  # (sequence 1's block 2, evicted, not written)
     hi = (lo + torch.tensor([span, max(1, span - 2), 0], device=DEVICE)).clamp(max=table.shape[1] * BS)
@@ -145,7 +133,7 @@ def test_triton_block_mass_matches_reference(G, D, bs, window):
     """The kernels (blocks of 16, heads of >= 32 channels: the fp8 product's tiles; the query in two fp8 parts) and
     the reference they run below those sizes give the same mass within the query's rounding, the same blocks out of
     play and, with a window, the same forced ones; and the kernel's log-sum-exps are the reference's."""
-    k_pool, table, seq_lens, start, q = _case(G, G=G, D=D, bs=bs, dtype=torch.bfloat16)
+    k_pool, table, seq_lens, start, q = paged_case(G, G=G, D=D, bs=bs, dtype=torch.bfloat16, spread=True)
     codes, kscale = R.fp8_code(k_pool)
     args = (q, codes, kscale, table, seq_lens, start, 0.3, 2, window)
     want = R.fp8_block_scores(*args)

@@ -151,10 +151,13 @@ def test_selects_mostly_what_the_oracle_selects():
     assert len(a & b) >= 6, (a, b)
 
 
-def _case(seed, bits, B=3, H=2, G=3, D=16, MB=6, dtype=torch.float32, bs=BS):
+def paged_case(seed, B=3, H=2, G=3, D=16, MB=6, dtype=torch.float32, bs=BS, spread=False):
+    """``[k_pool, table, seq_lens, start, q]`` on the test device: a shuffled table with an evicted block, ragged
+    lengths and starts; ``spread``: the key channels scaled from 0.1 to 10 (tests/test_fp8_keys.py)."""
     g = torch.Generator().manual_seed(seed)
     NB = B * MB + 2
-    k_pool = torch.randn(NB, H, bs, D, generator=g).to(dtype)
+    k_pool = torch.randn(NB, H, bs, D, generator=g)
+    k_pool = (k_pool * torch.logspace(-1, 1, D) if spread else k_pool).to(dtype)
     table = torch.randperm(NB, generator=g)[: B * MB].view(B, MB).int()
     table[1, 2] = -1  # an evicted block
     seq_lens = torch.tensor([MB * bs, 29, 3], dtype=torch.int32)[:B]
@@ -167,7 +170,7 @@ def _case(seed, bits, B=3, H=2, G=3, D=16, MB=6, dtype=torch.float32, bs=BS):
 @pytest.mark.parametrize("span", [1, 5, 13])
 def test_triton_write_matches_reference(bits, span):
     """Writes of ``span`` tokens at ragged offsets (one sequence writes nothing) re-code the same blocks the same."""
-    k_pool, table, _, _, _ = _case(span, bits)
+    k_pool, table, _, _, _ = paged_case(span)
     NB, H, _, D = k_pool.shape
     lo = torch.tensor([3, 17, 9], dtype=torch.int64, device=DEVICE)
     hi = (lo + torch.tensor([span, max(1, span - 2), 0], device=DEVICE)).clamp(max=table.shape[1] * BS)
@@ -185,7 +188,7 @@ def test_triton_write_matches_reference(bits, span):
 def test_triton_block_mass_matches_reference(bits, G, D, bs, window):
     """The kernels (blocks of 16, ``D * bits >= 128``: the ``tl.dot`` tiles; TF32 on a GPU) and the reference they
     run below those sizes give the same mass, the same blocks out of play and, with a window, the same forced ones."""
-    k_pool, table, seq_lens, start, q = _case(G, bits, G=G, D=D, bs=bs)
+    k_pool, table, seq_lens, start, q = paged_case(G, G=G, D=D, bs=bs)
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
     codes = R.quantize_keys(k_pool, kmin, kmax, bits)
     args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, bits, 2, window)
@@ -201,7 +204,7 @@ def test_reference_forces_blocks_as_the_policy_did():
     log-sum-exps, which ``quant_block_lse`` gives."""
     from hf_sparse_kv.ops.layout import forced_block_mask
 
-    k_pool, table, seq_lens, start, q = _case(7, 2, G=4, D=16)
+    k_pool, table, seq_lens, start, q = paged_case(7, G=4, D=16)
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
     codes = R.quantize_keys(k_pool, kmin, kmax, 2)
     args = (q, codes, kmin, kmax, table, seq_lens, start, 0.3, 2)
@@ -302,7 +305,7 @@ def test_triton_layouts_match_reference(layout, tpp, warps, knobs, G, bits):
     tolerance."""
     from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
-    k_pool, table, seq_lens, start, q = _case(G + bits, bits, G=G, D=64, bs=16, MB=7)
+    k_pool, table, seq_lens, start, q = paged_case(G + bits, G=G, D=64, bs=16, MB=7)
     table[0, 2] = -1
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
     codes = R.quantize_keys(k_pool, kmin, kmax, bits)
@@ -323,7 +326,7 @@ def test_triton_layouts_match_reference(layout, tpp, warps, knobs, G, bits):
 def test_bad_layouts_are_refused():
     from hf_sparse_kv.ops.triton.quant import quant_block_lse
 
-    k_pool, table, seq_lens, start, q = _case(0, 2, D=64, bs=16)
+    k_pool, table, seq_lens, start, q = paged_case(0, D=64, bs=16)
     kmin, kmax = k_pool.amin(2), k_pool.amax(2)
     args = (q, R.quantize_keys(k_pool, kmin, kmax, 2), kmin, kmax, table, seq_lens, start, 0.3, 2)
     with pytest.raises(ValueError, match="power-of-two"):
