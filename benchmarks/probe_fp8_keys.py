@@ -94,7 +94,7 @@ def fp8_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``k [NB, H, BS, D]`` -> (``k8`` the same shape in e4m3, ``scale [H, D]`` float32: ``max |k| / 448`` of each
     head's channel, 1 where the channel is all zeros)."""
     amax = k.float().abs().amax(dim=(0, 2))
-    scale = torch.where(amax > 0, amax / R.FP8_MAX, 1.0)
+    scale = R.fp8_scale(amax)
     return R.fp8_encode(k, scale[None, :, None, :]).view(FP8), scale
 
 

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from hf_sparse_kv.ops.reference import (
-    FP8_MAX,
     decoded_block_mass,
     dequantize_keys,
     fp8_code,
     fp8_decode,
     fp8_encode,
+    fp8_scale,
     held_positions,
     quant_levels,
     quantize_keys,
@@ -63,7 +63,7 @@ def group_quant_keys(keys: torch.Tensor, ok: torch.Tensor, bits: int, scheme: st
         return torch.where(m, fp8_decode(*fp8_code(keys)), keys)
     if scheme == "fp8":
         amax = keys.abs().masked_fill(~m, 0.0).amax(dim=(1, 3), keepdim=True)  # [B, 1, H, 1, D]
-        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+        scale = fp8_scale(amax)
         approx = fp8_encode(keys, scale).view(torch.float8_e4m3fn).float() * scale
         return torch.where(m, approx, keys)
     if scheme == "channel":

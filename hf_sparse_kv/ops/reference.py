@@ -817,7 +817,7 @@ def decoded_block_mass(
     window: int | None = None,
 ) -> torch.Tensor:
     """:func:`oracle_block_scores` over approximate keys ``keys [B, MB, Hkv, BS, D]``, the table's blocks decoded in
-    its order (the tail of :func:`quant_block_scores` and :func:`pq_block_scores`): ``[B, Hkv, MB]`` float32, the
+    its order (the tail of :func:`quant_block_scores`, :func:`fp8_block_scores` and :func:`pq_block_scores`): ``[B, Hkv, MB]`` float32, the
     forced blocks still held ``+inf`` when ``window`` is given, ``-inf`` for blocks not in use."""
     B, MB = block_table.shape
     BS = keys.shape[3]
@@ -910,11 +910,16 @@ def fp8_code(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nearest even; ``scale [...]`` float32: ``max |k| / 448`` over the key's channels, 1 for an all-zero key). The
     largest channel of each key is exact up to e4m3's 3-bit mantissa, the others keep it down to ``2^-6`` of
     the scale (e4m3's subnormals below)."""
-    amax = keys.float().abs().amax(-1)
-    # a tensor divisor: PyTorch divides a CUDA tensor by a Python scalar as a product with its reciprocal (an ulp off
-    # the quotient at times), by a tensor as an IEEE division, as the CPU and the Triton write do
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), 1.0)
+    scale = fp8_scale(keys.float().abs().amax(-1))
     return fp8_encode(keys, scale[..., None]), scale
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The float8 scale of values whose largest magnitude is ``amax`` (any shape, float32): ``amax / 448`` rounded
+    once, 1 where ``amax`` is 0. The divisor is a tensor: PyTorch divides a CUDA tensor by a Python number as a
+    product with its reciprocal (an ulp off the quotient at times), by a tensor as an IEEE division, as the CPU and
+    the Triton write do."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), 1.0)
 
 
 def fp8_encode(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
