@@ -235,9 +235,9 @@ def cases():
             q = torch.randn(2, H * G, D, generator=g).to(dtype)
             args = (q, codes, kscale, table, lens, zero, 0.088)
             out.append((f"fp8_block_scores {tag} G={G} sink+window", partial(fp8_block_scores, *args, 4, 32)))
-            for bm, warps in ((4, 4), (16, 8)):
-                lse = partial(fp8_block_lse, *args, block_m=bm, num_warps=warps)
-                out.append((f"fp8_block_lse {tag} G={G} block_m={bm} warps={warps}", lse))
+            for bm, warps, tiles, stages in ((4, 4, 1, 1), (16, 8, 1, 1), (8, 4, 4, 3)):
+                lse = partial(fp8_block_lse, *args, block_m=bm, num_warps=warps, tiles=tiles, num_stages=stages)
+                out.append((f"fp8_block_lse {tag} G={G} block_m={bm} warps={warps} tiles={tiles}x{stages}", lse))
     o, lse = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 4, 5, generator=g)
     out.append(("merge_partials", partial(merge_partials, o, lse)))
     for dtype, bias, config in ((torch.bfloat16, False, None), (torch.float16, True, (64, 128, 4, 3))):

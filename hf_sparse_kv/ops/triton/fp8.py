@@ -123,8 +123,10 @@ def fp8_block_lse_kernel(
     D: tl.constexpr,
     BS: tl.constexpr,
     BM: tl.constexpr,
+    TILES: tl.constexpr,  # tiles of BM blocks a program, one after the other
+    STAGES: tl.constexpr,  # the loop's software pipeline (loads of later tiles in flight)
 ):
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_g = tl.arange(0, GP)
     o_d = tl.arange(0, D)
@@ -137,27 +139,31 @@ def fp8_block_lse_kernel(
     b_q = b_q * f[:, None]
     q_hi = b_q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     q_lo = (b_q - q_hi.to(tl.float32)).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    # the tile's BM * BS rows addressed one by one (the probe's way): a pointer built as [BM, BS] and reshaped lost
-    # the alignment the compiler needs to load each row's D bytes as 16-byte vectors (one-byte loads instead: 121 ->
-    # 66 us at 1 x 128K on an H200, benchmarks/RESULTS.md, 2026-12-06; tests/compile_sm90.py --loads checks it)
-    o_m = i_m * BM + tl.arange(0, BM)
-    m_m = o_m < MB
+    lo, hi = tl.load(start + i_b), tl.load(seq_lens + i_b)
     o_r = tl.arange(0, BM * BS)
-    blk = i_m * BM + o_r // BS  # [BM * BS] each row's logical block
-    phys = tl.load(block_table + i_b * MB + blk, mask=blk < MB, other=-1)
-    pos = blk * BS + o_r % BS
-    okr = (blk < MB) & (phys >= 0) & (pos >= tl.load(start + i_b)) & (pos < tl.load(seq_lens + i_b))
-    phys = tl.maximum(phys, 0).to(tl.int64)
     row = i_h * BS + o_r % BS
-    # [BM * BS, D] float8 (the codes passed as a float8 view), straight into the product: loaded as uint8 and
-    # bitcast, the tile took 93 registers a thread instead of 65 (ptxas, sm_90a), fewer programs a multiprocessor
-    b_k = tl.load(codes + phys[:, None] * s_cn + (row * D)[:, None] + o_d[None, :], mask=okr[:, None], other=0.0)
-    s = tl.dot(b_k, tl.trans(q_hi)) + tl.dot(b_k, tl.trans(q_lo))  # [BM * BS, GP] float32
-    b_s = tl.load(kscale + phys * s_sn + row, mask=okr, other=0.0)
-    s = s * b_s[:, None] * (1.0 / f)[None, :]
-    ok = tl.reshape(okr, (BM, BS))
-    lse = tile_lse(tl.reshape(s, (BM, BS, GP)), ok)  # [BM, GP]
-    tl.store(out + qrow[None, :] * MB + o_m[:, None], lse, mask=m_m[:, None] & m_g[None, :])
+    for i_t in tl.range(0, TILES, num_stages=STAGES):
+        i_m = i_p * TILES + i_t
+        # the tile's BM * BS rows addressed one by one (the probe's way): a pointer built as [BM, BS] and reshaped
+        # lost the alignment the compiler needs to load each row's D bytes as 16-byte vectors (one-byte loads
+        # instead: 121 -> 66 us at 1 x 128K on an H200, benchmarks/RESULTS.md, 2026-12-06; tests/compile_sm90.py
+        # --loads checks it)
+        o_m = i_m * BM + tl.arange(0, BM)
+        blk = i_m * BM + o_r // BS  # [BM * BS] each row's logical block
+        phys = tl.load(block_table + i_b * MB + blk, mask=blk < MB, other=-1)
+        pos = blk * BS + o_r % BS
+        okr = (blk < MB) & (phys >= 0) & (pos >= lo) & (pos < hi)
+        phys = tl.maximum(phys, 0).to(tl.int64)
+        # [BM * BS, D] float8 (the codes passed as a float8 view), straight into the product: loaded as uint8 and
+        # bitcast, the tile took 93 registers a thread instead of 65 (ptxas, sm_90a), fewer programs a multiprocessor
+        p_k = codes + phys[:, None] * s_cn + (row * D)[:, None] + o_d[None, :]
+        b_k = tl.load(p_k, mask=okr[:, None], other=0.0)
+        s = tl.dot(b_k, tl.trans(q_hi)) + tl.dot(b_k, tl.trans(q_lo))  # [BM * BS, GP] float32
+        b_s = tl.load(kscale + phys * s_sn + row, mask=okr, other=0.0)
+        s = s * b_s[:, None] * (1.0 / f)[None, :]
+        ok = tl.reshape(okr, (BM, BS))
+        lse = tile_lse(tl.reshape(s, (BM, BS, GP)), ok)  # [BM, GP]
+        tl.store(out + qrow[None, :] * MB + o_m[:, None], lse, mask=(o_m < MB)[:, None] & m_g[None, :])
 
 
 BLOCKS_PER_PROGRAM = 8  # the scoring kernel's tile: 8 blocks of 16 tokens, 4 warps (benchmarks/probe_fp8_keys.py)
@@ -173,10 +179,12 @@ def fp8_block_lse(
     scale: float,
     block_m: int = BLOCKS_PER_PROGRAM,
     num_warps: int = 4,
+    tiles: int = 1,
+    num_stages: int = 1,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: ``reference.fp8_block_lse`` (each block's log-sum-exp per query head over its valid
-    positions, ``-inf`` where none is) in one launch. ``block_m`` (blocks a program, a power of two) and
-    ``num_warps`` are tuning knobs."""
+    positions, ``-inf`` where none is) in one launch. Tuning knobs: ``block_m`` (blocks a tile, a power of two),
+    ``tiles`` (tiles a program, one after the other), ``num_stages`` (that loop's software pipeline), ``num_warps``."""
     B, HQ, D = q.shape
     NB, H, BS, Dc = codes.shape
     MB = block_table.shape[1]
@@ -184,14 +192,16 @@ def fp8_block_lse(
     assert HQ % H == 0 and block_table.shape[0] == B and seq_lens.shape == (B,) and start.shape == (B,)
     assert codes.stride()[1:] == (BS * D, D, 1) and kscale.stride()[1:] == (BS, 1)
     assert block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}"
+    assert tiles >= 1 and num_stages >= 1, f"tiles {tiles}, num_stages {num_stages}"
     out = torch.empty(B, HQ, MB, dtype=torch.float32, device=q.device)
     if B == 0 or MB == 0:
         return out
     G = HQ // H
-    fp8_block_lse_kernel[(triton.cdiv(MB, block_m), B * H)](
+    fp8_block_lse_kernel[(triton.cdiv(MB, block_m * tiles), B * H)](
         q.contiguous(), codes.view(torch.float8_e4m3fn), kscale, block_table.contiguous(), seq_lens.contiguous(),
         start.contiguous(), out, codes.stride(0), kscale.stride(0), scale, MB,
-        HQ=HQ, H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=BS, BM=block_m, num_warps=num_warps,
+        HQ=HQ, H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=BS, BM=block_m, TILES=tiles,
+        STAGES=num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out
 
