@@ -356,6 +356,8 @@ GENERATE_ROWS = [  # (name, policy or None (unpatched), extra generate() argumen
     # issue 13's product-quantized coarse pass, its centres fitted at the prefill (TTFT holds the fit), 4 x candidates
     ("generate: graph: pq prefill-fit c4 1/16 block", PQ_PREFILL, {}, None),
     ("generate: graph+compile+merged: pq prefill-fit c4 1/16 block", PQ_PREFILL, {}, "graph+merged"),
+    # the float8-key selector: its codes written at the prefill, the oracle's ranking on them at every step
+    ("generate: graph+compile+merged: Fp8 1/16 block", Fp8BlockTopK(budget=0.0625), {}, "graph+merged"),
     # SnapKV keeps a quarter of the prompt at its first decode step (eager), Quest reads 1/16 of the context from
     # it; the other steps captured over the table with the freed blocks left out
     ("generate: graph: SnapKV 1/4 + Quest 1/16 block", SNAPKV_QUEST, {}, None),
