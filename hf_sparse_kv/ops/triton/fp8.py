@@ -166,7 +166,11 @@ def fp8_block_lse_kernel(
         tl.store(out + qrow[None, :] * MB + o_m[:, None], lse, mask=(o_m < MB)[:, None] & m_g[None, :])
 
 
-BLOCKS_PER_PROGRAM = 8  # the scoring kernel's tile: 8 blocks of 16 tokens, 4 warps (benchmarks/probe_fp8_keys.py)
+# the scoring kernel's defaults: tiles of 8 blocks of 16 tokens, 4 warps (benchmarks/probe_fp8_keys.py), one a program
+BLOCKS_PER_PROGRAM = 8
+WARPS = 4
+TILES_PER_PROGRAM = 1
+STAGES = 1
 
 
 def fp8_block_lse(
@@ -178,9 +182,9 @@ def fp8_block_lse(
     start: torch.Tensor,
     scale: float,
     block_m: int = BLOCKS_PER_PROGRAM,
-    num_warps: int = 4,
-    tiles: int = 1,
-    num_stages: int = 1,
+    num_warps: int = WARPS,
+    tiles: int = TILES_PER_PROGRAM,
+    num_stages: int = STAGES,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: ``reference.fp8_block_lse`` (each block's log-sum-exp per query head over its valid
     positions, ``-inf`` where none is) in one launch. Tuning knobs: ``block_m`` (blocks a tile, a power of two),
