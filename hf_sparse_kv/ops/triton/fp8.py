@@ -13,8 +13,10 @@ instructions that unpack them: benchmarks/RESULTS.md, Nsight Compute, 2026-12-06
   (``scale * q``, times a power of two that puts each head's largest entry in ``[112, 224]``) into fp8 as two parts
   (the rounding, then what it left: ~7 bits of mantissa), multiplies the tile's ``[BM * BS, D]`` fp8 keys by both,
   scales each token's row by its ``s_t`` and the power of two back, and stores each block's log-sum-exp per query
-  head over its valid positions (``reference.fp8_block_lse``). Heads of fewer than 32 channels (below an fp8
-  product's depth) or blocks of fewer than 16 tokens run the reference (tensor ops, no host sync).
+  head over its valid positions (``reference.fp8_block_lse``). A program may walk several tiles one after the other
+  (``tiles``), the query converted once and the next tiles' loads in flight (``num_stages``: cp.async on sm_90).
+  Heads of fewer than 32 channels (below an fp8 product's depth) or blocks of fewer than 16 tokens run the reference
+  (tensor ops, no host sync).
 """
 
 from __future__ import annotations
