@@ -12,6 +12,10 @@ in two fp8 parts, hi + lo, ~7 bits of mantissa; else one part, 3 bits), and stor
 query head over its valid positions (``QuantBlockTopK``'s ``quant_block_lse`` output; its tail would turn them into
 the block's mass). Not a library kernel: a probe of what such a selector's scoring would cost.
 
+The library's kernel (``ops/triton/fp8.py``: one scale per key, the query's fp8 parts made in every program) runs on
+per-key codes of the same keys at each of ``LIB_CONFIGS`` (blocks a tile, warps, tiles a program, pipeline stages),
+checked against ``reference.fp8_block_lse`` and timed the same way (its bytes: the codes and the scales).
+
 Each configuration is checked against a float32 reference on the same fp8 keys (relative error, the share of each
 query head's top 1/16 blocks kept, the same ``-inf`` pattern, no NaN), then timed (``common.bench``: CUDA graph of 4
 layers, L2 flushed, median of 20) against the fp8 keys' bytes at the copy bandwidth measured in the run.
@@ -37,9 +41,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench, cpu_dry_run, env_info, hbm_bandwidth, print_table, write_csv
 
 from hf_sparse_kv.ops import reference as R
+from hf_sparse_kv.ops.triton.fp8 import fp8_block_lse
 
 FP8 = torch.float8_e4m3fn
 CONFIGS = ((4, 4, True), (8, 4, True), (8, 8, True), (16, 8, True), (8, 4, False), (16, 4, False))  # BM, warps, two
+# the library's kernel (per-key scales, the query converted inside): block_m, num_warps, tiles, num_stages
+LIB_CONFIGS = (
+    (8, 4, 1, 1), (4, 4, 1, 1), (8, 4, 2, 2), (8, 4, 4, 2), (8, 4, 4, 3), (8, 4, 8, 3), (4, 4, 4, 3), (4, 4, 8, 3),
+    (16, 8, 2, 2), (16, 8, 4, 2),
+)  # fmt: skip
 
 
 @triton.jit
@@ -168,10 +178,12 @@ def main() -> None:
     rows = []
     for B, MB in ((1, 24), (2, 9)) if cpu else ((1, 8200), (8, 2050)):
         torch.manual_seed(0)
-        pools = [  # four layers' keys, channels of different widths
-            fp8_keys((torch.randn(B * MB, H, BS, D, device=dev) * torch.linspace(0.3, 4, D, device=dev)).bfloat16())
-            for _ in range(1 if cpu else 4)
-        ]
+        pools, lib = [], []  # four layers' keys, channels of different widths: per-channel and per-key codes
+        for _ in range(1 if cpu else 4):
+            keys = (torch.randn(B * MB, H, BS, D, device=dev) * torch.linspace(0.3, 4, D, device=dev)).bfloat16()
+            pools.append(fp8_keys(keys))
+            lib.append(R.fp8_code(keys))
+            del keys
         table = torch.randperm(B * MB, device=dev).view(B, MB).int()
         lens = torch.tensor([MB * BS - 3 - 5 * i for i in range(B)], device=dev, dtype=torch.int32)
         q = torch.randn(B, H * G, D, device=dev).bfloat16()
@@ -186,8 +198,24 @@ def main() -> None:
             fns = [functools.partial(fp8_lse, qh, ql, qinv, p[0], table, lens, G, BM, warps, two) for p in pools]
             us, mode = bench(fns, rep=20)
             nbytes = B * MB * H * BS * D  # the fp8 keys
-            row = {"shape": shape, "BM": BM, "warps": warps, "two": two, "us": us, "timing": mode,
+            row = {"shape": shape, "kernel": "probe", "BM": BM, "warps": warps, "two": two, "us": us, "timing": mode,
                    "GB/s": nbytes / us / 1e3, "of_copy": nbytes / us / 1e3 / hbm if hbm else None, **check}  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+        # the library's kernel on per-key codes of the same keys
+        zero = torch.zeros(B, dtype=torch.int32, device=dev)
+        largs = [(q, codes, kscale, table, lens, zero, 1.0) for codes, kscale in lib]  # per layer
+        lref = R.fp8_block_lse(*largs[0])
+        for bm, warps, tiles, stages in LIB_CONFIGS[:1] + LIB_CONFIGS[2:3] if cpu else LIB_CONFIGS:
+            kw = {"block_m": bm, "num_warps": warps, "tiles": tiles, "num_stages": stages}
+            check = compare(fp8_block_lse(*largs[0], **kw), lref)
+            if check["nan"] or not check["inf_ok"] or check["rel_err"] > 2e-3:
+                raise SystemExit(f"{shape} library {kw}: wrong against the reference: {check}")
+            us, mode = bench([functools.partial(fp8_block_lse, *args, **kw) for args in largs], rep=20)
+            nbytes = lib[0][0].numel() + 4 * lib[0][1].numel()  # codes and scales
+            row = {"shape": shape, "kernel": "library", "BM": bm, "warps": warps, "two": True, "tiles": tiles,
+                   "stages": stages, "us": us, "timing": mode, "GB/s": nbytes / us / 1e3,
+                   "of_copy": nbytes / us / 1e3 / hbm if hbm else None, **check}  # fmt: skip
             rows.append(row)
             print(row, flush=True)
     out = a.out or os.path.join(os.environ.get("OUT") or "benchmarks/results", "probe_fp8_keys.csv")
@@ -195,7 +223,9 @@ def main() -> None:
     shown = [{**r, "us": f"{r['us']:.1f}", "rel_err": f"{r['rel_err']:.1e}", "shared": f"{r['shared']:.4f}",
               "of_copy": r["of_copy"] and f"{r['of_copy']:.2f}"} for r in rows]  # fmt: skip
     print_table(
-        shown, ["shape", "BM", "warps", "two", "us", "of_copy", "rel_err", "shared"], f"fp8 keys ({env_info()})"
+        shown,
+        ["shape", "kernel", "BM", "warps", "two", "tiles", "stages", "us", "of_copy", "rel_err", "shared"],
+        f"fp8 keys ({env_info()})",
     )
     print(f"wrote {out}")
 

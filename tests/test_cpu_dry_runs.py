@@ -82,16 +82,21 @@ def test_pq_check_dry_run_finds_every_point_right(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="probe_fp8_keys.py times the GPU when there is one")
 def test_fp8_keys_probe_dry_run_checks_every_configuration(tmp_path):
-    """``probe_fp8_keys.py`` on the CPU: the fp8 scoring kernel at each dry-run configuration equals the float32
-    reference on the same fp8 keys (the script exits otherwise): within 2e-3 with the two-part query, within its
-    3-bit rounding with one part, the same ``-inf`` pattern and no NaN; one row per configuration and shape."""
+    """``probe_fp8_keys.py`` on the CPU: the fp8 scoring kernel at each dry-run configuration, and the library's at
+    two, equal the float32 reference on the same fp8 keys (the script exits otherwise): within 2e-3 with the two-part
+    query, within its 3-bit rounding with one part, the same ``-inf`` pattern and no NaN; one row per configuration
+    and shape."""
     path = tmp_path / "fp8.csv"
     out = _run(["benchmarks/probe_fp8_keys.py", "--device", "cpu", "--out", str(path)], interpret=True)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = list(csv.DictReader(path.open()))
-    assert {(r["shape"], r["BM"], r["two"]) for r in rows} == {
+    probe = [r for r in rows if r["kernel"] == "probe"]
+    assert {(r["shape"], r["BM"], r["two"]) for r in probe} == {
         (s, bm, two) for s in ("1x24", "2x9") for bm, two in (("4", "True"), ("8", "True"), ("8", "False"))
     }
+    # the library's kernel at one tile a program and at two pipelined, checked against reference.fp8_block_lse
+    library = {(r["shape"], r["BM"], r["tiles"], r["stages"]) for r in rows if r["kernel"] == "library"}
+    assert library == {(s, "8", t, st) for s in ("1x24", "2x9") for t, st in (("1", "1"), ("2", "2"))}
     assert all(r["inf_ok"] == "True" and r["nan"] == "0" for r in rows)
     assert all(float(r["rel_err"]) < 2e-3 for r in rows if r["two"] == "True")
     assert all(float(r["shared"]) == 1.0 for r in rows if r["two"] == "True")
