@@ -817,8 +817,9 @@ def decoded_block_mass(
     window: int | None = None,
 ) -> torch.Tensor:
     """:func:`oracle_block_scores` over approximate keys ``keys [B, MB, Hkv, BS, D]``, the table's blocks decoded in
-    its order (the tail of :func:`quant_block_scores`, :func:`fp8_block_scores` and :func:`pq_block_scores`): ``[B, Hkv, MB]`` float32, the
-    forced blocks still held ``+inf`` when ``window`` is given, ``-inf`` for blocks not in use."""
+    its order (the tail of :func:`quant_block_scores`, :func:`fp8_block_scores` and :func:`pq_block_scores`):
+    ``[B, Hkv, MB]`` float32, the forced blocks still held ``+inf`` when ``window`` is given, ``-inf`` for blocks not
+    in use."""
     B, MB = block_table.shape
     BS = keys.shape[3]
     table = torch.arange(B * MB, device=q.device).view(B, MB).masked_fill(block_table < 0, -1)
