@@ -161,6 +161,15 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
     }
 
 
+def timed_row(shape: str, knobs: dict, us: float, mode: str, nbytes: int, hbm: float | None, check: dict) -> dict:
+    """One CSV row (printed as it is made): the shape, the kernel and its knobs, its time and its ``nbytes`` read as
+    GB/s and as a share of the copy bandwidth ``hbm`` (``None`` off the GPU), and the checks of :func:`compare`."""
+    row = {"shape": shape, **knobs, "us": us, "timing": mode, "GB/s": nbytes / us / 1e3,
+           "of_copy": nbytes / us / 1e3 / hbm if hbm else None, **check}  # fmt: skip
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -197,11 +206,8 @@ def main() -> None:
                 raise SystemExit(f"{shape} BM={BM} warps={warps} two={two}: wrong against the reference: {check}")
             fns = [functools.partial(fp8_lse, qh, ql, qinv, p[0], table, lens, G, BM, warps, two) for p in pools]
             us, mode = bench(fns, rep=20)
-            nbytes = B * MB * H * BS * D  # the fp8 keys
-            row = {"shape": shape, "kernel": "probe", "BM": BM, "warps": warps, "two": two, "us": us, "timing": mode,
-                   "GB/s": nbytes / us / 1e3, "of_copy": nbytes / us / 1e3 / hbm if hbm else None, **check}  # fmt: skip
-            rows.append(row)
-            print(row, flush=True)
+            knobs = {"kernel": "probe", "BM": BM, "warps": warps, "two": two}
+            rows.append(timed_row(shape, knobs, us, mode, B * MB * H * BS * D, hbm, check))  # bytes: the fp8 keys
         # the library's kernel on per-key codes of the same keys
         zero = torch.zeros(B, dtype=torch.int32, device=dev)
         largs = [(q, codes, kscale, table, lens, zero, 1.0) for codes, kscale in lib]  # per layer
@@ -212,12 +218,9 @@ def main() -> None:
             if check["nan"] or not check["inf_ok"] or check["rel_err"] > 2e-3:
                 raise SystemExit(f"{shape} library {kw}: wrong against the reference: {check}")
             us, mode = bench([functools.partial(fp8_block_lse, *args, **kw) for args in largs], rep=20)
+            knobs = {"kernel": "library", "BM": bm, "warps": warps, "two": True, "tiles": tiles, "stages": stages}
             nbytes = lib[0][0].numel() + 4 * lib[0][1].numel()  # codes and scales
-            row = {"shape": shape, "kernel": "library", "BM": bm, "warps": warps, "two": True, "tiles": tiles,
-                   "stages": stages, "us": us, "timing": mode, "GB/s": nbytes / us / 1e3,
-                   "of_copy": nbytes / us / 1e3 / hbm if hbm else None, **check}  # fmt: skip
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(timed_row(shape, knobs, us, mode, nbytes, hbm, check))
     out = a.out or os.path.join(os.environ.get("OUT") or "benchmarks/results", "probe_fp8_keys.csv")
     write_csv(out, rows)
     shown = [{**r, "us": f"{r['us']:.1f}", "rel_err": f"{r['rel_err']:.1e}", "shared": f"{r['shared']:.4f}",
