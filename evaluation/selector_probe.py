@@ -39,6 +39,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_sparse_kv.ops.layout import cdiv, forced_block_mask
+from hf_sparse_kv.ops.reference import fp8_code, fp8_decode
 from hf_sparse_kv.policies import OracleBlockTopK
 
 from .compact_grid import METAS, dequantized_pool, group_grid, stored
@@ -260,6 +261,88 @@ class Exact:
         return Fraction(1)
 
 
+def hadamard(d: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix ``[d, d]`` float32 (``d`` a power of two), each row's signs flipped
+    by a fixed pattern (a randomized Hadamard transform, seed 0): ``H @ H.T = I``, so ``q . k = (H q) . (H k)``."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two width, not {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
+    return h * signs[None, :] / math.sqrt(d)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bfloat16 (how a code's scale, min or step is stored), back in float32."""
+    return x.to(torch.bfloat16).float()
+
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of a float4 e2m1 code
+
+
+@dataclass(frozen=True)
+class PerKey:
+    """Each key coded on its own, with no grid shared with other tokens (as ``Fp8BlockTopK``'s float8 copy), so a
+    kernel scores every token of a tile with one query operand (``q . k = s (q . c)``, plus ``min x sum(q)`` for
+    ``"uint4"``). ``code``: ``"fp8"`` (e4m3 over ``max |k| / 448``: ``reference.fp8_code``), ``"int4"`` (``-7..7``
+    over ``max |k| / 7``), ``"uint4"`` (16 levels from the key's min to its max) or ``"fp4"`` (e2m1 over
+    ``max |k| / 6``); the 4-bit codes' scales, mins and steps stored in bfloat16; over the whole key or each run of
+    ``group`` channels; after a randomized Hadamard rotation of the channels when ``rotate`` (the query rotated
+    alike: the logits keep their meaning, and an outlier channel's range spreads over all of them); after dividing
+    each channel by its largest ``|k|`` over the first ``channels`` of the keys when that is given. Read back in the
+    keys' own basis. Bytes: the codes and ``meta`` bytes a key or group, over a 16-bit key's."""
+
+    code: str
+    rotate: bool = False
+    meta: int = 2
+    channels: float | None = None
+    group: int | None = None
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        """``k [T, Hkv, D]`` -> ``[T, Hkv, D]`` float32."""
+        x = k.float()
+        sigma = None
+        if self.channels is not None:
+            # one scale per KV head and channel, the largest |k| over the first ``channels`` of the keys (a cache
+            # would take it from the prompt): k / sigma, coded per key, read back times sigma
+            fit = x[: max(1, math.ceil(self.channels * x.shape[0]))]
+            sigma = fit.abs().amax(0).clamp(min=1e-6)  # [Hkv, D]
+            x = x / sigma
+        h = hadamard(x.shape[-1]).to(x.device) if self.rotate else None
+        if h is not None:
+            x = x @ h.T
+        shape = x.shape
+        if self.group is not None:  # each run of ``group`` channels coded with its own scale (or min and step)
+            x = x.reshape(*shape[:-1], shape[-1] // self.group, self.group)
+        amax = x.abs().amax(-1, keepdim=True)
+        if self.code == "fp8":
+            codes, scale = fp8_code(x)
+            out = fp8_decode(codes, scale)
+        elif self.code == "int4":
+            s = _bf16(torch.where(amax > 0, amax / 7, 1.0))
+            out = (x / s).round().clamp(-7, 7) * s
+        elif self.code == "uint4":
+            lo, hi = _bf16(x.amin(-1, keepdim=True)), x.amax(-1, keepdim=True)
+            step = _bf16(torch.where(hi > lo, (hi - lo) / 15, 1.0))
+            out = lo + ((x - lo) / step).round().clamp(0, 15) * step
+        elif self.code == "fp4":
+            s = _bf16(torch.where(amax > 0, amax / 6, 1.0))
+            grid = torch.tensor(FP4_E2M1, device=x.device)
+            mag = (x.abs() / s).unsqueeze(-1)
+            out = grid[(mag - grid).abs().argmin(-1)] * x.sign() * s
+        else:
+            raise ValueError(f"code must be fp8, int4, uint4 or fp4, not {self.code!r}")
+        out = out.reshape(shape)
+        out = out @ h if h is not None else out
+        return out * sigma if sigma is not None else out
+
+    def fraction(self) -> Fraction:
+        """The codes' bits and the ``meta`` bytes a key (a group) over a 16-bit key's, counted at ``D = 128``."""
+        bits = 8 if self.code == "fp8" else 4
+        return Fraction(bits, 16) + Fraction(self.meta, 2 * (self.group or 128))
+
+
 @dataclass(frozen=True)
 class Progressive:
     """``coarse`` ranks the blocks and keeps ``ceil(candidates x count)`` (forced first); ``fine`` picks the count
@@ -323,6 +406,25 @@ VARIANTS: dict[str, object] = {
     "pq4x16_c4_exact": Progressive(ProductQuantized(4, centroids=16), Exact(), 4),
     "pq4x16_c2_exact": Progressive(ProductQuantized(4, centroids=16), Exact(), 2),
     "pq8_c2_rvq8x2": Progressive(ProductQuantized(8), Residual(ProductQuantized(8), ProductQuantized(8, seed=1)), 2),
+    # one code a key, one scale (or min and step) a key, rotated or not: what a kernel can score with one query operand
+    # for every token (q . k = s (q . c), plus min x sum(q) for "uint4"), as Fp8BlockTopK does at 8 bits
+    "fp8_key": PerKey("fp8", meta=4),
+    "int4_key": PerKey("int4"),
+    "uint4_key": PerKey("uint4", meta=4),
+    "fp4_key": PerKey("fp4"),
+    "h_int4_key": PerKey("int4", rotate=True),
+    "h_uint4_key": PerKey("uint4", rotate=True, meta=4),
+    "h_fp4_key": PerKey("fp4", rotate=True),
+    # each channel first divided by its largest |k| over the first half of the window's keys (a prompt's), then coded
+    "c_int4_key": PerKey("int4", channels=0.5),
+    "c_uint4_key": PerKey("uint4", meta=4, channels=0.5),
+    "ch_int4_key": PerKey("int4", rotate=True, channels=0.5),
+    "ch_uint4_key": PerKey("uint4", rotate=True, meta=4, channels=0.5),
+    # rotated, each run of 32 (64) channels with its own scale or min and step
+    "h_int4_g32": PerKey("int4", rotate=True, group=32),
+    "h_uint4_g32": PerKey("uint4", rotate=True, meta=4, group=32),
+    "h_int4_g64": PerKey("int4", rotate=True, group=64),
+    "int4_g32": PerKey("int4", group=32),
 }
 
 

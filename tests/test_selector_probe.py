@@ -14,6 +14,7 @@ from evaluation.selector_probe import (
     Calibrated,
     Exact,
     MinMax,
+    PerKey,
     ProductQuantized,
     Progressive,
     Residual,
@@ -22,10 +23,12 @@ from evaluation.selector_probe import (
     calibrated,
     capture,
     fidelity,
+    hadamard,
     main,
     variant_fraction,
 )
 from evaluation.simulate import SimulateSession
+from hf_sparse_kv.ops.reference import fp8_code, fp8_decode
 from hf_sparse_kv.policies import OracleBlockTopK, QuantBlockTopK
 
 
@@ -37,6 +40,47 @@ def test_two_level_code_reads_back_each_sides_mean():
     assert two.tolist() == [0.5, 0.5, 2.0, 7.0]  # each side split again at its own mean
     assert TwoLevel(2, 4, "exact", known=1)(k, block_size=4).flatten().tolist() == one.tolist()
     assert TwoLevel(1, 32, "fp8").fraction() == Fraction(1, 16) + Fraction(1, 32)
+
+
+def test_per_key_codes():
+    torch.manual_seed(0)
+    k = torch.randn(40, 2, 64)
+    k[..., 5] *= 30  # an outlier channel
+    # float8: Fp8BlockTopK's own keys
+    codes, scale = fp8_code(k)
+    assert torch.equal(PerKey("fp8", meta=4)(k, 16), fp8_decode(codes, scale))
+    # int4: every channel a multiple of the key's bf16-stored scale max|k| / 7, at most half a step off
+    s = (k.abs().amax(-1, keepdim=True) / 7).to(torch.bfloat16).float()
+    got = PerKey("int4")(k, 16)
+    assert torch.allclose(got / s, (got / s).round(), atol=1e-4) and (got / s).abs().max() <= 7 + 1e-4
+    assert ((got - k).abs() <= s / 2 + 1e-5 + 1e-2 * k.abs()).all()
+    # uint4: 16 levels from the key's min to its max; the extremes within a step (the min and step in bf16)
+    u = PerKey("uint4", meta=4)(k, 16)
+    step = (k.amax(-1) - k.amin(-1)) / 15
+    assert ((u.amax(-1) - k.amax(-1)).abs() < step).all() and ((u.amin(-1) - k.amin(-1)).abs() < step / 16).all()
+    assert all(len(torch.unique(row)) <= 16 for row in u.reshape(-1, 64))
+    # fp4: every value e2m1's grid times the scale
+    f = PerKey("fp4")(k, 16) / (k.abs().amax(-1, keepdim=True) / 6).to(torch.bfloat16).float()
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    assert ((f.abs().unsqueeze(-1) - grid).abs().amin(-1) < 1e-4).all()
+    # the rotation is orthonormal, so it spreads the outlier's range: the rotated codes lose less
+    h = hadamard(64)
+    assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
+    err = {r: ((PerKey("int4", rotate=r)(k, 16) - k).norm() / k.norm()).item() for r in (False, True)}
+    assert err[True] < err[False] / 2
+    # groups: each run of channels its own scale, at least as close as one scale for the key
+    assert ((PerKey("int4", group=16)(k, 16) - k).norm() / k.norm()).item() <= err[False]
+    # channel scales from a prefix of the keys only: the keys after it do not move them
+    later = k.clone()
+    later[20:] *= 3
+    c = PerKey("int4", channels=0.5)
+    assert torch.equal(c(later, 16)[:20], c(k, 16)[:20])
+    assert PerKey("int4").fraction() == Fraction(1, 4) + Fraction(2, 256)
+    assert PerKey("uint4", meta=4, group=32).fraction() == Fraction(1, 4) + Fraction(4, 64)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard(48)
+    with pytest.raises(ValueError, match="code must be"):
+        PerKey("int3")(k, 16)
 
 
 def test_product_quantization_with_a_centre_per_key_is_the_keys():
