@@ -262,8 +262,8 @@ class Exact:
 
 
 def hadamard(d: int) -> torch.Tensor:
-    """The orthonormal Sylvester-Hadamard matrix ``[d, d]`` float32 (``d`` a power of two), each row's signs flipped
-    by a fixed pattern (a randomized Hadamard transform, seed 0): ``H @ H.T = I``, so ``q . k = (H q) . (H k)``."""
+    """The orthonormal Sylvester-Hadamard matrix ``[d, d]`` float32 (``d`` a power of two), its columns' signs
+    flipped by a fixed pattern (a randomized Hadamard transform, seed 0): ``H @ H.T = I``, so ``q . k = (H q) . (H k)``."""
     if d < 1 or d & (d - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two width, not {d}")
     h = torch.ones(1, 1)
@@ -279,6 +279,7 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of a float4 e2m1 code
+PER_KEY_CODES = ("fp8", "int4", "uint4", "fp4")
 
 
 @dataclass(frozen=True)
@@ -299,8 +300,18 @@ class PerKey:
     channels: float | None = None
     group: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.code not in PER_KEY_CODES:
+            raise ValueError(f"code must be one of {PER_KEY_CODES}, not {self.code!r}")
+        if self.group is not None and self.group < 1:
+            raise ValueError(f"group must be a positive number of channels, not {self.group!r}")
+        if self.channels is not None and not 0 < self.channels <= 1:
+            raise ValueError(f"channels must be a fraction in (0, 1], not {self.channels!r}")
+
     def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
         """``k [T, Hkv, D]`` -> ``[T, Hkv, D]`` float32."""
+        if self.group is not None and k.shape[-1] % self.group:
+            raise ValueError(f"group {self.group} does not divide the head dim {k.shape[-1]}")
         x = k.float()
         sigma = None
         if self.channels is not None:
@@ -326,13 +337,11 @@ class PerKey:
             lo, hi = _bf16(x.amin(-1, keepdim=True)), x.amax(-1, keepdim=True)
             step = _bf16(torch.where(hi > lo, (hi - lo) / 15, 1.0))
             out = lo + ((x - lo) / step).round().clamp(0, 15) * step
-        elif self.code == "fp4":
+        else:  # "fp4"
             s = _bf16(torch.where(amax > 0, amax / 6, 1.0))
             grid = torch.tensor(FP4_E2M1, device=x.device)
             mag = (x.abs() / s).unsqueeze(-1)
             out = grid[(mag - grid).abs().argmin(-1)] * x.sign() * s
-        else:
-            raise ValueError(f"code must be fp8, int4, uint4 or fp4, not {self.code!r}")
         out = out.reshape(shape)
         out = out @ h if h is not None else out
         return out * sigma if sigma is not None else out

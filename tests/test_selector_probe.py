@@ -80,7 +80,11 @@ def test_per_key_codes():
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard(48)
     with pytest.raises(ValueError, match="code must be"):
-        PerKey("int3")(k, 16)
+        PerKey("int3")
+    with pytest.raises(ValueError, match="channels must be"):
+        PerKey("int4", channels=0.0)
+    with pytest.raises(ValueError, match="does not divide"):
+        PerKey("int4", group=48)(k, 16)
 
 
 def test_product_quantization_with_a_centre_per_key_is_the_keys():
