@@ -273,11 +273,6 @@ def hadamard(d: int) -> torch.Tensor:
     return h * signs[None, :] / math.sqrt(d)
 
 
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to bfloat16 (how a code's scale, min or step is stored), back in float32."""
-    return x.to(torch.bfloat16).float()
-
-
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of a float4 e2m1 code
 PER_KEY_CODES = ("fp8", "int4", "uint4", "fp4")
 
@@ -331,14 +326,14 @@ class PerKey:
             codes, scale = fp8_code(x)
             out = fp8_decode(codes, scale)
         elif self.code == "int4":
-            s = _bf16(torch.where(amax > 0, amax / 7, 1.0))
+            s = stored(torch.where(amax > 0, amax / 7, 1.0), "bf16")
             out = (x / s).round().clamp(-7, 7) * s
         elif self.code == "uint4":
-            lo, hi = _bf16(x.amin(-1, keepdim=True)), x.amax(-1, keepdim=True)
-            step = _bf16(torch.where(hi > lo, (hi - lo) / 15, 1.0))
+            lo, hi = stored(x.amin(-1, keepdim=True), "bf16"), x.amax(-1, keepdim=True)
+            step = stored(torch.where(hi > lo, (hi - lo) / 15, 1.0), "bf16")
             out = lo + ((x - lo) / step).round().clamp(0, 15) * step
         else:  # "fp4"
-            s = _bf16(torch.where(amax > 0, amax / 6, 1.0))
+            s = stored(torch.where(amax > 0, amax / 6, 1.0), "bf16")
             grid = torch.tensor(FP4_E2M1, device=x.device)
             mag = (x.abs() / s).unsqueeze(-1)
             out = grid[(mag - grid).abs().argmin(-1)] * x.sign() * s
