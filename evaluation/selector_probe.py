@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -218,12 +218,17 @@ class Calibrated:
         return self.pq.fraction()
 
 
-def bind(variant: object, keys: torch.Tensor) -> object:
-    """``variant`` with every :class:`Calibrated` part's centres fitted on ``keys [T, Hkv, D]``; others unchanged."""
+def bind(variant: object, keys: torch.Tensor, queries: torch.Tensor | None = None) -> object:
+    """``variant`` with every :class:`Calibrated` part's centres fitted on ``keys [T, Hkv, D]`` and every
+    :class:`Pairs` chosen by the queries weighted on ``queries [H, S, D]`` and the keys; others unchanged."""
     if isinstance(variant, Calibrated):
         return Calibrated(variant.pq, variant.pq.fit(keys))
+    if isinstance(variant, Pairs) and variant.by_query:
+        if queries is None:
+            raise ValueError("binding a Pairs variant chosen by the queries needs calibration queries")
+        return replace(variant, weight=pair_weight(keys, queries))
     if isinstance(variant, Progressive):
-        return Progressive(bind(variant.coarse, keys), bind(variant.fine, keys), variant.candidates)
+        return Progressive(bind(variant.coarse, keys, queries), bind(variant.fine, keys, queries), variant.candidates)
     return variant
 
 
@@ -231,7 +236,7 @@ def calibrated(variant: object) -> bool:
     """Whether ``variant`` has a :class:`Calibrated` part (it needs :func:`bind` per layer)."""
     if isinstance(variant, Progressive):
         return calibrated(variant.coarse) or calibrated(variant.fine)
-    return isinstance(variant, Calibrated)
+    return isinstance(variant, Calibrated) or (isinstance(variant, Pairs) and variant.by_query)
 
 
 @dataclass(frozen=True)
@@ -347,6 +352,69 @@ class PerKey:
         return Fraction(bits, 16) + Fraction(self.meta, 2 * (self.group or 128))
 
 
+def pair_norm(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` -> ``[..., D / 2]``: the norm of each rotary pair ``(x_i, x_{i + D / 2})``."""
+    D = x.shape[-1]
+    x = x.float()
+    return (x[..., : D // 2] ** 2 + x[..., D // 2 :] ** 2).sqrt()
+
+
+def pair_weight(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Each KV head's expected ``|q_pair| |k_pair|`` (a bound on the pair's share of ``q . k``) on calibration
+    queries ``[H, S, D]`` and keys ``[T, Hkv, D]``, the group's heads averaged: ``[Hkv, D / 2]``."""
+    Hkv = keys.shape[1]
+    qn = pair_norm(queries).mean(1)  # [H, D / 2]
+    return qn.view(Hkv, -1, qn.shape[-1]).mean(1) * pair_norm(keys).mean(0)
+
+
+@dataclass(frozen=True, eq=False)
+class Pairs:
+    """Only ``keep`` of each KV head's rotary pairs (channels ``i`` and ``i + D / 2``, transformers' ``rotate_half``
+    layout), the others read as zero, and those coded by ``inner`` (a :class:`PerKey`: its scale over the kept
+    channels only; or :class:`Exact`). The pairs kept are those of the largest mean norm ``sqrt(k_i^2 + k_{i+D/2}^2)`` over the first
+    ``channels`` of the keys (a cache would choose them from the prompt; a pair's norm does not turn with the
+    position, one channel's does). Bytes: ``inner``'s, times ``keep``, at ``D = 128``."""
+
+    inner: object
+    keep: float
+    channels: float = 0.5
+    by_query: bool = False
+    weight: torch.Tensor | None = None  # [Hkv, D / 2] once bound (``by_query``)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.keep <= 1:
+            raise ValueError(f"keep must be a fraction of the pairs in (0, 1], not {self.keep!r}")
+        if not 0 < self.channels <= 1:
+            raise ValueError(f"channels must be a fraction in (0, 1], not {self.channels!r}")
+
+    def mask(self, k: torch.Tensor) -> torch.Tensor:
+        """``k [T, Hkv, D]`` -> ``[Hkv, D]`` bool: the kept channels (whole pairs)."""
+        T, Hkv, D = k.shape
+        if D % 2:
+            raise ValueError(f"rotary pairs need an even head dim, not {D}")
+        if self.by_query:
+            if self.weight is None:
+                raise ValueError("a Pairs variant chosen by the queries needs bind(variant, keys, queries) first")
+            norm = self.weight.to(k.device)
+        else:
+            norm = pair_norm(k[: max(1, math.ceil(self.channels * T))]).mean(0)  # [Hkv, D / 2]
+        n = max(1, round(self.keep * D / 2))
+        top = torch.zeros(Hkv, D // 2, dtype=torch.bool, device=k.device)
+        top.scatter_(1, norm.topk(n, dim=1).indices, True)
+        return torch.cat([top, top], dim=1)
+
+    def __call__(self, k: torch.Tensor, block_size: int) -> torch.Tensor:
+        """``k [T, Hkv, D]`` -> ``[T, Hkv, D]`` float32, zero outside the kept pairs."""
+        m = self.mask(k)
+        return self.inner(k.float() * m, block_size) * m
+
+    def fraction(self) -> Fraction:
+        """The kept channels' codes, and the inner code's meta bytes a key, over a 16-bit key's at ``D = 128``."""
+        meta = Fraction(self.inner.meta, 2 * 128) if isinstance(self.inner, PerKey) else Fraction(0)
+        keep = Fraction(max(1, round(self.keep * 64)), 64)
+        return (self.inner.fraction() - meta) * keep + meta
+
+
 @dataclass(frozen=True)
 class Progressive:
     """``coarse`` ranks the blocks and keeps ``ceil(candidates x count)`` (forced first); ``fine`` picks the count
@@ -429,6 +497,18 @@ VARIANTS: dict[str, object] = {
     "h_uint4_g32": PerKey("uint4", rotate=True, meta=4, group=32),
     "h_int4_g64": PerKey("int4", rotate=True, group=64),
     "int4_g32": PerKey("int4", group=32),
+    # float8 keys on only the rotary pairs of the largest norm over the first half of the window's keys (a prompt's)
+    "fp8_pairs1/2": Pairs(PerKey("fp8", meta=2), 1 / 2),
+    "fp8_pairs3/8": Pairs(PerKey("fp8", meta=2), 3 / 8),
+    "fp8_pairs1/4": Pairs(PerKey("fp8", meta=2), 1 / 4),
+    "exact_pairs1/2": Pairs(Exact(), 1 / 2),
+    "exact_pairs1/4": Pairs(Exact(), 1 / 4),
+    # the pairs of the largest expected |q_pair| |k_pair| on the previous window (the other text, same positions), as a
+    # calibration file would choose them (Double Sparsity's offline channels, by whole rotary pairs)
+    "fp8_qpairs1/2": Pairs(PerKey("fp8", meta=2), 1 / 2, by_query=True),
+    "fp8_qpairs3/8": Pairs(PerKey("fp8", meta=2), 3 / 8, by_query=True),
+    "fp8_qpairs1/4": Pairs(PerKey("fp8", meta=2), 1 / 4, by_query=True),
+    "exact_qpairs1/2": Pairs(Exact(), 1 / 2, by_query=True),
 }
 
 
@@ -584,7 +664,7 @@ def main(argv: list[str] | None = None) -> None:
                 bound = (
                     variants
                     if prev is None
-                    else {v: bind(x, prev[layer][1].transpose(0, 1)) for v, x in variants.items()}
+                    else {v: bind(x, prev[layer][1].transpose(0, 1), prev[layer][0]) for v, x in variants.items()}
                 )
                 for v, (h, r, n) in fidelity(q, k, scale, bound, budget, a.block_size).items():
                     sums[v][0] += h

@@ -14,6 +14,7 @@ from evaluation.selector_probe import (
     Calibrated,
     Exact,
     MinMax,
+    Pairs,
     PerKey,
     ProductQuantized,
     Progressive,
@@ -25,6 +26,7 @@ from evaluation.selector_probe import (
     fidelity,
     hadamard,
     main,
+    pair_weight,
     variant_fraction,
 )
 from evaluation.simulate import SimulateSession
@@ -85,6 +87,48 @@ def test_per_key_codes():
         PerKey("int4", channels=0.0)
     with pytest.raises(ValueError, match="does not divide"):
         PerKey("int4", group=48)(k, 16)
+
+
+def test_rotary_pairs_keep_whole_pairs_chosen_by_a_prefix_or_by_calibration_queries():
+    torch.manual_seed(0)
+    T, Hkv, D = 40, 2, 16
+    k = torch.randn(T, Hkv, D)
+    k[:, 0, [3, 3 + D // 2]] *= 10  # head 0: pair 3 the largest; head 1: pair 6
+    k[:, 1, [6, 6 + D // 2]] *= 10
+    half = Pairs(Exact(), 1 / 4)  # 2 of 8 pairs
+    m = half.mask(k)
+    assert m.sum(1).tolist() == [4, 4] and torch.equal(m[:, : D // 2], m[:, D // 2 :])  # whole pairs
+    assert m[0, 3] and m[1, 6] and not m[0, 6]
+    got = half(k, 16)
+    assert torch.equal(got, k * m)  # the kept channels exact, the others zero
+    # the pairs come from the first half of the keys: the later ones do not move them
+    later = k.clone()
+    later[20:, 0, [5, 5 + D // 2]] *= 100
+    assert torch.equal(half.mask(later), m) and not torch.equal(Pairs(Exact(), 1 / 4, channels=1.0).mask(later), m)
+    # float8 inside: each key coded over its kept channels only (its scale from those)
+    f8 = Pairs(PerKey("fp8", meta=2), 1 / 4)
+    codes, scale = fp8_code(k * m)
+    assert torch.equal(f8(k, 16), fp8_decode(codes, scale) * m)
+    assert f8.fraction() == Fraction(1, 2) * Fraction(16, 64) + Fraction(2, 256)
+    assert half.fraction() == Fraction(16, 64)
+    # chosen by calibration queries: a pair the queries weigh most wins over the keys' largest
+    by_q = Pairs(Exact(), 1 / 8, by_query=True)  # 1 pair
+    assert calibrated(by_q) and not calibrated(half)
+    with pytest.raises(ValueError, match="bind"):
+        by_q(k, 16)
+    q = torch.randn(4, 8, D) * 0.01  # 2 query heads a KV head
+    q[:2, :, [1, 1 + D // 2]] = 100.0
+    q[2:, :, [2, 2 + D // 2]] = 100.0
+    bound = bind(by_q, k, q)
+    w = pair_weight(k, q)
+    assert w.shape == (Hkv, D // 2) and w[0].argmax() == 1 and w[1].argmax() == 2
+    assert bound.mask(k)[0, [1, 1 + D // 2]].all() and bound.mask(k).sum() == 4
+    with pytest.raises(ValueError, match="queries"):
+        bind(by_q, k)
+    with pytest.raises(ValueError, match="keep must be"):
+        Pairs(Exact(), 0.0)
+    with pytest.raises(ValueError, match="even head dim"):
+        half.mask(torch.randn(4, 1, 7))
 
 
 def test_product_quantization_with_a_centre_per_key_is_the_keys():
