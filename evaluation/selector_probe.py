@@ -5,8 +5,8 @@ The ``simulate`` way (:mod:`evaluation.simulate`) rebuilds each scored step's pa
 a reference selector that dequantizes every key then does so once per scored query (on 2 CPU cores ~150 s per
 window and cell at SmolLM2 4K). Here one dense forward of a window records, on every sparse layer, the post-RoPE
 queries of the last ``scored`` positions and every key (:func:`capture`); a *key variant* maps all keys to what a
-selector would see (:data:`VARIANTS`: the library's min / max grids, the 1-bit two-level code below, bit planes)
-once per layer, and every scored query ranks blocks by its GQA group's softmax mass under those keys
+selector would see (:data:`VARIANTS`: the library's min / max grids, the 1-bit two-level code below, bit planes,
+product quantization, codes of each key on its own, a share of each key's rotary pairs) once per layer, and every scored query ranks blocks by its GQA group's softmax mass under those keys
 (:func:`fidelity`), with the oracle's budget, forced blocks and counts (``OracleBlockTopK.plan`` at each query's
 length, ``forced_block_mask``) and the ``simulate`` way's hit rate and recall. Two-stage variants keep ``c x`` the
 count on a coarse variant's ranking, then the fine variant picks among them (:class:`Progressive`).
@@ -233,7 +233,8 @@ def bind(variant: object, keys: torch.Tensor, queries: torch.Tensor | None = Non
 
 
 def calibrated(variant: object) -> bool:
-    """Whether ``variant`` has a :class:`Calibrated` part (it needs :func:`bind` per layer)."""
+    """Whether ``variant`` has a :class:`Calibrated` part or a :class:`Pairs` chosen by the queries (it needs
+    :func:`bind` per layer)."""
     if isinstance(variant, Progressive):
         return calibrated(variant.coarse) or calibrated(variant.fine)
     return isinstance(variant, Calibrated) or (isinstance(variant, Pairs) and variant.by_query)
@@ -369,11 +370,13 @@ def pair_weight(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class Pairs:
-    """Only ``keep`` of each KV head's rotary pairs (channels ``i`` and ``i + D / 2``, transformers' ``rotate_half``
-    layout), the others read as zero, and those coded by ``inner`` (a :class:`PerKey`: its scale over the kept
-    channels only; or :class:`Exact`). The pairs kept are those of the largest mean norm ``sqrt(k_i^2 + k_{i+D/2}^2)`` over the first
-    ``channels`` of the keys (a cache would choose them from the prompt; a pair's norm does not turn with the
-    position, one channel's does). Bytes: ``inner``'s, times ``keep``, at ``D = 128``."""
+    """Only the share ``keep`` of each KV head's rotary pairs (channels ``i`` and ``i + D / 2``, transformers'
+    ``rotate_half`` layout), the others read as zero, the kept ones coded by ``inner`` (a :class:`PerKey`: its scale
+    over the kept channels only; or :class:`Exact`). Kept: the pairs of the largest mean norm
+    ``sqrt(k_i^2 + k_{i+D/2}^2)`` over the first ``channels`` of the keys (a cache would choose them from the prompt;
+    a pair's norm does not turn with the position, one channel's does), or with ``by_query`` those of the largest
+    :func:`pair_weight` on calibration queries and keys given to :func:`bind` (unbound it refuses). Bytes:
+    ``inner``'s codes times ``keep``, plus its meta bytes a key, at ``D = 128``."""
 
     inner: object
     keep: float
