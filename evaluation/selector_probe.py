@@ -6,7 +6,8 @@ a reference selector that dequantizes every key then does so once per scored que
 window and cell at SmolLM2 4K). Here one dense forward of a window records, on every sparse layer, the post-RoPE
 queries of the last ``scored`` positions and every key (:func:`capture`); a *key variant* maps all keys to what a
 selector would see (:data:`VARIANTS`: the library's min / max grids, the 1-bit two-level code below, bit planes,
-product quantization, codes of each key on its own, a share of each key's rotary pairs) once per layer, and every scored query ranks blocks by its GQA group's softmax mass under those keys
+product quantization, codes of each key on its own, a share of each key's rotary pairs) once per layer, and every
+scored query ranks blocks by its GQA group's softmax mass under those keys
 (:func:`fidelity`), with the oracle's budget, forced blocks and counts (``OracleBlockTopK.plan`` at each query's
 length, ``forced_block_mask``) and the ``simulate`` way's hit rate and recall. Two-stage variants keep ``c x`` the
 count on a coarse variant's ranking, then the fine variant picks among them (:class:`Progressive`).
@@ -137,6 +138,12 @@ def _split(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return upper, lo.nan_to_num(0.0), hi.nan_to_num(0.0)
 
 
+def leading(k: torch.Tensor, share: float) -> torch.Tensor:
+    """The first ``ceil(share x T)`` (at least one) of ``k [T, ...]``: the keys a prompt would have held when a cache
+    fitted its statistics on it."""
+    return k[: max(1, math.ceil(share * k.shape[0]))]
+
+
 @dataclass(frozen=True)
 class ProductQuantized:
     """Product quantization (as PQCache does for retrieval): each key's ``D`` channels cut into ``D / sub_dim``
@@ -165,8 +172,8 @@ class ProductQuantized:
             raise ValueError(f"sub_dim {self.sub_dim} does not divide the head dim {D}")
         gen = torch.Generator(device="cpu").manual_seed(self.seed)
         if self.prefix is not None:
-            T = max(1, math.ceil(self.prefix * T))
-            k = k[:T]
+            k = leading(k, self.prefix)
+            T = k.shape[0]
         if self.sample is not None and T > self.sample:
             k = k[torch.randperm(T, generator=gen)[: self.sample].to(k.device)]
             T = self.sample
@@ -318,8 +325,7 @@ class PerKey:
         if self.channels is not None:
             # one scale per KV head and channel, the largest |k| over the first ``channels`` of the keys (a cache
             # would take it from the prompt): k / sigma, coded per key, read back times sigma
-            fit = x[: max(1, math.ceil(self.channels * x.shape[0]))]
-            sigma = fit.abs().amax(0).clamp(min=1e-6)  # [Hkv, D]
+            sigma = leading(x, self.channels).abs().amax(0).clamp(min=1e-6)  # [Hkv, D]
             x = x / sigma
         h = hadamard(x.shape[-1]).to(x.device) if self.rotate else None
         if h is not None:
@@ -392,7 +398,7 @@ class Pairs:
 
     def mask(self, k: torch.Tensor) -> torch.Tensor:
         """``k [T, Hkv, D]`` -> ``[Hkv, D]`` bool: the kept channels (whole pairs)."""
-        T, Hkv, D = k.shape
+        _, Hkv, D = k.shape
         if D % 2:
             raise ValueError(f"rotary pairs need an even head dim, not {D}")
         if self.by_query:
@@ -400,7 +406,7 @@ class Pairs:
                 raise ValueError("a Pairs variant chosen by the queries needs bind(variant, keys, queries) first")
             norm = self.weight.to(k.device)
         else:
-            norm = pair_norm(k[: max(1, math.ceil(self.channels * T))]).mean(0)  # [Hkv, D / 2]
+            norm = pair_norm(leading(k, self.channels)).mean(0)  # [Hkv, D / 2]
         n = max(1, round(self.keep * D / 2))
         top = torch.zeros(Hkv, D // 2, dtype=torch.bool, device=k.device)
         top.scatter_(1, norm.topk(n, dim=1).indices, True)
