@@ -4,14 +4,22 @@ reference, one selection in every mode."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 from test_quant_keys import one_selection_every_mode, paged_case, walk_cache
 from tiny_models import DEVICE
 
 from hf_sparse_kv import PagedKVCache
 from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.ops import reference as R
+from hf_sparse_kv.ops.triton import fp8 as triton_fp8
+from hf_sparse_kv.ops.triton.fp8 import e4m3_as_f16, e4m3_byte, fp8_block_lse, fp8_native
+from hf_sparse_kv.ops.triton.fp8 import fp8_block_scores as triton_fp8_block_scores
+from hf_sparse_kv.ops.triton.fp8 import fp8_write as triton_fp8_write
 from hf_sparse_kv.policies import POLICIES, Fp8BlockTopK
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,8 +88,10 @@ def _check_codes(cache: PagedKVCache) -> None:
                 assert torch.equal(layer.state["k8scale"][blk, :, off], scale), (b, p)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_codes_follow_prefill_padding_decode_beams_and_crop(backend):
+@pytest.mark.parametrize("backend,native", [("reference", True), ("triton", True), ("triton", False)])
+def test_codes_follow_prefill_padding_decode_beams_and_crop(backend, native, monkeypatch):
+    """... on a GPU without float8 too (``native=False``: the write kernel's integer rounding, as an A100 runs it)."""
+    monkeypatch.setattr(triton_fp8, "fp8_native", lambda device: native)
     walk_cache(Fp8BlockTopK(budget=40), backend, _check_codes)
 
 
@@ -106,11 +116,61 @@ def test_selects_what_the_oracle_selects_on_random_keys():
         assert len(a & b) >= 7, (h, a, b)
 
 
+@triton.jit
+def _byte_kernel(x, out, N, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + o, e4m3_byte(tl.load(x + o, mask=o < N, other=0.0)), mask=o < N)
+
+
+@triton.jit
+def _widen_kernel(c, out, N, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + o, e4m3_as_f16(tl.load(c + o, mask=o < N, other=0)), mask=o < N)
+
+
+def test_float8_without_float8_instructions_is_exact():
+    """The kernels' form for GPUs without float8 (``NATIVE=False``): ``e4m3_byte`` rounds as torch's float8 e4m3 cast
+    does (nearest even) on every e4m3 value, every midpoint between two neighbours (the ties), the floats just
+    either side of each midpoint, subnormals, both zeros and random values of every magnitude up to 448; and
+    ``e4m3_as_f16`` widens every byte but NaN to exactly ``value * 2^-8``."""
+    every = torch.arange(256, dtype=torch.uint8)
+    finite = every[(every & 0x7F) != 0x7F]  # 0x7F / 0xFF are NaN
+    values = finite.view(torch.float8_e4m3fn).float().unique()  # sorted, -448 .. 448, one zero
+    mids = (values[1:] + values[:-1]) / 2  # exact in float32
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([
+        values, mids, torch.nextafter(mids, torch.tensor(float("inf"))), torch.nextafter(mids, torch.tensor(-float("inf"))),
+        torch.tensor([0.0, -0.0, 2.0**-10, -(2.0**-10), 2.0**-6 * 0.999, 448.0, -448.0, 447.9]),
+        (torch.rand(4096, generator=g) * 2 - 1) * torch.logspace(-12, 2.65, 4096, base=2.0),
+    ]).to(DEVICE)  # fmt: skip
+    got = torch.empty(x.shape, dtype=torch.uint8, device=DEVICE)
+    _byte_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), BLOCK=1024)
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, [(x[i].item(), got[i].item(), want[i].item()) for i in bad[:8].tolist()]
+    c = finite.to(DEVICE)
+    wide = torch.empty(c.shape, dtype=torch.float16, device=DEVICE)
+    _widen_kernel[(1,)](c, wide, c.numel(), BLOCK=256)
+    assert torch.equal(wide.float(), c.view(torch.float8_e4m3fn).float() * 2.0**-8)
+
+
+def test_float8_native_by_compute_capability(monkeypatch):
+    """Float8 instructions from compute capability 8.9 (Ada, Hopper): an A100 (8.0) or an RTX 30xx (8.6) takes the
+    integer forms; CPU tensors (the interpreter) the native one."""
+    assert fp8_native(torch.device("cpu"))
+    for cap, native in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        props = SimpleNamespace(major=cap[0], minor=cap[1])
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        assert fp8_native(torch.device("cuda", 0)) is native, cap
+
+
+@pytest.mark.parametrize("native", [None, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("span", [1, 5, 13])
-def test_triton_write_matches_reference(dtype, span):
+def test_triton_write_matches_reference(dtype, span, native):
     """Writes of ``span`` tokens at ragged offsets (one sequence writes nothing) store the same bytes and scales as
-    the reference, and nothing outside ``[lo, hi)``."""
+    the reference, and nothing outside ``[lo, hi)``; by the library op, and by the kernel's form for GPUs without
+    float8 (``native=False``)."""
     k_pool, table, _, _, _ = paged_case(span, dtype=dtype, spread=True)
     NB, H, _, D = k_pool.shape
     lo = torch.tensor([3, 25, 9], dtype=torch.int64, device=DEVICE)  # (sequence 1's block 2, evicted, not written)
@@ -122,7 +182,10 @@ def test_triton_write_matches_reference(dtype, span):
     ):
         want, got = old.clone(), old.clone()
         R.fp8_write(want, k_pool, table, lo, hi, span, part)
-        ops.fp8_write(got, k_pool, table, lo, hi, span, part)
+        if native is None:
+            ops.fp8_write(got, k_pool, table, lo, hi, span, part)
+        else:
+            triton_fp8_write(got, k_pool, table, lo, hi, span, part, native=native)
         assert not torch.equal(want, old), "the write changed something"
         assert torch.equal(got, want), part
 
@@ -137,19 +200,18 @@ def test_triton_block_mass_matches_reference(G, D, bs, window):
     codes, kscale = R.fp8_code(k_pool)
     args = (q, codes, kscale, table, seq_lens, start, 0.3, 2, window)
     want = R.fp8_block_scores(*args)
-    got = get_ops("triton", DEVICE).fp8_block_scores(*args)
-    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got == float("inf"), want == float("inf"))
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
+    # the library op, and the scorer's form for GPUs without float8 (the codes widened to float16)
+    for got in (get_ops("triton", DEVICE).fp8_block_scores(*args), triton_fp8_block_scores(*args, native=False)):
+        assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got == float("inf"), want == float("inf"))
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
     if bs >= 16 and D >= 32:
-        from hf_sparse_kv.ops.triton.fp8 import fp8_block_lse
-
         lse_want = R.fp8_block_lse(*args[:7])
         fin = lse_want.isfinite()
         atol = 2e-3 * lse_want[fin].abs().max().item()
         # one tile a program; two or four a program, pipelined, the last program's last tiles past the table (MB = 6)
-        for block_m, tiles, stages in ((2, 1, 1), (2, 2, 2), (1, 4, 3)):
-            lse_got = fp8_block_lse(*args[:7], block_m=block_m, tiles=tiles, num_stages=stages)
-            assert torch.equal(lse_got.isinf(), lse_want.isinf()), (block_m, tiles)
+        for block_m, tiles, stages, native in ((2, 1, 1, None), (2, 2, 2, None), (1, 4, 3, None), (2, 2, 2, False)):
+            lse_got = fp8_block_lse(*args[:7], block_m=block_m, tiles=tiles, num_stages=stages, native=native)
+            assert torch.equal(lse_got.isinf(), lse_want.isinf()), (block_m, tiles, native)
             torch.testing.assert_close(lse_got[fin], lse_want[fin], rtol=0, atol=atol)
 
 

@@ -17,6 +17,13 @@ instructions that unpack them: benchmarks/RESULTS.md, Nsight Compute, 2026-12-06
   (``tiles``), the query converted once and the next tiles' loads in flight (``num_stages``: cp.async on sm_90).
   Heads of fewer than 32 channels (below an fp8 product's depth) or blocks of fewer than 16 tokens run the reference
   (tensor ops, no host sync).
+
+GPUs without float8 (CUDA compute capability below 8.9: A100, RTX 30xx; :func:`fp8_native`) cannot convert to e4m3
+nor multiply it (Triton refuses to build either), so both kernels take a second form there, chosen at compile time
+(``NATIVE``): the write rounds each value to its e4m3 byte with integer and float32 operations (the same bytes,
+round to nearest even), and the scorer widens each loaded byte to the float16 of ``value * 2^-8`` (two masks and
+two shifts: e4m3's exponent and mantissa fields sit inside float16's, subnormals included, so the widening is exact)
+and multiplies it by the query in float16 (one part: 11 bits of each entry, more than the two fp8 parts' ~7).
 """
 
 from __future__ import annotations
@@ -31,6 +38,38 @@ from .quant import quant_lse_mass
 from .written import written_positions
 
 FP8_MAX: tl.constexpr = tl.constexpr(reference.FP8_MAX)
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether ``device`` converts to float8 e4m3 and multiplies it on its tensor cores: CUDA compute capability 8.9
+    and up (Ada, Hopper, Blackwell; a cached host property, no sync); True off CUDA (Triton's interpreter)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return (props.major, props.minor) >= (8, 9)
+    return True
+
+
+@triton.jit
+def e4m3_byte(x):
+    """``x`` float32 with ``|x| <= 448`` -> its float8 e4m3 byte (uint8), rounded to nearest even: what
+    ``x.to(tl.float8e4nv, fp_downcast_rounding="rtne")`` stores, without float8 instructions."""
+    bits = x.to(tl.uint32, bitcast=True)
+    a = tl.abs(x)
+    ab = a.to(tl.uint32, bitcast=True)
+    # from 2^-6 (e4m3's smallest normal): 3 of float32's 23 mantissa bits, rounded to nearest even (a carry moves
+    # into the exponent), the exponent rebiased from 127 to 7
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    # below it: multiples of 2^-9, which adding 2^14 rounds a float32 to (nearest even); 8 is 2^-6, the byte 0x08
+    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.uint32)
+    return (tl.where(a >= 0.015625, normal, sub) | ((bits >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_as_f16(c):
+    """e4m3 bytes ``c`` (uint8) -> float16 ``value * 2^-8``, exactly: the sign to bit 15, exponent and mantissa to bits
+    13..7 (float16's exponent field is then ``0eeee``, its bias 15 against e4m3's 7; subnormals map to subnormals)."""
+    c16 = c.to(tl.uint16)
+    return (((c16 & 0x80) << 8) | ((c16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -49,6 +88,7 @@ def fp8_write_kernel(
     BT: tl.constexpr,
     BD: tl.constexpr,
     CODES: tl.constexpr,
+    NATIVE: tl.constexpr,  # the float8 conversion instruction (compute capability >= 8.9), else e4m3_byte
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -63,7 +103,10 @@ def fp8_write_kernel(
     if CODES:
         x = tl.math.div_rn(b_k, tl.broadcast_to(scale[:, None], (BT, BD)))
         x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
-        code = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        if NATIVE:
+            code = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            code = e4m3_byte(x)
         p_c = state + (b_phys * s_sn + o_row * D)[:, None] + o_d[None, :]
         tl.store(p_c, code, mask=m_p[:, None] & m_d[None, :])
     else:
@@ -78,12 +121,14 @@ def fp8_write(
     hi: torch.Tensor,
     span: int,
     part: str,
+    native: bool | None = None,
 ) -> None:
     """Store one ``part`` (``"codes"``: ``state [NB, Hkv, BS, D]`` uint8; ``"scales"``: ``state [NB, Hkv, BS]``
     float32) of the float8 code of the keys at the stored positions ``lo[b] <= p < hi[b]``, in place.
 
     Args: k_pool ``[NB, Hkv, BS, D]`` (inner dims contiguous); block_table ``[B, MB]``; lo, hi ``[B]``; span a host
-    int ``>= max(hi - lo)`` (the grid).
+    int ``>= max(hi - lo)`` (the grid); native: round with the float8 instruction (default: :func:`fp8_native` of
+    the pool's device) or with integer operations (the same bytes).
     """
     if part not in reference.FP8_PARTS:
         raise ValueError(f"part must be one of {reference.FP8_PARTS}, got {part!r}")
@@ -101,14 +146,15 @@ def fp8_write(
     fp8_write_kernel[(triton.cdiv(span, BT), B * H)](
         state, k_pool, block_table.contiguous(), lo.contiguous(), hi.contiguous(), k_pool.stride(0),
         state.stride(0), block_table.shape[1],
-        H=H, D=D, BS=BS, BT=BT, BD=max(16, triton.next_power_of_2(D)), CODES=codes, num_warps=4,
+        H=H, D=D, BS=BS, BT=BT, BD=max(16, triton.next_power_of_2(D)), CODES=codes,
+        NATIVE=fp8_native(k_pool.device) if native is None else native, num_warps=4,
     )  # fmt: skip
 
 
 @triton.jit
 def fp8_block_lse_kernel(
     q,  # [B, HQ, D]
-    codes,  # [NB, H, BS, D] float8 e4m3 (the uint8 codes viewed as float8_e4m3fn)
+    codes,  # [NB, H, BS, D] float8 e4m3 (the uint8 codes viewed as float8_e4m3fn); uint8 unless NATIVE
     kscale,  # [NB, H, BS] float32
     block_table,  # [B, MB]
     seq_lens,  # [B]
@@ -127,6 +173,7 @@ def fp8_block_lse_kernel(
     BM: tl.constexpr,
     TILES: tl.constexpr,  # tiles of BM blocks a program, one after the other
     STAGES: tl.constexpr,  # the loop's software pipeline (loads of later tiles in flight)
+    NATIVE: tl.constexpr,  # float8 products (compute capability >= 8.9), else the codes widened to float16
 ):
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -139,8 +186,11 @@ def fp8_block_lse_kernel(
     top = tl.max(tl.abs(b_q), 1)
     f = tl.where(top > 0, tl.exp2(tl.floor(tl.log2(224.0 / tl.maximum(top, 1e-30)))), 1.0)  # [GP]
     b_q = b_q * f[:, None]
-    q_hi = b_q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    q_lo = (b_q - q_hi.to(tl.float32)).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    if NATIVE:
+        q_hi = b_q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        q_lo = (b_q - q_hi.to(tl.float32)).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        q_16 = b_q.to(tl.float16)
     lo, hi = tl.load(start + i_b), tl.load(seq_lens + i_b)
     o_r = tl.arange(0, BM * BS)
     row = i_h * BS + o_r % BS
@@ -159,8 +209,12 @@ def fp8_block_lse_kernel(
         # [BM * BS, D] float8 (the codes passed as a float8 view), straight into the product: loaded as uint8 and
         # bitcast, the tile took 93 registers a thread instead of 65 (ptxas, sm_90a), fewer programs a multiprocessor
         p_k = codes + phys[:, None] * s_cn + (row * D)[:, None] + o_d[None, :]
-        b_k = tl.load(p_k, mask=okr[:, None], other=0.0)
-        s = tl.dot(b_k, tl.trans(q_hi)) + tl.dot(b_k, tl.trans(q_lo))  # [BM * BS, GP] float32
+        if NATIVE:
+            b_k = tl.load(p_k, mask=okr[:, None], other=0.0)
+            s = tl.dot(b_k, tl.trans(q_hi)) + tl.dot(b_k, tl.trans(q_lo))  # [BM * BS, GP] float32
+        else:  # the codes as uint8, widened to float16 (value * 2^-8, exactly)
+            b_k = e4m3_as_f16(tl.load(p_k, mask=okr[:, None], other=0))
+            s = tl.dot(b_k, tl.trans(q_16)) * 256.0
         b_s = tl.load(kscale + phys * s_sn + row, mask=okr, other=0.0)
         s = s * b_s[:, None] * (1.0 / f)[None, :]
         ok = tl.reshape(okr, (BM, BS))
@@ -190,10 +244,12 @@ def fp8_block_lse(
     num_warps: int = WARPS,
     tiles: int = TILES_PER_PROGRAM,
     num_stages: int = STAGES,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """``[B, Hq, MB]`` float32: ``reference.fp8_block_lse`` (each block's log-sum-exp per query head over its valid
     positions, ``-inf`` where none is) in one launch. Tuning knobs: ``block_m`` (blocks a tile, a power of two),
-    ``tiles`` (tiles a program, one after the other), ``num_stages`` (that loop's software pipeline), ``num_warps``."""
+    ``tiles`` (tiles a program, one after the other), ``num_stages`` (that loop's software pipeline), ``num_warps``;
+    ``native``: float8 products (default: :func:`fp8_native` of the query's device) or the codes widened to float16."""
     B, HQ, D = q.shape
     NB, H, BS, Dc = codes.shape
     MB = block_table.shape[1]
@@ -206,11 +262,12 @@ def fp8_block_lse(
     if B == 0 or MB == 0:
         return out
     G = HQ // H
+    native = fp8_native(q.device) if native is None else native
     fp8_block_lse_kernel[(triton.cdiv(MB, block_m * tiles), B * H)](
-        q.contiguous(), codes.view(torch.float8_e4m3fn), kscale, block_table.contiguous(), seq_lens.contiguous(),
-        start.contiguous(), out, codes.stride(0), kscale.stride(0), scale, MB,
+        q.contiguous(), codes.view(torch.float8_e4m3fn) if native else codes, kscale, block_table.contiguous(),
+        seq_lens.contiguous(), start.contiguous(), out, codes.stride(0), kscale.stride(0), scale, MB,
         HQ=HQ, H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=BS, BM=block_m, TILES=tiles,
-        STAGES=num_stages, num_warps=num_warps,
+        STAGES=num_stages, NATIVE=native, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -225,13 +282,15 @@ def fp8_block_scores(
     scale: float,
     sink: int = 0,
     window: int | None = None,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """Each block's softmax mass under the float8 keys, summed over each GQA group: ``[B, Hkv, MB]`` float32 (the
     contract of ``reference.fp8_block_scores``: with ``window`` given, forced blocks still held score ``+inf``), in
-    three launches: :func:`fp8_block_lse` then ``quant_lse_mass``. Heads of fewer than 32 channels, of a width that is
-    not a power of two, or blocks of fewer than 16 tokens run the reference (tensor ops, no host sync)."""
+    three launches: :func:`fp8_block_lse` (``native`` its product's form) then ``quant_lse_mass``. Heads of fewer
+    than 32 channels, of a width that is not a power of two, or blocks of fewer than 16 tokens run the reference
+    (tensor ops, no host sync)."""
     H, BS, D = codes.shape[1], codes.shape[2], codes.shape[3]
     if BS < 16 or D < 32 or D & (D - 1):
         return reference.fp8_block_scores(q, codes, kscale, block_table, seq_lens, start, scale, sink, window)
-    lse = fp8_block_lse(q, codes, kscale, block_table, seq_lens, start, scale)
+    lse = fp8_block_lse(q, codes, kscale, block_table, seq_lens, start, scale, native=native)
     return quant_lse_mass(lse, block_table, seq_lens, start, BS, H, sink, window)
