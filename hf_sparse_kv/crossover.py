@@ -9,7 +9,7 @@ with ``Quest``, the product-quantized two stages and ``QuantBlockTopK(bits=4)`` 
 Qwen2.5-1.5B, SmolLM2-135M and Gemma-3-270M's global layers (a head shape not in a table runs dense: measure yours).
 
 A table says what it was measured with: the policy (:func:`policy_key`: its class and the settings that change a
-selection's cost), the block size and the timing (eager or captured steps). A crossover holds only for what it was
+selection's cost), the block size, the timing (eager or captured steps) and the GPU. A crossover holds only for what it was
 measured with (a selector that costs three times Quest's selection crosses over at a longer context, or never), so
 :meth:`CrossoverTable.mismatch` names every difference and ``patch_model(mode="auto")`` warns with them.
 """
@@ -133,10 +133,15 @@ class CrossoverTable:
             e["num_kv_heads"] == num_kv_heads and e["head_dim"] == head_dim for e in self.entries
         )
 
-    def mismatch(self, policy, block_size: int, timing: str) -> list[str]:
+    def mismatch(self, policy, block_size: int, timing: str, device: str | None = None) -> list[str]:
         """What differs between how this table was measured and how it would be used (empty: nothing recorded
-        differs): ``policy``'s :func:`policy_key`, ``block_size``, ``timing`` (``"graph"`` for captured steps)."""
+        differs): ``policy``'s :func:`policy_key`, ``block_size``, ``timing`` (``"graph"`` for captured steps) and,
+        when given, ``device``, the name of the GPU it would decide for (``torch.cuda.get_device_name``: another card
+        moves the crossovers with its bandwidth, its SMs and, for ``Fp8BlockTopK`` below compute capability 8.9, the
+        kernels' form)."""
         problems = []
+        if device is not None and self.device not in ("unknown", device):
+            problems.append(f"it timed an {self.device}, this model runs on an {device}")
         if self.policy is not None and self.policy != policy_key(policy):
             problems.append(f"it timed {describe_key(self.policy)}, this patch runs {describe_key(policy_key(policy))}")
         if self.block_size is not None and self.block_size != block_size:

@@ -79,6 +79,15 @@ def _head_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
     return shape if all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape) else None
 
 
+def _gpu_name(model: torch.nn.Module) -> str | None:
+    """The name of the CUDA device holding ``model``'s first parameter (what a crossover table's ``device`` records),
+    ``None`` off CUDA (the reference ops: no table was timed there)."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(param.device)
+
+
 def _head_model_name(model: torch.nn.Module) -> str:
     """``LlamaModel`` -> ``LlamaForCausalLM``, ``Gemma3TextModel`` -> ``Gemma3ForCausalLM``: what a user most likely
     meant to patch (for the message only)."""
@@ -464,7 +473,7 @@ def patch_model(
         timing = "graph" if cuda_graph else "eager"  # a captured step's crossover differs from an eager one's
         table = crossover if isinstance(crossover, CrossoverTable) else CrossoverTable.load(crossover, timing, policy)
         budgeted = policy.budget_fraction(1) is not None  # one without a budget (Dense) never runs sparse
-        problems = table.mismatch(policy, block_size, timing) if budgeted else []
+        problems = table.mismatch(policy, block_size, timing, _gpu_name(model)) if budgeted else []
         if problems:
             warnings.warn(
                 f"mode='auto' decides dense or sparse by a crossover table measured otherwise ({'; '.join(problems)}), "

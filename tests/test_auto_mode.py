@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 import torch.utils._python_dispatch
-from tiny_models import greedy, prompt, tiny_model
+from tiny_models import DEVICE, greedy, prompt, tiny_model
 
 from hf_sparse_kv import PagedKVCache, cache_kwarg, is_patched, patch_model, unpatch_model
+from hf_sparse_kv import patch as patch_module
 from hf_sparse_kv.crossover import CrossoverTable, budget_fraction, policy_key
 from hf_sparse_kv.policies import (
     Dense,
@@ -187,9 +188,11 @@ def _crossover_warnings(record) -> list[str]:
     return [str(w.message) for w in record if "crossover table measured otherwise" in str(w.message)]
 
 
-def test_a_table_says_what_it_timed_and_a_patch_that_differs_warns(tmp_path, recwarn):
+def test_a_table_says_what_it_timed_and_a_patch_that_differs_warns(tmp_path, recwarn, monkeypatch):
     """The shipped tables timed Quest in 16-token blocks; a patch with another selector's cost, another block size
-    or another timing warns, naming each difference and the command that measures a table for it."""
+    or another timing warns, naming each difference and the command that measures a table for it. (The GPU's name
+    is left out here, so that the test reads the same on any card: the next test checks it.)"""
+    monkeypatch.setattr(patch_module, "_gpu_name", lambda model: None)
     for timing in ("eager", "graph"):
         shipped = CrossoverTable.load(timing=timing)
         assert shipped.policy == {"name": "Quest"} and shipped.block_size == 16 and shipped.timing == timing
@@ -229,6 +232,28 @@ def test_what_a_table_records_round_trips_and_an_old_table_timed_quest(tmp_path)
     assert legacy.policy == {"name": "Quest"} and legacy.block_size is None
     assert legacy.mismatch(Quest(budget=0.1), 64, "eager") == [] and legacy.mismatch(TokenTopK(budget=0.1), 16, "eager")
     assert _table(40).mismatch(TokenTopK(budget=0.1), 64, "eager") == []
+
+
+def test_a_table_timed_on_another_gpu_says_so():
+    """A table names the GPU it was timed on; used for a model on another one, ``mismatch`` says which two (the
+    patch passes the model's CUDA device name, none on the CPU); an unknown device or none given is not checked."""
+    table = CrossoverTable(_table(40).entries, device="NVIDIA H100 80GB HBM3")
+    assert table.mismatch(Quest(budget=0.1), 16, "eager", "NVIDIA H100 80GB HBM3") == []
+    assert table.mismatch(Quest(budget=0.1), 16, "eager") == []
+    assert table.mismatch(Quest(budget=0.1), 16, "eager", "NVIDIA A100-SXM4-80GB") == [
+        "it timed an NVIDIA H100 80GB HBM3, this model runs on an NVIDIA A100-SXM4-80GB"
+    ]
+    unknown = CrossoverTable(_table(40).entries)
+    assert (
+        unknown.device == "unknown" and unknown.mismatch(Quest(budget=0.1), 16, "eager", "NVIDIA A100-SXM4-80GB") == []
+    )
+    shipped = CrossoverTable.load(timing="graph", policy=Fp8BlockTopK(budget=0.0625))
+    assert shipped.device == "NVIDIA H100 80GB HBM3" and shipped.mismatch(
+        Fp8BlockTopK(budget=0.0625), 16, "graph", "NVIDIA GeForce RTX 3090"
+    )
+    model = tiny_model("llama")
+    want = None if DEVICE.type == "cpu" else torch.cuda.get_device_name(DEVICE)
+    assert patch_module._gpu_name(model) == want  # what patch_model passes: the model's card, none on the CPU
 
 
 def test_policy_key_keeps_what_costs_and_drops_what_does_not():
