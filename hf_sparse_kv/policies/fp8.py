@@ -11,9 +11,9 @@ codes' per-block grids need a differently scaled query for each 16-token block a
 float8 copy: each query head's softmax over every valid position, summed over the block and over the GQA group.
 
 State: two per-token :class:`StateSpec`, ``"k8"`` (``[NB, Hkv, BS, D]`` uint8, the e4m3 bytes) and ``"k8scale"``
-(``[NB, Hkv, BS]`` float32), each refreshed by every write (``ops.fp8_write``). No calibration. Any CUDA GPU: below
-compute capability 8.9 (A100, RTX 30xx), which has no float8 instructions, the kernels write the same bytes by integer
-rounding and score them widened to float16 (``ops/triton/fp8.py``).
+(``[NB, Hkv, BS]`` float32), each refreshed by every write (``ops.fp8_write``). No calibration. Below CUDA compute
+capability 8.9 (A100, RTX 30xx: no float8 instructions) the kernels write the same bytes by integer rounding and
+score them widened to float16 (``ops/triton/fp8.py``).
 """
 
 from __future__ import annotations
