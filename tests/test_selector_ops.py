@@ -422,3 +422,42 @@ def test_cuda_selector_ops_large(dtype, BS):
         assert torch.equal(out.isinf(), ref.isinf())
         fin = ref.isfinite()
         assert ((out[fin] - ref[fin]).norm() / ref[fin].norm()) < 1e-2
+
+
+def test_per_position_writes_skip_freed_blocks_and_positions_past_the_table():
+    """The per-position state writes (projected keys, float8 codes and scales, product-quantization codes), Triton
+    and reference, store exactly the positions of ``[lo, hi)`` that have a page: not those of a freed block (table
+    entry -1), not those past the table, and nothing else (the reference once clamped such positions onto physical
+    block 0 or the table's last block, writing over other pages)."""
+    g = torch.Generator().manual_seed(7)
+    NB, H, BS, D, R_, C = 12, 2, 16, 32, 8, 16
+    table = torch.tensor([[3, 7, -1, 1, 9], [0, 2, 5, -1, -1]], dtype=torch.int32, device=DEVICE)
+    lo = torch.tensor([5, 20], dtype=torch.long, device=DEVICE)
+    hi = torch.tensor([70, 90], dtype=torch.long, device=DEVICE)  # sequence 1 runs past the table's 80 positions
+    span = 70
+    k_pool = torch.randn(NB, H, BS, D, generator=g).to(DEVICE)
+    written = torch.zeros(NB, BS, dtype=torch.bool, device=DEVICE)
+    for b in range(2):
+        for p in range(int(lo[b]), int(hi[b])):
+            if p // BS < table.shape[1] and table[b, p // BS] >= 0:
+                written[table[b, p // BS], p % BS] = True
+    proj = (torch.randn(H, D, R_, generator=g) / D**0.5).to(DEVICE)
+    centres = torch.randn(H, D // 8, C, 8, generator=g).to(DEVICE)
+    cases = {
+        "projected": (torch.randn(NB, H, BS, R_, generator=g).to(DEVICE), lambda ops, st: ops.projected_write(
+            st, k_pool, proj, table, lo, hi, span)),
+        "fp8 codes": (torch.randint(0, 255, (NB, H, BS, D), generator=g, dtype=torch.uint8).to(DEVICE),
+                      lambda ops, st: ops.fp8_write(st, k_pool, table, lo, hi, span, "codes")),
+        "fp8 scales": (torch.rand(NB, H, BS, generator=g).to(DEVICE),
+                       lambda ops, st: ops.fp8_write(st, k_pool, table, lo, hi, span, "scales")),
+        "pq codes": (torch.randint(0, C, (NB, H, BS, D // 8), generator=g, dtype=torch.uint8).to(DEVICE),
+                     lambda ops, st: ops.pq_write(st, k_pool, centres, table, lo, hi, span)),
+    }  # fmt: skip
+    for name, (old, write) in cases.items():
+        want, got = old.clone(), old.clone()
+        write(get_ops("reference", DEVICE), want)
+        write(OPS, got)
+        changed = (want != old).reshape(NB, H, BS, -1).any(-1).any(1)  # [NB, BS]: a slot any head's entry moved in
+        assert not (changed & ~written).any(), f"{name}: the reference wrote a slot outside [lo, hi)'s pages"
+        assert changed[written].float().mean() > 0.9, name  # (a random old entry may equal its new one)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5, msg=name)

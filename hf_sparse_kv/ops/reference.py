@@ -624,24 +624,29 @@ def projected_write(
 
 def store_written(state, k_pool, block_table, lo, hi, span: int, code) -> None:
     """Store ``code`` of the keys at the stored positions ``lo[b] <= p < hi[b]`` into the per-token ``state [NB, Hkv,
-    BS, ...]``, in place (the writes of :func:`projected_write` and :func:`pq_write`). ``code``: keys ``[B, span, Hkv,
-    D]`` float32 -> ``[B, span, Hkv, ...]``, cast to ``state``'s dtype.
+    BS, ...]``, in place (the writes of :func:`projected_write`, :func:`fp8_write` and :func:`pq_write`). ``code``:
+    keys ``[B, span, Hkv, D]`` float32 -> ``[B, span, Hkv, ...]``, cast to ``state``'s dtype. A position past the
+    table or in a freed block (its entry ``-1``) is not written, as the kernels skip it (it has no page of its own).
 
     Vectorized over (sequence, position) without reading ``lo``/``hi`` on the host: each sequence computes ``span``
-    positions, those past ``hi - 1`` repeat it (the same value stored twice), and a sequence with nothing to write
-    stores its old entry back.
+    positions; every entry that writes nothing (past ``hi``, outside the table, in a freed block) is pointed at the
+    first entry that does and stores that entry's value again (one slot, one value: the stores do not race), or,
+    when no entry writes anything, each stores back what its slot holds.
     """
     B, BS = block_table.shape[0], k_pool.shape[2]
     if span <= 0 or B == 0:
         return
+    MB = block_table.shape[1]
     lo, hi = lo.long().view(B, 1), hi.long().view(B, 1)
     pos = lo + torch.arange(span, device=k_pool.device).view(1, span)  # [B, span]
-    wrote = hi > lo
-    pos = torch.where(wrote, torch.minimum(pos, hi - 1), lo)
+    logical = pos // BS
+    entry = torch.gather(block_table.long(), 1, logical.clamp(0, MB - 1))
+    ok = ((pos >= 0) & (pos < hi) & (logical < MB) & (entry >= 0)).flatten()  # [B * span]
+    idx = torch.where(ok, torch.arange(ok.numel(), device=ok.device), ok.int().argmax())  # the first ok, or 0
     phys, off = physical_slots(block_table, pos, BS)
-    new = code(k_pool[phys, :, off].float())
-    wrote = wrote.view(B, 1, *[1] * (new.dim() - 2))  # over [B, span, Hkv, ...], whatever the state's inner dims
-    state[phys, :, off] = torch.where(wrote, new.to(state.dtype), state[phys, :, off])
+    phys, off = phys.flatten()[idx], off.flatten()[idx]
+    new = code(k_pool[phys, :, off].float().unsqueeze(0)).squeeze(0).to(state.dtype)  # [B * span, Hkv, ...]
+    state[phys, :, off] = torch.where(ok.any(), new, state[phys, :, off])
 
 
 def projected_scores(
