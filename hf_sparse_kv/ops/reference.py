@@ -643,8 +643,8 @@ def store_written(state, k_pool, block_table, lo, hi, span: int, code) -> None:
     entry = torch.gather(block_table.long(), 1, logical.clamp(0, MB - 1))
     ok = ((pos >= 0) & (pos < hi) & (logical < MB) & (entry >= 0)).flatten()  # [B * span]
     idx = torch.where(ok, torch.arange(ok.numel(), device=ok.device), ok.int().argmax())  # the first ok, or 0
-    phys, off = physical_slots(block_table, pos, BS)
-    phys, off = phys.flatten()[idx], off.flatten()[idx]
+    # physical_slots' mapping, from the entries already gathered
+    phys, off = entry.clamp(min=0).flatten()[idx], (pos.clamp(min=0) % BS).flatten()[idx]
     new = code(k_pool[phys, :, off].float().unsqueeze(0)).squeeze(0).to(state.dtype)  # [B * span, Hkv, ...]
     state[phys, :, off] = torch.where(ok.any(), new, state[phys, :, off])
 
