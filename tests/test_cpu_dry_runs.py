@@ -100,3 +100,14 @@ def test_fp8_keys_probe_dry_run_checks_every_configuration(tmp_path):
     assert all(r["inf_ok"] == "True" and r["nan"] == "0" for r in rows)
     assert all(float(r["rel_err"]) < 2e-3 for r in rows if r["two"] == "True")
     assert all(float(r["shared"]) == 1.0 for r in rows if r["two"] == "True")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="probe_overlap.py times the GPU when there is one")
+def test_overlap_probe_dry_run_times_its_chain():
+    """``probe_overlap.py`` on the CPU: Quest's states as ``bench_decode.py`` builds them, the layer's chain (selection,
+    attention, ``o_proj``) and the step's write run through the interpreter and are timed; the GPU-only variants (side
+    streams, inline PTX prefetches) are skipped."""
+    out = _run(["benchmarks/probe_overlap.py"], interpret=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("B=1 L=256:"))
+    assert all(f"{name} " in line for name in ("mm", "attend", "chain", "write", "write+attend"))
