@@ -68,8 +68,8 @@ def prefetcher(kind: str, nprog: int, w: torch.Tensor, out: torch.Tensor):
     return lambda: kernel[(nprog,)](w, out, n_chunks, CHUNK=CHUNK, num_warps=4)
 
 
-def probe_shape(ops, dev: str, model: str, B: int, L: int, variants) -> list[dict]:
-    """Every row of one shape (4 layers of the Llama-3-8B shape, or SmolLM2's head on the CPU), printed as it goes."""
+def probe_shape(ops, dev: str, model: str, B: int, L: int, variants) -> None:
+    """Print every row of one shape (4 layers of the Llama-3-8B shape, or SmolLM2's head on the CPU) as it goes."""
     layer = bd.Layer(model, B, L, 4)
     caches, bt = layer.paged(16)
     ckeys = [c[0][..., :16].contiguous() for c in caches]
@@ -84,36 +84,34 @@ def probe_shape(ops, dev: str, model: str, B: int, L: int, variants) -> list[dic
     k_new = torch.randn(B, layer.H, 1, layer.D, device=dev, dtype=torch.bfloat16)
     pos0 = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
 
-    def attend(i, overlap_write=False):
-        if overlap_write:
-            main_s = torch.cuda.current_stream()
-            side.wait_stream(main_s)
-            with torch.cuda.stream(side):
-                write(i)
-            s = pol.select(st[i])
-            main_s.wait_stream(side)
-        else:
-            s = pol.select(st[i])
+    def beside(side_work, main_work):
+        """``main_work()`` on the current stream while ``side_work()`` runs on the side stream, joined after."""
+        main_s = torch.cuda.current_stream()
+        side.wait_stream(main_s)
+        with torch.cuda.stream(side):
+            side_work()
+        out = main_work()
+        main_s.wait_stream(side)
+        return out
+
+    def decode(i, s):
         return ops.decode_blocks(*pc(i), s.indices, s.ex_lo, s.ex_hi, layer.scale)  # [B, Hq, D]
+
+    def attend(i):
+        return decode(i, pol.select(st[i]))
 
     def write(i):
         c = caches[i]
         ops.paged_write(c[0], c[1], c[2], c[3], c[4], bt, pos0, k_new, k_new)
 
     def write_attend(i, overlap=False):
-        if not overlap:
-            write(i)
-        return attend(i, overlap_write=overlap)
+        if overlap:
+            return decode(i, beside(lambda: write(i), lambda: pol.select(st[i])))
+        write(i)
+        return attend(i)
 
     def chain(i, pf=None):
-        if pf is None:
-            return attend(i).reshape(B, hidden) @ W[i].t()
-        main_s = torch.cuda.current_stream()
-        side.wait_stream(main_s)
-        with torch.cuda.stream(side):
-            pf[i]()
-        o = attend(i)
-        main_s.wait_stream(side)
+        o = attend(i) if pf is None else beside(pf[i], lambda: attend(i))
         return o.reshape(B, hidden) @ W[i].t()
 
     x = [attend(i).reshape(B, hidden) for i in range(4)]
@@ -130,7 +128,6 @@ def probe_shape(ops, dev: str, model: str, B: int, L: int, variants) -> list[dic
         print(f"  write beside the selection: same={same_w}", flush=True)
     print(f"B={B} L={L}: " + ", ".join(f"{k} {v:.1f} us" for k, v in base.items()), flush=True)
     ref = [chain(i) for i in range(4)]  # after the writes above (each writes the same token again)
-    rows = []
     for kind, nprog in variants:
         pfs = [prefetcher(kind, nprog, W[i], sink) for i in range(4)]
         got = [chain(i, pfs) for i in range(4)]
@@ -139,15 +136,11 @@ def probe_shape(ops, dev: str, model: str, B: int, L: int, variants) -> list[dic
         pf_us = bench(pfs)[0]
         pfmm_us = bench([lambda i=i: (pfs[i](), x[i] @ W[i].t()) for i in range(4)])[0]  # noqa: B023 - timed here
         ch_us = bench([lambda i=i: chain(i, pfs) for i in range(4)])[0]  # noqa: B023 - timed here
-        rows.append(
-            dict(B=B, L=L, kind=kind, programs=nprog, pf=pf_us, pf_mm=pfmm_us, chain_pf=ch_us, same=same, **base)
-        )
         print(
             f"  {kind:4s} x{nprog:3d}: pf {pf_us:6.1f}  pf+mm {pfmm_us:6.1f} (mm {base['mm']:.1f})  "
             f"chain+pf {ch_us:6.1f} (chain {base['chain']:.1f}, {ch_us - base['chain']:+.1f})  same={same}",
             flush=True,
         )
-    return rows
 
 
 def main() -> None:
@@ -162,13 +155,10 @@ def main() -> None:
     variants = [("load", 16), ("load", 32), ("load", 66), ("asm", 8), ("asm", 16), ("asm", 32)]
     if dev == "cpu":
         variants = []  # the interpreter runs no inline PTX; the dry run checks the states and the chain
-    rows = []
     for model, B, L, _, _ in targets:
-        rows += probe_shape(ops, dev, model, B, L, variants)
+        probe_shape(ops, dev, model, B, L, variants)
         if dev == "cuda":
             torch.cuda.empty_cache()
-    if not rows and dev == "cuda":
-        sys.exit("no variant ran")
 
 
 if __name__ == "__main__":
