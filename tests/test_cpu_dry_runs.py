@@ -111,3 +111,14 @@ def test_overlap_probe_dry_run_times_its_chain():
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("B=1 L=256:"))
     assert all(f"{name} " in line for name in ("mm", "attend", "chain", "write", "write+attend"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="probe_read_floor.py times the GPU when there is one")
+def test_read_floor_probe_dry_run_checks_its_reads():
+    """``probe_read_floor.py`` on the CPU: its bare reads (contiguous min / max, the selected K / V tiles through the
+    block table) are checked against torch's sums of the same bytes before each row (it raises otherwise), and every
+    row runs through the interpreter."""
+    out = _run(["benchmarks/probe_read_floor.py"], interpret=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = ("read x2", "sum (torch)", "scores (library)", "topk (library)", "gather x1 splits", "attention (library)")
+    assert all(f"  {name} " in out.stdout for name in names), out.stdout
