@@ -236,6 +236,16 @@ def layer_states(layer, caches, bt, BS, ops, ckeys, kcodes=None, pqcodes=None, f
     return [state(i, c) for i, c in enumerate(caches)]
 
 
+def probe_ops():
+    """For a probe built on this module's layers: the device (``"cuda"``, else ``"cpu"``: a dry run through Triton's
+    interpreter, prepared here), made this module's ``DEV``, and the Triton ops on it."""
+    global DEV
+    DEV = "cuda" if torch.cuda.is_available() else "cpu"
+    if DEV == "cpu":
+        cpu_dry_run()
+    return DEV, get_ops("triton", DEV)
+
+
 def paged_args(layer, caches, bt):
     """``pc(i)``: the paged arguments of layer ``i``'s attention (query, pools, table, lengths, start)."""
     return lambda i: (layer.q, caches[i][0], caches[i][1], bt, layer.seq_lens, layer.zero)

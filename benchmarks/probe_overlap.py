@@ -28,9 +28,8 @@ import bench_decode as bd
 import torch
 import triton
 import triton.language as tl
-from common import bench, cpu_dry_run, hbm_bandwidth
+from common import bench, hbm_bandwidth
 
-from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.policies import Quest
 
 CHUNK = 4096  # bf16 elements a program reads per step (8 KB)
@@ -144,11 +143,7 @@ def probe_shape(ops, dev: str, model: str, B: int, L: int, variants) -> None:
 
 
 def main() -> None:
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev == "cpu":
-        cpu_dry_run()
-    bd.DEV = dev
-    ops = get_ops("triton", dev)
+    dev, ops = bd.probe_ops()
     targets = bd.SELECTOR_TARGETS if dev == "cuda" else [("smollm2", 1, 256, [16], [16])]
     if dev == "cuda":
         print(f"{torch.cuda.get_device_name()}, copy {hbm_bandwidth(dev):.0f} GB/s", flush=True)

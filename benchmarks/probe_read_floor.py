@@ -29,9 +29,8 @@ import bench_decode as bd
 import torch
 import triton
 import triton.language as tl
-from common import bench, cpu_dry_run, hbm_bandwidth
+from common import bench, hbm_bandwidth
 
-from hf_sparse_kv.ops import get_ops
 from hf_sparse_kv.policies import Quest
 
 CHUNK = 4096  # elements a program reads per step of ``read_kernel`` (8 KB of bf16)
@@ -145,11 +144,7 @@ def probe_shape(ops, dev: str, model: str, B: int, L: int, read_programs, splits
 
 
 def main() -> None:
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev == "cpu":
-        cpu_dry_run()
-    bd.DEV = dev
-    ops = get_ops("triton", dev)
+    dev, ops = bd.probe_ops()
     if dev == "cuda":
         copy = hbm_bandwidth(dev)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
