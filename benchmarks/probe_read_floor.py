@@ -119,8 +119,7 @@ def probe_shape(ops, dev: str, model: str, B: int, L: int, read_programs, splits
     heads = torch.arange(layer.H, device=dev)[None, :, None]
     held = (sel[0].indices >= 0)[..., None, None]  # [B, H, K, 1, 1]
     want_kv = sum((caches[0][j][phys, heads].float() * held).sum() for j in (0, 1))  # [B, H, K, BS, D] each
-    for n_splits in splits:
-        s = min(n_splits, n_tiles)
+    for s in sorted({min(n, n_tiles) for n in splits}):  # a split count past the tile count runs as that count
         part = torch.zeros(B * layer.H * s, device=dev)
 
         def gather(i, s=s, part=part):
