@@ -10,9 +10,9 @@ CUDA graph of 4 layers, each on its own cache and weight, L2 flushed by reads be
 - ``chain``: selection, attention, ``mm``; ``chain+pf``: the same with the prefetch of ``W`` on a side stream
   forked before the selection and joined before ``mm``; the outputs must be equal (bit for bit).
 
-Prefetch kernels: ``load`` (programs read the weight in 8 KB rows and keep a sum, loads with
-``evict_last``) and ``asm`` (``prefetch.global.L2::evict_last`` per 128-byte line: no registers wait), each at a few
-program counts (the top-k and attention need SMs too).
+Prefetch kernels: ``load`` (``probe_read_floor.py``'s bare read: programs read the weight in 8 KB rows and keep a
+sum, loads with ``evict_last``) and ``asm`` (``prefetch.global.L2::evict_last`` per 128-byte line: no registers
+wait), each at a few program counts (the top-k and attention need SMs too).
 
     python benchmarks/probe_overlap.py          # a GPU; on the CPU: a dry run of the states and the chain
 """
@@ -29,21 +29,9 @@ import torch
 import triton
 import triton.language as tl
 from common import bench, hbm_bandwidth
+from probe_read_floor import CHUNK, read_kernel
 
 from hf_sparse_kv.policies import Quest
-
-CHUNK = 4096  # bf16 elements a program reads per step (8 KB)
-
-
-@triton.jit
-def prefetch_load_kernel(w, out, n_chunks, CHUNK: tl.constexpr):
-    """Read ``w`` (bf16) ``CHUNK`` elements at a time, chunks strided by the program count; store a sum per program."""
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for c in range(pid, n_chunks, nprog):
-        o = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-        acc += tl.load(w + o, eviction_policy="evict_last").to(tl.float32)
-    tl.store(out + pid, tl.sum(acc, 0))
 
 
 @triton.jit
@@ -61,10 +49,12 @@ def prefetch_asm_kernel(w, out, n_chunks, CHUNK: tl.constexpr):
 
 
 def prefetcher(kind: str, nprog: int, w: torch.Tensor, out: torch.Tensor):
-    kernel = prefetch_load_kernel if kind == "load" else prefetch_asm_kernel
+    """``load``: the read probe's bare read of ``w`` with ``evict_last`` loads; ``asm``: :func:`prefetch_asm_kernel`."""
     n_chunks = w.numel() // CHUNK
-    assert w.numel() % CHUNK == 0 and w.is_contiguous()
-    return lambda: kernel[(nprog,)](w, out, n_chunks, CHUNK=CHUNK, num_warps=4)
+    assert w.numel() % CHUNK == 0 and w.numel() < 2**31 and w.is_contiguous()
+    if kind == "load":
+        return lambda: read_kernel[(nprog,)](w, out, n_chunks, CHUNK=CHUNK, EVICT="evict_last", num_warps=4)
+    return lambda: prefetch_asm_kernel[(nprog,)](w, out, n_chunks, CHUNK=CHUNK, num_warps=4)
 
 
 def probe_shape(ops, dev: str, model: str, B: int, L: int, variants) -> None:

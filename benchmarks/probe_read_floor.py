@@ -37,12 +37,14 @@ CHUNK = 4096  # elements a program reads per step of ``read_kernel`` (8 KB of bf
 
 
 @triton.jit
-def read_kernel(x, out, n_chunks, CHUNK: tl.constexpr):
-    """Read ``x`` (under 2**31 elements) ``CHUNK`` at a time, chunks strided by the program count; a sum per program."""
+def read_kernel(x, out, n_chunks, CHUNK: tl.constexpr, EVICT: tl.constexpr = ""):
+    """Read ``x`` (under 2**31 elements) ``CHUNK`` at a time, chunks strided by the program count; a sum per program.
+
+    ``EVICT``: the loads' L2 eviction policy (``probe_overlap.py`` prefetches a weight with ``"evict_last"``)."""
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     acc = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(pid, n_chunks, nprog):
-        acc += tl.load(x + c * CHUNK + tl.arange(0, CHUNK)).to(tl.float32)
+        acc += tl.load(x + c * CHUNK + tl.arange(0, CHUNK), eviction_policy=EVICT).to(tl.float32)
     tl.store(out + pid, tl.sum(acc, 0))
 
 
