@@ -112,6 +112,9 @@ class ChannelQuantBlockTopK(QuantBlockTopK):
         if self.rest not in RESTS:
             raise ValueError(f"rest must be one of {RESTS}, not {self.rest!r}")
 
+    def key_metadata(self) -> tuple[str, ...]:
+        return ("kmin", "kmax", "kmean")  # the blocks' means for ``rest="block"``
+
     def scores(self, state: DecodeState) -> torch.Tensor:
         """``[B, Hkv, nblk]`` the approximate mass per block, ``+inf`` for the forced blocks, ``-inf`` off use."""
         lse = channel_quant_block_lse(

@@ -35,6 +35,7 @@ import torch
 
 from hf_sparse_kv import PagedKVCache
 from hf_sparse_kv.graphs import DecodeGraphs, graph_pool
+from hf_sparse_kv.ops.layout import KEY_METADATA
 from hf_sparse_kv.policies import Policy
 
 
@@ -91,20 +92,21 @@ class DecodeSlots:
         self.current = None
         self.pool = None
 
-    def _fits(self, slot: PagedKVCache, prefix: PagedKVCache, need: int, specs: tuple) -> bool:
+    def _fits(self, slot: PagedKVCache, prefix: PagedKVCache, need: int, specs: tuple, metadata: tuple) -> bool:
         return (
             len(slot.table.rows) == len(prefix.table.rows)
             and slot.block_size == prefix.block_size
             and need <= slot.static.max_length
             and set(specs) <= set(slot.specs)
+            and set(metadata) <= set(slot.metadata)
         )
 
-    def _slot(self, prefix: PagedKVCache, need: int, specs: tuple) -> _Slot:
+    def _slot(self, prefix: PagedKVCache, need: int, specs: tuple, metadata: tuple) -> _Slot:
         """The kept slot of ``prefix``'s batch size if it fits, else a new one (made after the one it replaces, or
         the least recently used beyond ``keep``, is dropped); it becomes the most recently used."""
         B = len(prefix.table.rows)
         slot = self.kept.pop(B, None)
-        if slot is not None and not self._fits(slot.cache, prefix, need, specs):
+        if slot is not None and not self._fits(slot.cache, prefix, need, specs, metadata):
             slot = None
         if slot is None:
             self.current = None  # the replaced slot's memory goes before the new one takes its own
@@ -112,7 +114,7 @@ class DecodeSlots:
                 self.kept.pop(next(iter(self.kept)))
             cache = copy.deepcopy(prefix)
             cache.session.set_graphs(None)
-            cache.declare_state(specs)
+            cache.declare_state(specs, metadata)
             cache.reserve_static(need + self.margin, any_padding=True)
             slot = _Slot(cache)
             self.slots_made += 1
@@ -128,7 +130,11 @@ class DecodeSlots:
         they all declare). ``free``: per sequence, the blocks of ``prefix`` that the policy (one that frees once)
         frees at its first decode step, left out of the refill (``PagedKVCache.load_static``)."""
         specs = tuple(dict.fromkeys(s for p in policies for s in p.cache_state()))
-        slot = self._slot(prefix, need, specs)
+        # a slot serves the jobs of a whole run, whose policies read different key metadata: it keeps all of it, and
+        # the refill copies it from the prefix (computed from the prefix's keys where its prefill kept less)
+        metadata = KEY_METADATA
+        prefix.declare_state((), metadata)
+        slot = self._slot(prefix, need, specs, metadata)
         slot.cache.load_static(prefix, free, whole=self.whole_refills)
         self.loads += 1
         runner = slot.runners.get(key)

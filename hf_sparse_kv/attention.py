@@ -126,7 +126,7 @@ def prepare_write(
     cache.defer_reads(layer_idx)
     if not cache.table.rows:
         cache.set_padding(padding_starts(mask, batch, length, device).tolist())
-    cache.declare_state(config.policy.cache_state())
+    cache.declare_state(config.policy.cache_state(), config.policy.key_metadata())
 
 
 def plan_step(

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from .ops import BACKENDS, get_ops, reference, resolve_backend
-from .ops.layout import cdiv
+from .ops.layout import KEY_METADATA, cdiv
 from .ops.library import registered_ops
 from .runtime import DecodeSession
 from .static import StaticBuffers, WindowRing
@@ -111,6 +111,7 @@ class PagedLayer(DynamicLayer):
         self.index = index  # the model's layer index (a policy calibrated per layer refreshes its state by it)
         self.length = 0
         self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
+        self._empty: tuple | None = None  # an empty tensor per metadata not kept, for the write (see write_metadata)
         self._given = None  # weak references to what the last unreserved update() returned (see gave)
         self.writes = 0  # unreserved writes into the pools so far (update, copy_block, load): in PagedKVCache's stamp
         self.state: dict[str, torch.Tensor] = {}  # the policy-declared state (see PagedKVCache.declare_state)
@@ -157,16 +158,56 @@ class PagedLayer(DynamicLayer):
         NB, BS = self.cache.table.capacity, self.cache.block_size
         self.k_pool = torch.zeros(NB, H, BS, D, dtype=self.dtype, device=self.device)
         self.v_pool = torch.zeros(NB, H, BS, D, dtype=value_states.dtype, device=self.device)
-        self.kmin, self.kmax, self.kmean = (torch.zeros(NB, H, D, dtype=self.dtype, device=self.device) for _ in "abc")
         self.is_initialized = True
         self.allocate_state()
 
     def allocate_state(self) -> None:
-        """Allocate the declared state beside pools that exist (zeroed; the next writes fill it)."""
+        """Allocate the key metadata the cache keeps (:attr:`PagedKVCache.metadata`; the others ``None``) and the
+        declared state beside pools that exist (zeroed; the next writes fill them)."""
         if self.is_initialized:
             NB, H, BS, D = self.k_pool.shape
+            for name in KEY_METADATA:
+                kept = name in self.cache.metadata
+                setattr(self, name, torch.zeros(NB, H, D, dtype=self.dtype, device=self.device) if kept else None)
             specs = self.cache.specs
             self.state = {s.name: s.allocate(NB, H, BS, D, self.dtype, self.device) for s in specs}
+
+    def kept_metadata(self) -> tuple[str, ...]:
+        """The key metadata this layer holds (names of :data:`~hf_sparse_kv.ops.layout.KEY_METADATA`, in its
+        order)."""
+        return tuple(name for name in KEY_METADATA if getattr(self, name) is not None)
+
+    def write_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax, kmean)`` for ``paged_write``: each kept one, or an empty tensor the write leaves alone
+        (made once per device: a captured step replays the same tensors)."""
+        if self._empty is None or self._empty[0].device != self.k_pool.device:
+            self._empty = tuple(self.k_pool.new_empty(0) for _ in KEY_METADATA)
+        return tuple(
+            empty if getattr(self, name) is None else getattr(self, name)
+            for name, empty in zip(KEY_METADATA, self._empty)
+        )
+
+    def adopt_metadata(self, names: tuple[str, ...]) -> None:
+        """Allocate the key metadata ``names`` (not kept yet) and compute it from the stored keys: what the writes
+        would have left, for every block still held (``reference.refresh_blocks`` over each one's filled slots; a
+        freed block is skipped). A layer not written yet allocates it at its first write."""
+        if not self.is_initialized or not names:
+            return
+        NB, H, BS, D = self.k_pool.shape
+        made = {name: torch.zeros(NB, H, D, dtype=self.dtype, device=self.device) for name in names}
+        blocks, fill = [], []
+        for row, pad in zip(self.cache.table.rows, self.cache.pads or [0] * len(self.cache.table.rows)):
+            stored = max(self.length - pad, 0)
+            for j, blk in enumerate(row[: cdiv(stored, BS)]):
+                if blk >= 0:
+                    blocks.append(blk)
+                    fill.append(min(BS, stored - j * BS))
+        if blocks:
+            idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            n = torch.tensor(fill, dtype=torch.long, device=self.device)
+            reference.refresh_blocks(self.k_pool, made.get("kmin"), made.get("kmax"), made.get("kmean"), idx, n)
+        for name, t in made.items():
+            setattr(self, name, t)
 
     def adopt_state(self, specs: tuple) -> None:
         """Allocate the state ``specs`` (not kept yet) and compute it from the stored keys: :meth:`refresh_state` of
@@ -189,12 +230,20 @@ class PagedLayer(DynamicLayer):
         self.is_initialized = False
 
     def _tensors(self) -> list[torch.Tensor]:
-        """Every tensor indexed by physical block: pools, metadata, declared state."""
-        return [self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, *self.state.values()]
+        """Every tensor indexed by physical block: pools, the metadata kept, declared state."""
+        meta = [getattr(self, name) for name in self.kept_metadata()]
+        return [self.k_pool, self.v_pool, *meta, *self.state.values()]
 
-    def _replace(self, tensors: list[torch.Tensor]) -> None:
-        self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean = tensors[:5]
-        self.state = dict(zip(self.state, tensors[5:]))
+    def _replace(self, tensors: list[torch.Tensor], metadata: tuple[str, ...] | None = None) -> None:
+        """Take ``tensors`` in :meth:`_tensors`' order: the pools, the metadata ``metadata`` (default: the kept
+        metadata), the declared state."""
+        names = self.kept_metadata() if metadata is None else metadata
+        self.k_pool, self.v_pool = tensors[:2]
+        for name in KEY_METADATA:
+            setattr(self, name, None)
+        for name, t in zip(names, tensors[2 : 2 + len(names)]):
+            setattr(self, name, t)
+        self.state = dict(zip(self.state, tensors[2 + len(names) :]))
 
     def refresh_state(
         self,
@@ -241,7 +290,8 @@ class PagedLayer(DynamicLayer):
         last one (``PagedKVCache.load_static``). For ``PagedKVCache.load_static``, which builds the index tensors
         once per device for all layers (from host lists of every sequence's blocks: ~1 ms each at 8 x 32K, which
         per layer was most of a refill's host time)."""
-        for t, s in zip(self._tensors()[:5], source._tensors()[:5]):
+        for name in ("k_pool", "v_pool", *self.kept_metadata()):  # the source keeps these too (_check_load)
+            t, s = getattr(self, name), getattr(source, name)
             if zero is None:
                 t.zero_()
             elif zero.numel():
@@ -276,7 +326,7 @@ class PagedLayer(DynamicLayer):
         if static is not None:  # a static step: blocks reserved, positions in device buffers, lengths kept outside
             if T != 1:
                 raise NotImplementedError("a cache reserved for static decoding takes one token per step")
-            pools = (self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean)
+            pools = (self.k_pool, self.v_pool, *self.write_metadata())
             static.ops.paged_write(*pools, static.table, static.pos0, key_states, value_states)
             if self.state:
                 self.refresh_state(static.pos0, static.pos0 + 1, 1, static.table, static.ops)
@@ -289,9 +339,7 @@ class PagedLayer(DynamicLayer):
         table = self.cache.table.tensor(self.device)
         # padding is dropped on the way in by the reference; the kernels take pos0 >= 0
         ops = self.cache.ops(self.device, "reference" if frame0 < max(self.cache.pads) else None)
-        ops.paged_write(
-            self.k_pool, self.v_pool, self.kmin, self.kmax, self.kmean, table, pos0, key_states, value_states
-        )
+        ops.paged_write(self.k_pool, self.v_pool, *self.write_metadata(), table, pos0, key_states, value_states)
         if self.state:
             self.refresh_state(pos0.clamp(min=0), pos0 + T, T)
         self.length = frame0 + T
@@ -419,6 +467,8 @@ class PagedKVCache(DynamicCache):
         self._pads_on: dict = {}  # device -> pads as a tensor
         self._ops: dict = {}  # (backend, device) -> op namespace
         self.specs: tuple = ()  # per-token / per-block state a policy declared (declare_state)
+        # the key metadata every paged layer keeps (declare_state: what the policy reads; all of it until then)
+        self.metadata: tuple[str, ...] = KEY_METADATA
         self.evicted = False  # some blocks were freed by an evicting policy (their positions stay counted)
         self.static: StaticBuffers | None = None  # set by reserve_static() for static decoding
         self._sliding: dict = {}  # layer index -> transformers' sliding-window layer a WindowRing replaced
@@ -462,8 +512,8 @@ class PagedKVCache(DynamicCache):
             why = "each cache must hold one sequence without padding"
         elif any(not r.paged_layers or len(r.paged_layers) != len(r.layers) for r in rows):
             why = "every layer must be paged (a sliding-window layer holds its padded window: prefill the batch)"
-        elif len({(r.block_size, r.backend, len(r.layers), r.specs) for r in rows}) > 1:
-            why = "the caches differ in block size, backend, layers or declared state"
+        elif len({(r.block_size, r.backend, len(r.layers), r.specs, r.metadata) for r in rows}) > 1:
+            why = "the caches differ in block size, backend, layers, declared state or key metadata"
         elif any(r.evicted or r.static is not None or r.session.peek_observation() is not None for r in rows):
             why = "a cache has evicted blocks, a static reservation or a pending observation"
         elif len(frame) != 1 or min(pads) < 0 or 0 in {r.get_seq_length() for r in rows}:
@@ -478,7 +528,7 @@ class PagedKVCache(DynamicCache):
         capacity = sum(counts) + len(rows)  # one spare block a sequence, as a first write reserves
         new.table.grow(capacity)
         new.table.rows = [[new.table.take() for _ in range(n)] for n in counts]
-        new.pads, new.specs = list(pads), first.specs
+        new.pads, new.specs, new.metadata = list(pads), first.specs, first.metadata
         made: dict = {}  # per device: each row's blocks (one copy to it)
         for i, layer in enumerate(new.layers):
             parts = [r.layers[i] for r in rows]
@@ -489,7 +539,7 @@ class PagedKVCache(DynamicCache):
                 tensors.append(torch.cat([held, held.new_zeros((len(rows), *held.shape[1:]))]))
             layer.device, layer.dtype = parts[0].device, parts[0].dtype
             layer.state = dict.fromkeys(parts[0].state)
-            layer._replace(tensors)
+            layer._replace(tensors, parts[0].kept_metadata())
             layer.is_initialized = True
             layer.length = length
             if consume:
@@ -567,34 +617,51 @@ class PagedKVCache(DynamicCache):
             raise ValueError("left padding can only be declared before the first write of a PagedKVCache")
         self.pads = list(pads)
 
-    def declare_state(self, specs: tuple) -> None:
+    def declare_state(self, specs: tuple, metadata: tuple[str, ...] | None = None) -> None:
         """Declare the per-token or per-block state (``StateSpec``s, see :class:`hf_sparse_kv.policies.StateSpec`)
-        every paged layer keeps beside its keys and refreshes at every write. Before the first write it replaces
-        what was declared; specs the cache keeps already are served as they are; a filled cache adopts the ones it
-        lacks, computed from its stored keys (:meth:`PagedLayer.adopt_state`: a cache prefilled once serves a policy
-        with state of its own), unless a block was evicted (its keys are gone) or the cache is reserved for static
-        steps (captured with the state it had): then a ``ValueError`` with advice."""
+        and the key metadata (names of :data:`~hf_sparse_kv.ops.layout.KEY_METADATA`; ``None``: as kept now) every
+        paged layer keeps beside its keys and refreshes at every write: what the patched policy reads
+        (``cache_state()``, ``key_metadata()``). Before the first write it replaces what was declared (a new cache
+        keeps all three metadata until then); what the cache keeps already is served as it is; a filled cache adopts
+        what it lacks, computed from its stored keys (:meth:`PagedLayer.adopt_state`, :meth:`PagedLayer.adopt_metadata`:
+        a cache prefilled once serves a policy that reads more), unless a block was evicted (its keys are gone) or
+        the cache is reserved for static steps (captured with what it had): then a ``ValueError`` with advice,
+        nothing changed."""
         specs = tuple(specs)
-        if set(specs) <= set(self.specs):  # kept already (a cache may keep more than a policy reads)
+        wanted = self.metadata if metadata is None else tuple(metadata)
+        unknown = [name for name in wanted if name not in KEY_METADATA]
+        if unknown:
+            raise ValueError(f"key metadata must be among {KEY_METADATA}, got {unknown}")
+        if "kmin" in wanted or "kmax" in wanted:  # a write computes both at once: kept together
+            wanted = (*wanted, "kmin", "kmax")
+        wanted = tuple(name for name in KEY_METADATA if name in wanted)
+        if not self.table.rows:  # before the first write: the metadata replaced, state specs kept if they cover
+            specs = self.specs if set(specs) <= set(self.specs) else specs
+            if (specs, wanted) != (self.specs, self.metadata):
+                self.specs, self.metadata = specs, wanted
+                for layer in self.paged_layers:  # pools kept from before a reset() get the new state beside them
+                    layer.allocate_state()
             return
-        if self.table.rows:
-            why = "a block was evicted" if self.evicted else ""
-            why = why or ("it is reserved for static steps" if self.static is not None else "")
-            if why:
-                names = ", ".join(s.name for s in specs) or "none"
-                raise ValueError(
-                    f"this PagedKVCache keeps state ({', '.join(s.name for s in self.specs) or 'none'}) other than "
-                    f"what the patched policy needs ({names}) and cannot compute it now ({why}): use a fresh "
-                    "PagedKVCache, or cache.reset() it"
-                )
-            new = tuple(s for s in specs if s not in self.specs)
-            self.specs = self.specs + new
-            for layer in self.paged_layers:
-                layer.adopt_state(new)
-            return
-        self.specs = specs
-        for layer in self.paged_layers:  # pools kept from before a reset() get the new state beside them
-            layer.allocate_state()
+        if set(specs) <= set(self.specs) and set(wanted) <= set(self.metadata):  # kept already (a cache may keep
+            return  # more than a policy reads)
+        new = tuple(s for s in specs if s not in self.specs)
+        new_meta = tuple(name for name in wanted if name not in self.metadata)
+        # a block's metadata comes from its own keys (computed for the blocks still held); per-token state of
+        # freed positions is gone
+        why = "a block was evicted" if self.evicted and new else ""
+        why = why or ("it is reserved for static steps" if self.static is not None else "")
+        if why:
+            names = ", ".join([s.name for s in specs] + list(wanted)) or "none"
+            kept = ", ".join([s.name for s in self.specs] + list(self.metadata)) or "none"
+            raise ValueError(
+                f"this PagedKVCache keeps state ({kept}) other than what the patched policy needs ({names}) and "
+                f"cannot compute it now ({why}): use a fresh PagedKVCache, or cache.reset() it"
+            )
+        self.specs = self.specs + new
+        self.metadata = tuple(name for name in KEY_METADATA if name in self.metadata or name in new_meta)
+        for layer in self.paged_layers:
+            layer.adopt_state(new)
+            layer.adopt_metadata(new_meta)
 
     def memory_bytes(self) -> int:
         """Bytes the cache holds: blocks in use times the per-block bytes of every paged layer (K, V, metadata),
@@ -831,7 +898,7 @@ class PagedKVCache(DynamicCache):
         tensor and the declared state. Static steps change none of it; a reorder, a crop or new state change some (a
         reset forgets the refill, a new reservation is another :attr:`static`)."""
         ptrs = tuple(t.data_ptr() for layer in self.paged_layers if layer.is_initialized for t in layer._tensors())
-        return (tuple(map(tuple, self.table.rows)), ptrs, self.specs)
+        return (tuple(map(tuple, self.table.rows)), ptrs, self.specs, self.metadata)
 
     def _changed_blocks(
         self, source: PagedKVCache, stored: list[int], before: tuple, holes: list[set[int]]
@@ -909,6 +976,12 @@ class PagedKVCache(DynamicCache):
                 ok = False
             if not ok:
                 raise ValueError(f"load_static: layer {i} of the source is not laid out as this reservation's")
+        lacks = [name for name in self.metadata if name not in source.metadata]
+        if lacks:
+            raise ValueError(
+                f"load_static: this reservation keeps key metadata the source does not ({', '.join(lacks)}): declare "
+                f"it on the source first (source.declare_state((), {tuple(self.metadata)!r}) computes it from its keys)"
+            )
         length = source.get_seq_length()
         if not 0 < length < self.static.max_length:
             raise ValueError(

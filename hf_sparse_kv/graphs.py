@@ -193,7 +193,7 @@ class DecodeGraphs:
             )
         # the state this policy reads, computed from the stored keys where the cache lacks it (a cache filled under
         # another policy), before the reservation: a static step never declares it, and a reserved cache refuses it
-        cache.declare_state(config.policy.cache_state())
+        cache.declare_state(config.policy.cache_state(), config.policy.key_metadata())
         self.static = cache.reserve_static(max_length)
         cache.session.set_graphs(self)  # the patch's model hook leaves this cache's steps to this runner
         fn = forward or type(model).forward.__get__(model)

@@ -274,7 +274,7 @@ def _model_pre_hook(model, args, kwargs):
         check_cache(cache, config)
         # the state this policy reads (a filled cache computes what it lacks from its stored keys): here, because a
         # static step's attention declares nothing and a captured step would run without it
-        cache.declare_state(config.policy.cache_state())
+        cache.declare_state(config.policy.cache_state(), config.policy.key_metadata())
         cache.session.begin_forward()  # a new forward: its decode step is planned afresh
         mask = kwargs.get("attention_mask")
         if not cache.table.rows and not cache.get_seq_length() and isinstance(mask, torch.Tensor) and mask.dim() == 2:

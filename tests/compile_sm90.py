@@ -96,6 +96,7 @@ def cases():
         q = torch.randn(B, H * G, D, generator=g).to(dtype)
         k_pool, v_pool = (torch.randn(NB, H, BS, D, generator=g).to(dtype) for _ in range(2))
         meta = [torch.randn(NB, H, D, generator=g).to(dtype) for _ in range(3)]
+        none = torch.empty(0, dtype=dtype)
         table = torch.arange(NB, dtype=torch.int32).view(B, MB)
         lens = torch.full((B,), MB * BS - 3, dtype=torch.int32)
         zero = torch.zeros(B, dtype=torch.int32)
@@ -115,6 +116,20 @@ def cases():
             (f"block_scores mean+forced {tag}", partial(block_scores, q, *meta, table, lens, BS, "mean", zero, 4, 32)),
             (f"block_scores quest walk {tag}", partial(block_scores, q, *meta, table, lens, BS, "quest", **quest_walk)),
             (f"paged_write {tag}", partial(paged_write, k_pool, v_pool, *meta, table, zero, new, new)),
+            # a cache keeping only min / max (Quest), only the mean (BlockTopK), none (Dense, the exact and float8
+            # selectors): the metadata not kept comes as an empty tensor
+            (
+                f"paged_write min/max {tag}",
+                partial(paged_write, k_pool, v_pool, *meta[:2], none, table, zero, new, new),
+            ),
+            (
+                f"paged_write mean {tag}",
+                partial(paged_write, k_pool, v_pool, none, none, meta[2], table, zero, new, new),
+            ),
+            (
+                f"paged_write no metadata {tag}",
+                partial(paged_write, k_pool, v_pool, none, none, none, table, zero, new, new),
+            ),
             (f"candidate_scores {tag}", partial(candidate_scores, q, k_pool, table, lens, zero, blocks[..., :5])),
             (f"token_scores (every block) {tag}", partial(token_scores, q, k_pool, table, lens, zero, MB * BS)),
             (

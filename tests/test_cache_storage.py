@@ -14,6 +14,7 @@ from hf_sparse_kv import PagedKVCache, cache_kwarg, patch_model, unpatch_model
 from hf_sparse_kv.cache import BlockTable
 from hf_sparse_kv.graphs import DecodeGraphs
 from hf_sparse_kv.ops import reference
+from hf_sparse_kv.ops.layout import KEY_METADATA
 from hf_sparse_kv.policies import DecodeState, Quest, Selection, StateSpec
 from hf_sparse_kv.policies.blocks import _BlockTopK
 
@@ -471,6 +472,8 @@ def test_crop_leaves_each_held_blocks_metadata_over_its_filled_slots(keep):
     with torch.no_grad():
         model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **{cache_kwarg(model): cache})
     unpatch_model(model)
+    assert cache.metadata == ("kmin", "kmax")  # Quest's; the mean computed now from the stored keys
+    cache.declare_state((), KEY_METADATA)
     for layer in cache.paged_layers:  # stale metadata everywhere: a crop must rewrite what it refreshes
         for t in (layer.kmin, layer.kmax, layer.kmean):
             t.fill_(7.0)

@@ -33,13 +33,15 @@ def test_a_stacked_cache_holds_what_the_batch_prefill_holds_and_decodes_on():
         got = stacked_prefill(model, prompts, 8, PhaseClock())
         assert got.pads == want.pads == [0, 17, 9] and got.get_seq_length() == want.get_seq_length() == 149
         assert got.table.capacity == sum(map(len, got.table.rows)) + 3 and got.specs == want.specs
+        assert got.metadata == want.metadata == ("kmin", "kmax")  # what QuantBlockTopK reads (no mean)
         for a, b in zip(got.paged_layers, want.paged_layers):
             for x, y in zip(a.dense_kv(), b.dense_kv()):
                 torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+            assert a.kept_metadata() == b.kept_metadata() == ("kmin", "kmax")
             for row, (ra, rb) in enumerate(zip(got.table.rows, want.table.rows)):
-                for name in ("kmin", "kmax", "kmean", *a.state):
-                    x = getattr(a, name) if name in ("kmin", "kmax", "kmean") else a.state[name]
-                    y = getattr(b, name) if name in ("kmin", "kmax", "kmean") else b.state[name]
+                for name in (*a.kept_metadata(), *a.state):
+                    x = getattr(a, name) if name in a.kept_metadata() else a.state[name]
+                    y = getattr(b, name) if name in b.kept_metadata() else b.state[name]
                     torch.testing.assert_close(x[ra].float(), y[rb].float(), rtol=0, atol=1e-5, msg=(name, row))
         ids, mask, pos = pad_left(prompts, model.device)
         step = {"attention_mask": mask, "position_ids": pos[:, -1:], "use_cache": True}

@@ -21,6 +21,12 @@ from __future__ import annotations
 
 import torch
 
+# The per-block key metadata a paged layer can keep beside its pools, ``[NB, Hkv, D]`` each: the min, max and mean of
+# each block's stored keys (``reference.paged_write``), by their attribute names on a paged layer and on a policy's
+# ``DecodeState``. A cache keeps the ones its policy reads (``Policy.key_metadata``): each costs 1/16 of the keys'
+# bytes at 16-token blocks.
+KEY_METADATA: tuple[str, ...] = ("kmin", "kmax", "kmean")
+
 
 def cdiv(a, b):
     """Ceiling division ``ceil(a / b)`` for ints (or integer tensors) with ``b > 0``."""

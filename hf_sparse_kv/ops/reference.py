@@ -71,7 +71,8 @@ def paged_write(
 
     Args:
         k_pool, v_pool: ``[NB, Hkv, BS, D]``.
-        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block elementwise min / max / mean of the keys written so far.
+        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block elementwise min / max / mean of the keys written so far; an
+            empty tensor (or ``None``) for one the cache does not keep (left alone).
         block_table: ``[B, MB]`` int32; must already map every block the new tokens land in.
         pos0: ``[B]`` int, logical position of each sequence's first new token. It may be negative: token ``t`` goes
             to position ``pos0 + t`` and positions below 0 are skipped (left padding dropped on the way in).
@@ -101,7 +102,9 @@ def refresh_metadata(
     hi: torch.Tensor,
 ) -> None:
     """Recompute min / max / mean of the blocks holding positions ``[lo[b], hi[b])`` of each sequence, in place,
-    each over its filled prefix (positions below ``hi[b]``)."""
+    each over its filled prefix (positions below ``hi[b]``); an empty (or ``None``) metadata tensor is skipped."""
+    if not any(metadata_kept(t) for t in (kmin, kmax, kmean)):
+        return
     BS = k_pool.shape[2]
     for b in range(block_table.shape[0]):
         l, h = int(lo[b]), int(hi[b])
@@ -121,10 +124,22 @@ def refresh_blocks(
 ) -> None:
     """Recompute min / max / mean of the physical blocks ``blocks [n]`` (long) over their first ``fill [n]`` slots,
     in place: :func:`refresh_metadata`'s work for blocks already found, with no host read (a crop passes every
-    sequence's last block at once)."""
+    sequence's last block at once). An empty (or ``None``) metadata tensor is skipped."""
+    if not any(metadata_kept(t) for t in (kmin, kmax, kmean)):
+        return
     keys, ok, lo_, hi_ = _prefix_range(k_pool[blocks], fill)
-    kmin[blocks], kmax[blocks] = lo_.to(kmin.dtype), hi_.to(kmax.dtype)
-    kmean[blocks] = (keys.masked_fill(~ok, 0.0).sum(2) / fill.view(-1, 1, 1)).to(kmean.dtype)
+    if metadata_kept(kmin):
+        kmin[blocks] = lo_.to(kmin.dtype)
+    if metadata_kept(kmax):
+        kmax[blocks] = hi_.to(kmax.dtype)
+    if metadata_kept(kmean):
+        kmean[blocks] = (keys.masked_fill(~ok, 0.0).sum(2) / fill.view(-1, 1, 1)).to(kmean.dtype)
+
+
+def metadata_kept(meta: torch.Tensor | None) -> bool:
+    """Whether a key metadata operand is one a cache keeps (not ``None``, not the empty tensor a write is given for
+    metadata the cache does not keep)."""
+    return meta is not None and meta.numel() > 0
 
 
 def _prefix_range(

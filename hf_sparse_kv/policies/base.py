@@ -9,7 +9,8 @@ context means dense.
 Around :meth:`~Policy.select`, the policy owns its lifecycle through methods with no-op defaults, which the patch and
 the attention call without asking what kind of policy they hold (docs/ARCHITECTURE.md, "The life of a decode step"):
 :meth:`~Policy.check_patch` (refuse settings it cannot run under), :meth:`~Policy.cache_state` (the per-token or
-per-block state the cache keeps for it and how a write refreshes it), :meth:`~Policy.observe_prefill` (score the
+per-block state the cache keeps for it and how a write refreshes it), :meth:`~Policy.key_metadata` (which of the
+blocks' key min / max / mean the cache keeps for it), :meth:`~Policy.observe_prefill` (score the
 prompt during the prefill), :meth:`~Policy.release` (free blocks it will never read again),
 :meth:`~Policy.budget_fraction` (for ``mode="auto"``) and :attr:`~Policy.frees_blocks`.
 """
@@ -25,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from ..ops import reference
-from ..ops.layout import cdiv, forced_block_mask, window_positions
+from ..ops.layout import KEY_METADATA, cdiv, forced_block_mask, window_positions
 
 NEG_INF = float("-inf")
 
@@ -58,7 +59,8 @@ class DecodeState:
     Attributes:
         q: ``[B, Hq, D]`` the decode queries (after RoPE), unscaled.
         k_pool: ``[NB, Hkv, BS, D]`` the layer's key pool.
-        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block key metadata.
+        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block key metadata (min, max, mean of each block's stored keys), or
+            ``None`` where the cache does not keep it (only what :meth:`Policy.key_metadata` names is kept).
         block_table: ``[B, nblk]`` int32; seq_lens, start: ``[B]`` int32 on the device.
         lens: the same lengths on the host (each context in tokens, the current token included), so that
             selection widths are decided without reading the device.
@@ -93,9 +95,9 @@ class DecodeState:
 
     q: torch.Tensor
     k_pool: torch.Tensor
-    kmin: torch.Tensor
-    kmax: torch.Tensor
-    kmean: torch.Tensor
+    kmin: torch.Tensor | None
+    kmax: torch.Tensor | None
+    kmean: torch.Tensor | None
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     start: torch.Tensor
@@ -338,9 +340,17 @@ class Policy:
             )
 
     def cache_state(self) -> tuple[StateSpec, ...]:
-        """The per-token or per-block state the cache must keep for :meth:`select` (none by default; the block
-        min/max/mean metadata is always kept)."""
+        """The per-token or per-block state the cache must keep for :meth:`select` (none by default; the blocks' key
+        min / max / mean are :meth:`key_metadata`)."""
         return ()
+
+    def key_metadata(self) -> tuple[str, ...]:
+        """Which per-block key metadata (:data:`KEY_METADATA`: ``"kmin"``, ``"kmax"``, ``"kmean"``, ``[NB, Hkv, D]``
+        each, the model's dtype) :meth:`select` reads off the :class:`DecodeState`; the cache keeps only those
+        (each is ``D`` values a block: 1/16 of the keys' bytes at 16-token blocks), refreshed by every write. The
+        default, all three, serves a policy written outside the library that may read any of them; the library's
+        policies name what they read (``Dense``, the exact and the float8 selectors: none; ``Quest``: min and max)."""
+        return KEY_METADATA
 
     def observe_prefill(
         self,

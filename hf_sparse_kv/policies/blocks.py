@@ -65,11 +65,22 @@ class _BlockTopK(Policy):
         return Selection("block", indices, state.start, state.start, counts.per_sequence())
 
     def metadata_scores(self, state: DecodeState, method: str) -> torch.Tensor:
-        """:meth:`scores` from the block metadata (``"quest"`` or ``"mean"``), forced blocks set by the same op."""
+        """:meth:`scores` from the block metadata (``"quest"``: min and max, or ``"mean"``), forced blocks set by the
+        same op."""
+        kmin, kmax, kmean = metadata_operands(state, method)
         return state.ops.block_scores(
-            state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
-            method, state.start, self.sink, self.window,
+            state.q, kmin, kmax, kmean, state.block_table, state.seq_lens, state.block_size, method, state.start,
+            self.sink, self.window,
         )  # fmt: skip
+
+
+def metadata_operands(state: DecodeState, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(kmin, kmax, kmean)`` for ``block_scores(..., method)``: the metadata ``method`` reads (``"quest"``: min and
+    max, ``"mean"``: the mean), the op's other operands filled with one of them (it never reads those): a cache keeps
+    only the metadata its policy names (:meth:`~.base.Policy.key_metadata`)."""
+    if method == "quest":
+        return state.kmin, state.kmax, state.kmin
+    return state.kmean, state.kmean, state.kmean
 
 
 @dataclass
@@ -80,6 +91,9 @@ class Quest(_BlockTopK):
     (https://arxiv.org/abs/2406.10774). Args: ``budget`` (tokens or fraction), ``sink``, ``window`` (tokens).
     """
 
+    def key_metadata(self) -> tuple[str, ...]:
+        return ("kmin", "kmax")
+
     def scores(self, state: DecodeState) -> torch.Tensor:
         return self.metadata_scores(state, "quest")
 
@@ -88,6 +102,9 @@ class Quest(_BlockTopK):
 class BlockTopK(_BlockTopK):
     """Representative-key retrieval: rank blocks by ``q . mean key`` of the block (as in InfLLM-style methods,
     https://arxiv.org/abs/2402.04617). Args as :class:`Quest`."""
+
+    def key_metadata(self) -> tuple[str, ...]:
+        return ("kmean",)
 
     def scores(self, state: DecodeState) -> torch.Tensor:
         return self.metadata_scores(state, "mean")
@@ -99,6 +116,9 @@ class OracleBlockTopK(_BlockTopK):
 
     Reads every key to score, so it is for evaluation (hit rates, upper bounds), never a fast path.
     """
+
+    def key_metadata(self) -> tuple[str, ...]:
+        return ()
 
     def mass(self, state: DecodeState) -> torch.Tensor:
         """``[B, Hkv, nblk]`` the softmax mass of each block, ``-inf`` for blocks not in use."""

@@ -94,6 +94,9 @@ class SnapKV(Policy):
                 f"{type(self).__name__}, or use a fresh PagedKVCache."
             )
 
+    def key_metadata(self) -> tuple[str, ...]:
+        return self.then.key_metadata() if self.then is not None else ()
+
     def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
         return self.then.plan(lens, block_size) if self.then is not None else None
 

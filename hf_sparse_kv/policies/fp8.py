@@ -49,6 +49,9 @@ class Fp8BlockTopK(_BlockTopK):
     def cache_state(self) -> tuple[StateSpec, ...]:
         return self._specs
 
+    def key_metadata(self) -> tuple[str, ...]:
+        return ()
+
     @staticmethod
     def _refresh_codes(state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
         """The codes' StateSpec refresh: ``ops.fp8_write`` of the positions ``[lo, hi)``."""

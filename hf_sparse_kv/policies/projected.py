@@ -137,6 +137,9 @@ class _CompressedKeyScores:
     def cache_state(self) -> tuple[StateSpec, ...]:
         return (self._keys.spec,)
 
+    def key_metadata(self) -> tuple[str, ...]:
+        return ()
+
 
 @dataclass
 class ProjectedBlockTopK(_CompressedKeyScores, _BlockTopK):

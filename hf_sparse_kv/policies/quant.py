@@ -43,6 +43,9 @@ class QuantBlockTopK(_BlockTopK):
         bits = self.bits
         self._spec = StateSpec(STATE_NAME, "token", lambda D: (D * bits // 8,), self._refresh, dtype=torch.uint8)
 
+    def key_metadata(self) -> tuple[str, ...]:
+        return ("kmin", "kmax")
+
     def cache_state(self) -> tuple[StateSpec, ...]:
         return (self._spec,)
 

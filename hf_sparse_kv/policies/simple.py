@@ -18,6 +18,9 @@ class Dense(Policy):
 
     granularity: ClassVar[None] = None
 
+    def key_metadata(self) -> tuple[str, ...]:
+        return ()
+
     def plan(self, lens: tuple[int, ...], block_size: int) -> None:
         return None
 
@@ -61,6 +64,9 @@ class SinkWindow(Policy):
     @property
     def frees_blocks(self) -> bool:
         return self.evict
+
+    def key_metadata(self) -> tuple[str, ...]:
+        return ()
 
     def check_patch(self, mode: str, dense_layers: tuple[int, ...]) -> None:
         super().check_patch(mode, dense_layers)

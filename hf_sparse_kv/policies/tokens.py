@@ -37,6 +37,9 @@ class TokenTopK(Policy):
         check_count(self.window, "window")
         warn_budget_below_forced(type(self).__name__, self.budget, self.sink, self.window)
 
+    def key_metadata(self) -> tuple[str, ...]:
+        return ()
+
     def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
         """Tokens to keep per sequence (``None``: every sequence keeps everything), decided on the host."""
         counts = []

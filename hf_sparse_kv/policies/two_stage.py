@@ -29,7 +29,7 @@ import torch
 
 from ..ops.layout import cdiv, forced_block_bound, forced_block_count, forced_block_mask, window_positions
 from .base import Counts, DecodeState, Selection, StateSpec, int_max, int_min
-from .blocks import _BlockTopK
+from .blocks import _BlockTopK, metadata_operands
 from .product import ProductCodes
 from .projected import CompressedKeys
 from .tokens import TokenTopK
@@ -55,6 +55,10 @@ class CoarsePass:
     def cache_state(self) -> tuple[StateSpec, ...]:
         return tuple(part.spec for part in (self.keys, self.codes) if part is not None)
 
+    def key_metadata(self) -> tuple[str, ...]:
+        """The blocks' min / max for Quest's bound and the pooled shares, nothing for compressed keys and codes."""
+        return () if self.keys is not None or self.codes is not None else ("kmin", "kmax")
+
     def scores(self, state: DecodeState, sink: int, window: int) -> torch.Tensor:
         """``[B, Hkv, nblk]`` float32, forced blocks ``+inf``, blocks not in use ``-inf``."""
         if self.coarse in SHARE_POOL:
@@ -66,7 +70,7 @@ class CoarsePass:
             return self.codes.scores(state, sink, window)
         if self.keys is None:
             return state.ops.block_scores(
-                state.q, state.kmin, state.kmax, state.kmean, state.block_table, state.seq_lens, state.block_size,
+                state.q, *metadata_operands(state, "quest"), state.block_table, state.seq_lens, state.block_size,
                 "quest", state.start, sink, window,
             )  # fmt: skip
         q, qproj, ckeys = self.keys.scoring_inputs(state)
@@ -156,6 +160,9 @@ class _TwoStage:
 
     def cache_state(self) -> tuple[StateSpec, ...]:
         return self._coarse.cache_state()
+
+    def key_metadata(self) -> tuple[str, ...]:
+        return self._coarse.key_metadata()
 
     @property
     def fits_to_the_batch(self) -> bool:
