@@ -196,7 +196,7 @@ def check_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Raise a ``ValueError``/``TypeError`` for what a recipe would only meet after loading its model: an unknown
     recipe, policy, mode or dtype, a bad budget, block size, length or layer index. Returns ``cfg``."""
     from hf_sparse_kv.attention import MODES
-    from hf_sparse_kv.cache import check_block_size
+    from hf_sparse_kv.ops.layout import check_block_size
 
     if cfg["recipe"] not in RECIPES:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {cfg['recipe']!r}")

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from .ops import BACKENDS, get_ops, reference, resolve_backend
-from .ops.layout import KEY_METADATA, cdiv
+from .ops.layout import KEY_METADATA, cdiv, check_block_size
 from .ops.library import registered_ops
 from .runtime import DecodeSession
 from .static import StaticBuffers, WindowRing
@@ -40,13 +40,6 @@ def host_ints_on(made: dict, device, lists: tuple[list[int], ...]) -> tuple[torc
         flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long).to(device)
         made[key] = flat.split([len(xs) for xs in lists])
     return made[key]
-
-
-def check_block_size(block_size: int) -> None:
-    """Raise a ``ValueError`` unless ``block_size`` is a power of two between 8 and 256."""
-    ok = isinstance(block_size, int) and not isinstance(block_size, bool) and 8 <= block_size <= 256
-    if not ok or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two between 8 and 256, got {block_size!r}")
 
 
 class BlockTable:
@@ -343,7 +336,9 @@ class PagedLayer(DynamicLayer):
         if self.state:
             self.refresh_state(pos0.clamp(min=0), pos0 + T, T)
         self.length = frame0 + T
-        if frame0 == 0 or self.cache.pop_deferred(self):
+        deferred = self.cache.pop_deferred(self)  # taken on every write: a flag left by a first write would hand the
+        # next forward's attention (one not patched any more) only the new K/V
+        if frame0 == 0 or deferred:
             return self._give(key_states, value_states)
         return self._give(*self.dense_kv())
 
@@ -1175,6 +1170,9 @@ class PagedKVCache(DynamicCache):
             raise NotImplementedError(
                 "a cache reserved for static decoding with sliding-window layers cannot be cropped"
             )
+        for layer in self.layers:  # transformers' own layers first: one that cannot crop (a sliding-window layer
+            if not isinstance(layer, PagedLayer):  # past its window) raises before the pages or the table change
+                layer.crop(keep - length)
         self.static = None  # the reservation and captured steps assumed the old table
         self.session.set_graphs(None)
         t = self.table
@@ -1190,13 +1188,10 @@ class PagedKVCache(DynamicCache):
         last = [(blk, n) for blk, n in last if blk >= 0]
         lists = ([b for b, _ in last], [n for _, n in last], [max(h - 1, 0) for h in his], his)
         made: dict = {}  # per device: blocks, fill, lo, hi
-        for layer in self.layers:
-            if isinstance(layer, PagedLayer):
-                layer.length = min(layer.length, keep)
-                if layer.is_initialized and t.rows:
-                    blocks, fill, lo, hi = host_ints_on(made, layer.device, lists)
-                    if len(last):
-                        reference.refresh_blocks(layer.k_pool, layer.kmin, layer.kmax, layer.kmean, blocks, fill)
-                    layer.refresh_state(lo, hi, 1)
-            else:
-                layer.crop(keep - length)
+        for layer in self.paged_layers:
+            layer.length = min(layer.length, keep)
+            if layer.is_initialized and t.rows:
+                blocks, fill, lo, hi = host_ints_on(made, layer.device, lists)
+                if len(last):
+                    reference.refresh_blocks(layer.k_pool, layer.kmin, layer.kmax, layer.kmean, blocks, fill)
+                layer.refresh_state(lo, hi, 1)

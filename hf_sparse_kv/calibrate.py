@@ -33,7 +33,7 @@ import torch
 from .attention import execute
 from .crossover import CrossoverTable, describe_key, policy_key
 from .ops import get_ops, resolve_backend
-from .ops.layout import cdiv
+from .ops.layout import cdiv, check_block_size
 from .policies import POLICIES, DecodeState, Dense, Policy, Quest
 
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -304,6 +304,27 @@ def parse_policy(name: str, args_json: str) -> tuple[type[Policy], dict]:
     return policy_cls, kwargs
 
 
+def _numbers(text: str, kind: type, flag: str) -> tuple:
+    """``text``'s comma-separated numbers as ``kind``, each positive (``ValueError`` naming ``flag`` otherwise)."""
+    try:
+        values = tuple(kind(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise ValueError(f"{flag} takes positive numbers, got {text!r}")
+    return values
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    """``"q heads,KV heads,head dim"`` as three positive ints, the query heads a multiple of the KV heads."""
+    values = _numbers(text, int, "--shapes")
+    if len(values) != 3 or values[0] % values[1]:
+        raise ValueError(
+            f"--shapes takes 'q heads,KV heads,head dim' (the q heads a multiple of the KV heads), got {text!r}"
+        )
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="32,8,128", help="q heads,KV heads,head dim; several separated by ';'")
@@ -323,20 +344,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timing", choices=["eager", "graph"], default="eager", help="eager steps or CUDA-graph steps")
     p.add_argument("--out", default="crossover.json")
     args = p.parse_args(argv)
-    budgets = tuple(map(float, args.budgets.split(",")))
-    try:  # every refusal before anything is timed
+    try:  # every refusal before anything is timed: one line and exit status 2 (argparse's), no traceback
+        budgets = _numbers(args.budgets, float, "--budgets")
+        batches, contexts = _numbers(args.batches, int, "--batches"), _numbers(args.contexts, int, "--contexts")
+        shapes = [_shape(shape) for shape in args.shapes.split(";")]
+        check_block_size(args.block_size)
+        if args.reps < 1:
+            raise ValueError(f"--reps must be at least 1, got {args.reps}")
         policy_cls, policy_args = parse_policy(args.policy, args.policy_args)
-        make_policy(policy_cls, policy_args, budgets[0])
+        for budget in budgets:
+            make_policy(policy_cls, policy_args, budget)
     except (TypeError, ValueError) as e:
         p.error(str(e))
     tables, all_rows = [], []
-    for shape in args.shapes.split(";"):
-        hq, hkv, d = map(int, shape.split(","))
+    for shape, (hq, hkv, d) in zip(args.shapes.split(";"), shapes):
         table, rows = calibrate(
             hq, hkv, d,
-            batches=tuple(map(int, args.batches.split(","))),
+            batches=batches,
             budgets=budgets,
-            contexts=tuple(map(int, args.contexts.split(","))),
+            contexts=contexts,
             block_size=args.block_size,
             policy_cls=policy_cls,
             policy_args=policy_args,

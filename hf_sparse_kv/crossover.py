@@ -193,7 +193,17 @@ class CrossoverTable:
         one timed it, else Quest's."""
         if path is None:
             return cls.shipped(timing, policy)
-        return cls.from_json(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"crossover file {path} is not JSON ({e}): write one with `hf-sparse-kv calibrate`") from e
+        table = isinstance(data, dict) and isinstance(data.get("entries"), list)
+        if not table:  # the file's contents are wrong, not an argument's type
+            raise ValueError(
+                f"crossover file {path} holds no crossover table (a JSON object with a list of 'entries'): write one "
+                "with `hf-sparse-kv calibrate`"
+            )
+        return cls.from_json(data)
 
     @classmethod
     def shipped(cls, timing: str = "eager", policy=None, folder: str | Path | None = None) -> CrossoverTable:

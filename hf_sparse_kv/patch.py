@@ -39,11 +39,12 @@ from .attention import (
     prepare_write,
     sparse_attention_forward,
 )
-from .cache import PagedKVCache, PagedLayer, check_block_size
+from .cache import PagedKVCache, PagedLayer
 from .crossover import CrossoverTable, calibrate_command
 from .graphs import begin_static_step, captured_step, refuse_freezing
 from .merge import merge, refresh, unmerge
 from .ops import BACKENDS
+from .ops.layout import check_block_size
 from .patched import STATE_ATTR, PatchState, cache_kwarg
 from .policies import Dense, Policy
 
@@ -247,6 +248,17 @@ def _find_cache(kwargs: dict):
     return None, None
 
 
+def _as_keywords(cls: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward's positional arguments after the first as keywords, by ``cls.forward``'s parameter order (the call
+    it makes is the same); left as they are where the signature cannot say (``*args``, unreadable)."""
+    params = _forward_parameters(cls)
+    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [name for name, p in list(params.items())[1:] if p.kind in plain] if params else []
+    if len(names) < len(args) or any(names[i] in kwargs for i in range(1, len(args))):
+        return args, kwargs  # the forward itself reports what is wrong with this call
+    return args[:1], {**dict(zip(names[1 : len(args)], args[1:])), **kwargs}
+
+
 def _foreign_cache_error(cache) -> TypeError:
     return TypeError(
         f"a model patched by hf_sparse_kv needs a PagedKVCache, got {type(cache).__name__}. Pass none (generate() "
@@ -254,6 +266,9 @@ def _foreign_cache_error(cache) -> TypeError:
     )
 
 
+# the model hook plans a static step on the host: never traced (generate() compiles model.__call__); disabled where it
+# is defined, so that the hook registered is this module's attribute (a patched model pickles: torch.save(model))
+@torch.compiler.disable
 def _model_pre_hook(model, args, kwargs):
     state: PatchState = getattr(model, STATE_ATTR)
     config: SparseConfig = state.config
@@ -262,6 +277,8 @@ def _model_pre_hook(model, args, kwargs):
             "output_attentions=True is not supported on a model patched by hf_sparse_kv: sparse decode never forms "
             "the attention matrix. Call unpatch_model(model) to get attention weights."
         )
+    if len(args) > 1:  # the hook reads the mask and the cache by name: a cache passed by position is found too
+        args, kwargs = _as_keywords(type(model), args, kwargs)
     ids = kwargs.get("input_ids", args[0] if args else None)
     ids = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
     one = isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 1
@@ -330,6 +347,13 @@ def _prepare_cache_for_generation(
     model, original, generation_config, model_kwargs, generation_mode=None, batch_size=None, max_cache_length=None
 ):
     config: SparseConfig = getattr(model, STATE_ATTR).config
+    if config.policy.frees_blocks and str(getattr(generation_mode, "value", generation_mode)) == "assisted_generation":
+        raise ValueError(
+            f"{type(config.policy).__name__} frees blocks as it decodes, one token a forward; assisted and prompt-lookup "
+            "decoding verify several tokens a forward, which run dense over the whole cache (it would never free "
+            "them, its memory growing with the output) or stop midway once blocks were freed. Generate without "
+            "assistant_model / prompt_lookup_num_tokens, or patch with a policy that keeps every block."
+        )
     _name, cache = _find_cache(model_kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise _foreign_cache_error(cache)
@@ -449,6 +473,8 @@ def patch_model(
     layers = _validate(model, policy, mode, dense_layers, block_size, backend)
     previous = getattr(model, STATE_ATTR, None)
     original_attn = previous.config.original_attn if previous else model.config._attn_implementation
+    if not isinstance(cuda_graph, bool):
+        raise TypeError(f"cuda_graph must be True or False, got {cuda_graph!r}")
     if cuda_graph and policy.frees_blocks and not policy.frees_once:
         raise ValueError(
             f"cuda_graph=True needs a block table that does not change during decoding, and {type(policy).__name__} "
@@ -494,53 +520,7 @@ def patch_model(
     elif crossover is not None:
         raise ValueError("crossover is used by mode='auto' only")
     config = SparseConfig(policy, mode, layers, block_size, backend, original_attn, table, compile, cuda_graph)
-    if not isinstance(policy, Dense) and not _sparse_layers(model, layers):
-        warnings.warn(
-            f"no layer of {type(model).__name__} runs {type(policy).__name__}: every layer with a full-attention cache "
-            f"is in dense_layers={layers} or none has one (sliding-window layers keep transformers' own cache and "
-            "stay dense), so decoding reads everything. Pass fewer dense_layers to make some layers sparse.",
-            stacklevel=2,
-        )
-    _register()
-    saved = _Settings(model)
-    handles = []
-    old = previous.merged if previous else []
-    # stale groups, or groups of the other decode_linear setting, are merged afresh
-    keep = merge_projections and bool(old) and all(g.intact() and g.kernel == decode_linear for g in old)
-    merged, undone = [], []
-    try:  # a previous patch stays in force until this one is complete
-        # the model hook plans a static step on the host: never traced (generate() compiles model.__call__)
-        handles.append(model.register_forward_pre_hook(torch.compiler.disable(_model_pre_hook), with_kwargs=True))
-        for module in _attention_modules(model):
-            handles.append(module.register_forward_pre_hook(partial(_attention_pre_hook, config), with_kwargs=True))
-        model.set_attn_implementation(ATTENTION_NAME)
-        original = type(model)._prepare_cache_for_generation.__get__(model)
-        model.__dict__.pop("forward", None)  # a previous patch's CUDA-graph wrapper
-        model._prepare_cache_for_generation = partial(_prepare_cache_for_generation, model, original)
-        if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
-            original_forward = type(model).forward.__get__(model)
-            model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
-        if merge_projections and not keep:
-            unmerge(old)  # none, or stale: each layer its own (current) weights, then merged anew
-            undone, old = old, []
-            merged = merge(model, decode_linear)
-    except BaseException:
-        for h in handles:
-            h.remove()
-        unmerge(merged)
-        saved.restore(model)
-        if undone:  # the previous patch's (stale) groups were unmerged above: merged again for it, as a new state
-            try:  # (the weights moved: static steps set up before must refuse, as after any re-patch)
-                regrouped = merge(model, any(g.kernel for g in undone))
-            except RuntimeError:  # (out of memory, most likely) it then runs unmerged: the same outputs, slower
-                regrouped = []
-            setattr(model, STATE_ATTR, PatchState(previous.config, previous.handles, regrouped))
-        raise
-    for handle in previous.handles if previous else ():
-        handle.remove()  # replaced by this patch's hooks
-    if old and not keep:
-        unmerge(old)
-    setattr(model, STATE_ATTR, PatchState(config, handles, old if keep else merged))
+    # warned before anything changes (under warnings-as-errors a warning is a refusal: nothing half-patched)
     if cuda_graph and not any(p.is_cuda for p in model.parameters()):
         warnings.warn(
             "cuda_graph=True: the model is not on a CUDA device, so its decode steps run eagerly (CUDA graphs "
@@ -556,6 +536,58 @@ def patch_model(
             UserWarning,
             stacklevel=2,
         )
+    if not isinstance(policy, Dense) and not _sparse_layers(model, layers):
+        warnings.warn(
+            f"no layer of {type(model).__name__} runs {type(policy).__name__}: every layer with a full-attention cache "
+            f"is in dense_layers={layers} or none has one (sliding-window layers keep transformers' own cache and "
+            "stay dense), so decoding reads everything. Pass fewer dense_layers to make some layers sparse.",
+            stacklevel=2,
+        )
+    _register()
+    saved = _Settings(model)
+    instance = previous.instance if previous else dict(saved.methods)  # the user's own, kept through re-patches
+    handles = []
+    old = previous.merged if previous else []
+    # stale groups, or groups of the other decode_linear setting, are merged afresh
+    keep = merge_projections and bool(old) and all(g.intact() and g.kernel == decode_linear for g in old)
+    merged, undone = [], []
+    try:  # a previous patch stays in force until this one is complete
+        handles.append(model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True))
+        for module in _attention_modules(model):
+            handles.append(module.register_forward_pre_hook(partial(_attention_pre_hook, config), with_kwargs=True))
+        model.set_attn_implementation(ATTENTION_NAME)
+        # the instance's own methods where it had them (accelerate's hooks wrap forward there), else the class's;
+        # a previous patch's wrappers replaced
+        original = instance.get("_prepare_cache_for_generation") or type(model)._prepare_cache_for_generation.__get__(
+            model
+        )
+        original_forward = instance.get("forward") or type(model).forward.__get__(model)
+        model.__dict__.pop("forward", None)
+        model.__dict__.update({k: v for k, v in instance.items() if k == "forward"})
+        model._prepare_cache_for_generation = partial(_prepare_cache_for_generation, model, original)
+        if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
+            model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
+        if merge_projections and not keep:
+            unmerge(old)  # none, or stale: each layer its own (current) weights, then merged anew
+            undone, old = old, []
+            merged = merge(model, decode_linear)
+    except BaseException:
+        for h in handles:
+            h.remove()
+        unmerge(merged)
+        saved.restore(model)
+        if undone:  # the previous patch's (stale) groups were unmerged above: merged again for it, as a new state
+            try:  # (the weights moved: static steps set up before must refuse, as after any re-patch)
+                regrouped = merge(model, any(g.kernel for g in undone))
+            except RuntimeError:  # (out of memory, most likely) it then runs unmerged: the same outputs, slower
+                regrouped = []
+            setattr(model, STATE_ATTR, PatchState(previous.config, previous.handles, regrouped, previous.instance))
+        raise
+    for handle in previous.handles if previous else ():
+        handle.remove()  # replaced by this patch's hooks
+    if old and not keep:
+        unmerge(old)
+    setattr(model, STATE_ATTR, PatchState(config, handles, old if keep else merged, instance))
     return model
 
 
@@ -572,6 +604,7 @@ def unpatch_model(model: torch.nn.Module):
     unmerge(state.merged)
     model.__dict__.pop("_prepare_cache_for_generation", None)
     model.__dict__.pop("forward", None)
+    model.__dict__.update(state.instance)  # the instance's own methods from before the first patch
     model.set_attn_implementation(state.config.original_attn)
     delattr(model, STATE_ATTR)
     return model

@@ -23,6 +23,9 @@ class PatchState:
     config: object  # hf_sparse_kv.attention.SparseConfig
     handles: list
     merged: list = field(default_factory=list)  # hf_sparse_kv.merge.MergedGroup, merge_projections=True
+    # the methods the instance itself held before the first patch (``forward``, ``_prepare_cache_for_generation``:
+    # e.g. accelerate's hook wrapper, or a user's compiled forward): the patch calls them, unpatching restores them
+    instance: dict = field(default_factory=dict)
 
 
 def patch_state(model: torch.nn.Module) -> PatchState | None:

@@ -315,6 +315,15 @@ def test_calibrate_times_any_policy_and_records_it(tmp_path):
         (["--policy", "dense"], "Dense has no budget"),
         (["--policy", "SnapKV"], "frees blocks"),
         (["--policy", "Quest", "--policy-args", '{"bits": 4}'], "not a valid policy"),
+        # malformed numbers: one line and status 2, not a traceback (a review, 2026-12-07)
+        (["--budgets", "abc"], "--budgets takes comma-separated floats"),
+        (["--budgets", "0.5,2.0"], "must lie in (0, 1]"),
+        (["--batches", "0"], "--batches takes positive numbers"),
+        (["--contexts", "-64"], "--contexts takes positive numbers"),
+        (["--shapes", "4,3,64"], "the q heads a multiple of the KV heads"),
+        (["--shapes", "4,2"], "'q heads,KV heads,head dim'"),
+        (["--block-size", "12"], "block_size must be a power of two"),
+        (["--reps", "0"], "--reps must be at least 1"),
     ],
 )
 def test_calibrate_refuses_a_policy_it_cannot_time(tmp_path, capsys, argv, message):

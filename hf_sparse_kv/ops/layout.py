@@ -28,6 +28,13 @@ import torch
 KEY_METADATA: tuple[str, ...] = ("kmin", "kmax", "kmean")
 
 
+def check_block_size(block_size: int) -> None:
+    """Raise a ``ValueError`` unless ``block_size`` is a power of two between 8 and 256."""
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool) and 8 <= block_size <= 256
+    if not ok or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two between 8 and 256, got {block_size!r}")
+
+
 def cdiv(a, b):
     """Ceiling division ``ceil(a / b)`` for ints (or integer tensors) with ``b > 0``."""
     return -(-a // b)

@@ -87,7 +87,7 @@ class SnapKV(Policy):
         """At the first decode step after the prefill: free the unkept prompt blocks (:meth:`blocks_to_free`)."""
         if observation.scores is not None:
             cache.free_blocks(self.blocks_to_free(observation.scores, lens, cache.block_size))
-        elif not observation.used_before:
+        elif not observation.used_before and not self.keeps_all(lens, cache.block_size):
             raise ValueError(
                 f"{type(self).__name__} scores the prompt during its prefill, but this cache was filled without it "
                 "(e.g. by a model patched with another policy): prefill the prompt with the model patched for "
@@ -145,6 +145,16 @@ class SnapKV(Policy):
         out = torch.zeros(B, Hkv, nblk, device=key.device)
         index = (stored.clamp(min=0) // block_size).unsqueeze(1).expand(B, Hkv, L)
         return out.scatter_add_(2, index, mass * (stored >= 0).unsqueeze(1))
+
+    def keeps_all(self, lens: tuple[int, ...], block_size: int) -> bool:
+        """Whether every block of contexts ``lens`` is kept whatever the scores (budget, sink and window cover them):
+        a prompt of one token has no prefill to observe (its forward is a decode step) and nothing to free."""
+        for n in lens:
+            nblk = cdiv(n, block_size)
+            forced = forced_block_count(n, self.sink, self.window, block_size)
+            if budget_tokens(self.budget, n) < n and max(budget_tokens(self.budget, n) // block_size, forced) < nblk:
+                return False
+        return True
 
     def blocks_to_free(self, scores: torch.Tensor, lens: tuple[int, ...], block_size: int) -> list[list[int]]:
         """The logical blocks to free per sequence at context ``lens``, from the observed ``scores [layers, B, Hkv,
