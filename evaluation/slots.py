@@ -130,10 +130,9 @@ class DecodeSlots:
         they all declare). ``free``: per sequence, the blocks of ``prefix`` that the policy (one that frees once)
         frees at its first decode step, left out of the refill (``PagedKVCache.load_static``)."""
         specs = tuple(dict.fromkeys(s for p in policies for s in p.cache_state()))
-        # a slot serves the jobs of a whole run, whose policies read different key metadata: it keeps all of it, and
-        # the refill copies it from the prefix (computed from the prefix's keys where its prefill kept less)
+        # a slot serves the jobs of a whole run, whose policies read different key metadata: it keeps all of it (a
+        # refill computes from the copied keys what the prefix's prefill did not keep)
         metadata = KEY_METADATA
-        prefix.declare_state((), metadata)
         slot = self._slot(prefix, need, specs, metadata)
         slot.cache.load_static(prefix, free, whole=self.whole_refills)
         self.loads += 1

@@ -283,13 +283,13 @@ class PagedLayer(DynamicLayer):
         last one (``PagedKVCache.load_static``). For ``PagedKVCache.load_static``, which builds the index tensors
         once per device for all layers (from host lists of every sequence's blocks: ~1 ms each at 8 x 32K, which
         per layer was most of a refill's host time)."""
-        for name in ("k_pool", "v_pool", *self.kept_metadata()):  # the source keeps these too (_check_load)
+        for name in ("k_pool", "v_pool", *self.kept_metadata()):
             t, s = getattr(self, name), getattr(source, name)
             if zero is None:
                 t.zero_()
             elif zero.numel():
                 t.index_fill_(0, zero, 0)
-            if dst.numel():
+            if dst.numel() and s is not None:  # metadata the source lacks: computed from the copied keys (load_static)
                 t.index_copy_(0, dst, s.index_select(0, src))
         for t in self.state.values():
             if zero is None:
@@ -815,8 +815,9 @@ class PagedKVCache(DynamicCache):
         The blocks stay this reservation's; the next refill without ``free`` gives the table all of them back.
 
         Each paged layer's pools, metadata and declared state are zeroed and ``source``'s blocks copied into this
-        cache's blocks of the same sequence and position (the declared state recomputed from the copied keys: what
-        a reservation of ``source`` itself would hold, up to block numbering). A refill from the same, unchanged
+        cache's blocks of the same sequence and position (the declared state, and key metadata this reservation keeps
+        and ``source`` does not, recomputed from the copied keys: what a reservation of ``source`` itself would hold,
+        up to block numbering). A refill from the same, unchanged
         contents as the last one (the same ``source`` object, nothing written into it or its table changed since,
         this reservation only decoded in static steps since) rewrites only what differs: each sequence's blocks
         from its context's last partial block on (where the steps wrote), and the blocks whose hole status
@@ -870,6 +871,14 @@ class PagedKVCache(DynamicCache):
             if layer.state:
                 lo_t, hi_t = host_ints_on(bounds, layer.device, (lo, stored))
                 layer.refresh_state(lo_t, hi_t, max(1, *(h - low for h, low in zip(stored, lo))))
+        for mine, theirs in zip(self.paged_layers, source.paged_layers):  # key metadata the source does not keep
+            lacks = {name: getattr(mine, name) for name in mine.kept_metadata() if getattr(theirs, name) is None}
+            if lacks:  # from the keys just copied, over what the refill wrote (lengths from the host: no read back)
+                table = self.table.tensor(mine.device)
+                lo_h, hi_h = torch.tensor(lo), torch.tensor(stored)
+                reference.refresh_metadata(
+                    mine.k_pool, lacks.get("kmin"), lacks.get("kmax"), lacks.get("kmean"), table, lo_h, hi_h
+                )
         self._refill = _Refill(weakref.ref(source), stamp, self.static, self._layout(), tuple(map(frozenset, holes)))
 
     def _stamp(self) -> tuple:
@@ -971,12 +980,6 @@ class PagedKVCache(DynamicCache):
                 ok = False
             if not ok:
                 raise ValueError(f"load_static: layer {i} of the source is not laid out as this reservation's")
-        lacks = [name for name in self.metadata if name not in source.metadata]
-        if lacks:
-            raise ValueError(
-                f"load_static: this reservation keeps key metadata the source does not ({', '.join(lacks)}): declare "
-                f"it on the source first (source.declare_state((), {tuple(self.metadata)!r}) computes it from its keys)"
-            )
         length = source.get_seq_length()
         if not 0 < length < self.static.max_length:
             raise ValueError(

@@ -1,9 +1,11 @@
 """The blocks' key metadata (min / max / mean, ``[NB, Hkv, D]`` each) is kept only where the patched policy reads it
 (``Policy.key_metadata``): a cache under ``Dense`` or the float8 selector holds K and V (and the selector's state)
 only, Quest's min and max, BlockTopK's mean. A filled cache that meets a policy reading more computes it from its
-stored keys (the blocks still held); a reserved one, or a refill source without it, refuses with advice."""
+stored keys (the blocks still held), a refill from a source without it computes it; a reserved cache refuses it."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -181,26 +183,30 @@ def test_a_reserved_cache_refuses_metadata_it_lacks_and_keeps_what_it_had():
     unpatch_model(model)
 
 
-def test_a_refill_needs_the_metadata_of_the_reservation():
-    """``load_static`` from a source without the reservation's metadata says which and how to add it; declared on
-    the source, the refill holds what the source holds."""
+def test_a_refill_computes_the_metadata_its_source_does_not_keep():
+    """``load_static`` from a source without the reservation's metadata (a prompt prefilled under Dense refilling a
+    Quest slot) computes it from the keys it copied: what a refill from a source keeping it holds, and the source is
+    left as it was."""
     model = tiny_model("llama")
     patch_model(model, policy=Quest(budget=24, sink=4, window=8), block_size=BS)
-    slot = PagedKVCache(model.config, block_size=BS)
-    _prefill(model, slot)
-    slot.reserve_static(80, any_padding=True)
+    slots = []
+    for _ in range(2):
+        slot = PagedKVCache(model.config, block_size=BS)
+        _prefill(model, slot)
+        slot.reserve_static(80, any_padding=True)
+        slots.append(slot)
     patch_model(model, policy=Dense(), block_size=BS)
     source = PagedKVCache(model.config, block_size=BS)
     _prefill(model, source, length=40)
-    with pytest.raises(ValueError, match=r"key metadata the source does not \(kmin, kmax\)"):
-        slot.load_static(source)
-    source.declare_state((), MINMAX)
-    slot.load_static(source)
-    for mine, theirs in zip(slot.paged_layers, source.paged_layers):
-        for rm, rt in zip(slot.table.rows, source.table.rows):
-            n = len(rt)
+    keeping = copy.deepcopy(source)
+    keeping.declare_state((), MINMAX)
+    slots[0].load_static(source)
+    slots[1].load_static(keeping)
+    assert source.metadata == () and all(layer.kept_metadata() == () for layer in source.paged_layers)
+    for a, b in zip(slots[0].paged_layers, slots[1].paged_layers):
+        for ra, rb in zip(slots[0].table.rows, slots[1].table.rows):
             for name in MINMAX:
-                assert torch.equal(getattr(mine, name)[rm[:n]], getattr(theirs, name)[rt])
+                assert torch.equal(getattr(a, name)[ra], getattr(b, name)[rb]), name
     unpatch_model(model)
 
 
