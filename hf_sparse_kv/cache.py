@@ -873,11 +873,12 @@ class PagedKVCache(DynamicCache):
                 layer.refresh_state(lo_t, hi_t, max(1, *(h - low for h, low in zip(stored, lo))))
         for mine, theirs in zip(self.paged_layers, source.paged_layers):  # key metadata the source does not keep
             lacks = {name: getattr(mine, name) for name in mine.kept_metadata() if getattr(theirs, name) is None}
-            if lacks:  # from the keys just copied, over what the refill wrote (lengths from the host: no read back)
+            if lacks:  # from the keys just copied, every stored block (a partial refill zeroes blocks before its
+                # first rewritten one too: those whose hole status changed); lengths from the host, no read back
                 table = self.table.tensor(mine.device)
-                lo_h, hi_h = torch.tensor(lo), torch.tensor(stored)
+                hi_h = torch.tensor(stored)
                 reference.refresh_metadata(
-                    mine.k_pool, lacks.get("kmin"), lacks.get("kmax"), lacks.get("kmean"), table, lo_h, hi_h
+                    mine.k_pool, lacks.get("kmin"), lacks.get("kmax"), lacks.get("kmean"), table, 0 * hi_h, hi_h
                 )
         self._refill = _Refill(weakref.ref(source), stamp, self.static, self._layout(), tuple(map(frozenset, holes)))
 
