@@ -104,7 +104,7 @@ class PagedLayer(DynamicLayer):
         self.index = index  # the model's layer index (a policy calibrated per layer refreshes its state by it)
         self.length = 0
         self.k_pool = self.v_pool = self.kmin = self.kmax = self.kmean = None
-        self._empty: tuple | None = None  # an empty tensor per metadata not kept, for the write (see write_metadata)
+        self._empty: tuple | None = None  # a placeholder per metadata not kept, for the write (see write_metadata)
         self._given = None  # weak references to what the last unreserved update() returned (see gave)
         self.writes = 0  # unreserved writes into the pools so far (update, copy_block, load): in PagedKVCache's stamp
         self.state: dict[str, torch.Tensor] = {}  # the policy-declared state (see PagedKVCache.declare_state)
@@ -171,10 +171,11 @@ class PagedLayer(DynamicLayer):
         return tuple(name for name in KEY_METADATA if getattr(self, name) is not None)
 
     def write_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(kmin, kmax, kmean)`` for ``paged_write``: each kept one, or an empty tensor the write leaves alone
-        (made once per device: a captured step replays the same tensors)."""
+        """``(kmin, kmax, kmean)`` for ``paged_write``: each kept one, or a one-element placeholder the write leaves
+        alone (not ``[NB, Hkv, D]``; an allocation of its own, never a null pointer for a kernel; made once per device:
+        a captured step replays the same tensors)."""
         if self._empty is None or self._empty[0].device != self.k_pool.device:
-            self._empty = tuple(self.k_pool.new_empty(0) for _ in KEY_METADATA)
+            self._empty = tuple(self.k_pool.new_zeros(1) for _ in KEY_METADATA)
         return tuple(
             empty if getattr(self, name) is None else getattr(self, name)
             for name, empty in zip(KEY_METADATA, self._empty)

@@ -72,7 +72,8 @@ def paged_write(
     Args:
         k_pool, v_pool: ``[NB, Hkv, BS, D]``.
         kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block elementwise min / max / mean of the keys written so far; an
-            empty tensor (or ``None``) for one the cache does not keep (left alone).
+            placeholder (``None``, or any tensor that is not 3-D: the cache passes a one-element one) for one the
+            cache does not keep (left alone).
         block_table: ``[B, MB]`` int32; must already map every block the new tokens land in.
         pos0: ``[B]`` int, logical position of each sequence's first new token. It may be negative: token ``t`` goes
             to position ``pos0 + t`` and positions below 0 are skipped (left padding dropped on the way in).
@@ -137,9 +138,9 @@ def refresh_blocks(
 
 
 def metadata_kept(meta: torch.Tensor | None) -> bool:
-    """Whether a key metadata operand is one a cache keeps (not ``None``, not the empty tensor a write is given for
-    metadata the cache does not keep)."""
-    return meta is not None and meta.numel() > 0
+    """Whether a key metadata operand is one a cache keeps (``[NB, Hkv, D]``), not ``None`` nor the placeholder a
+    write is given for metadata the cache does not keep."""
+    return meta is not None and meta.dim() == 3
 
 
 def _prefix_range(

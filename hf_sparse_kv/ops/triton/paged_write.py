@@ -5,8 +5,8 @@ tile, taking the rows below ``pos0`` from the pool and the rows in ``[pos0, pos0
 to the pool dtype, as the pool stores them), writes the new key and value rows, and recomputes the block's min / max
 / mean over its filled prefix ``[0, fill)`` in float32 from that tile, so nothing is read back after the write.
 Distinct programs own distinct (block, head) tiles, so there are no races. ``D`` is walked in chunks of ``BD``.
-Metadata the cache does not keep comes as an empty tensor and is neither computed nor stored (``MINMAX``, ``MEAN``);
-with none kept the block's old rows are not loaded either.
+Metadata the cache does not keep comes as a placeholder (a tensor that is not ``[NB, Hkv, D]``) and is neither
+computed nor stored (``MINMAX``, ``MEAN``); with none kept the block's old rows are not loaded either.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def paged_write(
 
     Args:
         k_pool, v_pool: ``[NB, Hkv, BS, D]`` (inner dims contiguous).
-        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block min / max / mean of the keys written so far; an empty tensor
-            for one the cache does not keep (min and max are kept together or not at all).
+        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block min / max / mean of the keys written so far; a placeholder
+            (not 3-D) for one the cache does not keep (min and max are kept together or not at all).
         block_table: ``[B, MB]``; must already map every block the new tokens land in.
         pos0: ``[B]`` logical position of each sequence's first new token.
         k_new, v_new: ``[B, Hkv, T, D]``.
@@ -120,8 +120,8 @@ def paged_write(
     assert (Hp, Dp) == (H, D) and v_new.shape == k_new.shape and v_pool.shape == k_pool.shape
     for pool in (k_pool, v_pool):
         assert pool.stride()[1:] == (BS * D, D, 1) and pool.stride(0) == k_pool.stride(0), f"pool {pool.stride()}"
-    minmax, mean = kmin.numel() > 0, kmean.numel() > 0
-    assert minmax == (kmax.numel() > 0), "kmin and kmax are kept together"
+    minmax, mean = kmin.dim() == 3, kmean.dim() == 3
+    assert minmax == (kmax.dim() == 3), "kmin and kmax are kept together"
     kept = [m for m, on in ((kmin, minmax), (kmax, minmax), (kmean, mean)) if on]
     for meta in kept:
         assert meta.shape == (NB, H, D) and meta.stride()[1:] == (D, 1) and meta.stride(0) == kept[0].stride(0)
