@@ -305,6 +305,10 @@ def _model_pre_hook(model, args, kwargs):
             if kwargs.get("position_ids") is None:
                 kwargs["position_ids"] = cache.static.positions
     use_cache = kwargs.get("use_cache")
+    if cache is None and use_cache is None and (model.training or kwargs.get("labels") is not None):
+        # a loss or a training step that did not ask for a cache: none (its batches may be right-padded, which pages
+        # refuse, and nothing decodes on from it); the config's use_cache would have made one
+        kwargs["use_cache"] = use_cache = False
     if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
         kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
     return args, kwargs

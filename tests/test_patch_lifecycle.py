@@ -181,3 +181,23 @@ def test_a_policy_that_frees_blocks_refuses_assisted_decoding_up_front(policy, h
             model.generate(ids, max_new_tokens=8, do_sample=False, **extra)
         assert model.generate(ids, max_new_tokens=8, do_sample=False).shape == (1, 68)
     unpatch_model(model)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_loss_on_a_right_padded_batch_needs_no_cache(mode):
+    """A forward with ``labels``, or any forward in training mode, that does not ask for a cache gets none (before,
+    the config's ``use_cache`` made the patch build one, whose pages refuse right padding: a loss or a training step
+    on a right-padded batch raised even under Dense); the loss is the unpatched model's."""
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    patch_model(model, policy=Dense())
+    ids = prompt(12, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    getattr(model, mode)()
+    getattr(ref, mode)()
+    out = model(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.loss, ref(ids, attention_mask=mask, labels=labels).loss, rtol=1e-6, atol=1e-6)
+    if mode == "train":
+        out.loss.backward()
+    unpatch_model(model)
