@@ -618,11 +618,12 @@ class PagedKVCache(DynamicCache):
         and the key metadata (names of :data:`~hf_sparse_kv.ops.layout.KEY_METADATA`; ``None``: as kept now) every
         paged layer keeps beside its keys and refreshes at every write: what the patched policy reads
         (``cache_state()``, ``key_metadata()``). Before the first write it replaces what was declared (a new cache
-        keeps all three metadata until then); what the cache keeps already is served as it is; a filled cache adopts
-        what it lacks, computed from its stored keys (:meth:`PagedLayer.adopt_state`, :meth:`PagedLayer.adopt_metadata`:
-        a cache prefilled once serves a policy that reads more), unless a block was evicted (its keys are gone) or
-        the cache is reserved for static steps (captured with what it had): then a ``ValueError`` with advice,
-        nothing changed."""
+        keeps all three metadata until then; state specs that cover the new ones are kept); what the cache keeps
+        already is served as it is; a filled cache adopts what it lacks, computed from its stored keys
+        (:meth:`PagedLayer.adopt_state`, :meth:`PagedLayer.adopt_metadata`: a cache prefilled once serves a policy
+        that reads more; key metadata for the blocks still held), unless the cache is reserved for static steps
+        (captured with what it had) or, for state specs, a block was evicted (its keys are gone): then a
+        ``ValueError`` with advice, nothing changed."""
         specs = tuple(specs)
         wanted = self.metadata if metadata is None else tuple(metadata)
         unknown = [name for name in wanted if name not in KEY_METADATA]
