@@ -92,21 +92,20 @@ class DecodeSlots:
         self.current = None
         self.pool = None
 
-    def _fits(self, slot: PagedKVCache, prefix: PagedKVCache, need: int, specs: tuple, metadata: tuple) -> bool:
+    def _fits(self, slot: PagedKVCache, prefix: PagedKVCache, need: int, specs: tuple) -> bool:
         return (
             len(slot.table.rows) == len(prefix.table.rows)
             and slot.block_size == prefix.block_size
             and need <= slot.static.max_length
             and set(specs) <= set(slot.specs)
-            and set(metadata) <= set(slot.metadata)
         )
 
-    def _slot(self, prefix: PagedKVCache, need: int, specs: tuple, metadata: tuple) -> _Slot:
+    def _slot(self, prefix: PagedKVCache, need: int, specs: tuple) -> _Slot:
         """The kept slot of ``prefix``'s batch size if it fits, else a new one (made after the one it replaces, or
         the least recently used beyond ``keep``, is dropped); it becomes the most recently used."""
         B = len(prefix.table.rows)
         slot = self.kept.pop(B, None)
-        if slot is not None and not self._fits(slot.cache, prefix, need, specs, metadata):
+        if slot is not None and not self._fits(slot.cache, prefix, need, specs):
             slot = None
         if slot is None:
             self.current = None  # the replaced slot's memory goes before the new one takes its own
@@ -114,7 +113,9 @@ class DecodeSlots:
                 self.kept.pop(next(iter(self.kept)))
             cache = copy.deepcopy(prefix)
             cache.session.set_graphs(None)
-            cache.declare_state(specs, metadata)
+            # it serves the jobs of a whole run, whose policies read different key metadata: it keeps all of it
+            # (a refill computes from the copied keys what the prefix's prefill did not keep)
+            cache.declare_state(specs, KEY_METADATA)
             cache.reserve_static(need + self.margin, any_padding=True)
             slot = _Slot(cache)
             self.slots_made += 1
@@ -130,10 +131,7 @@ class DecodeSlots:
         they all declare). ``free``: per sequence, the blocks of ``prefix`` that the policy (one that frees once)
         frees at its first decode step, left out of the refill (``PagedKVCache.load_static``)."""
         specs = tuple(dict.fromkeys(s for p in policies for s in p.cache_state()))
-        # a slot serves the jobs of a whole run, whose policies read different key metadata: it keeps all of it (a
-        # refill computes from the copied keys what the prefix's prefill did not keep)
-        metadata = KEY_METADATA
-        slot = self._slot(prefix, need, specs, metadata)
+        slot = self._slot(prefix, need, specs)
         slot.cache.load_static(prefix, free, whole=self.whole_refills)
         self.loads += 1
         runner = slot.runners.get(key)

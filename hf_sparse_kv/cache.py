@@ -187,8 +187,18 @@ class PagedLayer(DynamicLayer):
         freed block is skipped). A layer not written yet allocates it at its first write."""
         if not self.is_initialized or not names:
             return
-        NB, H, BS, D = self.k_pool.shape
+        NB, H, _, D = self.k_pool.shape
         made = {name: torch.zeros(NB, H, D, dtype=self.dtype, device=self.device) for name in names}
+        self.compute_metadata(made)
+        for name, t in made.items():
+            setattr(self, name, t)
+
+    def compute_metadata(self, meta: dict[str, torch.Tensor]) -> None:
+        """Write into ``meta`` (names of :data:`~hf_sparse_kv.ops.layout.KEY_METADATA` to ``[NB, Hkv, D]`` tensors)
+        the metadata of every stored block still held, from the key pool: ``reference.refresh_blocks`` over each
+        one's filled slots (the cache's rows, padding and this layer's length, read on the host; a freed block is
+        skipped)."""
+        BS = self.k_pool.shape[2]
         blocks, fill = [], []
         for row, pad in zip(self.cache.table.rows, self.cache.pads or [0] * len(self.cache.table.rows)):
             stored = max(self.length - pad, 0)
@@ -199,9 +209,7 @@ class PagedLayer(DynamicLayer):
         if blocks:
             idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
             n = torch.tensor(fill, dtype=torch.long, device=self.device)
-            reference.refresh_blocks(self.k_pool, made.get("kmin"), made.get("kmax"), made.get("kmean"), idx, n)
-        for name, t in made.items():
-            setattr(self, name, t)
+            reference.refresh_blocks(self.k_pool, meta.get("kmin"), meta.get("kmax"), meta.get("kmean"), idx, n)
 
     def adopt_state(self, specs: tuple) -> None:
         """Allocate the state ``specs`` (not kept yet) and compute it from the stored keys: :meth:`refresh_state` of
@@ -876,12 +884,7 @@ class PagedKVCache(DynamicCache):
         for mine, theirs in zip(self.paged_layers, source.paged_layers):  # key metadata the source does not keep
             lacks = {name: getattr(mine, name) for name in mine.kept_metadata() if getattr(theirs, name) is None}
             if lacks:  # from the keys just copied, every stored block (a partial refill zeroes blocks before its
-                # first rewritten one too: those whose hole status changed); lengths from the host, no read back
-                table = self.table.tensor(mine.device)
-                hi_h = torch.tensor(stored)
-                reference.refresh_metadata(
-                    mine.k_pool, lacks.get("kmin"), lacks.get("kmax"), lacks.get("kmean"), table, 0 * hi_h, hi_h
-                )
+                mine.compute_metadata(lacks)  # first rewritten one too: those whose hole status changed)
         self._refill = _Refill(weakref.ref(source), stamp, self.static, self._layout(), tuple(map(frozenset, holes)))
 
     def _stamp(self) -> tuple:

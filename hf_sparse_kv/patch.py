@@ -567,7 +567,8 @@ def patch_model(
         )
         original_forward = instance.get("forward") or type(model).forward.__get__(model)
         model.__dict__.pop("forward", None)
-        model.__dict__.update({k: v for k, v in instance.items() if k == "forward"})
+        if "forward" in instance:
+            model.forward = instance["forward"]
         model._prepare_cache_for_generation = partial(_prepare_cache_for_generation, model, original)
         if cuda_graph:  # keeps the signature: generate() inspects forward's parameters
             model.forward = update_wrapper(partial(_graph_forward, model, original_forward), original_forward)
