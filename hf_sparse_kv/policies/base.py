@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from ..ops import reference
-from ..ops.layout import KEY_METADATA, cdiv, forced_block_mask, window_positions
+from ..ops.layout import KEY_METADATA, cdiv, forced_block_count, forced_block_mask, window_positions
 
 NEG_INF = float("-inf")
 
@@ -178,6 +178,15 @@ def budget_tokens(budget: float, length: int) -> int:
     if isinstance(budget, float):
         return max(1, math.ceil(budget * length))
     return budget
+
+
+def budget_blocks(budget: float, sink: int, window: int, length: int, block_size: int) -> tuple[int, int]:
+    """``(keep, nblk)``: the blocks a block-granular budget keeps at context ``length`` out of its ``nblk``: all of
+    them where the budget covers the context, else the budget in whole blocks, at least the forced ones (sink,
+    window, current block), at most all."""
+    nblk, tokens = cdiv(length, block_size), budget_tokens(budget, length)
+    forced = forced_block_count(length, sink, window, block_size)
+    return (nblk if tokens >= length else min(max(tokens // block_size, forced), nblk)), nblk
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..ops.layout import cdiv, forced_block_count
-from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+from .base import DecodeState, Policy, Selection, budget_blocks, check_budget, check_count
 from .checks import warn_budget_below_forced
 
 
@@ -47,9 +46,7 @@ class _BlockTopK(Policy):
         """Blocks to keep per sequence (``None``: every sequence keeps all its blocks), decided on the host."""
         counts, dense = [], True
         for n in lens:
-            nblk, tokens = cdiv(n, block_size), budget_tokens(self.budget, n)
-            forced = forced_block_count(n, self.sink, self.window, block_size)
-            keep = nblk if tokens >= n else min(max(tokens // block_size, forced), nblk)
+            keep, nblk = budget_blocks(self.budget, self.sink, self.window, n, block_size)
             counts.append(keep)
             dense = dense and keep >= nblk
         return None if dense else counts

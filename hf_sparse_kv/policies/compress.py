@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from ..ops.layout import cdiv, forced_block_count, forced_block_set, mask_allows
-from .base import DecodeState, Policy, Selection, budget_tokens, check_budget, check_count
+from ..ops.layout import cdiv, forced_block_set, mask_allows
+from .base import DecodeState, Policy, Selection, budget_blocks, check_budget, check_count
 from .blocks import _BlockTopK
 from .checks import warn_budget_below_forced
 from .tokens import TokenTopK
@@ -149,12 +149,8 @@ class SnapKV(Policy):
     def keeps_all(self, lens: tuple[int, ...], block_size: int) -> bool:
         """Whether every block of contexts ``lens`` is kept whatever the scores (budget, sink and window cover them):
         a prompt of one token has no prefill to observe (its forward is a decode step) and nothing to free."""
-        for n in lens:
-            nblk = cdiv(n, block_size)
-            forced = forced_block_count(n, self.sink, self.window, block_size)
-            if budget_tokens(self.budget, n) < n and max(budget_tokens(self.budget, n) // block_size, forced) < nblk:
-                return False
-        return True
+        kept = [budget_blocks(self.budget, self.sink, self.window, n, block_size) for n in lens]
+        return all(keep >= nblk for keep, nblk in kept)
 
     def blocks_to_free(self, scores: torch.Tensor, lens: tuple[int, ...], block_size: int) -> list[list[int]]:
         """The logical blocks to free per sequence at context ``lens``, from the observed ``scores [layers, B, Hkv,
@@ -167,10 +163,7 @@ class SnapKV(Policy):
         rows = pooled.tolist()  # one copy per generation
         free = []
         for n, row in zip(lens, rows):
-            nblk = cdiv(n, block_size)
-            tokens = budget_tokens(self.budget, n)
-            forced_n = forced_block_count(n, self.sink, self.window, block_size)
-            keep = nblk if tokens >= n else min(max(tokens // block_size, forced_n), nblk)
+            keep, nblk = budget_blocks(self.budget, self.sink, self.window, n, block_size)
             forced = forced_block_set(n, self.sink, self.window, block_size)
             forced |= set(range(min(len(row), nblk), nblk))  # not scored: newer than the observation
             ranked = sorted((b for b in range(nblk) if b not in forced), key=lambda b: -row[b])
