@@ -71,7 +71,7 @@ def paged_write(
 
     Args:
         k_pool, v_pool: ``[NB, Hkv, BS, D]``.
-        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block elementwise min / max / mean of the keys written so far; an
+        kmin, kmax, kmean: ``[NB, Hkv, D]`` per-block elementwise min / max / mean of the keys written so far; a
             placeholder (``None``, or any tensor that is not 3-D: the cache passes a one-element one) for one the
             cache does not keep (left alone).
         block_table: ``[B, MB]`` int32; must already map every block the new tokens land in.
@@ -103,7 +103,7 @@ def refresh_metadata(
     hi: torch.Tensor,
 ) -> None:
     """Recompute min / max / mean of the blocks holding positions ``[lo[b], hi[b])`` of each sequence, in place,
-    each over its filled prefix (positions below ``hi[b]``); an empty (or ``None``) metadata tensor is skipped."""
+    each over its filled prefix (positions below ``hi[b]``); a placeholder (:func:`metadata_kept`) is skipped."""
     if not any(metadata_kept(t) for t in (kmin, kmax, kmean)):
         return
     BS = k_pool.shape[2]
@@ -125,7 +125,7 @@ def refresh_blocks(
 ) -> None:
     """Recompute min / max / mean of the physical blocks ``blocks [n]`` (long) over their first ``fill [n]`` slots,
     in place: :func:`refresh_metadata`'s work for blocks already found, with no host read (a crop passes every
-    sequence's last block at once). An empty (or ``None``) metadata tensor is skipped."""
+    sequence's last block at once). A placeholder (:func:`metadata_kept`) is skipped."""
     if not any(metadata_kept(t) for t in (kmin, kmax, kmean)):
         return
     keys, ok, lo_, hi_ = _prefix_range(k_pool[blocks], fill)
