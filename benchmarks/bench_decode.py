@@ -331,19 +331,19 @@ def selector_fns(layer, caches, bt, BS, budget, ops, pc):
     lo = lens.long() - 1
     proj_policy = policies["proj_blk"]
     fns["proj:write"] = [
-        lambda i=i: proj_policy._keys.refresh(ckeys[i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops)
+        lambda i=i: proj_policy._keys.refresh(ckeys[i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops, states={})
         for i in range(n_layers)
     ]
     need["proj:write"] = B * H * (D + Rk) * 2
     q2 = policies["quant2"]
     fns["quant2:write"] = [
-        lambda i=i: q2._refresh(codes[2][i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops)
+        lambda i=i: q2._refresh(codes[2][i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops, states={})
         for i in range(n_layers)
     ]
     need["quant2:write"] = B * H * BS * (D * 2 + D * 2 // 8)  # the block's keys read, its codes written
     pq_codes = policies["pq_c4"]._coarse.codes
     fns["pq:write"] = [
-        lambda i=i: pq_codes.refresh(pqcodes[i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops)
+        lambda i=i: pq_codes.refresh(pqcodes[i], caches[i][0], bt, lo, lens, layer=i, span=1, ops=ops, states={})
         for i in range(n_layers)
     ]
     need["pq:write"] = B * H * (D * 2 + D // 8)  # the token's key read, its codes written

@@ -1,7 +1,7 @@
 """PagedKVCache: a transformers ``Cache`` whose full-attention layers keep K/V in a shared block pool.
 
 Layout (docs/ARCHITECTURE.md): each paged layer owns pools ``[NB, Hkv, BS, D]`` for keys and values, per-block
-key metadata ``[NB, Hkv, D]`` (min, max, mean) and whatever per-token or per-block state the policy declared
+key metadata ``[NB, Hkv, D]`` (min, max, mean) and whatever per-token, per-block or per-layer state the policy declared
 (:meth:`PagedKVCache.declare_state`); all layers share one block table ``[B, max_blocks]`` int32, one free list and
 one reference count per block, so a block id means the same slot in every layer. Full blocks are shared between
 sequences after a beam reorder and copied before a write (copy on write). Sliding-window layers (Gemma3, Mistral
@@ -220,9 +220,14 @@ class PagedLayer(DynamicLayer):
         NB, H, BS, D = self.k_pool.shape
         for spec in specs:
             self.state[spec.name] = spec.allocate(NB, H, BS, D, self.dtype, self.device)
+        self.refresh_all(specs)
+
+    def refresh_all(self, specs: tuple | None = None) -> None:
+        """:meth:`refresh_state` of every stored position ``[0, length - pads[b])`` as a write that starts every
+        sequence (``"layer"`` scope state fitted again): what a first prefill of these contents leaves."""
         lens = [max(self.length - p, 0) for p in self.cache.pads] or [0]
         hi = torch.tensor(lens, dtype=torch.long, device=self.device)
-        self.refresh_state(torch.zeros_like(hi), hi, max(lens), specs=specs)
+        self.refresh_state(torch.zeros_like(hi), hi, max(lens), specs=specs, starts=True)
 
     def free_pools(self) -> None:
         """Let go of the pools, metadata and declared state (their memory is freed with the last reference); the
@@ -231,21 +236,32 @@ class PagedLayer(DynamicLayer):
         self.state = {}
         self.is_initialized = False
 
+    def layer_scoped(self) -> list[str]:
+        """Names of the declared state of ``"layer"`` scope (one tensor for the layer, not indexed by block)."""
+        return [spec.name for spec in self.cache.specs if spec.scope == "layer" and spec.name in self.state]
+
+    def layer_state(self) -> list[torch.Tensor]:
+        """The declared state of ``"layer"`` scope."""
+        return [self.state[name] for name in self.layer_scoped()]
+
     def _tensors(self) -> list[torch.Tensor]:
-        """Every tensor indexed by physical block: pools, the metadata kept, declared state."""
+        """Every tensor indexed by physical block: pools, the metadata kept, declared state (not of layer scope)."""
         meta = [getattr(self, name) for name in self.kept_metadata()]
-        return [self.k_pool, self.v_pool, *meta, *self.state.values()]
+        whole = self.layer_scoped()
+        return [self.k_pool, self.v_pool, *meta, *(t for name, t in self.state.items() if name not in whole)]
 
     def _replace(self, tensors: list[torch.Tensor], metadata: tuple[str, ...] | None = None) -> None:
         """Take ``tensors`` in :meth:`_tensors`' order: the pools, the metadata ``metadata`` (default: the kept
-        metadata), the declared state."""
+        metadata), the declared state indexed by block (state of layer scope kept as it is)."""
         names = self.kept_metadata() if metadata is None else metadata
         self.k_pool, self.v_pool = tensors[:2]
         for name in KEY_METADATA:
             setattr(self, name, None)
         for name, t in zip(names, tensors[2 : 2 + len(names)]):
             setattr(self, name, t)
-        self.state = dict(zip(self.state, tensors[2 + len(names) :]))
+        whole = self.layer_scoped()
+        per_block = iter(tensors[2 + len(names) :])
+        self.state = {name: t if name in whole else next(per_block) for name, t in self.state.items()}
 
     def refresh_state(
         self,
@@ -255,16 +271,24 @@ class PagedLayer(DynamicLayer):
         table: torch.Tensor | None = None,
         ops: SimpleNamespace | None = None,
         specs: tuple | None = None,
+        starts: bool = False,
     ) -> None:
         """Recompute the declared state of stored positions ``[lo[b], hi[b])`` from the key pool (``[B]`` tensors;
         ``span >= max(hi - lo)``, on the host; ``table``: the block table to use, default the cache's; ``ops``: the
         op namespace, default the cache's backend on this device; a static step passes its registered ops;
-        ``specs``: the state to recompute, default all the cache declared)."""
+        ``specs``: the state to recompute, default all the cache declared). ``starts``: the write starts every
+        sequence (``lo`` all 0, known on the host): state of ``"layer"`` scope is refreshed (fitted) first; without
+        it that state is left as it is."""
         if self.state:
             table = self.cache.table.tensor(self.device) if table is None else table
             ops = self.cache.ops(self.device) if ops is None else ops
             for spec in self.cache.specs if specs is None else specs:
-                spec.refresh(self.state[spec.name], self.k_pool, table, lo, hi, layer=self.index, span=span, ops=ops)
+                if spec.scope == "layer" and not starts:
+                    continue
+                spec.refresh(
+                    self.state[spec.name], self.k_pool, table, lo, hi,
+                    layer=self.index, span=span, ops=ops, states=self.state,
+                )  # fmt: skip
 
     def grow(self, capacity: int) -> None:
         """Extend the pools to ``capacity`` blocks (existing block ids keep their slots)."""
@@ -300,8 +324,13 @@ class PagedLayer(DynamicLayer):
                 t.index_fill_(0, zero, 0)
             if dst.numel() and s is not None:  # metadata the source lacks: computed from the copied keys (load_static)
                 t.index_copy_(0, dst, s.index_select(0, src))
-        for t in self.state.values():
-            if zero is None:
+        whole = self.layer_scoped()
+        for name, t in self.state.items():
+            if name in whole:  # the source's (load_static fits it where the source has none of this shape)
+                s = source.state.get(name)
+                if s is not None and s.shape == t.shape:
+                    t.copy_(s)
+            elif zero is None:
                 t.zero_()
             else:
                 t.index_fill_(0, torch.cat([zero, dst]), 0)
@@ -342,8 +371,9 @@ class PagedLayer(DynamicLayer):
         # padding is dropped on the way in by the reference; the kernels take pos0 >= 0
         ops = self.cache.ops(self.device, "reference" if frame0 < max(self.cache.pads) else None)
         ops.paged_write(self.k_pool, self.v_pool, *self.write_metadata(), table, pos0, key_states, value_states)
-        if self.state:
-            self.refresh_state(pos0.clamp(min=0), pos0 + T, T)
+        if self.state:  # a write that starts every sequence (none has a stored position yet) fits layer-scope state
+            starts = all(frame0 <= p for p in self.cache.pads or [0])
+            self.refresh_state(pos0.clamp(min=0), pos0 + T, T, starts=starts)
         self.length = frame0 + T
         deferred = self.cache.pop_deferred(self)  # taken on every write: a flag left by a first write would hand the
         # next forward's attention (one not patched any more) only the new K/V
@@ -417,6 +447,10 @@ class PagedLayer(DynamicLayer):
         if not self.is_initialized:
             return 0
         return sum(t[0].numel() * t.element_size() for t in self._tensors())
+
+
+def _same_shape(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return a is not None and a.shape == b.shape
 
 
 @dataclass(frozen=True)
@@ -532,6 +566,7 @@ class PagedKVCache(DynamicCache):
         capacity = sum(counts) + len(rows)  # one spare block a sequence, as a first write reserves
         new.table.grow(capacity)
         new.table.rows = [[new.table.take() for _ in range(n)] for n in counts]
+        new.table.invalidate()
         new.pads, new.specs, new.metadata = list(pads), first.specs, first.metadata
         made: dict = {}  # per device: each row's blocks (one copy to it)
         for i, layer in enumerate(new.layers):
@@ -542,10 +577,12 @@ class PagedKVCache(DynamicCache):
                 held = torch.cat([t.index_select(0, idx) for t, idx in zip(same, index)])
                 tensors.append(torch.cat([held, held.new_zeros((len(rows), *held.shape[1:]))]))
             layer.device, layer.dtype = parts[0].device, parts[0].dtype
-            layer.state = dict.fromkeys(parts[0].state)
+            layer.state = {name: t.clone() for name, t in parts[0].state.items()}  # state by block: replaced below
             layer._replace(tensors, parts[0].kept_metadata())
             layer.is_initialized = True
             layer.length = length
+            if layer.layer_scoped():  # each row's was fitted on its own keys: fitted on the batch's, state recomputed
+                layer.refresh_all()
             if consume:
                 for part in parts:
                     part.free_pools()
@@ -622,7 +659,7 @@ class PagedKVCache(DynamicCache):
         self.pads = list(pads)
 
     def declare_state(self, specs: tuple, metadata: tuple[str, ...] | None = None) -> None:
-        """Declare the per-token or per-block state (``StateSpec``s, see :class:`hf_sparse_kv.policies.StateSpec`)
+        """Declare the per-token, per-block or per-layer state (``StateSpec``s, see :class:`hf_sparse_kv.policies.StateSpec`)
         and the key metadata (names of :data:`~hf_sparse_kv.ops.layout.KEY_METADATA`; ``None``: as kept now) every
         paged layer keeps beside its keys and refreshes at every write: what the patched policy reads
         (``cache_state()``, ``key_metadata()``). Before the first write it replaces what was declared (a new cache
@@ -669,9 +706,11 @@ class PagedKVCache(DynamicCache):
             layer.adopt_metadata(new_meta)
 
     def memory_bytes(self) -> int:
-        """Bytes the cache holds: blocks in use times the per-block bytes of every paged layer (K, V, metadata),
-        plus the sliding-window layers' tensors. The pool's unused capacity is not counted."""
+        """Bytes the cache holds: blocks in use times the per-block bytes of every paged layer (K, V, metadata, state
+        by token or block), its state of layer scope, plus the sliding-window layers' tensors. The pool's unused
+        capacity is not counted."""
         paged = self.blocks_in_use * sum(layer.bytes_per_block() for layer in self.paged_layers)
+        paged += sum(t.numel() * t.element_size() for layer in self.paged_layers for t in layer.layer_state())
         sliding = 0
         for layer in self.layers:
             if not isinstance(layer, PagedLayer) and getattr(layer, "keys", None) is not None:
@@ -846,8 +885,14 @@ class PagedKVCache(DynamicCache):
         stored = [max(length - p, 0) for p in pads]
         stamp = source._stamp()
         last = self._refill
+        fit = any(  # state of layer scope the source lacks (of this shape): fitted on the copied keys (a whole refill)
+            not _same_shape(getattr(theirs, "state", {}).get(name), mine.state[name])
+            for mine, theirs in zip(self.paged_layers, source.paged_layers)
+            for name in mine.layer_scoped()
+        )
         partial = (
             not whole
+            and not fit
             and last is not None
             and last.source() is source
             and last.stamp == stamp
@@ -880,7 +925,8 @@ class PagedKVCache(DynamicCache):
         for layer in self.paged_layers:
             if layer.state:
                 lo_t, hi_t = host_ints_on(bounds, layer.device, (lo, stored))
-                layer.refresh_state(lo_t, hi_t, max(1, *(h - low for h, low in zip(stored, lo))))
+                span = max(1, *(h - low for h, low in zip(stored, lo)))
+                layer.refresh_state(lo_t, hi_t, span, starts=fit)
         for mine, theirs in zip(self.paged_layers, source.paged_layers):  # key metadata the source does not keep
             lacks = {name: getattr(mine, name) for name in mine.kept_metadata() if getattr(theirs, name) is None}
             if lacks:  # from the keys just copied, every stored block (a partial refill zeroes blocks before its

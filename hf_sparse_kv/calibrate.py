@@ -120,10 +120,11 @@ def prepare(policy: Policy, states: list) -> list[tuple[DecodeState, torch.Tenso
         kept = {}
         for spec in policy.cache_state():
             t = spec.allocate(NB, Hkv, BS, D, state.k_pool.dtype, state.k_pool.device)
+            kept[spec.name] = t  # in the specs' order: a refresh may read the state refreshed before it
             spec.refresh(
-                t, state.k_pool, state.block_table, lo, hi, layer=state.layer, span=state.length, ops=state.ops
-            )
-            kept[spec.name] = t
+                t, state.k_pool, state.block_table, lo, hi,
+                layer=state.layer, span=state.length, ops=state.ops, states=kept,
+            )  # fmt: skip
         out.append((dataclasses.replace(state, state=kept), v_pool))
     return out
 

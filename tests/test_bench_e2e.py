@@ -87,14 +87,16 @@ def test_bench_e2e_times_the_prefill_of_each_ttft_row(monkeypatch, tmp_path):
     """``--ttft``: the unpatched prefill, then Quest's and the product-quantized selector's (whose prefill fits its
     centres), each a row of its own with its ratio to the unpatched one; ``--rows`` picks either."""
     codes = bench_e2e.PQ_PREFILL._coarse.codes
-    monkeypatch.setattr(codes, "on_device", {})  # no centres yet: the timed prefills must fit them
+    fitted = []  # the layers whose centres the timed prefills fit (each prefill fits its cache's own)
+    fit = codes.fit
+    monkeypatch.setattr(codes, "fit", lambda layer, *a, **kw: fitted.append(layer) or fit(layer, *a, **kw))
     _run(
         monkeypatch, tmp_path, "--ttft", "1x48", "--shapes", "", "--generate", "", "--rows", "TTFT,TTFT: pq prefill-fit"
     )
     with open(tmp_path / "e2e.csv") as f:
         rows = {r["row"]: r for r in csv.DictReader(f)}
     assert list(rows) == ["TTFT (s): unpatched / patched", "TTFT (s): unpatched / pq prefill-fit"]
-    assert len(codes.on_device) == bench_e2e.tiny_config().num_hidden_layers  # every layer's centres fitted
+    assert set(fitted) == set(range(bench_e2e.tiny_config().num_hidden_layers))  # every layer's centres fitted
     for r in rows.values():
         assert float(r["ttft_ratio"]) == pytest.approx(float(r["ttft_patched_s"]) / float(r["ttft_s"]))
     _run(monkeypatch, tmp_path, "--ttft", "1x48", "--shapes", "", "--generate", "", "--rows", "TTFT: pq prefill-fit")

@@ -5,6 +5,8 @@ crop, and a missing or mismatched calibration is refused with advice."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_selectors import BS, _decode_state, _left_pad
@@ -268,44 +270,163 @@ def test_the_triton_scores_are_the_reference_scores():
         reference.pq_table(q, centres, 0.3, "float16")
 
 
+FIT = {"method": "pq", "fit": "prefill", "sub_dim": 4, "centroids": 16}
+
+
+def _fit_policy() -> TopPBlockTopK:
+    return TopPBlockTopK(16, 2, 4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=FIT)
+
+
+def _fitted(cache: PagedKVCache) -> dict[int, torch.Tensor]:
+    """Each paged layer's prefill-fitted centres, as the cache keeps them (``[Hkv, m, C, d]``)."""
+    return {layer.index: layer.state["pqcentres"] for layer in cache.paged_layers}
+
+
+def _check_fit(cache: PagedKVCache, backend: str) -> None:
+    """Every layer's centres are ``fit_centres`` of the keys the cache stores (bit for bit: the means are integer sums,
+    the same on any device, where float atomics on CUDA differed by 2.3e-7), and every stored key is coded by them."""
+    from hf_sparse_kv.policies.product import stored_keys
+
+    for layer in cache.paged_layers:
+        hi = torch.tensor([layer.length - p for p in cache.pads])
+        keys = stored_keys(layer.k_pool, cache.table.tensor(layer.device), hi)
+        want = fit_centres(keys, 4, 16, encode=get_ops(backend, DEVICE).pq_encode)
+        torch.testing.assert_close(layer.state["pqcentres"], want, rtol=0, atol=0)
+    _check_codes(cache, {"centres": _fitted(cache)})
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_prefill_fit_codes_each_prompt_with_centres_fitted_on_its_keys(backend):
     """``calibration="prefill"`` (here 4-channel pieces, 16 centres): the prefill fits each layer's centres on the keys
-    it stores (what ``fit_centres`` makes of them) and codes them; decode tokens are coded with the same centres; a new
-    cache's prefill refits them, in the same tensors (captured steps keep reading them)."""
-    from hf_sparse_kv.policies.product import stored_keys
-
+    it stores (what ``fit_centres`` makes of them), keeps them in the cache (a ``"layer"``-scope state) and codes the
+    keys; decode tokens are coded with the same centres, in the same tensors (captured steps read them); a reset cache's
+    next prefill refits them in place."""
     model = tiny_model("llama")
-    fit = {"method": "pq", "fit": "prefill", "sub_dim": 4, "centroids": 16}
-    policy = TopPBlockTopK(16, 2, 4, candidates=2, p=1.0, pool="heads", coarse="pq", calibration=fit)
-    patch_model(model, policy=policy, block_size=BS, backend=backend)
-    codes = policy._coarse.codes
-    fitted = []
-    for seeds in ((29, 21), (33, 18)):
-        cache = PagedKVCache(model.config, block_size=BS, backend=backend)
-        ids, mask = _left_pad([prompt(n, seed=n)[0] for n in seeds])
-        kw = {cache_kwarg(model): cache}
-        with torch.no_grad():
+    patch_model(model, policy=_fit_policy(), block_size=BS, backend=backend)
+    cache = PagedKVCache(model.config, block_size=BS, backend=backend)
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        for seeds in ((29, 21), (33, 18)):
+            ids, mask = _left_pad([prompt(n, seed=n)[0] for n in seeds])
             model(ids, attention_mask=mask, use_cache=True, **kw)
-            centres = {}
-            for layer in cache.paged_layers:
-                hi = torch.tensor([layer.length - p for p in cache.pads])
-                keys = stored_keys(layer.k_pool, cache.table.tensor(layer.device), hi)
-                assert keys.shape[1] == sum(seeds)
-                want = fit_centres(keys, 4, 16, encode=get_ops(backend, DEVICE).pq_encode)
-                centres[layer.index] = codes.centres(layer.index, layer.device, *keys.shape[::2])
-                # bit for bit on any device: the means are integer sums (float atomics on CUDA differed by 2.3e-7)
-                torch.testing.assert_close(centres[layer.index], want, rtol=0, atol=0)
-            _check_codes(cache, {"centres": centres})
+            _check_fit(cache, backend)
+            centres = {i: (c, c.clone()) for i, c in _fitted(cache).items()}
+            if seeds == (29, 21):
+                first = centres
             for i in range(3):
                 mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
                 model(prompt(1, batch=2, seed=10 + i), attention_mask=mask, use_cache=True, **kw)
-            _check_codes(cache, {"centres": centres})
-            assert all(torch.equal(codes.centres(i, DEVICE, 0, 0), c) for i, c in centres.items())
-        fitted.append({i: (c, c.clone()) for i, c in centres.items()})
-    first, second = fitted
-    assert all(first[i][0] is second[i][0] for i in first), "a refit writes into the same tensor"
-    assert not all(torch.equal(first[i][1], second[i][1]) for i in first), "a new prompt's prefill refits the centres"
+            _check_codes(cache, {"centres": _fitted(cache)})
+            assert all(_fitted(cache)[i] is c and torch.equal(c, was) for i, (c, was) in centres.items())
+            cache.reset()
+    assert all(first[i][0] is c for i, (c, _) in centres.items()), "a refit writes into the same tensor"
+    assert not all(torch.equal(first[i][1], was) for i, (_, was) in centres.items()), "a new prompt refits them"
+    unpatch_model(model)
+
+
+def test_a_prefill_fit_cache_continues_as_alone_after_other_prompts(backend="reference"):
+    """Each cache keeps the centres its own prefill fitted: another prompt's prefill through the same patched model
+    fits its own and leaves them, so a conversation continued from its cache decodes the logits it decodes alone
+    (before 2026-12-07 the centres lived on the policy: the other prefill refitted them, and the continued cache was
+    scored on centres that had not coded its keys: logits off by up to 0.19 here, no error). Where the centres live is
+    the cache's business, the same under either backend: the reference's ops keep this test short (the kernels under
+    the interpreter took 190 s)."""
+    model = tiny_model("llama")
+    # the codes alone pick 2 of ~10 blocks (candidates=1) in every layer: other centres select other blocks
+    policy = TopPBlockTopK(32, 2, 4, candidates=1, p=1.0, pool="heads", coarse="pq", calibration=FIT)
+    patch_model(model, policy=policy, block_size=BS, backend=backend, dense_layers=())
+
+    def prefill(seeds: tuple[int, ...]):
+        cache = PagedKVCache(model.config, block_size=BS, backend=backend)
+        ids, mask = _left_pad([prompt(n, seed=n)[0] for n in seeds])
+        model(ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+        return cache, mask
+
+    def continued(cache, mask) -> list[torch.Tensor]:
+        out = []
+        for i in range(4):
+            mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
+            step = prompt(1, batch=2, seed=40 + i)
+            out.append(model(step, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache}).logits)
+        return out
+
+    with torch.no_grad():
+        alone = continued(*prefill((90, 75)))
+        cache, mask = prefill((90, 75))
+        mine = {i: c.clone() for i, c in _fitted(cache).items()}
+        other, _ = prefill((83, 96))
+        assert not all(torch.equal(mine[i], c) for i, c in _fitted(other).items()), "the other prompt's own centres"
+        assert all(torch.equal(mine[i], c) for i, c in _fitted(cache).items()), "the first cache's centres kept"
+        for got, want in zip(continued(cache, mask), alone):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    unpatch_model(model)
+
+
+def test_stacked_prefill_fit_caches_are_fitted_on_the_batch():
+    """Caches of one prompt each, stacked into a batch (``PagedKVCache.stacked``), each fitted on its own keys: the
+    stack's centres are fitted again on all its keys and every key recoded, what a prefill of the batch fits (up to
+    block numbering); the rows, consumed, hold nothing."""
+    model = tiny_model("llama")
+    patch_model(model, policy=_fit_policy(), block_size=BS)
+    rows = []
+    with torch.no_grad():
+        for n in (37, 26):
+            row = PagedKVCache(model.config, block_size=BS)
+            model(prompt(n, seed=n), use_cache=True, **{cache_kwarg(model): row})
+            rows.append(row)
+        own = [{i: c.clone() for i, c in _fitted(r).items()} for r in rows]
+        stack = PagedKVCache.stacked(model.config, rows, [0, 11], consume=True)
+    _check_fit(stack, "reference")
+    assert not any(torch.equal(stack.paged_layers[0].state["pqcentres"], o[0]) for o in own)
+    assert all(r.get_seq_length() == 0 and not r.blocks_in_use for r in rows)
+    unpatch_model(model)
+
+
+def test_a_refill_takes_its_sources_centres_or_fits_them():
+    """``load_static`` copies the source's centres (the slot then codes with exactly what coded the source's keys);
+    a source prefilled without them (under ``Dense``) has its copied keys fitted, as a prefill would."""
+    from test_decode_slots import _prefill, _prompts
+
+    from hf_sparse_kv.policies import Dense
+
+    model = tiny_model("llama")
+    patch_model(model, policy=Dense(), block_size=BS)
+    plain, _ = _prefill(model, _prompts(5, (70, 61)), BS)
+    unpatch_model(model)
+    patch_model(model, policy=_fit_policy(), block_size=BS)
+    try:
+        slot, _ = _prefill(model, _prompts(3, (90, 77)), BS)
+        slot.reserve_static(120, any_padding=True)
+        source, _ = _prefill(model, _prompts(4, (80, 66)), BS)
+        slot.load_static(source)
+        for mine, theirs in zip(_fitted(slot).values(), _fitted(source).values()):
+            assert torch.equal(mine, theirs) and mine is not theirs
+        _check_codes(slot, {"centres": _fitted(slot)})
+        slot.load_static(plain)
+        assert "pqcentres" not in plain.paged_layers[0].state
+        _check_fit(slot, "reference")
+    finally:
+        unpatch_model(model)
+
+
+def test_a_caches_centres_count_in_its_memory_not_per_block():
+    """The centres are one ``[Hkv, m, C, d]`` float32 tensor per layer: ``memory_bytes`` adds them once, not per block,
+    and growing the pool keeps them (the same tensor)."""
+    model = tiny_model("llama")
+    patch_model(model, policy=_fit_policy(), block_size=BS)
+    cache = PagedKVCache(model.config, block_size=BS)
+    with torch.no_grad():
+        model(prompt(40, seed=2), use_cache=True, **{cache_kwarg(model): cache})
+    layer = cache.paged_layers[0]
+    centres = layer.state["pqcentres"]
+    Hkv, D = layer.k_pool.shape[1], layer.k_pool.shape[3]
+    assert centres.shape == (Hkv, D // 4, 16, 4) and centres.dtype == torch.float32
+    per_block = sum(x.bytes_per_block() for x in cache.paged_layers)
+    assert per_block == len(cache.paged_layers) * Hkv * BS * (2 * D * layer.k_pool.element_size() + D // 4)
+    whole = sum(x.state["pqcentres"].numel() * 4 for x in cache.paged_layers)
+    assert cache.memory_bytes() == cache.blocks_in_use * per_block + whole
+    layer.grow(layer.k_pool.shape[0] + 5)
+    assert layer.state["pqcentres"] is centres and layer.state["pqcodes"].shape[0] == layer.k_pool.shape[0]
     unpatch_model(model)
 
 
@@ -404,7 +525,7 @@ def test_prefill_fit_is_refused_where_it_cannot_run():
 
     codes = product.ProductCodes("prefill", "TopPBlockTopK")
     assert codes.fit_sizes == (8, 256)
-    with pytest.raises(ValueError, match="prefill the cache"):
+    with pytest.raises(ValueError, match="in that cache"):
         codes.centres(0, "cpu", 2, 64)
     for bad in ({"method": "pq", "fit": "prefill", "centroids": 300}, {"method": "quant", "fit": "prefill"}):
         with pytest.raises(ValueError):
@@ -413,12 +534,17 @@ def test_prefill_fit_is_refused_where_it_cannot_run():
         codes.fit(0, torch.randn(2, 40, 12))
     small = codes.fit(0, torch.randn(2, 40, 16))  # fewer keys than centres: repeated, fitted all the same
     assert small.shape == (2, 2, 256, 8)
-    lo = torch.zeros(2, dtype=torch.long)
-    assert product._starts(lo) and not product._starts(lo + torch.tensor([0, 3]))
-    with pytest.MonkeyPatch.context() as mp:
+    k_pool, table, hi = torch.randn(3, 2, 4, 16), torch.tensor([[0, 1]]), torch.tensor([6])
+    assert product.stored_keys(k_pool, table, hi).shape == (2, 6, 16)
+    with pytest.MonkeyPatch.context() as mp:  # the fit reads the lengths on the host: not inside a compiled graph
         mp.setattr(torch.compiler, "is_compiling", lambda: True)
         with pytest.raises(RuntimeError, match="prefill eagerly"):
-            product._starts(lo)
+            product.stored_keys(k_pool, table, hi)
+    state = _decode_state()
+    # codes, no centres
+    state = dataclasses.replace(state, state={"pqcodes": torch.zeros(*state.k_pool.shape[:3], 2, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="not the centres"):
+        codes.scores(state, 0, 0)
 
 
 def test_stored_keys_takes_each_held_slot_once():

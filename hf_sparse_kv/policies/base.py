@@ -191,20 +191,26 @@ def budget_blocks(budget: float, sink: int, window: int, length: int, block_size
 
 @dataclass(frozen=True)
 class StateSpec:
-    """Per-token or per-block state a policy asks every paged layer of the cache to keep beside its keys.
+    """Per-token, per-block or per-layer state a policy asks every paged layer of the cache to keep beside its keys.
 
     Attributes:
         name: the key of the state in :attr:`DecodeState.state`.
-        scope: ``"token"`` (a tensor ``[NB, Hkv, BS, *shape(D)]``) or ``"block"`` (``[NB, Hkv, *shape(D)]``).
+        scope: ``"token"`` (a tensor ``[NB, Hkv, BS, *shape(D)]``), ``"block"`` (``[NB, Hkv, *shape(D)]``) or
+            ``"layer"`` (``[Hkv, *shape(D)]``: one for the layer's whole contents, e.g. product-quantization centres
+            fitted on a prefill's keys, which the per-token state is then computed with).
         shape: the trailing dims as a function of the head dim ``D``.
-        refresh: ``refresh(state, k_pool, block_table, lo, hi, *, layer, span, ops)`` recomputes, in place, the
-            entries of the stored positions ``lo[b] <= p < hi[b]`` (``[B]`` long tensors; for ``"block"`` scope, the
-            blocks holding them, from all their stored keys) from ``k_pool [NB, Hkv, BS, D]`` through
+        refresh: ``refresh(state, k_pool, block_table, lo, hi, *, layer, span, ops, states)`` recomputes, in place,
+            the entries of the stored positions ``lo[b] <= p < hi[b]`` (``[B]`` long tensors; for ``"block"`` scope,
+            the blocks holding them, from all their stored keys) from ``k_pool [NB, Hkv, BS, D]`` through
             ``block_table [B, MB]``. ``layer`` is the model's layer index, ``span`` a host int ``>= max(hi - lo)``
-            (the tokens written: a refresh sizes its work by it instead of reading ``lo``/``hi`` on the host) and
-            ``ops`` the cache's op namespace on this device. It runs inside every write, captured CUDA-graph decode
-            steps included: on the device, vectorized, without host syncs. The cache calls it after every write
-            and after a crop; copies, reorders, growth and compaction move the state with its block.
+            (the tokens written: a refresh sizes its work by it instead of reading ``lo``/``hi`` on the host),
+            ``ops`` the cache's op namespace on this device and ``states`` the layer's declared state by name (a
+            per-token refresh may read a per-layer state: specs refresh in their declared order). A per-token or
+            per-block refresh runs inside every write, captured CUDA-graph decode steps included: on the device,
+            vectorized, without host syncs. The cache calls it after every write and after a crop; copies, reorders,
+            growth and compaction move the state with its block. A ``"layer"`` refresh runs only at a write that
+            starts every sequence (``lo`` all 0: a first prefill, a reset cache's, the state adopted by a filled
+            cache, caches stacked into a batch), eagerly, before the others; a refill copies it from its source.
         dtype: the state's dtype (``None``: the keys' dtype).
     """
 
@@ -215,13 +221,14 @@ class StateSpec:
     dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if self.scope not in ("token", "block"):
-            raise ValueError(f"StateSpec scope must be 'token' or 'block', got {self.scope!r}")
+        if self.scope not in ("token", "block", "layer"):
+            raise ValueError(f"StateSpec scope must be 'token', 'block' or 'layer', got {self.scope!r}")
 
     def allocate(self, NB: int, H: int, BS: int, D: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """The zeroed state of a pool of ``NB`` blocks."""
+        """The zeroed state of a pool of ``NB`` blocks (of the layer, for ``"layer"`` scope)."""
+        lead = () if self.scope == "layer" else (NB,)
         per_block = (BS,) if self.scope == "token" else ()
-        return torch.zeros(NB, H, *per_block, *self.shape(D), dtype=self.dtype or dtype, device=device)
+        return torch.zeros(*lead, H, *per_block, *self.shape(D), dtype=self.dtype or dtype, device=device)
 
 
 def static_width(width: int) -> int:

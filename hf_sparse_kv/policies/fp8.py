@@ -53,12 +53,12 @@ class Fp8BlockTopK(_BlockTopK):
         return ()
 
     @staticmethod
-    def _refresh_codes(state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
+    def _refresh_codes(state, k_pool, block_table, lo, hi, *, layer, span, ops, states) -> None:
         """The codes' StateSpec refresh: ``ops.fp8_write`` of the positions ``[lo, hi)``."""
         ops.fp8_write(state, k_pool, block_table, lo, hi, span, "codes")
 
     @staticmethod
-    def _refresh_scales(state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
+    def _refresh_scales(state, k_pool, block_table, lo, hi, *, layer, span, ops, states) -> None:
         """The scales' StateSpec refresh: ``ops.fp8_write`` of the positions ``[lo, hi)``."""
         ops.fp8_write(state, k_pool, block_table, lo, hi, span, "scales")
 

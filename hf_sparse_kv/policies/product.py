@@ -19,13 +19,16 @@ uint8) that every write refreshes through ``ops.pq_write`` (a key's code depends
 
 Or the centres come from the prompt itself: ``calibration="prefill"`` (8-channel pieces, 256 centres) or
 ``{"method": "pq", "fit": "prefill", "sub_dim": d, "centroids": C}`` fits each layer's centres at the write that
-starts its cache (a multi-token write at position 0 of every sequence: the prefill, or a cache's state adopted or
-reloaded), on the keys stored then (at most :data:`PREFILL_SAMPLE` of them, drawn seeded; fewer keys than centres
-are repeated, and k-means then leaves nearly every key a centre of its own), and codes them with these; later
-writes (decode tokens, further chunks) code with the same centres. The fit reads the write's lengths on the host,
-so that write cannot run inside a compiled graph or a CUDA-graph capture (it raises there; decode steps are
-unaffected). Where a state carries no codes (evaluation's simulate way) the centres are fitted on the state's stored
-keys at every call. A layer's centres keep their tensor across fits (captured decode steps read the new ones).
+starts its cache (a write at position 0 of every sequence: the prefill, a reset cache's next one, a filled cache's
+state adopted, caches stacked into a batch), on the keys stored then (at most :data:`PREFILL_SAMPLE` of them, drawn
+seeded; fewer keys than centres are repeated, and k-means then leaves nearly every key a centre of its own), and
+codes them with these; later writes (decode tokens, further chunks) code with the same centres. The centres are the
+cache's, not the policy's: a per-layer :class:`StateSpec` (``"pqcentres"``, ``[Hkv, m, C, d]`` float32, ``"layer"``
+scope), fitted in place (captured decode steps read the new ones) and copied by a refill, so a conversation
+continued from its cache after other prompts went through the same patched model codes with its own prompt's
+centres. The fit reads the write's lengths on the host, so that write cannot run inside a compiled graph or a
+CUDA-graph capture (it raises there; decode steps are unaffected). Where a state carries no codes (evaluation's
+simulate way) the centres are fitted on the state's stored keys at every call.
 
 The scoring table holds each ``scale * q_piece . centre`` term in bfloat16 (summed in float32), unless a calibration
 dict names ``"table": "float32"`` (e.g. ``{"method": "pq", "fit": "prefill", "table": "float32"}``). Measured on the
@@ -54,6 +57,7 @@ from ..ops.reference import pq_encode, pq_table_dtype
 from .base import DecodeState, StateSpec
 
 STATE_NAME = "pqcodes"
+CENTRES_NAME = "pqcentres"  # a prefill fit's centres, kept by the cache per layer
 METHOD = "pq"
 PREFILL = "prefill"
 PREFILL_SAMPLE = 16384  # keys a prefill fit draws at most per layer
@@ -161,12 +165,6 @@ def _eager_only(t: torch.Tensor) -> None:
         )
 
 
-def _starts(lo: torch.Tensor) -> bool:
-    """Whether a write at ``lo [B]`` starts every sequence (a host read of ``lo``)."""
-    _eager_only(lo)
-    return not bool((lo > 0).any())
-
-
 def prefill_draw(n: int, seed: int) -> torch.Tensor | None:
     """Which of ``n`` stored keys a prefill fit keeps: ``[PREFILL_SAMPLE]`` int64 indices drawn without replacement
     (seeded by ``seed``, the layer's index), or ``None`` when ``n <= PREFILL_SAMPLE`` (all of them)."""
@@ -203,9 +201,11 @@ def stored_keys(
 
 
 class ProductCodes:
-    """What the product-quantized coarse pass keeps: the calibration (or the prefill fit's sizes), its per-device
-    centres, the codes' state and its refresh. One instance per policy; its :class:`StateSpec` is made once (the
-    cache compares them)."""
+    """What the product-quantized coarse pass keeps: the calibration (or the prefill fit's sizes), a calibration's
+    per-device centres, the codes' state and its refresh; with a prefill fit, the centres' state too (per layer of
+    each cache: a cache's codes are made with its own prefill's centres, whatever other prompts the policy
+    prefilled since). One instance per policy; its :class:`StateSpec` objects are made once (the cache compares
+    them)."""
 
     def __init__(self, calibration, owner: str):
         if calibration is None:
@@ -217,9 +217,15 @@ class ProductCodes:
             self.sub_dim = self.fit_sizes[0]
         else:
             self.sub_dim = next(iter(self.calibration["centres"].values())).shape[3]
-        self.on_device: dict = {}  # (layer, device) -> [Hkv, m, C, d]
+        self.on_device: dict = {}  # (layer, device) -> a calibration's [Hkv, m, C, d]
         d = self.sub_dim
-        self.spec = StateSpec(STATE_NAME, "token", lambda D: (D // d,), self.refresh, dtype=torch.uint8)
+        codes = StateSpec(STATE_NAME, "token", lambda D: (D // d,), self.refresh, dtype=torch.uint8)
+        if self.fit_sizes:
+            C = self.fit_sizes[1]
+            fitted = StateSpec(CENTRES_NAME, "layer", lambda D: (D // d, C, d), self.refit, dtype=torch.float32)
+            self.specs: tuple[StateSpec, ...] = (fitted, codes)  # the centres first: the codes' refresh reads them
+        else:
+            self.specs = (codes,)
 
     @staticmethod
     def _key(layer: int | None, device) -> tuple[int, str]:
@@ -232,8 +238,8 @@ class ProductCodes:
         return layer, str(device)
 
     def fit(self, layer: int, keys: torch.Tensor, encode: Callable | None = None) -> torch.Tensor:
-        """Fit ``layer``'s centres on ``keys [Hkv, N, D]`` (the prefill's; at most :data:`PREFILL_SAMPLE` drawn,
-        seeded; fewer than the centres repeated) into its tensor on the keys' device, in place once it exists;
+        """``[Hkv, m, C, d]`` float32 centres of ``layer`` fitted on ``keys [Hkv, N, D]`` (the prefill's; at most
+        :data:`PREFILL_SAMPLE` drawn, seeded by the layer; fewer than the centres repeated), on the keys' device;
         ``encode``: the nearest-centre assignment (a backend's ``pq_encode``, :func:`fit_centres`)."""
         d, C = self.fit_sizes
         _, N, D = keys.shape
@@ -243,31 +249,23 @@ class ProductCodes:
             )
         if N == 0:
             raise ValueError(f"no stored keys to fit layer {layer}'s product-quantization centres on")
-        key = self._key(layer, keys.device)
         drawn = prefill_draw(N, layer)
         if drawn is not None:
             keys = keys[:, drawn.to(keys.device)]
         elif N < C:
             keys = keys.repeat(1, -(-C // N), 1)
-        centres = fit_centres(keys, d, C, encode=encode)
-        if key in self.on_device:
-            self.on_device[key].copy_(centres)
-        else:
-            self.on_device[key] = centres
-        return self.on_device[key]
+        return fit_centres(keys, d, C, encode=encode)
 
     def centres(self, layer: int | None, device, heads: int, dim: int) -> torch.Tensor:
-        """``[Hkv, m, C, d]`` float32 of ``layer`` on ``device``, copied at the first call (the prefill's refresh), so
-        that a decode step, static or captured, copies nothing from the host; with a prefill fit, the centres its
-        prefill fitted."""
-        key = self._key(layer, device)
+        """``[Hkv, m, C, d]`` float32 of the calibration's ``layer`` on ``device``, copied at the first call (the
+        prefill's refresh), so that a decode step, static or captured, copies nothing from the host. A prefill fit
+        has none: each cache keeps its own (its ``"pqcentres"`` state)."""
         if self.fit_sizes:
-            if key not in self.on_device:
-                raise ValueError(
-                    f"calibration='prefill' fits layer {layer}'s centres at the write that starts its cache, and none "
-                    "was seen: prefill the cache through the patched model first"
-                )
-            return self.on_device[key]
+            raise ValueError(
+                "calibration='prefill' keeps the centres each cache's prefill fitted in that cache (its "
+                f"{CENTRES_NAME!r} state), not in the policy: read them from the cache's layers"
+            )
+        key = self._key(layer, device)
         if key not in self.on_device:
             c = self.calibration["centres"].get(layer)
             if c is None:
@@ -286,12 +284,18 @@ class ProductCodes:
             self.on_device[key] = c.to(device)
         return self.on_device[key]
 
-    def refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
-        """The StateSpec refresh: ``ops.pq_write`` of the positions ``[lo, hi)``; with a prefill fit, a multi-token
-        write that starts every sequence at position 0 first fits the layer's centres on the keys it stores."""
-        if self.fit_sizes and (self._key(layer, k_pool.device) not in self.on_device or (span > 1 and _starts(lo))):
-            self.fit(layer, stored_keys(k_pool, block_table, hi, draw_seed=layer), ops.pq_encode)
-        centres = self.centres(layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
+    def refit(self, state, k_pool, block_table, lo, hi, *, layer, span, ops, states) -> None:
+        """The centres' StateSpec refresh (layer scope: at a write that starts every sequence): ``state [Hkv, m, C,
+        d]`` fitted in place on the keys stored at positions ``[0, hi)`` (a host read of ``hi``: eager only)."""
+        state.copy_(self.fit(layer, stored_keys(k_pool, block_table, hi, draw_seed=layer), ops.pq_encode))
+
+    def refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops, states) -> None:
+        """The codes' StateSpec refresh: ``ops.pq_write`` of the positions ``[lo, hi)`` with the calibration's
+        centres, or with a prefill fit the layer's fitted ones (``states``)."""
+        if self.fit_sizes:
+            centres = states[CENTRES_NAME]
+        else:
+            centres = self.centres(layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         ops.pq_write(state, k_pool, centres, block_table, lo, hi, span)
 
     def scores(self, state: DecodeState, sink: int, window: int) -> torch.Tensor:
@@ -300,10 +304,19 @@ class ProductCodes:
         outside a patched model, e.g. evaluation's simulate way) gets them coded from ``k_pool`` here."""
         k_pool = state.k_pool
         codes = state.state.get(STATE_NAME)
-        if codes is None and self.fit_sizes:  # no cache behind the state: fit on its stored keys
+        if not self.fit_sizes:
+            centres = self.centres(state.layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
+        elif codes is None:  # no cache behind the state: fitted on its stored keys, these codes made with them
             keys = stored_keys(k_pool, state.block_table, state.seq_lens, draw_seed=state.layer)
-            self.fit(state.layer, keys, state.ops.pq_encode)
-        centres = self.centres(state.layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
+            centres = self.fit(state.layer, keys, state.ops.pq_encode)
+        else:
+            centres = state.state.get(CENTRES_NAME)
+            if centres is None:
+                raise ValueError(
+                    f"this state holds product-quantization codes but not the centres they were made with "
+                    f"({CENTRES_NAME!r}): calibration='prefill' keeps both in the cache; prefill it through the "
+                    "patched model"
+                )
         if codes is None:
             codes = state.ops.pq_encode(k_pool.transpose(1, 2), centres).transpose(1, 2).contiguous()
         return state.ops.pq_block_scores(

@@ -102,7 +102,7 @@ class CompressedKeys:
             self.on_device[key] = (proj, proj if qproj is None else qproj.to(device))
         return self.on_device[key][1 if queries else 0]
 
-    def refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
+    def refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops, states) -> None:
         """The StateSpec refresh: ``ops.projected_write`` of the positions ``[lo, hi)``."""
         proj = self.projection(layer, k_pool.device, k_pool.shape[1], k_pool.shape[3])
         ops.projected_write(state, k_pool, proj, block_table, lo, hi, span)

@@ -49,7 +49,7 @@ class QuantBlockTopK(_BlockTopK):
     def cache_state(self) -> tuple[StateSpec, ...]:
         return (self._spec,)
 
-    def _refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops) -> None:
+    def _refresh(self, state, k_pool, block_table, lo, hi, *, layer, span, ops, states) -> None:
         """The StateSpec refresh: ``ops.quant_write`` of the blocks holding the positions ``[lo, hi)``."""
         ops.quant_write(state, k_pool, block_table, lo, hi, span, self.bits)
 

@@ -53,7 +53,8 @@ class CoarsePass:
         self.codes = ProductCodes(calibration, owner) if coarse == "pq" else None
 
     def cache_state(self) -> tuple[StateSpec, ...]:
-        return tuple(part.spec for part in (self.keys, self.codes) if part is not None)
+        specs = (self.keys.spec,) if self.keys is not None else ()
+        return specs + (self.codes.specs if self.codes is not None else ())
 
     def key_metadata(self) -> tuple[str, ...]:
         """The blocks' min / max for Quest's bound and the pooled shares, nothing for compressed keys and codes."""
