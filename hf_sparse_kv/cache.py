@@ -757,6 +757,17 @@ class PagedKVCache(DynamicCache):
             layer.grow(capacity)
         self.table.invalidate()
 
+    def check_batch(self, batch_size: int) -> None:
+        """Raise a ``ValueError`` if the cache holds sequences and not ``batch_size`` of them (a batch of another size
+        needs a reset or a new cache). The patch checks before any layer runs: transformers' sliding-window layers
+        (Gemma-3) would otherwise fail first in a ``torch.cat``."""
+        rows = len(self.table.rows)
+        if rows and rows != batch_size:
+            raise ValueError(
+                f"PagedKVCache holds {rows} sequences but got a batch of {batch_size}: call cache.reset() "
+                "before reusing it for another batch, or make a new PagedKVCache"
+            )
+
     def reserve(self, batch_size: int, length: int, write_from: int, exact: bool = False) -> None:
         """Make every sequence's table cover ``length`` tokens of transformers' frame and make the blocks written
         from ``write_from`` on private to their sequence (copy on write). ``exact``: the pools grow to the blocks
@@ -769,11 +780,8 @@ class PagedKVCache(DynamicCache):
                 self._ensure_free(batch_size * cdiv(self.max_length, self.block_size))
             else:  # the prompt and one spare block per sequence: the first decode steps do not double the pool
                 self._ensure_free(sum(cdiv(length - p, self.block_size) + 1 for p in self.pads))
-        elif len(t.rows) != batch_size:
-            raise ValueError(
-                f"PagedKVCache holds {len(t.rows)} sequences but got a batch of {batch_size}: call cache.reset() "
-                "before reusing it for another batch, or make a new PagedKVCache"
-            )
+        else:
+            self.check_batch(batch_size)
         need = [cdiv(length - p, self.block_size) for p in self.pads]
         first = [max(write_from - p, 0) // self.block_size for p in self.pads]
         shared = [

@@ -289,6 +289,8 @@ def _model_pre_hook(model, args, kwargs):
         raise _foreign_cache_error(cache)
     if cache is not None:
         check_cache(cache, config)
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            cache.check_batch(ids.shape[0])  # before transformers' own layers (a sliding window's cat) see the batch
         # the state this policy reads (a filled cache computes what it lacks from its stored keys): here, because a
         # static step's attention declares nothing and a captured step would run without it
         cache.declare_state(config.policy.cache_state(), config.policy.key_metadata())

@@ -64,6 +64,25 @@ def test_a_crop_that_a_sliding_layer_refuses_changes_nothing():
     unpatch_model(model)
 
 
+def test_a_batch_of_another_size_is_refused_before_any_layer_runs():
+    """A filled cache given a batch of another size raises the cache's ``ValueError`` before any layer runs, Gemma-3
+    too (before, its first layer, transformers' sliding window, failed first with a raw ``torch.cat`` size error), and
+    the cache then continues its own batch as if nothing happened."""
+    ref, model = tiny_model("gemma3"), tiny_model("gemma3")
+    patch_model(model, policy=Dense(), dense_layers=())
+    ids = prompt(30, batch=2)
+    cache, want_cache = PagedKVCache(model.config), DynamicCache(config=ref.config)
+    _continue(model, cache, ids)
+    _continue(ref, want_cache, ids)
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    with pytest.raises(ValueError, match="holds 2 sequences but got a batch of 1"):
+        _continue(model, cache, prompt(3, batch=1, seed=4))
+    assert [layer.get_seq_length() for layer in cache.layers] == lengths
+    nxt = prompt(1, batch=2, seed=9)
+    torch.testing.assert_close(_continue(model, cache, nxt), _continue(ref, want_cache, nxt), rtol=1e-5, atol=1e-5)
+    unpatch_model(model)
+
+
 def test_the_instance_forward_survives_patching_and_comes_back():
     """accelerate's hooks wrap ``forward`` on the instance: patching kept calling it (before, patching dropped it and
     unpatching never brought it back: a dispatched model's hooks stopped running), through a re-patch, with and
