@@ -307,13 +307,27 @@ def _model_pre_hook(model, args, kwargs):
             if kwargs.get("position_ids") is None:
                 kwargs["position_ids"] = cache.static.positions
     use_cache = kwargs.get("use_cache")
-    if cache is None and use_cache is None and (model.training or kwargs.get("labels") is not None):
-        # a loss or a training step that did not ask for a cache: none (its batches may be right-padded, which pages
-        # refuse, and nothing decodes on from it); the config's use_cache would have made one
+    if (
+        cache is None
+        and use_cache is None
+        and (model.training or kwargs.get("labels") is not None or not _left_padded(kwargs.get("attention_mask")))
+    ):  # (the mask read last: only for a forward given no cache, never a decode step's)
+        # a loss, a training step or a forward over a batch that pages cannot hold (padded on the right: a scoring
+        # harness's batch) that did not ask for a cache: none (the forward is the unpatched one; nothing decodes on
+        # from a right-padded batch); the config's use_cache would have made one, whose pages refuse the padding
         kwargs["use_cache"] = use_cache = False
     if cache is None and (use_cache or (use_cache is None and getattr(model.config, "use_cache", False))):
         kwargs[cache_kwarg(model)] = PagedKVCache(model.config, config.block_size, config.backend)
     return args, kwargs
+
+
+def _left_padded(mask) -> bool:
+    """Whether a forward's ``attention_mask`` is one the pages hold: none, not a 2-D ``[B, L]`` one (a 4-D mask is
+    the attention's business), or each row padded on the left only (non-decreasing; a host read)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+        return True
+    m = mask.bool()
+    return bool((m[:, 1:] >= m[:, :-1]).all())
 
 
 def _declare_padding(cache: PagedKVCache, mask: torch.Tensor) -> None:

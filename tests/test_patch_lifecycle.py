@@ -220,3 +220,24 @@ def test_a_loss_on_a_right_padded_batch_needs_no_cache(mode):
     if mode == "train":
         out.loss.backward()
     unpatch_model(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_right_padded_forward_that_asks_for_no_cache_gets_the_unpatched_logits(arch):
+    """A plain forward (no labels, eval mode) of a right-padded batch, as a scoring harness makes, that does not ask for
+    a cache gets none and the unpatched logits (before, the config's ``use_cache`` made the patch build one, whose pages
+    refuse right padding: it raised); asking for one (``use_cache=True``) still raises the clear error; a left-padded
+    forward still gets a ``PagedKVCache``."""
+    ref, model = tiny_model(arch), tiny_model(arch)
+    patch_model(model, policy=Quest(budget=16), dense_layers=())
+    ids = prompt(24, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask)
+        assert out.past_key_values is None
+        torch.testing.assert_close(out.logits, ref(ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
+        with pytest.raises(NotImplementedError, match="padded on the right"):
+            model(ids, attention_mask=mask, use_cache=True)
+        assert isinstance(model(ids, attention_mask=mask.flip(1)).past_key_values, PagedKVCache)
+    unpatch_model(model)
