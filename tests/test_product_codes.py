@@ -547,17 +547,45 @@ def test_prefill_fit_is_refused_where_it_cannot_run():
         codes.scores(state, 0, 0)
 
 
-def test_stored_keys_takes_each_held_slot_once():
-    """``stored_keys``: the slots the table's rows hold below their lengths, a block two rows share once (up to the
-    longer row's slots), evicted entries and blocks no row holds left out."""
+def test_stored_keys_takes_each_held_slot_once_in_logical_order():
+    """``stored_keys``: the slots the table's rows hold below their lengths, sequence by sequence and position by
+    position, a block two rows share once (where its first row holds it, up to the longer row's slots), evicted entries
+    and blocks no row holds left out; the same keys in the same order whatever physical blocks hold them."""
     from hf_sparse_kv.policies.product import stored_keys
 
     k_pool = torch.arange(6 * 1 * 4 * 2, dtype=torch.float32).view(6, 1, 4, 2)  # key of (block n, slot t): 8n + 2t
     table = torch.tensor([[0, 2, 5], [0, -1, 3]])
     keys = stored_keys(k_pool, table, torch.tensor([10, 9]))  # row 0: block 0 (4), 2 (4), 5 (2); row 1: 0 (4), 3 (1)
-    firsts = sorted(int(v) for v in keys[0, :, 0])
-    want = [8 * n + 2 * t for n, slots in ((0, 4), (2, 4), (3, 1), (5, 2)) for t in range(slots)]
-    assert firsts == want and keys.shape == (1, len(want), 2)
+    want = [8 * n + 2 * t for n, slots in ((0, 4), (2, 4), (5, 2), (3, 1)) for t in range(slots)]
+    assert keys[0, :, 0].tolist() == want and keys.shape == (1, len(want), 2)
+    moved = [3, 5, 1, 0, 4, 2]  # block n now at moved[n]
+    pool = torch.empty_like(k_pool)
+    pool[moved] = k_pool
+    renumbered = torch.tensor([[moved[0], moved[2], moved[5]], [moved[0], -1, moved[3]]])
+    assert torch.equal(stored_keys(pool, renumbered, torch.tensor([10, 9])), keys)
+
+
+def test_a_reset_cache_fits_what_a_fresh_one_fits():
+    """A cache reset and prefilled again takes its blocks from the recycled free list (other physical blocks than a
+    fresh cache's): the fit, on the keys in logical order, and the next logits are a fresh cache's (before, the fit
+    drew its first centres from the keys in physical order: other centres, logits off by 0.05)."""
+    model = tiny_model("llama")
+    policy = TopPBlockTopK(32, 2, 4, candidates=1, p=1.0, pool="heads", coarse="pq", calibration=FIT)
+    patch_model(model, policy=policy, block_size=BS, dense_layers=())
+    ids, nxt = prompt(70, seed=8), prompt(1, seed=9)
+    with torch.no_grad():
+        fresh = PagedKVCache(model.config, block_size=BS)
+        model(ids, use_cache=True, **{cache_kwarg(model): fresh})
+        want = model(nxt, use_cache=True, **{cache_kwarg(model): fresh}).logits
+        reused = PagedKVCache(model.config, block_size=BS)
+        model(prompt(50, seed=3), use_cache=True, **{cache_kwarg(model): reused})
+        reused.reset()
+        model(ids, use_cache=True, **{cache_kwarg(model): reused})
+        assert reused.table.rows != fresh.table.rows  # other physical blocks
+        assert all(torch.equal(a, b) for a, b in zip(_fitted(reused).values(), _fitted(fresh).values()))
+        got = model(nxt, use_cache=True, **{cache_kwarg(model): reused}).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    unpatch_model(model)
 
 
 def test_a_long_prompt_fit_gathers_only_the_keys_it_draws(monkeypatch):

@@ -177,23 +177,32 @@ def stored_keys(
     k_pool: torch.Tensor, block_table: torch.Tensor, hi: torch.Tensor, draw_seed: int | None = None
 ) -> torch.Tensor:
     """The keys the table's sequences hold at positions ``[0, hi[b])``, each stored slot once: ``[Hkv, N, D]``
-    (``k_pool [NB, Hkv, BS, D]``, ``block_table [B, MB]`` (-1: no block), ``hi [B]``), in the order of their
-    physical slots. A block several rows share (evaluation's simulate way, beams) counts once, up to the longest of
-    their lengths in it. With ``draw_seed``, only the keys :func:`prefill_draw` keeps of them (the same keys, in the
-    same order, as drawing from all ``N``), gathered alone: a long prompt's fit never copies all its keys. Reads
-    ``hi`` and the slots on the host, so not inside a compiled graph or a CUDA-graph capture."""
+    (``k_pool [NB, Hkv, BS, D]``, ``block_table [B, MB]`` (-1: no block), ``hi [B]``), in logical order: sequence by
+    sequence, position by position, whatever physical blocks hold them (so a fit on them does not depend on the
+    block numbering: a reset cache's recycled blocks, a stacked batch's, a refilled reservation's). A block several
+    rows share (evaluation's simulate way, beams) counts once, where its first row holds it, up to the longest of their
+    lengths in it. With ``draw_seed``, only the keys :func:`prefill_draw` keeps of them (the same keys, in the same
+    order, as drawing from all ``N``), gathered alone: a long prompt's fit never copies all its keys. Reads ``hi`` and
+    the slots on the host, so not inside a compiled graph or a CUDA-graph capture."""
     _eager_only(hi)
     NB, _, BS, _ = k_pool.shape
     n = int(hi.max()) if hi.numel() else 0
     nblk = min(-(-n // BS), block_table.shape[1])
-    blocks = block_table[:, :nblk].long().to(k_pool.device)
-    start = torch.arange(nblk, device=k_pool.device).view(1, -1) * BS
-    filled = (hi.to(k_pool.device).view(-1, 1) - start).clamp(0, BS)  # [B, nblk] slots each row reads
+    dev = k_pool.device
+    blocks = block_table[:, :nblk].long().to(dev)  # [B, nblk]
+    start = torch.arange(nblk, device=dev).view(1, -1) * BS
+    filled = (hi.to(dev).view(-1, 1) - start).clamp(0, BS)  # [B, nblk] slots each row reads
     filled = torch.where(blocks >= 0, filled, 0)
-    count = torch.zeros(NB + 1, dtype=filled.dtype, device=k_pool.device)
+    count = torch.zeros(NB + 1, dtype=filled.dtype, device=dev)
     count.scatter_reduce_(0, torch.where(blocks >= 0, blocks, NB).flatten(), filled.flatten(), "amax")
-    ok = torch.arange(BS, device=k_pool.device).view(1, BS) < count[:NB].view(-1, 1)  # [NB, BS]
-    slots = ok.flatten().nonzero().squeeze(1)  # [N] block * BS + slot, ascending
+    # each held block once, at its first (row, logical block) entry, with the most slots any row reads of it
+    entry = torch.arange(blocks.numel(), device=dev)
+    first = torch.full((NB + 1,), blocks.numel(), dtype=torch.long, device=dev)
+    first.scatter_reduce_(0, torch.where(blocks >= 0, blocks, NB).flatten(), entry, "amin")
+    held = (blocks.flatten() >= 0) & (first[blocks.flatten().clamp(min=0)] == entry)  # [B * nblk]
+    order = blocks.flatten()[held]  # physical blocks in logical order
+    ok = torch.arange(BS, device=dev).view(1, BS) < count[order].view(-1, 1)  # [n_held, BS]
+    slots = (order.view(-1, 1) * BS + torch.arange(BS, device=dev).view(1, BS))[ok]  # [N] block * BS + slot
     drawn = prefill_draw(slots.numel(), draw_seed) if draw_seed is not None else None
     if drawn is not None:
         slots = slots[drawn.to(slots.device)]
