@@ -123,6 +123,43 @@ def test_a_query_aware_policy_on_the_compressed_cache_agrees_across_modes(then):
         torch.testing.assert_close(other_scores, scores, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("then", ["fp8", "pq prefill"])
+def test_snapkv_keeps_the_state_its_then_policy_reads(then, monkeypatch):
+    """``SnapKV(then=...)`` declares the state ``then`` reads: the cache keeps it from the prefill, and no decode step
+    codes the keys again (before, ``then`` found no state and took the fallback meant for evaluation's simulate way
+    at every step: every key of the pool coded again, and a pq prefill fit refitted on the held keys each step, so
+    captured steps decoded other tokens than eager); the tokens are what decoding with the fallback gives where that
+    is exact (float8 codes are a function of each key)."""
+    from hf_sparse_kv.policies import Fp8BlockTopK, TopPBlockTopK
+    from hf_sparse_kv.policies.product import ProductCodes
+
+    fit = {"method": "pq", "fit": "prefill", "sub_dim": 4, "centroids": 16}
+    inner = {
+        "fp8": Fp8BlockTopK(budget=24, sink=4, window=8),
+        "pq prefill": TopPBlockTopK(24, 4, 8, candidates=1, p=1.0, coarse="pq", calibration=fit),
+    }[then]
+    policy = SnapKV(budget=48, sink=4, window=8, observe=8, then=inner)
+    model, ids = tiny_model("llama"), prompt(90, batch=2)
+    patch_model(model, policy=policy, dense_layers=(), block_size=BS)
+    fits = []
+    real_fit = ProductCodes.fit
+    monkeypatch.setattr(ProductCodes, "fit", lambda self, *a, **kw: fits.append(a[0]) or real_fit(self, *a, **kw))
+    cache = PagedKVCache(model.config, block_size=BS)
+    seqs, _ = greedy(model, ids, new_tokens=6, **{cache_kwarg(model): cache})
+    names = {spec.name for spec in inner.cache_state()}
+    assert names and all(set(layer.state) == names for layer in cache.paged_layers)
+    assert cache.evicted  # the prompt's unkept blocks were freed at the first step
+    if then == "pq prefill":
+        assert sorted(fits) == list(range(len(cache.paged_layers))), "fitted once a layer, at the prefill"
+    else:
+        monkeypatch.setattr(SnapKV, "cache_state", lambda self: ())  # no state: the fallback codes every step
+        fallback, _ = greedy(
+            model, ids, new_tokens=6, **{cache_kwarg(model): PagedKVCache(model.config, block_size=BS)}
+        )
+        assert torch.equal(seqs, fallback)
+    unpatch_model(model)
+
+
 def test_a_budget_covering_the_prompt_frees_nothing_and_equals_dense():
     model = tiny_model("llama")
     ids = prompt(40)

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..ops.layout import cdiv, forced_block_set, mask_allows
-from .base import DecodeState, Policy, Selection, budget_blocks, check_budget, check_count
+from .base import DecodeState, Policy, Selection, StateSpec, budget_blocks, check_budget, check_count
 from .blocks import _BlockTopK
 from .checks import warn_budget_below_forced
 from .tokens import TokenTopK
@@ -96,6 +96,11 @@ class SnapKV(Policy):
 
     def key_metadata(self) -> tuple[str, ...]:
         return self.then.key_metadata() if self.then is not None else ()
+
+    def cache_state(self) -> tuple[StateSpec, ...]:
+        """The state ``then`` reads (its compressed keys: float8, quantized, projected, pq codes and centres), kept
+        from the prefill on; the blocks freed at the first step take theirs with them."""
+        return self.then.cache_state() if self.then is not None else ()
 
     def plan(self, lens: tuple[int, ...], block_size: int) -> list[int] | None:
         return self.then.plan(lens, block_size) if self.then is not None else None
