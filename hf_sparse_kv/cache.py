@@ -659,8 +659,8 @@ class PagedKVCache(DynamicCache):
         self.pads = list(pads)
 
     def declare_state(self, specs: tuple, metadata: tuple[str, ...] | None = None) -> None:
-        """Declare the per-token, per-block or per-layer state (``StateSpec``s, see :class:`hf_sparse_kv.policies.StateSpec`)
-        and the key metadata (names of :data:`~hf_sparse_kv.ops.layout.KEY_METADATA`; ``None``: as kept now) every
+        """Declare the per-token, per-block or per-layer state (``StateSpec``s, see
+        :class:`hf_sparse_kv.policies.StateSpec`) and the key metadata (names of :data:`~hf_sparse_kv.ops.layout.KEY_METADATA`; ``None``: as kept now) every
         paged layer keeps beside its keys and refreshes at every write: what the patched policy reads
         (``cache_state()``, ``key_metadata()``). Before the first write it replaces what was declared (a new cache
         keeps all three metadata until then; state specs that cover the new ones are kept); what the cache keeps
@@ -668,8 +668,17 @@ class PagedKVCache(DynamicCache):
         (:meth:`PagedLayer.adopt_state`, :meth:`PagedLayer.adopt_metadata`: a cache prefilled once serves a policy
         that reads more; key metadata for the blocks still held), unless the cache is reserved for static steps
         (captured with what it had) or, for state specs, a block was evicted (its keys are gone): then a
-        ``ValueError`` with advice, nothing changed."""
-        specs = tuple(specs)
+        ``ValueError`` with advice, nothing changed. One state per name: a spec of a kept name that is not equal to
+        the kept one replaces it (adopted as above), and unequal specs of one name declared together are refused
+        (``ValueError``)."""
+        specs = tuple(dict.fromkeys(specs))  # equal specs (two policies keeping the same state) once
+        names = [s.name for s in specs]
+        clash = sorted({n for n in names if names.count(n) > 1})
+        if clash:
+            raise ValueError(
+                f"different state is declared under one name ({', '.join(clash)}): the policies keep other contents "
+                "under it (e.g. other codes); decode them on separate caches"
+            )
         wanted = self.metadata if metadata is None else tuple(metadata)
         unknown = [name for name in wanted if name not in KEY_METADATA]
         if unknown:
@@ -699,7 +708,8 @@ class PagedKVCache(DynamicCache):
                 f"this PagedKVCache keeps state ({kept}) other than what the patched policy needs ({names}) and "
                 f"cannot compute it now ({why}): use a fresh PagedKVCache, or cache.reset() it"
             )
-        self.specs = self.specs + new
+        replaced = {s.name for s in new}  # a kept name under another spec: the new one's state replaces it
+        self.specs = tuple(s for s in self.specs if s.name not in replaced) + new
         self.metadata = tuple(name for name in KEY_METADATA if name in self.metadata or name in new_meta)
         for layer in self.paged_layers:
             layer.adopt_state(new)
@@ -1077,7 +1087,7 @@ class PagedKVCache(DynamicCache):
         tensors = [s.frame, s.seq_lens, s.pos0, s.start, s.pads, s.positions, s.counts, s.table]
         for layer in self.layers:
             if isinstance(layer, PagedLayer) and layer.is_initialized:
-                tensors += layer._tensors()
+                tensors += layer._tensors() + layer.layer_state()  # the steps read the fitted centres too
             elif isinstance(layer, WindowRing):
                 tensors += [layer.keys, layer.values]
         for t in tensors:

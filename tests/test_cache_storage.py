@@ -302,6 +302,37 @@ def test_a_filled_cache_adopts_a_declared_state_from_its_keys():
     unpatch_model(model)
 
 
+def test_one_state_per_name_equal_specs_shared_unequal_ones_replaced_or_refused():
+    """Specs of one name, scope, dtype and ``key`` are equal (two policy objects keeping the same state: a cache
+    keeping one serves the other, a declaration lists it once); without a key a spec equals itself only. A spec of a
+    kept name that is not equal to the kept one replaces it, recomputed (before, both stayed declared and every write
+    refreshed both into one tensor: other codes, or a shape error); two unequal specs of one name declared together
+    are refused, nothing changed."""
+    from hf_sparse_kv.policies import Fp8BlockTopK, QuantBlockTopK
+
+    assert Fp8BlockTopK(budget=48).cache_state() == Fp8BlockTopK(budget=64, sink=8).cache_state()
+    q2, q4 = (QuantBlockTopK(budget=48, bits=b) for b in (2, 4))
+    assert q4.cache_state() == QuantBlockTopK(budget=64, bits=4).cache_state() != q2.cache_state()
+    twin = StateSpec("norms", "token", lambda D: (), _norms_refresh, torch.float32)
+    assert twin != NORMS and len({twin, NORMS}) == 2  # no key: itself only
+    model = tiny_model("llama")
+    patch_model(model, policy=q4, block_size=BS)
+    cache = PagedKVCache(model.config, block_size=BS)
+    with torch.no_grad():
+        model(prompt(30, batch=2), use_cache=True, **{cache_kwarg(model): cache})
+    before = cache.memory_bytes()
+    cache.declare_state(QuantBlockTopK(budget=64, bits=4).cache_state())  # equal: served as kept
+    assert cache.specs == q4.cache_state() and cache.memory_bytes() == before
+    with pytest.raises(ValueError, match="under one name \\(kcodes\\)"):
+        cache.declare_state(q2.cache_state() + q4.cache_state())
+    assert cache.specs == q4.cache_state()
+    cache.declare_state(q2.cache_state())  # replaces the 4-bit codes: the 2-bit ones, from the stored keys
+    assert cache.specs == q2.cache_state() and cache.memory_bytes() < before
+    layer = cache.paged_layers[1]
+    assert layer.state["kcodes"].shape[-1] == layer.k_pool.shape[-1] * 2 // 8
+    unpatch_model(model)
+
+
 @pytest.mark.parametrize("how", ["runner", "static cache"])
 def test_static_steps_of_a_cache_filled_under_another_policy_keep_the_new_state(how):
     """A cache prefilled under a policy without state, decoded statically under one with state (a ``DecodeGraphs``

@@ -167,6 +167,32 @@ def test_slots_are_kept_per_batch_size_across_jobs():
         DecodeSlots(keep=0)
 
 
+def test_a_job_of_policies_keeping_other_state_under_one_name_decodes_as_eager():
+    """2- and 4-bit ``QuantBlockTopK`` keep other codes under one name (``kcodes``), two ``Fp8BlockTopK`` budgets the
+    same float8 keys: on slots each policy decodes with its own state (the one decoding now keeps its name; the other
+    gets a new slot at its turn) and the float8 state is kept once, so every batch gives the eager tokens (before, the
+    slot declared both codes under one name: every write refreshed both into one tensor, a shape error)."""
+    from hf_sparse_kv.policies import Fp8BlockTopK
+
+    model = tiny_model("llama")
+    f = {"budget": 0.25, "sink": 4, "window": 16}
+    policies = {
+        "q2": QuantBlockTopK(bits=2, **f),
+        "q4": QuantBlockTopK(bits=4, **f),
+        "fp8": Fp8BlockTopK(**f),
+        "fp8 1/8": Fp8BlockTopK(budget=0.125, sink=4, window=16),
+    }
+    args = {"dense_layers": (0,), "block_size": 8, "mode": "block"}
+    slots = DecodeSlots(margin=16)
+    for i, lengths in enumerate(BATCHES[:2]):
+        batch = _prompts(10 + i, lengths)
+        eager = greedy_batch(model, batch, policies, 4, **args)
+        assert greedy_batch(model, batch, policies, 4, static=True, slots=slots, **args) == eager
+        names = [spec.name for spec in slots.current.cache.specs]
+        assert len(names) == len(set(names)) == 3  # fp8 codes and scales once, one kcodes
+    assert not is_patched(model)
+
+
 def test_load_static_holds_what_the_source_holds():
     """After a refill the slot's context (keys, values in transformers' frame), lengths, padding and declared state
     at every stored position are the source's, whatever the slot held before."""

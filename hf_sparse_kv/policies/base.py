@@ -18,7 +18,7 @@ prompt during the prefill), :meth:`~Policy.release` (free blocks it will never r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import ClassVar
@@ -189,7 +189,7 @@ def budget_blocks(budget: float, sink: int, window: int, length: int, block_size
     return (nblk if tokens >= length else min(max(tokens // block_size, forced), nblk)), nblk
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StateSpec:
     """Per-token, per-block or per-layer state a policy asks every paged layer of the cache to keep beside its keys.
 
@@ -212,6 +212,11 @@ class StateSpec:
             starts every sequence (``lo`` all 0: a first prefill, a reset cache's, the state adopted by a filled
             cache, caches stacked into a batch), eagerly, before the others; a refill copies it from its source.
         dtype: the state's dtype (``None``: the keys' dtype).
+        key: what the state holds, where two specs (of two policy objects) hold the same for the same keys: specs of
+            one ``name``, ``scope``, ``dtype`` and ``key`` are equal, so a cache keeping one serves the other (a policy
+            patched again, jobs of several budgets sharing one cache). ``None`` (the default): equal to itself only.
+            A cache holds one state per ``name``: a spec of a kept name that is not equal to the kept one replaces
+            it (recomputed), and two unequal specs of one name cannot be declared together.
     """
 
     name: str
@@ -219,6 +224,17 @@ class StateSpec:
     shape: Callable[[int], tuple[int, ...]]
     refresh: Callable[..., None]
     dtype: torch.dtype | None = None
+    key: Hashable | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StateSpec):
+            return NotImplemented
+        if self.key is None or other.key is None:
+            return self is other
+        return (self.name, self.scope, self.dtype, self.key) == (other.name, other.scope, other.dtype, other.key)
+
+    def __hash__(self) -> int:
+        return id(self) if self.key is None else hash((self.name, self.scope, self.dtype, self.key))
 
     def __post_init__(self) -> None:
         if self.scope not in ("token", "block", "layer"):

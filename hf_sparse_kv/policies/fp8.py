@@ -41,9 +41,10 @@ class Fp8BlockTopK(_BlockTopK):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        key = ("fp8",) if type(self) is Fp8BlockTopK else None  # every instance keeps the same (a subclass: its own)
         self._specs = (
-            StateSpec(CODES, "token", lambda D: (D,), self._refresh_codes, dtype=torch.uint8),
-            StateSpec(SCALES, "token", lambda D: (), self._refresh_scales, dtype=torch.float32),
+            StateSpec(CODES, "token", lambda D: (D,), self._refresh_codes, dtype=torch.uint8, key=key),
+            StateSpec(SCALES, "token", lambda D: (), self._refresh_scales, dtype=torch.float32, key=key),
         )
 
     def cache_state(self) -> tuple[StateSpec, ...]:

@@ -228,10 +228,14 @@ class ProductCodes:
             self.sub_dim = next(iter(self.calibration["centres"].values())).shape[3]
         self.on_device: dict = {}  # (layer, device) -> a calibration's [Hkv, m, C, d]
         d = self.sub_dim
-        codes = StateSpec(STATE_NAME, "token", lambda D: (D // d,), self.refresh, dtype=torch.uint8)
+        # codes made with a prefill fit of given sizes are the same whichever policy made them; a calibration's: its own
+        key = ("prefill", *self.fit_sizes) if self.fit_sizes else None
+        codes = StateSpec(STATE_NAME, "token", lambda D: (D // d,), self.refresh, dtype=torch.uint8, key=key)
         if self.fit_sizes:
             C = self.fit_sizes[1]
-            fitted = StateSpec(CENTRES_NAME, "layer", lambda D: (D // d, C, d), self.refit, dtype=torch.float32)
+            fitted = StateSpec(
+                CENTRES_NAME, "layer", lambda D: (D // d, C, d), self.refit, dtype=torch.float32, key=key
+            )
             self.specs: tuple[StateSpec, ...] = (fitted, codes)  # the centres first: the codes' refresh reads them
         else:
             self.specs = (codes,)

@@ -41,7 +41,10 @@ class QuantBlockTopK(_BlockTopK):
         super().__post_init__()
         quant_levels(self.bits)  # raises for a width other than 2 or 4
         bits = self.bits
-        self._spec = StateSpec(STATE_NAME, "token", lambda D: (D * bits // 8,), self._refresh, dtype=torch.uint8)
+        key = ("kcodes", bits) if type(self) is QuantBlockTopK else None  # a subclass (other codes): its own
+        self._spec = StateSpec(
+            STATE_NAME, "token", lambda D: (D * bits // 8,), self._refresh, dtype=torch.uint8, key=key
+        )
 
     def key_metadata(self) -> tuple[str, ...]:
         return ("kmin", "kmax")
