@@ -40,13 +40,15 @@ from hf_sparse_kv.patched import patch_state
 from hf_sparse_kv.policies import Policy
 
 
-def job_state(current: Policy, policies: list[Policy]) -> tuple:
-    """The state a slot keeps for a job's ``policies`` while ``current`` decodes: ``current``'s, then every other
-    policy's spec whose name is not taken yet (equal specs once; a cache holds one state per name, so of two policies
-    keeping other contents under one name, e.g. 2- and 4-bit codes, the one decoding now has its own and the other
-    gets a new slot at its turn)."""
+def job_state(current: Policy, policies: list[Policy], held: tuple = ()) -> tuple:
+    """The state a slot keeps for a job's ``policies`` while ``current`` decodes: ``current``'s, then for every other
+    name a policy keeps state under, the spec ``held`` (the kept slot's) has of it if a policy declares that one, else
+    the first policy's (equal specs once). A cache holds one state per name: of two policies keeping other contents
+    under one name (2- and 4-bit codes) the one decoding now has its own and the other gets a new slot at its turn,
+    while a policy that reads neither keeps the slot it finds."""
+    declared = list(dict.fromkeys(s for p in policies for s in p.cache_state()))
     specs = list(dict.fromkeys(current.cache_state()))
-    for spec in (s for p in policies for s in p.cache_state()):
+    for spec in [s for s in held if s in declared] + declared:
         if spec.name not in {s.name for s in specs}:
             specs.append(spec)
     return tuple(specs)
@@ -143,7 +145,8 @@ class DecodeSlots:
         tokens, padding included). ``policies``: every policy the job decodes statically (the slot keeps the state
         they all declare). ``free``: per sequence, the blocks of ``prefix`` that the policy (one that frees once)
         frees at its first decode step, left out of the refill (``PagedKVCache.load_static``)."""
-        specs = job_state(patch_state(model).config.policy, policies)
+        kept = self.kept.get(len(prefix.table.rows))
+        specs = job_state(patch_state(model).config.policy, policies, kept.cache.specs if kept else ())
         slot = self._slot(prefix, need, specs)
         slot.cache.load_static(prefix, free, whole=self.whole_refills)
         self.loads += 1

@@ -308,13 +308,19 @@ def test_one_state_per_name_equal_specs_shared_unequal_ones_replaced_or_refused(
     kept name that is not equal to the kept one replaces it, recomputed (before, both stayed declared and every write
     refreshed both into one tensor: other codes, or a shape error); two unequal specs of one name declared together
     are refused, nothing changed."""
-    from hf_sparse_kv.policies import Fp8BlockTopK, QuantBlockTopK
+    from hf_sparse_kv.policies import Fp8BlockTopK, QuantBlockTopK, TopPBlockTopK
 
     assert Fp8BlockTopK(budget=48).cache_state() == Fp8BlockTopK(budget=64, sink=8).cache_state()
     q2, q4 = (QuantBlockTopK(budget=48, bits=b) for b in (2, 4))
     assert q4.cache_state() == QuantBlockTopK(budget=64, bits=4).cache_state() != q2.cache_state()
     twin = StateSpec("norms", "token", lambda D: (), _norms_refresh, torch.float32)
     assert twin != NORMS and len({twin, NORMS}) == 2  # no key: itself only
+    assert copy.deepcopy(NORMS) is NORMS  # a copied cache keeps its specs (and does not copy their policy)
+    cal = {"method": "pq", "centres": {0: torch.randn(2, 4, 8, 4), 1: torch.randn(2, 4, 8, 4)}}
+    again = {**cal, "centres": {k: v.clone() for k, v in cal["centres"].items()}}
+    other = {**cal, "centres": {0: cal["centres"][0], 1: cal["centres"][1] + 1}}
+    codes = [TopPBlockTopK(48, coarse="pq", calibration=c).cache_state() for c in (cal, again, other)]
+    assert codes[0] == codes[1] != codes[2]  # a calibration's codes: equal for equal centres
     model = tiny_model("llama")
     patch_model(model, policy=q4, block_size=BS)
     cache = PagedKVCache(model.config, block_size=BS)

@@ -160,6 +160,39 @@ def test_snapkv_keeps_the_state_its_then_policy_reads(then, monkeypatch):
     unpatch_model(model)
 
 
+def test_an_evicted_snapkv_cache_forks_and_takes_an_equal_policy_again():
+    """A SnapKV cache whose first step freed blocks, its ``then`` keeping calibrated state (pq codes): a deep copy
+    (a forked conversation) decodes on as the original does, and so does the original under an equal policy patched
+    again (the same calibration loaded anew). Before, the copy's specs were copies, unequal to the policy's, and the
+    evicted cache refused them as new state ("keeps (pqcodes) other than what the patched policy needs (pqcodes)")."""
+    import copy
+
+    from hf_sparse_kv.calibrate_selector import calibrate_selector
+    from hf_sparse_kv.policies import TopPBlockTopK
+
+    model = tiny_model("llama")
+    cal = calibrate_selector(model, prompt(200, seed=3), method="pq", sub_dim=4, centroids=16)
+
+    def patched(calibration):
+        then = TopPBlockTopK(24, 4, 8, candidates=1, p=1.0, coarse="pq", calibration=calibration)
+        patch_model(model, policy=SnapKV(budget=48, sink=4, window=8, observe=8, then=then), block_size=BS)
+
+    def step(cache, seed):
+        return model(prompt(1, seed=seed), use_cache=True, **{cache_kwarg(model): cache}).logits
+
+    patched(cal)
+    cache = PagedKVCache(model.config, block_size=BS)
+    with torch.no_grad():
+        model(prompt(90), use_cache=True, **{cache_kwarg(model): cache})
+        step(cache, 5)  # frees the prompt's unkept blocks
+        assert cache.evicted
+        fork = copy.deepcopy(cache)
+        torch.testing.assert_close(step(fork, 6), step(cache, 6), rtol=0, atol=0)
+        patched({**cal, "centres": {k: v.clone() for k, v in cal["centres"].items()}})  # equal, loaded anew
+        torch.testing.assert_close(step(cache, 7), step(fork, 7), rtol=0, atol=0)
+    unpatch_model(model)
+
+
 def test_a_budget_covering_the_prompt_frees_nothing_and_equals_dense():
     model = tiny_model("llama")
     ids = prompt(40)

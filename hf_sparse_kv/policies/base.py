@@ -17,6 +17,7 @@ prompt during the prefill), :meth:`~Policy.release` (free blocks it will never r
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -236,6 +237,11 @@ class StateSpec:
     def __hash__(self) -> int:
         return id(self) if self.key is None else hash((self.name, self.scope, self.dtype, self.key))
 
+    def __deepcopy__(self, memo: dict) -> StateSpec:
+        """Itself: a spec is an immutable description (a copied cache keeps its policy's specs, equal to them, and does
+        not copy the policy its ``refresh`` belongs to)."""
+        return self
+
     def __post_init__(self) -> None:
         if self.scope not in ("token", "block", "layer"):
             raise ValueError(f"StateSpec scope must be 'token', 'block' or 'layer', got {self.scope!r}")
@@ -245,6 +251,17 @@ class StateSpec:
         lead = () if self.scope == "layer" else (NB,)
         per_block = (BS,) if self.scope == "token" else ()
         return torch.zeros(*lead, H, *per_block, *self.shape(D), dtype=self.dtype or dtype, device=device)
+
+
+def tensors_digest(tensors: dict) -> str:
+    """A content digest of ``{layer: tensor}`` (a calibration's projections or centres; SHA-1 of each layer's index,
+    shape, dtype and bytes, by layer): a :attr:`StateSpec.key` for state computed from them."""
+    h = hashlib.sha1()
+    for layer in sorted(tensors):
+        t = tensors[layer].detach().cpu().contiguous()
+        h.update(f"{layer}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def static_width(width: int) -> int:

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from ..ops.reference import pq_encode, pq_table_dtype
-from .base import DecodeState, StateSpec
+from .base import DecodeState, StateSpec, tensors_digest
 
 STATE_NAME = "pqcodes"
 CENTRES_NAME = "pqcentres"  # a prefill fit's centres, kept by the cache per layer
@@ -228,8 +228,9 @@ class ProductCodes:
             self.sub_dim = next(iter(self.calibration["centres"].values())).shape[3]
         self.on_device: dict = {}  # (layer, device) -> a calibration's [Hkv, m, C, d]
         d = self.sub_dim
-        # codes made with a prefill fit of given sizes are the same whichever policy made them; a calibration's: its own
-        key = ("prefill", *self.fit_sizes) if self.fit_sizes else None
+        # codes made with a prefill fit of given sizes are the same whichever policy made them; a calibration's are its
+        # centres' (the same file loaded twice: equal)
+        key = ("prefill", *self.fit_sizes) if self.fit_sizes else ("pq", tensors_digest(self.calibration["centres"]))
         codes = StateSpec(STATE_NAME, "token", lambda D: (D // d,), self.refresh, dtype=torch.uint8, key=key)
         if self.fit_sizes:
             C = self.fit_sizes[1]
