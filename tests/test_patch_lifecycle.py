@@ -43,16 +43,23 @@ def test_a_cache_filled_while_patched_continues_under_another_attention(then):
     unpatch_model(model)
 
 
+def _gemma_filled(tokens: int):
+    """A tiny Gemma-3 patched under Dense and an unpatched twin, each prefilled with the same batch of 2 x
+    ``tokens``: ``(model, its PagedKVCache, the twin, its DynamicCache)``."""
+    ref, model = tiny_model("gemma3"), tiny_model("gemma3")
+    patch_model(model, policy=Dense(), dense_layers=())
+    ids = prompt(tokens, batch=2)
+    cache, want_cache = PagedKVCache(model.config), DynamicCache(config=ref.config)
+    _continue(model, cache, ids)
+    _continue(ref, want_cache, ids)
+    return model, cache, ref, want_cache
+
+
 def test_a_crop_that_a_sliding_layer_refuses_changes_nothing():
     """Gemma-3's sliding-window layers (transformers' own) cannot crop past their window: the crop raises as
     transformers' ``DynamicCache`` does, and the pages, table and lengths stay as they were (before, the paged
     layers' blocks were released first, and the next write took another sequence's recycled block)."""
-    ref, model = tiny_model("gemma3"), tiny_model("gemma3")
-    patch_model(model, policy=Dense(), dense_layers=())
-    ids = prompt(40, batch=2)
-    cache, want_cache = PagedKVCache(model.config), DynamicCache(config=ref.config)
-    _continue(model, cache, ids)
-    _continue(ref, want_cache, ids)
+    model, cache, ref, want_cache = _gemma_filled(40)
     rows, lengths = [list(r) for r in cache.table.rows], [layer.get_seq_length() for layer in cache.layers]
     for c in (want_cache, cache):
         with pytest.raises(RuntimeError, match="does not track past states"):
@@ -68,12 +75,7 @@ def test_a_batch_of_another_size_is_refused_before_any_layer_runs():
     """A filled cache given a batch of another size raises the cache's ``ValueError`` before any layer runs, Gemma-3
     too (before, its first layer, transformers' sliding window, failed first with a raw ``torch.cat`` size error), and
     the cache then continues its own batch as if nothing happened."""
-    ref, model = tiny_model("gemma3"), tiny_model("gemma3")
-    patch_model(model, policy=Dense(), dense_layers=())
-    ids = prompt(30, batch=2)
-    cache, want_cache = PagedKVCache(model.config), DynamicCache(config=ref.config)
-    _continue(model, cache, ids)
-    _continue(ref, want_cache, ids)
+    model, cache, ref, want_cache = _gemma_filled(30)
     lengths = [layer.get_seq_length() for layer in cache.layers]
     with pytest.raises(ValueError, match="holds 2 sequences but got a batch of 1"):
         _continue(model, cache, prompt(3, batch=1, seed=4))
