@@ -118,6 +118,11 @@ class PagedLayer(DynamicLayer):
     def cache(self) -> PagedKVCache:
         return self._cache()
 
+    def __getstate__(self) -> dict:
+        """For pickling: without the weak references (the cache it belongs to attaches it again on loading; what the
+        last update returned is forgotten)."""
+        return {**self.__dict__, "_cache": None, "_given": None}
+
     # transformers reads ``keys``/``values`` in a few generic places: give them the dense view (slow but correct)
     @property
     def keys(self) -> torch.Tensor | None:
@@ -519,6 +524,17 @@ class PagedKVCache(DynamicCache):
         ]
         if not self.layers:
             raise ValueError("PagedKVCache needs a config that names its layers (num_hidden_layers)")
+
+    def __getstate__(self) -> dict:
+        """For pickling (``torch.save(past_key_values)``): the contents, table, padding, declared state and session;
+        not what a refill remembers of its source (held weakly: the next refill of a loaded copy is whole) nor the
+        op namespaces (looked up again)."""
+        return {**self.__dict__, "_refill": None, "_ops": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for layer in self.paged_layers:
+            layer.attach(self)
 
     def __deepcopy__(self, memo: dict) -> PagedKVCache:
         """A copy that owns copies of everything (pools, table, session); its layers belong to the copy."""

@@ -85,6 +85,11 @@ class DecodeSession:
         self.graphs = None  # the captured-graph runner (hf_sparse_kv.graphs); False: this cache cannot use one
         self._mask_verdicts: dict = {}  # tag -> (weak reference to a prefill mask, (its version, pads), verdict)
 
+    def __getstate__(self) -> dict:
+        """For pickling: without the captured-graph runner (it holds the model and device graphs; a loaded copy
+        captures anew) and the mask verdicts (weak references)."""
+        return {**self.__dict__, "graphs": False if self.graphs is False else None, "_mask_verdicts": {}}
+
     def reset(self) -> None:
         """The cache's contents were reset: forget the step, the observations and the captured steps (they belong
         to one generation); the counters and the forward count go on."""

@@ -130,12 +130,23 @@ def test_a_one_token_prompt_decodes_under_snapkv():
     unpatch_model(model)
 
 
-def test_a_patched_model_pickles():
+@pytest.mark.parametrize("policy", ["quest", "fp8", "quant4", "pq prefill"])
+def test_a_patched_model_and_its_cache_pickle(policy):
     """``torch.save(model)`` / ``pickle`` of a patched model (multiprocessing, ray): the hooks are module-level
     functions (before, the model hook was a ``torch.compiler.disable`` wrapper made at patching, which pickle could
-    not find by name); the copy is patched and decodes as the original."""
+    not find by name) and the policies' state shapes picklable objects (before, lambdas: the float8, quantized and pq
+    policies did not pickle); the copy is patched and decodes as the original. A filled ``PagedKVCache`` pickles too
+    (before, its layers' weak references did not), and the loaded copy decodes on as the original."""
+    from hf_sparse_kv.policies import Fp8BlockTopK, QuantBlockTopK, TopPBlockTopK
+
+    policy = {
+        "quest": Quest(budget=32, sink=4, window=8),
+        "fp8": Fp8BlockTopK(budget=32, sink=4, window=8),
+        "quant4": QuantBlockTopK(budget=32, sink=4, window=8, bits=4),
+        "pq prefill": TopPBlockTopK(32, 4, 8, coarse="pq", calibration="prefill"),
+    }[policy]
     model = tiny_model("llama")
-    patch_model(model, policy=Quest(budget=32, sink=4, window=8))
+    patch_model(model, policy=policy)
     torch.save(model, io.BytesIO())
     copy = pickle.loads(pickle.dumps(model))
     assert is_patched(copy)
@@ -145,6 +156,15 @@ def test_a_patched_model_pickles():
             copy.generate(ids, max_new_tokens=4, do_sample=False),
             model.generate(ids, max_new_tokens=4, do_sample=False),
         )
+        cache = PagedKVCache(model.config)
+        _continue(model, cache, ids)
+        buffer = io.BytesIO()
+        torch.save(cache, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert all(layer.cache is loaded for layer in loaded.paged_layers)
+        nxt = prompt(1, seed=3)
+        torch.testing.assert_close(_continue(model, loaded, nxt), _continue(model, cache, nxt), rtol=0, atol=0)
     unpatch_model(copy)
     unpatch_model(model)
 

@@ -253,6 +253,21 @@ class StateSpec:
         return torch.zeros(*lead, H, *per_block, *self.shape(D), dtype=self.dtype or dtype, device=device)
 
 
+@dataclass(frozen=True)
+class Trailing:
+    """A :attr:`StateSpec.shape`: the trailing dims ``(*lead, D * num // den, *tail)`` for head dim ``D``, or
+    ``(*lead, *tail)`` without ``num`` (a picklable callable, where a lambda made a patched model unpicklable)."""
+
+    num: int | None = 1
+    den: int = 1
+    lead: tuple[int, ...] = ()
+    tail: tuple[int, ...] = ()
+
+    def __call__(self, D: int) -> tuple[int, ...]:
+        mid = () if self.num is None else (D * self.num // self.den,)
+        return (*self.lead, *mid, *self.tail)
+
+
 def tensors_digest(tensors: dict) -> str:
     """A content digest of ``{layer: tensor}`` (a calibration's projections or centres; SHA-1 of each layer's index,
     shape, dtype and bytes, by layer): a :attr:`StateSpec.key` for state computed from them."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.reference import fp8_code
-from .base import DecodeState, StateSpec
+from .base import DecodeState, StateSpec, Trailing
 from .blocks import _BlockTopK
 
 CODES, SCALES = "k8", "k8scale"
@@ -43,8 +43,8 @@ class Fp8BlockTopK(_BlockTopK):
         super().__post_init__()
         key = ("fp8",) if type(self) is Fp8BlockTopK else None  # every instance keeps the same (a subclass: its own)
         self._specs = (
-            StateSpec(CODES, "token", lambda D: (D,), self._refresh_codes, dtype=torch.uint8, key=key),
-            StateSpec(SCALES, "token", lambda D: (), self._refresh_scales, dtype=torch.float32, key=key),
+            StateSpec(CODES, "token", Trailing(), self._refresh_codes, dtype=torch.uint8, key=key),  # [D]
+            StateSpec(SCALES, "token", Trailing(None), self._refresh_scales, dtype=torch.float32, key=key),  # []
         )
 
     def cache_state(self) -> tuple[StateSpec, ...]:

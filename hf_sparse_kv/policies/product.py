@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from ..ops.reference import pq_encode, pq_table_dtype
-from .base import DecodeState, StateSpec, tensors_digest
+from .base import DecodeState, StateSpec, Trailing, tensors_digest
 
 STATE_NAME = "pqcodes"
 CENTRES_NAME = "pqcentres"  # a prefill fit's centres, kept by the cache per layer
@@ -231,11 +231,11 @@ class ProductCodes:
         # codes made with a prefill fit of given sizes are the same whichever policy made them; a calibration's are its
         # centres' (the same file loaded twice: equal)
         key = ("prefill", *self.fit_sizes) if self.fit_sizes else ("pq", tensors_digest(self.calibration["centres"]))
-        codes = StateSpec(STATE_NAME, "token", lambda D: (D // d,), self.refresh, dtype=torch.uint8, key=key)
+        codes = StateSpec(STATE_NAME, "token", Trailing(1, d), self.refresh, dtype=torch.uint8, key=key)  # [D // d]
         if self.fit_sizes:
             C = self.fit_sizes[1]
             fitted = StateSpec(
-                CENTRES_NAME, "layer", lambda D: (D // d, C, d), self.refit, dtype=torch.float32, key=key
+                CENTRES_NAME, "layer", Trailing(1, d, tail=(C, d)), self.refit, dtype=torch.float32, key=key
             )
             self.specs: tuple[StateSpec, ...] = (fitted, codes)  # the centres first: the codes' refresh reads them
         else:

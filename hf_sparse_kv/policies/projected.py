@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .base import DecodeState, StateSpec, tensors_digest
+from .base import DecodeState, StateSpec, Trailing, tensors_digest
 from .blocks import _BlockTopK
 from .tokens import TokenTopK
 
@@ -77,7 +77,7 @@ class CompressedKeys:
         self.on_device: dict = {}  # (layer, device) -> the keys' and the queries' [Hkv, D, R]
         rank = self.rank
         key = ("projected", tensors_digest(self.calibration["proj"]))  # the compressed keys depend on it alone
-        self.spec = StateSpec(STATE_NAME, "token", lambda D: (rank,), self.refresh, key=key)
+        self.spec = StateSpec(STATE_NAME, "token", Trailing(None, lead=(rank,)), self.refresh, key=key)
 
     def projection(self, layer: int | None, device, heads: int, dim: int, queries: bool = False) -> torch.Tensor:
         """``[Hkv, D, R]`` float32 of ``layer`` on ``device``: the keys' projection, or with ``queries`` the queries'

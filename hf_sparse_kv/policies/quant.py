@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.reference import quant_levels, quantize_keys
-from .base import DecodeState, StateSpec
+from .base import DecodeState, StateSpec, Trailing
 from .blocks import _BlockTopK
 
 STATE_NAME = "kcodes"
@@ -42,9 +42,7 @@ class QuantBlockTopK(_BlockTopK):
         quant_levels(self.bits)  # raises for a width other than 2 or 4
         bits = self.bits
         key = ("kcodes", bits) if type(self) is QuantBlockTopK else None  # a subclass (other codes): its own
-        self._spec = StateSpec(
-            STATE_NAME, "token", lambda D: (D * bits // 8,), self._refresh, dtype=torch.uint8, key=key
-        )
+        self._spec = StateSpec(STATE_NAME, "token", Trailing(bits, 8), self._refresh, dtype=torch.uint8, key=key)
 
     def key_metadata(self) -> tuple[str, ...]:
         return ("kmin", "kmax")
