@@ -537,7 +537,8 @@ class PagedKVCache(DynamicCache):
             layer.attach(self)
 
     def __deepcopy__(self, memo: dict) -> PagedKVCache:
-        """A copy that owns copies of everything (pools, table, session); its layers belong to the copy."""
+        """A copy that owns copies of everything (pools, table, session); its layers belong to the copy. Not copied:
+        the session's captured-graph runner (it holds the model: the copy captures its own)."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
