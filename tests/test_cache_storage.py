@@ -309,6 +309,7 @@ def test_one_state_per_name_equal_specs_shared_unequal_ones_replaced_or_refused(
     refreshed both into one tensor: other codes, or a shape error); two unequal specs of one name declared together
     are refused, nothing changed."""
     from hf_sparse_kv.policies import Fp8BlockTopK, QuantBlockTopK, TopPBlockTopK
+    from hf_sparse_kv.policies.base import Trailing
 
     assert Fp8BlockTopK(budget=48).cache_state() == Fp8BlockTopK(budget=64, sink=8).cache_state()
     q2, q4 = (QuantBlockTopK(budget=48, bits=b) for b in (2, 4))
@@ -316,6 +317,11 @@ def test_one_state_per_name_equal_specs_shared_unequal_ones_replaced_or_refused(
     twin = StateSpec("norms", "token", lambda D: (), _norms_refresh, torch.float32)
     assert twin != NORMS and len({twin, NORMS}) == 2  # no key: itself only
     assert copy.deepcopy(NORMS) is NORMS  # a copied cache keeps its specs (and does not copy their policy)
+    with pytest.raises(ValueError, match="scope must be 'token', 'block' or 'layer'"):
+        StateSpec("norms", "sequence", lambda D: (), _norms_refresh)
+    layer_spec = StateSpec("centres", "layer", Trailing(1, 4, tail=(16, 4)), _norms_refresh, torch.float32)
+    assert layer_spec.allocate(9, 2, 8, 64, torch.bfloat16, "cpu").shape == (2, 16, 16, 4)  # [Hkv, D / 4, 16, 4]
+    assert NORMS.allocate(9, 2, 8, 64, torch.bfloat16, "cpu").shape == (9, 2, 8)
     cal = {"method": "pq", "centres": {0: torch.randn(2, 4, 8, 4), 1: torch.randn(2, 4, 8, 4)}}
     again = {**cal, "centres": {k: v.clone() for k, v in cal["centres"].items()}}
     other = {**cal, "centres": {0: cal["centres"][0], 1: cal["centres"][1] + 1}}
