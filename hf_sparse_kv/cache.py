@@ -1,9 +1,9 @@
 """PagedKVCache: a transformers ``Cache`` whose full-attention layers keep K/V in a shared block pool.
 
 Layout (docs/ARCHITECTURE.md): each paged layer owns pools ``[NB, Hkv, BS, D]`` for keys and values, per-block
-key metadata ``[NB, Hkv, D]`` (min, max, mean) and whatever per-token, per-block or per-layer state the policy declared
-(:meth:`PagedKVCache.declare_state`); all layers share one block table ``[B, max_blocks]`` int32, one free list and
-one reference count per block, so a block id means the same slot in every layer. Full blocks are shared between
+key metadata ``[NB, Hkv, D]`` (min, max, mean) and whatever per-token, per-block or per-layer state the policy
+declared (:meth:`PagedKVCache.declare_state`); all layers share one block table ``[B, max_blocks]`` int32, one free
+list and one reference count per block, so a block id means the same slot in every layer. Full blocks are shared between
 sequences after a beam reorder and copied before a write (copy on write). Sliding-window layers (Gemma3, Mistral
 with ``sliding_window``) keep transformers' own layer and its window semantics.
 
@@ -333,7 +333,7 @@ class PagedLayer(DynamicLayer):
         for name, t in self.state.items():
             if name in whole:  # the source's (load_static fits it where the source has none of this shape)
                 s = source.state.get(name)
-                if s is not None and s.shape == t.shape:
+                if _same_shape(s, t):
                     t.copy_(s)
             elif zero is None:
                 t.zero_()
@@ -594,7 +594,8 @@ class PagedKVCache(DynamicCache):
                 held = torch.cat([t.index_select(0, idx) for t, idx in zip(same, index)])
                 tensors.append(torch.cat([held, held.new_zeros((len(rows), *held.shape[1:]))]))
             layer.device, layer.dtype = parts[0].device, parts[0].dtype
-            layer.state = {name: t.clone() for name, t in parts[0].state.items()}  # state by block: replaced below
+            whole = parts[0].layer_scoped()  # the state by block is replaced below (the stacked tensors)
+            layer.state = {name: t.clone() if name in whole else None for name, t in parts[0].state.items()}
             layer._replace(tensors, parts[0].kept_metadata())
             layer.is_initialized = True
             layer.length = length
@@ -677,8 +678,9 @@ class PagedKVCache(DynamicCache):
 
     def declare_state(self, specs: tuple, metadata: tuple[str, ...] | None = None) -> None:
         """Declare the per-token, per-block or per-layer state (``StateSpec``s, see
-        :class:`hf_sparse_kv.policies.StateSpec`) and the key metadata (names of :data:`~hf_sparse_kv.ops.layout.KEY_METADATA`; ``None``: as kept now) every
-        paged layer keeps beside its keys and refreshes at every write: what the patched policy reads
+        :class:`hf_sparse_kv.policies.StateSpec`) and the key metadata (names of
+        :data:`~hf_sparse_kv.ops.layout.KEY_METADATA`; ``None``: as kept now) every paged layer keeps beside its keys
+        and refreshes at every write: what the patched policy reads
         (``cache_state()``, ``key_metadata()``). Before the first write it replaces what was declared (a new cache
         keeps all three metadata until then; state specs that cover the new ones are kept); what the cache keeps
         already is served as it is; a filled cache adopts what it lacks, computed from its stored keys

@@ -321,23 +321,28 @@ def _model_pre_hook(model, args, kwargs):
     return args, kwargs
 
 
+def _left_padding(mask: torch.Tensor) -> list[int] | None:
+    """Each row's left padding of a 2-D mask ``[B, L]`` (``padding_starts``, a host read), or ``None`` where the mask
+    is not left padding only (padded on the right, holes)."""
+    B, L = mask.shape
+    try:
+        return padding_starts(mask.bool()[:, None, None, :], B, L, mask.device).tolist()
+    except NotImplementedError:
+        return None
+
+
 def _left_padded(mask) -> bool:
     """Whether a forward's ``attention_mask`` is one the pages hold: none, not a 2-D ``[B, L]`` one (a 4-D mask is
-    the attention's business), or each row padded on the left only (non-decreasing; a host read)."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
-        return True
-    m = mask.bool()
-    return bool((m[:, 1:] >= m[:, :-1]).all())
+    the attention's business), or left padding only (:func:`_left_padding`)."""
+    return not isinstance(mask, torch.Tensor) or mask.dim() != 2 or _left_padding(mask) is not None
 
 
 def _declare_padding(cache: PagedKVCache, mask: torch.Tensor) -> None:
     """Declare the left padding of a prefill's 2-D mask ``[B, L]`` to an empty cache (left padding only; a mask
     with holes declares nothing: the first paged layer's write then refuses it)."""
-    B, L = mask.shape
-    try:
-        cache.set_padding(padding_starts(mask.bool()[:, None, None, :], B, L, mask.device).tolist())
-    except NotImplementedError:
-        pass
+    pads = _left_padding(mask)
+    if pads is not None:
+        cache.set_padding(pads)
 
 
 def _attention_pre_hook(config: SparseConfig, module, args, kwargs):
@@ -369,10 +374,10 @@ def _prepare_cache_for_generation(
     config: SparseConfig = getattr(model, STATE_ATTR).config
     if config.policy.frees_blocks and str(getattr(generation_mode, "value", generation_mode)) == "assisted_generation":
         raise ValueError(
-            f"{type(config.policy).__name__} frees blocks as it decodes, one token a forward; assisted and prompt-lookup "
-            "decoding verify several tokens a forward, which run dense over the whole cache (it would never free "
-            "them, its memory growing with the output) or stop midway once blocks were freed. Generate without "
-            "assistant_model / prompt_lookup_num_tokens, or patch with a policy that keeps every block."
+            f"{type(config.policy).__name__} frees blocks as it decodes, one token a forward; assisted and "
+            "prompt-lookup decoding verify several tokens a forward, which run dense over the whole cache (it would "
+            "never free them, its memory growing with the output) or stop midway once blocks were freed. Generate "
+            "without assistant_model / prompt_lookup_num_tokens, or patch with a policy that keeps every block."
         )
     _name, cache = _find_cache(model_kwargs)
     if cache is not None and not isinstance(cache, PagedKVCache):
